@@ -1,0 +1,3 @@
+from bigbatch.cli import main
+
+raise SystemExit(main())

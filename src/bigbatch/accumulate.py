@@ -1,0 +1,209 @@
+"""The engine: one optimizer step from K micro-batches.
+
+For a step made of micro-batches ``m_1..m_K`` (on every rank) with ``N`` valid
+target tokens in total, the engine back-propagates, for each micro-batch,
+
+    loss_sum(m_i) * world_size / N
+
+where ``loss_sum`` is the *sum* of per-token losses. The gradients add up over
+the K backward passes and DDP averages them over ``world_size`` ranks, so the
+final gradient is that of ``(sum of all per-token losses) / N``: the mean loss of
+one giant batch. With full micro-batches this is the classic ``mean / K``; with
+padding or masks, ``mean / K`` over-weights short micro-batches and is wrong.
+That scale is applied here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bigbatch.data.loader import MicroBatch
+from bigbatch.distributed import DistContext, GradSync, LocalGradSync
+from bigbatch.model import IGNORE_INDEX
+
+LossFn = Callable[[nn.Module, MicroBatch], torch.Tensor]
+"""``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """Sum of next-token cross-entropies over valid targets, for a model returning ``(logits, ...)``."""
+    output = model(batch.inputs)
+    logits = output[0] if isinstance(output, tuple) else output  # (B, T, V)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        batch.targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def count_valid_targets(batch: MicroBatch) -> int:
+    return int((batch.targets != IGNORE_INDEX).sum())
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` means bf16 on a CUDA device that supports it, else fp32."""
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose auto, {', '.join(PRECISIONS)}")
+    return precision
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did. ``loss`` is the token-weighted mean over the whole global step."""
+
+    step: int  # optimizer steps applied so far, this one included
+    loss: float
+    grad_norm: float  # global norm before clipping
+    lr: float
+    tokens: int  # valid target tokens in the global step
+    micro_batches: int  # K on this rank
+    dt: float  # seconds
+    skipped: bool = False  # non-finite gradient: no update was applied
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.dt if self.dt > 0 else 0.0
+
+
+class AccumulationEngine:
+    """Runs optimizer steps made of K micro-batches, exactly as one big batch would.
+
+    Per :meth:`step`: gradients are zeroed once; each micro-batch runs forward
+    (under autocast) and backward with the exact scale above, gradient sync off
+    for all but the last; then the global gradient norm is clipped (after
+    unscaling for fp16), the optimizer steps once, and the learning rate for the
+    next step is set from ``schedule``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Callable[[int], float],
+        *,
+        grad_clip: float = 1.0,
+        precision: str = "fp32",
+        device: torch.device | str = "cpu",
+        loss_fn: LossFn = token_loss_sum,
+        grad_sync: GradSync | None = None,
+        dist: DistContext | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.grad_clip = grad_clip
+        self.device = torch.device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.loss_fn = loss_fn
+        self.grad_sync = grad_sync or LocalGradSync()
+        self.dist = dist or DistContext()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.step_count = 0  # optimizer steps applied
+        self.skipped_steps = 0  # steps dropped for a non-finite gradient
+        self._set_lr(self.schedule(self.step_count))
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def global_valid_targets(self, micro_batches: Sequence[MicroBatch]) -> int:
+        """Valid targets over all micro-batches on all ranks, known before the first backward."""
+        local = sum(count_valid_targets(mb) for mb in micro_batches)
+        if self.dist.world_size == 1:
+            return local
+        total = torch.tensor([local], dtype=torch.int64, device=self.device)
+        return int(self.dist.all_reduce_sum(total).item())
+
+    def accumulate(self, micro_batches: Sequence[MicroBatch]) -> tuple[torch.Tensor, int]:
+        """Forward and backward over the micro-batches, adding into ``.grad``.
+
+        Returns the summed loss of this rank (a detached fp32 tensor on the
+        device) and the global valid-target count ``N``. Gradients are not zeroed
+        here; with fp16 they carry the GradScaler's scale.
+        """
+        if not micro_batches:
+            raise ValueError("a step needs at least one micro-batch")
+        n_valid = self.global_valid_targets(micro_batches)
+        if n_valid == 0:
+            raise ValueError("the step holds no valid target tokens (every target is -100)")
+        scale = self.dist.world_size / n_valid  # the one place the loss is scaled
+        loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = len(micro_batches) - 1
+        for i, micro_batch in enumerate(micro_batches):
+            micro_batch = micro_batch.to(self.device, non_blocking=True)
+            sync = nullcontext() if i == last else self.grad_sync.no_sync()
+            with sync:  # covers forward and backward: DDP decides at forward time
+                with self.autocast():
+                    loss_sum = self.loss_fn(self.model, micro_batch)
+                self.scaler.scale(loss_sum * scale).backward()
+            loss_total += loss_sum.detach().float()
+        return loss_total, n_valid
+
+    def step(self, micro_batches: Sequence[MicroBatch]) -> StepRecord:
+        started = time.perf_counter()
+        self.model.train()
+        lr = self.schedule(self.step_count)
+        self._set_lr(lr)
+        self.model.zero_grad(set_to_none=True)
+        loss_total, n_valid = self.accumulate(micro_batches)
+
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_steps += 1
+            self.model.zero_grad(set_to_none=True)
+            if self.scaler.is_enabled():
+                self.scaler.update()  # lowers the fp16 loss scale
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step_count += 1
+        loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
+        return StepRecord(
+            step=self.step_count,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=n_valid,
+            micro_batches=len(micro_batches),
+            dt=time.perf_counter() - started,
+            skipped=skipped,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._set_lr(self.schedule(self.step_count))

@@ -1,0 +1,158 @@
+"""Command-line interface: ``bigbatch prepare | train | sample | plan``.
+
+The CLI only parses arguments and calls the library. User errors
+(:class:`~bigbatch.errors.BigBatchError`) become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bigbatch import __version__
+from bigbatch.errors import BigBatchError
+
+EXIT_USER_ERROR = 2
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from bigbatch.data.prepare import DEFAULT_SHARD_TOKENS, prepare_dataset
+
+    meta = prepare_dataset(
+        args.source,
+        args.out,
+        tokenizer_name=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+    )
+    print(
+        f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
+        f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size})"
+    )
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from bigbatch.config import config_from_args
+    from bigbatch.trainer import Trainer
+
+    config = config_from_args(args)
+    if args.print_config:
+        print(config.to_toml(), end="")
+        return 0
+    Trainer(config).train()
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
+    from bigbatch.data.tokenizers import get_tokenizer
+    from bigbatch.sampling import generate
+    from bigbatch.trainer import resolve_device
+
+    if args.max_new_tokens < 1 or args.num_samples < 1:
+        raise BigBatchError("--max-new-tokens and --num-samples must be positive")
+    device = resolve_device(args.device)
+    document = load_checkpoint(args.checkpoint)
+    model = model_from_checkpoint(document).to(device)
+    tokenizer = get_tokenizer(str(document.get("tokenizer", "byte")))
+    prompt_ids = tokenizer.encode(args.prompt.encode("utf-8"))
+    if not prompt_ids:
+        prompt_ids = [tokenizer.eot_token if tokenizer.eot_token is not None else 10]
+    if max(prompt_ids) >= model.config.vocab_size:
+        raise BigBatchError("the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?")
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, generator=generator)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(args.prompt + tokenizer.decode(out[i, len(prompt_ids) :].tolist()))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from bigbatch.plan import plan_batch
+
+    plan = plan_batch(args.total_batch_tokens, args.micro_batch, args.seq_len, args.world_size)
+    rows = [
+        ("tokens per step", f"{plan.tokens_per_step:,}"),
+        ("sequences per step", f"{plan.sequences_per_step:,}"),
+        ("micro-batch (B)", f"{plan.micro_batch}"),
+        ("sequence length (T)", f"{plan.seq_len}"),
+        ("accumulation steps (K)", f"{plan.accumulation_steps}"),
+        ("world size", f"{plan.world_size}"),
+        ("tokens per micro-batch", f"{plan.tokens_per_micro_batch:,}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bigbatch.config import add_config_arguments
+    from bigbatch.data.tokenizers import TOKENIZER_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="bigbatch",
+        description="Train GPT-style models with exact gradient accumulation: the update of a huge batch "
+        "on a machine that holds only a small one.",
+    )
+    parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    prepare = commands.add_parser("prepare", help="tokenize text into token shards")
+    prepare.add_argument("source", help="a text file, a directory, a glob, or 'builtin'")
+    prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
+    prepare.add_argument("--tokenizer", default="byte", choices=TOKENIZER_NAMES, help="default: byte")
+    prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
+    prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
+    prepare.set_defaults(handler=_cmd_prepare)
+
+    train = commands.add_parser(
+        "train", help="train a GPT", description="Train a GPT. With no flags, trains the nano demo on the built-in corpus."
+    )
+    train.add_argument("--config", type=Path, help="TOML config file; flags override it")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    add_config_arguments(train)
+    train.set_defaults(handler=_cmd_train)
+
+    sample = commands.add_parser("sample", help="generate text from a saved run")
+    sample.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint file")
+    sample.add_argument("--prompt", default="\n", help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
+    sample.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
+    sample.add_argument("--num-samples", type=int, default=1)
+    sample.add_argument("--seed", type=int, default=1337)
+    sample.add_argument("--device", default="auto")
+    sample.set_defaults(handler=_cmd_sample)
+
+    plan = commands.add_parser("plan", help="derive accumulation steps K from a token budget")
+    plan.add_argument("--total-batch-tokens", type=int, required=True)
+    plan.add_argument("--micro-batch", type=int, required=True)
+    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("--world-size", type=int, default=1)
+    plan.set_defaults(handler=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    try:
+        return int(args.handler(args))
+    except BigBatchError as exc:
+        print(f"bigbatch: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("bigbatch: interrupted", file=sys.stderr)
+        return 130

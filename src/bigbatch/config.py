@@ -1,0 +1,252 @@
+"""Run configuration: dataclasses whose field help becomes the CLI help.
+
+Precedence: field defaults < a TOML file (``--config``) < command-line flags.
+A TOML file has one table per section::
+
+    [batch]
+    total_batch_tokens = 524288
+    micro_batch = 16
+    seq_len = 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from bigbatch.errors import ConfigError
+
+
+def _opt(default: Any, help: str, flag: str | None = None) -> Any:
+    """A config field with its CLI help (and a flag name when it differs from the field name)."""
+    metadata = {"help": help}
+    if flag:
+        metadata["flag"] = flag
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelSection:
+    preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl", flag="model")
+    block_size: int = _opt(0, "maximum context length; 0 keeps the preset's")
+    dropout: float = _opt(0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)")
+
+
+@dataclass
+class DataSection:
+    data: str = _opt("builtin", "a prepared dataset directory, or raw text (file, directory, glob, or 'builtin')")
+    tokenizer: str = _opt("byte", "tokenizer for raw text: byte (no download) or gpt2 (tiktoken)")
+    val_fraction: float = _opt(0.1, "share of the token stream held out for validation when preparing raw text")
+    cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
+
+
+@dataclass
+class BatchSection:
+    total_batch_tokens: int = _opt(16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size")
+    micro_batch: int = _opt(16, "sequences per micro-batch per device (B)")
+    seq_len: int = _opt(256, "tokens per sequence (T)")
+
+
+@dataclass
+class OptimSection:
+    lr: float = _opt(1e-3, "peak learning rate (after warmup)")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
+    warmup_steps: int = _opt(10, "linear warmup steps")
+    decay_steps: int = _opt(0, "step at which cosine decay reaches the minimum; 0 means max_steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay on matrices and embeddings")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW epsilon")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this after accumulation; 0 disables")
+
+
+@dataclass
+class RunSection:
+    max_steps: int = _opt(120, "optimizer steps to train")
+    out: str = _opt("", "run directory (default: runs/<date-time>)")
+    seed: int = _opt(1337, "random seed")
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
+    compile: bool = _opt(False, "torch.compile the model")
+    eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
+    eval_batches: int = _opt(8, "micro-batches per validation pass")
+    save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
+    log_every: int = _opt(1, "print a step line every N steps")
+    sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables")
+    sample_prompt: str = _opt("\n", "prompt for the end-of-training sample")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "batch": BatchSection,
+    "optim": OptimSection,
+    "run": RunSection,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+    def validate(self) -> None:
+        positive = {
+            "total_batch_tokens": self.batch.total_batch_tokens,
+            "micro_batch": self.batch.micro_batch,
+            "seq_len": self.batch.seq_len,
+            "max_steps": self.run.max_steps,
+            "eval_batches": self.run.eval_batches,
+            "log_every": self.run.log_every,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value}")
+        non_negative = {
+            "block_size": self.model.block_size,
+            "warmup_steps": self.optim.warmup_steps,
+            "decay_steps": self.optim.decay_steps,
+            "eval_every": self.run.eval_every,
+            "save_every": self.run.save_every,
+            "sample_tokens": self.run.sample_tokens,
+            "grad_clip": self.optim.grad_clip,
+            "weight_decay": self.optim.weight_decay,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        if self.optim.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.optim.lr}")
+        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.optim.min_lr_ratio}")
+        if not 0.0 <= self.data.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in [0, 1), got {self.data.val_fraction}")
+        if self.optim.decay_steps and self.optim.decay_steps < self.optim.warmup_steps:
+            raise ConfigError(
+                f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
+                "raise decay_steps or set it to 0 (= max_steps)"
+            )
+        if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision must be auto, fp32, bf16 or fp16, got {self.run.precision!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{text}"'
+
+
+def _flag(f: Any) -> str:
+    return f.metadata.get("flag", f.name).replace("_", "-")
+
+
+def _check_type(where: str, value: Any, expected: type) -> Any:
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{where} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    annotation = {f.name: f.type for f in fields(section_cls)}[name]
+    return {"int": int, "float": float, "bool": bool, "str": str}[annotation if isinstance(annotation, str) else annotation.__name__]
+
+
+def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> None:
+    """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys and wrong types."""
+    for section, values in mapping.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: [{section}] must be a table of key = value")
+        section_cls = SECTIONS[section]
+        known = [f.name for f in fields(section_cls)]
+        target = getattr(config, section)
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
+            value = _check_type(f"{origin}: {section}.{key}", value, _field_type(section_cls, key))
+            setattr(target, key, value)
+
+
+def load_toml(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per config field, help taken from the field; defaults stay unset so a TOML file can fill them."""
+    for section, section_cls in SECTIONS.items():
+        group = parser.add_argument_group(f"[{section}]")
+        for f in fields(section_cls):
+            kind = _field_type(section_cls, f.name)
+            default = f.default if f.default is not MISSING else None
+            help_text = f"{f.metadata['help']} (default: {default!r})"
+            dest = f"{section}.{f.name}"
+            if kind is bool:
+                group.add_argument(
+                    f"--{_flag(f)}", dest=dest, action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS, help=help_text,
+                )
+            else:
+                group.add_argument(
+                    f"--{_flag(f)}", dest=dest, type=kind, default=argparse.SUPPRESS,
+                    metavar=kind.__name__.upper(), help=help_text,
+                )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then ``args.config`` (a TOML file) if given, then the flags that were set."""
+    config = TrainConfig()
+    if getattr(args, "config", None):
+        apply_mapping(config, load_toml(args.config), origin=str(args.config))
+    overrides: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            overrides.setdefault(section, {})[key] = value
+    apply_mapping(config, overrides, origin="command line")
+    config.validate()
+    return config
+
+
+def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
+    config = TrainConfig()
+    apply_mapping(config, mapping, origin="checkpoint config")
+    return config

@@ -1,0 +1,16 @@
+"""Data: tokenizers, corpus preparation, token shards and the rank-aware loader."""
+
+from bigbatch.data.loader import MicroBatch, PackedLoader
+from bigbatch.data.prepare import ensure_prepared, prepare_dataset
+from bigbatch.data.shards import DatasetMeta, TokenDataset
+from bigbatch.data.tokenizers import get_tokenizer
+
+__all__ = [
+    "DatasetMeta",
+    "MicroBatch",
+    "PackedLoader",
+    "TokenDataset",
+    "ensure_prepared",
+    "get_tokenizer",
+    "prepare_dataset",
+]

@@ -1,0 +1,106 @@
+"""Token shards on disk: ``.npy`` arrays of uint16 (or uint32) plus a ``meta.json``.
+
+A prepared dataset directory looks like::
+
+    meta.json            tokenizer, vocabulary size, token counts, shard list
+    train_000000.npy     1-D uint16 token ids
+    val_000000.npy
+
+``.npy`` is self-describing (dtype and length in its header) and memory-mapped on
+read, so a dataset larger than RAM is fine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bigbatch.errors import DataError
+
+META_FILE = "meta.json"
+FORMAT_NAME = "bigbatch-tokens"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+@dataclass
+class DatasetMeta:
+    tokenizer: str
+    vocab_size: int
+    dtype: str
+    shards: dict[str, list[str]]  # split -> shard file names
+    tokens: dict[str, int]  # split -> token count
+    source: str = ""
+    documents: int = 0
+    eot_token: int | None = None
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_file(cls, path: Path) -> DatasetMeta:
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path} is not a readable dataset metadata file ({exc}); re-run bigbatch prepare") from exc
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise DataError(f"{path} is not a bigbatch dataset (format field missing); re-run bigbatch prepare")
+        if raw.get("version") != FORMAT_VERSION:
+            raise DataError(
+                f"{path} has dataset format version {raw.get('version')}, this bigbatch reads {FORMAT_VERSION}; "
+                "re-run bigbatch prepare"
+            )
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise DataError(f"{path} has unexpected fields ({exc}); re-run bigbatch prepare") from exc
+
+
+def is_prepared_dataset(path: Path) -> bool:
+    return (path / META_FILE).is_file()
+
+
+class TokenDataset:
+    """A prepared dataset directory, shards memory-mapped on demand."""
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        if not is_prepared_dataset(self.directory):
+            raise DataError(f"{self.directory} is not a prepared dataset (no {META_FILE}); run bigbatch prepare first")
+        self.meta = DatasetMeta.from_file(self.directory / META_FILE)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta.vocab_size
+
+    def shard_arrays(self, split: str) -> list[np.ndarray]:
+        """The split's shards as read-only memory maps, in order."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}")
+        return [self._open_shard(name) for name in self.meta.shards.get(split, [])]
+
+    def _open_shard(self, name: str) -> np.ndarray:
+        path = self.directory / name
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError as exc:
+            raise DataError(f"shard {path} is missing; re-run bigbatch prepare") from exc
+        except (ValueError, OSError) as exc:
+            raise DataError(f"shard {path} is damaged or truncated ({exc}); re-run bigbatch prepare") from exc
+        if array.ndim != 1 or array.dtype != np.dtype(self.meta.dtype):
+            raise DataError(
+                f"shard {path} holds {array.dtype} with shape {array.shape}, expected 1-D {self.meta.dtype}; "
+                "re-run bigbatch prepare"
+            )
+        return array

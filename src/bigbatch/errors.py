@@ -1,0 +1,27 @@
+"""User-facing errors.
+
+A :class:`BigBatchError` carries a one-line message that says what is wrong and
+how to fix it. The CLI prints it without a traceback and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class BigBatchError(Exception):
+    """A problem with the user's input or environment, explained in one line."""
+
+
+class ConfigError(BigBatchError):
+    """An invalid configuration value or file."""
+
+
+class PlanError(BigBatchError):
+    """A batch configuration that does not divide into whole micro-batches."""
+
+
+class DataError(BigBatchError):
+    """Missing, empty, too short or malformed training data."""
+
+
+class CheckpointError(BigBatchError):
+    """A checkpoint that is missing, unreadable or incompatible."""

@@ -1,0 +1,70 @@
+"""AdamW with weight decay by parameter dimension, and a warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
+    """Decay matrices and embeddings (dim >= 2); never biases or LayerNorm gains (dim < 2)."""
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_adamw(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`; fused kernels when the parameters live on CUDA."""
+    if fused is None:
+        fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(
+        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None
+    )
+
+
+@dataclass(frozen=True)
+class CosineSchedule:
+    """Linear warmup to ``max_lr`` over ``warmup_steps``, cosine decay to ``min_lr`` at ``decay_steps``.
+
+    A pure function of the optimizer step (0-based), so it needs no state of its
+    own: resuming at step ``s`` gives the same learning rate as never stopping.
+    """
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+
+    def __post_init__(self) -> None:
+        if self.max_lr <= 0 or self.min_lr < 0 or self.min_lr > self.max_lr:
+            raise ValueError(f"need 0 <= min_lr <= max_lr and max_lr > 0, got {self.min_lr}, {self.max_lr}")
+        if self.warmup_steps < 0 or self.decay_steps < self.warmup_steps:
+            raise ValueError(f"need 0 <= warmup_steps <= decay_steps, got {self.warmup_steps}, {self.decay_steps}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.max_lr * (step + 1) / self.warmup_steps
+        if step >= self.decay_steps:
+            return self.min_lr
+        progress = (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+
+def constant_schedule(lr: float) -> CosineSchedule:
+    """A schedule that always returns ``lr``."""
+    return CosineSchedule(max_lr=lr, min_lr=lr, warmup_steps=0, decay_steps=0)
