@@ -182,6 +182,7 @@ class AccumulationEngine:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step_count += 1
+            self._set_lr(self.schedule(self.step_count))  # ready for the next step
         loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,

@@ -153,6 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BigBatchError as exc:
         print(f"bigbatch: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OSError as exc:  # disk full, permissions, a file where a directory should be
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130

@@ -175,9 +175,13 @@ def _check_type(where: str, value: Any, expected: type) -> Any:
     return value
 
 
+_SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
 def _field_type(section_cls: type, name: str) -> type:
+    """The scalar type of a config field (annotations are strings under ``from __future__ import annotations``)."""
     annotation = {f.name: f.type for f in fields(section_cls)}[name]
-    return {"int": int, "float": float, "bool": bool, "str": str}[annotation if isinstance(annotation, str) else annotation.__name__]
+    return _SCALAR_TYPES[annotation if isinstance(annotation, str) else annotation.__name__]
 
 
 def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> None:

@@ -6,6 +6,8 @@ how to fix it. The CLI prints it without a traceback and exits non-zero.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class BigBatchError(Exception):
     """A problem with the user's input or environment, explained in one line."""
@@ -25,3 +27,12 @@ class DataError(BigBatchError):
 
 class CheckpointError(BigBatchError):
     """A checkpoint that is missing, unreadable or incompatible."""
+
+
+def require_creatable_dir(path: Path, what: str) -> None:
+    """Raise :class:`ConfigError` early if ``path`` cannot become a directory (a file is in the way)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise ConfigError(f"{what} {path} cannot be created: {candidate} is a file; choose another path")
+            return

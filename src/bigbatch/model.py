@@ -8,7 +8,6 @@ batches, accumulation, devices or files.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 import torch

@@ -21,7 +21,7 @@ from bigbatch.data.loader import PackedLoader
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer
-from bigbatch.errors import ConfigError, DataError
+from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.metrics import JsonlLog, format_step
 from bigbatch.model import GPT, GPTConfig, preset
 from bigbatch.optim import CosineSchedule, build_adamw
@@ -94,6 +94,15 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
+        self.run_dir = Path(config.run.out) if config.run.out else default_run_dir()
+        require_creatable_dir(self.run_dir, "run directory")
+        if list_checkpoints(self.run_dir):
+            raise ConfigError(
+                f"run directory {self.run_dir} already holds checkpoints; choose another --out or remove it"
+            )
+        if config.data.cache_dir:
+            require_creatable_dir(Path(config.data.cache_dir), "cache directory")
+
         data_dir = ensure_prepared(
             config.data.data, config.data.tokenizer, config.data.val_fraction, config.data.cache_dir or None
         )
@@ -106,12 +115,6 @@ class Trainer:
             self.dataset.shard_arrays("train"), self.plan.micro_batch, self.plan.seq_len, name="training"
         )
         self.val_loader = self._build_val_loader()
-
-        self.run_dir = Path(config.run.out) if config.run.out else default_run_dir()
-        if list_checkpoints(self.run_dir):
-            raise ConfigError(
-                f"run directory {self.run_dir} already holds checkpoints; choose another --out or remove it"
-            )
 
         self.model = GPT(self.model_config).to(self.device)
         self.train_model: torch.nn.Module = torch.compile(self.model) if config.run.compile else self.model
@@ -143,7 +146,10 @@ class Trainer:
             raise DataError(
                 "the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0"
             )
-        return PackedLoader(shards, self.plan.micro_batch, self.plan.seq_len, name="validation")
+        try:
+            return PackedLoader(shards, self.plan.micro_batch, self.plan.seq_len, name="validation")
+        except DataError as exc:
+            raise DataError(f"{exc}, raise --val-fraction, or set --eval-every 0") from exc
 
     def _log_header(self) -> None:
         meta = self.dataset.meta
@@ -219,6 +225,8 @@ class Trainer:
         try:
             while self.engine.step_count < run.max_steps:
                 micro_batches = [self.train_loader.next_micro_batch() for _ in range(self.plan.accumulation_steps)]
+                if self.device.type == "cuda":
+                    micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
                 record = self.engine.step(micro_batches)
                 metrics.write_step(record)
                 if record.skipped:

@@ -16,7 +16,7 @@ import numpy as np
 from bigbatch.data.corpus import BUILTIN, read_documents, resolve_source
 from bigbatch.data.shards import META_FILE, DatasetMeta, is_prepared_dataset, token_dtype
 from bigbatch.data.tokenizers import get_tokenizer
-from bigbatch.errors import ConfigError, DataError
+from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ def prepare_dataset(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out} already exists and is not empty; choose a new --out or remove it first")
+    require_creatable_dir(out, "dataset directory")
 
     tokenizer = get_tokenizer(tokenizer_name)
     files = resolve_source(source)
@@ -141,5 +142,10 @@ def ensure_prepared(
     if is_prepared_dataset(target):
         return target
     log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
-    prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction)
+    try:
+        prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction)
+    except (DataError, OSError):
+        if is_prepared_dataset(target):  # another process prepared the same source at the same time
+            return target
+        raise
     return target

@@ -62,9 +62,28 @@ class DatasetMeta:
                 "re-run bigbatch prepare"
             )
         try:
-            return cls(**raw)
+            meta = cls(**raw)
         except TypeError as exc:
             raise DataError(f"{path} has unexpected fields ({exc}); re-run bigbatch prepare") from exc
+        problem = meta._problem()
+        if problem:
+            raise DataError(f"{path} is malformed: {problem}; re-run bigbatch prepare")
+        return meta
+
+    def _problem(self) -> str | None:
+        """What is wrong with the field values, or ``None``."""
+        if self.dtype not in ("uint16", "uint32"):
+            return f"dtype {self.dtype!r} is not uint16 or uint32"
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            return f"vocab_size {self.vocab_size!r} is not a positive integer"
+        if not isinstance(self.shards, dict) or not all(
+            isinstance(names, list) and all(isinstance(n, str) and "/" not in n for n in names)
+            for names in self.shards.values()
+        ):
+            return "shards must map each split to a list of file names"
+        if not isinstance(self.tokens, dict) or not all(isinstance(n, int) for n in self.tokens.values()):
+            return "tokens must map each split to a token count"
+        return None
 
 
 def is_prepared_dataset(path: Path) -> bool:
@@ -96,7 +115,7 @@ class TokenDataset:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError as exc:
             raise DataError(f"shard {path} is missing; re-run bigbatch prepare") from exc
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, EOFError) as exc:
             raise DataError(f"shard {path} is damaged or truncated ({exc}); re-run bigbatch prepare") from exc
         if array.ndim != 1 or array.dtype != np.dtype(self.meta.dtype):
             raise DataError(

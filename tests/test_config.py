@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from bigbatch.config import TrainConfig, apply_mapping, config_from_dict
+from bigbatch.errors import ConfigError
+
+
+def test_toml_round_trip_preserves_every_field() -> None:
+    config = TrainConfig()
+    config.batch.micro_batch = 4
+    config.run.sample_prompt = 'say "hi"\n\tthen\\stop'
+    config.run.compile = True
+    assert config_from_dict(tomllib.loads(config.to_toml())) == config
+
+
+def test_mapping_overrides_fields_and_accepts_ints_for_floats() -> None:
+    config = TrainConfig()
+    apply_mapping(config, {"optim": {"lr": 1, "warmup_steps": 5}, "model": {"preset": "pico"}}, origin="t")
+    assert config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.optim.warmup_steps == 5 and config.model.preset == "pico"
+
+
+@pytest.mark.parametrize(
+    ("mapping", "pattern"),
+    [
+        ({"batch": {"micro_batchez": 4}}, r"unknown key 'micro_batchez' in \[batch\]; known keys: total_batch_tokens"),
+        ({"training": {"lr": 1.0}}, r"unknown section \[training\]"),
+        ({"batch": {"micro_batch": "4"}}, r"batch.micro_batch must be int, got str"),
+        ({"batch": {"micro_batch": 4.0}}, r"batch.micro_batch must be int, got float"),
+        ({"run": {"compile": 1}}, r"run.compile must be bool, got int"),
+        ({"batch": 3}, r"\[batch\] must be a table"),
+    ],
+)
+def test_bad_mappings_name_the_problem(mapping: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        apply_mapping(TrainConfig(), mapping, origin="file.toml")
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "pattern"),
+    [
+        ("batch", "micro_batch", 0, "micro_batch must be a positive integer"),
+        ("run", "max_steps", -1, "max_steps must be a positive integer"),
+        ("optim", "lr", 0.0, "lr must be positive"),
+        ("optim", "min_lr_ratio", 1.5, "min_lr_ratio must be in"),
+        ("data", "val_fraction", 1.0, "val_fraction must be in"),
+        ("run", "precision", "fp8", "precision must be"),
+        ("run", "eval_every", -5, "eval_every must be >= 0"),
+    ],
+)
+def test_validation_rejects_out_of_range_values(section: str, key: str, value: object, pattern: str) -> None:
+    config = TrainConfig()
+    setattr(getattr(config, section), key, value)
+    with pytest.raises(ConfigError, match=pattern):
+        config.validate()
+
+
+def test_demo_config_file_equals_the_defaults() -> None:
+    from pathlib import Path
+
+    from bigbatch.config import load_toml
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    assert config_from_dict(load_toml(path)) == TrainConfig()
