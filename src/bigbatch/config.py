@@ -52,9 +52,9 @@ class BatchSection:
 
 @dataclass
 class OptimSection:
-    lr: float = _opt(1e-3, "peak learning rate (after warmup)")
+    lr: float = _opt(2e-3, "peak learning rate (after warmup)")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
-    warmup_steps: int = _opt(10, "linear warmup steps")
+    warmup_steps: int = _opt(20, "linear warmup steps")
     decay_steps: int = _opt(0, "step at which cosine decay reaches the minimum; 0 means max_steps")
     weight_decay: float = _opt(0.1, "AdamW weight decay on matrices and embeddings")
     beta1: float = _opt(0.9, "AdamW beta1")
@@ -76,7 +76,7 @@ class RunSection:
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
     log_every: int = _opt(1, "print a step line every N steps")
     sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables")
-    sample_prompt: str = _opt("\n", "prompt for the end-of-training sample")
+    sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
 
 
 SECTIONS: dict[str, type] = {
