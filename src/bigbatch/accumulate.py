@@ -30,8 +30,11 @@ from bigbatch.data.loader import MicroBatch
 from bigbatch.distributed import DistContext, GradSync, LocalGradSync
 from bigbatch.model import IGNORE_INDEX
 
-LossFn = Callable[[nn.Module, MicroBatch], torch.Tensor]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
+
+CountFn = Callable[[Any], int]
+"""``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -49,6 +52,7 @@ def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
 
 
 def count_valid_targets(batch: MicroBatch) -> int:
+    """Targets that are not ``IGNORE_INDEX`` (-100)."""
     return int((batch.targets != IGNORE_INDEX).sum())
 
 
@@ -89,6 +93,10 @@ class AccumulationEngine:
     for all but the last; then the global gradient norm is clipped (after
     unscaling for fp16), the optimizer steps once, and the learning rate for the
     next step is set from ``schedule``.
+
+    Micro-batches are :class:`~bigbatch.data.loader.MicroBatch` by default; any
+    object with ``.to(device, non_blocking=...)`` works with a matching
+    ``loss_fn`` and ``count_fn``.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class AccumulationEngine:
         precision: str = "fp32",
         device: torch.device | str = "cpu",
         loss_fn: LossFn = token_loss_sum,
+        count_fn: CountFn = count_valid_targets,
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
     ) -> None:
@@ -111,6 +120,7 @@ class AccumulationEngine:
         self.device = torch.device(device)
         self.precision = resolve_precision(precision, self.device)
         self.loss_fn = loss_fn
+        self.count_fn = count_fn
         self.grad_sync = grad_sync or LocalGradSync()
         self.dist = dist or DistContext()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -128,15 +138,15 @@ class AccumulationEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def global_valid_targets(self, micro_batches: Sequence[MicroBatch]) -> int:
+    def global_valid_targets(self, micro_batches: Sequence[Any]) -> int:
         """Valid targets over all micro-batches on all ranks, known before the first backward."""
-        local = sum(count_valid_targets(mb) for mb in micro_batches)
+        local = sum(self.count_fn(mb) for mb in micro_batches)
         if self.dist.world_size == 1:
             return local
         total = torch.tensor([local], dtype=torch.int64, device=self.device)
         return int(self.dist.all_reduce_sum(total).item())
 
-    def accumulate(self, micro_batches: Sequence[MicroBatch]) -> tuple[torch.Tensor, int]:
+    def accumulate(self, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, int]:
         """Forward and backward over the micro-batches, adding into ``.grad``.
 
         Returns the summed loss of this rank (a detached fp32 tensor on the
@@ -161,7 +171,7 @@ class AccumulationEngine:
             loss_total += loss_sum.detach().float()
         return loss_total, n_valid
 
-    def step(self, micro_batches: Sequence[MicroBatch]) -> StepRecord:
+    def step(self, micro_batches: Sequence[Any]) -> StepRecord:
         started = time.perf_counter()
         self.model.train()
         lr = self.schedule(self.step_count)

@@ -1,4 +1,4 @@
-"""Command-line interface: ``bigbatch prepare | train | sample | plan``.
+"""Command-line interface: ``bigbatch prepare | train | sample | plan | verify``.
 
 The CLI only parses arguments and calls the library. User errors
 (:class:`~bigbatch.errors.BigBatchError`) become one line on stderr and exit code 2.
@@ -95,6 +95,48 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from bigbatch.trainer import resolve_device
+    from bigbatch.verify import check_equivalence
+    from bigbatch.verify_cli import load_factory, model_vocab_size, preset_case, token_batch
+
+    if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1:
+        raise BigBatchError("--k, --micro-batch and --seq-len must be positive")
+    torch.manual_seed(args.seed)
+    case = load_factory(args.factory) if args.factory else preset_case(args.model, args.vocab_size, args.dropout)
+    batch = case.batch
+    if batch is None:
+        vocab = args.vocab_size or model_vocab_size(case.model)
+        if not vocab:
+            raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
+        generator = torch.Generator().manual_seed(args.seed)
+        batch = token_batch(args.k * args.micro_batch, args.seq_len, vocab, args.ragged, generator)
+    try:
+        report = check_equivalence(
+            case.model, batch, loss_fn=case.loss_fn, k=args.k, precision=args.precision,
+            tolerance=args.tolerance, device=resolve_device(args.device), seed=args.seed,
+        )
+    except ValueError as exc:
+        raise BigBatchError(str(exc)) from exc
+    print(report.format(top=args.top))
+    if args.json:
+        payload = {
+            "equivalent": report.equivalent, "k": report.k, "valid_counts": report.valid_counts,
+            "precision": report.precision, "tolerance": report.tolerance,
+            "total_rel_diff": report.total_rel_diff, "total_cosine": report.total_cosine,
+            "update_rel_diff": report.update_rel_diff, "seconds": report.seconds,
+            "mistakes": {m.name: m.rel_diff for m in report.mistakes},
+            "findings": [f.__dict__ for f in report.findings], "dropout_disabled": report.dropout_disabled,
+            "params": [p.__dict__ for p in report.params],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0 if report.equivalent else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bigbatch.config import add_config_arguments
     from bigbatch.data.tokenizers import TOKENIZER_NAMES
@@ -141,6 +183,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, required=True)
     plan.add_argument("--world-size", type=int, default=1)
     plan.set_defaults(handler=_cmd_plan)
+
+    verify = commands.add_parser(
+        "verify",
+        help="prove that the accumulated gradient equals the full-batch gradient",
+        description="Compare the full-batch gradient with the gradient accumulated over K micro-batches, show the "
+        "classic mistakes next to it, and name modules that break equivalence. Exit 0 when equivalent, 1 when not.",
+    )
+    verify.add_argument("--model", default="nano", help="model preset (default: nano)")
+    verify.add_argument(
+        "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
+    )
+    verify.add_argument("--k", type=int, default=4, help="micro-batches (default: 4)")
+    verify.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default: 2)")
+    verify.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
+    verify.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the model's)")
+    verify.add_argument("--dropout", type=float, default=0.0, help="preset dropout (disabled for the comparison)")
+    verify.add_argument(
+        "--ragged", action=argparse.BooleanOptionalAction, default=True,
+        help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
+    )
+    verify.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
+    verify.add_argument("--tolerance", type=float, help="relative L2 tolerance (default: by precision)")
+    verify.add_argument("--top", type=int, default=5, help="parameters listed, worst first (default: 5)")
+    verify.add_argument("--json", type=Path, help="also write the report as JSON")
+    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--device", default="cpu")
+    verify.set_defaults(handler=_cmd_verify)
     return parser
 
 

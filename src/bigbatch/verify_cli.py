@@ -1,0 +1,75 @@
+"""Inputs for ``bigbatch verify``: the model (a preset or a user factory), a batch and a loss."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from bigbatch.errors import BigBatchError
+from bigbatch.model import GPT, IGNORE_INDEX, preset
+from bigbatch.verify import VerifyLossFn
+
+
+@dataclass
+class VerifyCase:
+    """What the verifier needs: a model, a batch of tensors sharing dim 0, and optionally a loss function."""
+
+    model: nn.Module
+    batch: tuple[torch.Tensor, ...] | None = None
+    loss_fn: VerifyLossFn | None = None
+
+
+def load_factory(spec: str) -> VerifyCase:
+    """Call ``package.module:function``; it returns a model, ``(model, batch[, loss_fn])`` or a :class:`VerifyCase`."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise BigBatchError(f"--factory {spec!r} must look like package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BigBatchError(f"cannot import {module_name!r} for --factory: {exc}; is it on PYTHONPATH?") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise BigBatchError(f"{module_name} has no function {attr!r} for --factory")
+    made = factory()
+    if isinstance(made, VerifyCase):
+        return made
+    if isinstance(made, nn.Module):
+        return VerifyCase(made)
+    if isinstance(made, tuple) and 2 <= len(made) <= 3 and isinstance(made[0], nn.Module):
+        batch = made[1]
+        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        return VerifyCase(made[0], batch, made[2] if len(made) == 3 else None)
+    raise BigBatchError(
+        f"--factory {spec} returned {type(made).__name__}; return an nn.Module, (model, batch[, loss_fn]) "
+        "or a bigbatch.verify_cli.VerifyCase"
+    )
+
+
+def preset_case(name: str, vocab_size: int, dropout: float) -> VerifyCase:
+    overrides: dict[str, float | int] = {"dropout": dropout}
+    if vocab_size:
+        overrides["vocab_size"] = vocab_size
+    return VerifyCase(GPT(preset(name, **overrides)))
+
+
+def token_batch(
+    samples: int, seq_len: int, vocab_size: int, ragged: bool, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (inputs, targets); with ``ragged``, each sequence keeps a random-length prefix of valid targets."""
+    tokens = torch.randint(0, vocab_size, (samples, seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    if ragged:
+        lengths = torch.randint(1, seq_len + 1, (samples,), generator=generator)
+        positions = torch.arange(seq_len).unsqueeze(0)  # (1, T)
+        targets[positions >= lengths.unsqueeze(1)] = IGNORE_INDEX
+    return inputs, targets
+
+
+def model_vocab_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) else None
