@@ -139,7 +139,10 @@ def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cac
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000003.pt"]
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["model"]["preset"] == "pico"
-    assert config["batch"] == {"total_batch_tokens": 256, "micro_batch": 4, "seq_len": 32}
+    assert {k: config["batch"][k] for k in ("total_batch_tokens", "micro_batch", "seq_len")} == {
+        "total_batch_tokens": 256, "micro_batch": 4, "seq_len": 32
+    }
+    assert config["batch"]["token_budget"] == 0
     assert config["run"]["max_steps"] == 3
     assert config["run"]["out"] == str(run_dir)
 

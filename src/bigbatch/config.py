@@ -41,6 +41,11 @@ class DataSection:
     tokenizer: str = _opt("byte", "tokenizer for raw text: byte (no download) or gpt2 (tiktoken)")
     val_fraction: float = _opt(0.1, "share of the token stream held out for validation when preparing raw text")
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
+    data_mode: str = _opt(
+        "packed",
+        "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
+        ".jsonl prompt/completion records mask the prompt)",
+    )
 
 
 @dataclass
@@ -48,6 +53,15 @@ class BatchSection:
     total_batch_tokens: int = _opt(16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size")
     micro_batch: int = _opt(16, "sequences per micro-batch per device (B)")
     seq_len: int = _opt(256, "tokens per sequence (T)")
+    token_budget: int = _opt(
+        0,
+        "valid target tokens per step; when set, K varies per step (the micro-batch that reaches the budget is "
+        "included whole) and total_batch_tokens is not used; 0 = fixed K",
+    )
+    last_window: str = _opt(
+        "partial",
+        "last incomplete window of a document epoch: partial (train on it, exactly normalized) or drop (skip it)",
+    )
 
 
 @dataclass
@@ -143,6 +157,12 @@ class TrainConfig:
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
                 "raise decay_steps or set it to 0 (= max_steps)"
             )
+        if self.batch.token_budget < 0:
+            raise ConfigError(f"token_budget must be >= 0, got {self.batch.token_budget}")
+        if self.batch.last_window not in ("partial", "drop"):
+            raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
+        if self.data.data_mode not in ("packed", "documents"):
+            raise ConfigError(f"data_mode must be packed or documents, got {self.data.data_mode!r}")
         if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision must be auto, fp32, bf16 or fp16, got {self.run.precision!r}")
 

@@ -10,12 +10,18 @@ from typing import IO, Any
 from bigbatch.accumulate import StepRecord
 
 
-def format_step(record: StepRecord) -> str:
-    """``step 12 | loss 2.413 | norm 0.84 | lr 6.0e-04 | dt 812 ms | tok/s 20,171``"""
+def format_step(record: StepRecord, show_k: bool = False) -> str:
+    """``step 12 | loss 2.413 | norm 0.84 | lr 6.0e-04 | dt 812 ms | tok/s 20,171``
+
+    ``tok/s`` counts valid target tokens. With ``show_k`` (K varies from step to
+    step) the line also gives K and the step's valid tokens.
+    """
     line = (
         f"step {record.step} | loss {record.loss:.4f} | norm {record.grad_norm:.2f} | lr {record.lr:.1e} | "
         f"dt {record.dt * 1000:.0f} ms | tok/s {record.tokens_per_s:,.0f}"
     )
+    if show_k:
+        line += f" | K {record.micro_batches} | tokens {record.tokens:,}"
     if record.skipped:
         line += " | SKIPPED (non-finite gradient)"
     return line

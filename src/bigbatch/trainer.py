@@ -17,7 +17,9 @@ from bigbatch import __version__
 from bigbatch.accumulate import AccumulationEngine, StepRecord
 from bigbatch.checkpoint import checkpoint_path, list_checkpoints, save_checkpoint
 from bigbatch.config import TrainConfig
-from bigbatch.data.loader import PackedLoader
+from bigbatch.accumulate import count_valid_targets
+from bigbatch.data.loader import DocumentLoader, PackedLoader
+from bigbatch.data.steps import budget_micro_batches, step_micro_batches
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer
@@ -104,16 +106,24 @@ class Trainer:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
         data_dir = ensure_prepared(
-            config.data.data, config.data.tokenizer, config.data.val_fraction, config.data.cache_dir or None
+            config.data.data,
+            config.data.tokenizer,
+            config.data.val_fraction,
+            config.data.cache_dir or None,
+            mode=config.data.data_mode,
         )
         self.dataset = TokenDataset(data_dir)
-        self.plan: BatchPlan = plan_batch(
-            config.batch.total_batch_tokens, config.batch.micro_batch, config.batch.seq_len, world_size=1
-        )
+        batch = config.batch
+        self.token_budget = batch.token_budget
+        if self.token_budget:
+            self.plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=1)
+        else:
+            self.plan = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=1)
+        self.documents = self.dataset.meta.mode == "documents"
+        self.k_varies = bool(self.token_budget) or self.documents
+        self.tokens_seen = 0  # valid target tokens trained on
         self.model_config = build_model_config(config, self.dataset.vocab_size)
-        self.train_loader = PackedLoader(
-            self.dataset.shard_arrays("train"), self.plan.micro_batch, self.plan.seq_len, name="training"
-        )
+        self.train_loader = self._build_loader("train", "training")
         self.val_loader = self._build_val_loader()
 
         self.model = GPT(self.model_config).to(self.device)
@@ -138,16 +148,22 @@ class Trainer:
             device=self.device,
         )
 
-    def _build_val_loader(self) -> PackedLoader | None:
+    def _build_loader(self, split: str, name: str) -> PackedLoader | DocumentLoader:
+        B, T = self.plan.micro_batch, self.plan.seq_len
+        if self.documents:
+            pad = self.dataset.meta.eot_token or 0
+            return DocumentLoader(self.dataset.document_shards(split), B, T, pad_token=pad, name=name)
+        return PackedLoader(self.dataset.shard_arrays(split), B, T, name=name)
+
+    def _build_val_loader(self) -> PackedLoader | DocumentLoader | None:
         if self.config.run.eval_every == 0:
             return None
-        shards = self.dataset.shard_arrays("val")
-        if not shards:
+        if not self.dataset.meta.shards.get("val"):
             raise DataError(
                 "the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0"
             )
         try:
-            return PackedLoader(shards, self.plan.micro_batch, self.plan.seq_len, name="validation")
+            return self._build_loader("val", "validation")
         except DataError as exc:
             raise DataError(f"{exc}, raise --val-fraction, or set --eval-every 0") from exc
 
@@ -167,7 +183,27 @@ class Trainer:
             self.config.model.preset, self.model.num_params() / 1e6, cfg.n_layer, cfg.n_head, cfg.n_embd,
             cfg.vocab_size, cfg.block_size,
         )
-        log.info("plan | %s", self.plan.describe())
+        log.info("plan | %s", self.describe_plan())
+
+    def describe_plan(self) -> str:
+        p = self.plan
+        if self.token_budget:
+            return (
+                f"token budget {self.token_budget:,} valid targets/step | micro_batch {p.micro_batch} x seq_len "
+                f"{p.seq_len} x world {p.world_size} per micro-batch | K varies (the micro-batch that reaches the "
+                f"budget is included whole) | last window: {self.config.batch.last_window}"
+            )
+        if self.documents:
+            return (
+                f"{p.describe()} (positions; one document per sequence, normalized by the valid targets of each step) "
+                f"| last window: {self.config.batch.last_window}"
+            )
+        return p.describe()
+
+    def next_step_batches(self) -> list:
+        if self.token_budget:
+            return budget_micro_batches(self.train_loader, self.token_budget, self.config.batch.last_window)
+        return step_micro_batches(self.train_loader, self.plan.accumulation_steps, self.config.batch.last_window)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -178,12 +214,14 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         count = 0
         for _ in range(self.config.run.eval_batches):
-            batch = self.val_loader.next_micro_batch().to(self.device)
+            batch = self.val_loader.next_micro_batch()
+            count += count_valid_targets(batch)
             with self.engine.autocast():
-                total += self.engine.loss_fn(self.train_model, batch).float()
-            count += batch.targets.numel()
+                total += self.engine.loss_fn(self.train_model, batch.to(self.device)).float()
+            if self.val_loader.epoch:  # the whole validation split was read
+                break
         self.train_model.train()
-        return float(total.item()) / count
+        return float(total.item()) / max(count, 1)
 
     def checkpoint_payload(self) -> dict[str, Any]:
         return {
@@ -196,7 +234,7 @@ class Trainer:
             "tokenizer": self.dataset.meta.tokenizer,
             "dataset": str(self.dataset.directory),
             "step": self.engine.step_count,
-            "tokens_seen": self.engine.step_count * self.plan.tokens_per_step,
+            "tokens_seen": self.tokens_seen,
             "torch_rng_state": torch.get_rng_state(),
         }
 
@@ -224,18 +262,22 @@ class Trainer:
         rates: list[float] = []
         try:
             while self.engine.step_count < run.max_steps:
-                micro_batches = [self.train_loader.next_micro_batch() for _ in range(self.plan.accumulation_steps)]
+                micro_batches = self.next_step_batches()
+                if sum(count_valid_targets(mb) for mb in micro_batches) == 0:
+                    log.warning("skipping a step whose micro-batches hold no valid targets (all masked or padding)")
+                    continue
                 if self.device.type == "cuda":
                     micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
                 record = self.engine.step(micro_batches)
                 metrics.write_step(record)
                 if record.skipped:
-                    log.warning(format_step(record))
+                    log.warning(format_step(record, show_k=True))
                     continue
+                self.tokens_seen += record.tokens
                 if record.step > 1:
                     rates.append(record.tokens_per_s)
                 if record.step % run.log_every == 0 or record.step == run.max_steps:
-                    log.info(format_step(record))
+                    log.info(format_step(record, show_k=self.k_varies))
                 last = record.step == run.max_steps
                 if self.val_loader is not None and (record.step % run.eval_every == 0 or last):
                     started = time.perf_counter()
@@ -254,13 +296,13 @@ class Trainer:
         mean_rate = sum(rates) / len(rates) if rates else record.tokens_per_s
         log.info(
             "done | %d steps | %s tokens | mean tok/s %s | final loss %.4f%s",
-            self.engine.step_count, f"{self.engine.step_count * self.plan.tokens_per_step:,}", f"{mean_rate:,.0f}",
+            self.engine.step_count, f"{self.tokens_seen:,}", f"{mean_rate:,.0f}",
             record.loss, f" | val loss {val_loss:.4f}" if val_loss is not None else "",
         )
         return TrainResult(
             run_dir=self.run_dir,
             steps=self.engine.step_count,
-            tokens_seen=self.engine.step_count * self.plan.tokens_per_step,
+            tokens_seen=self.tokens_seen,
             final_loss=record.loss,
             val_loss=val_loss,
             tokens_per_s=mean_rate,

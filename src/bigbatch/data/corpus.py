@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -19,8 +20,11 @@ _BINARY_PROBE_BYTES = 8192
 
 @dataclass(frozen=True)
 class Document:
+    """One document. ``prompt`` is a prefix that is read but not trained on (its targets are masked)."""
+
     name: str
     data: bytes
+    prompt: bytes = b""
 
 
 def builtin_corpus_files() -> list[Path]:
@@ -57,7 +61,11 @@ def _is_hidden(relative: Path) -> bool:
 
 
 def read_documents(files: list[Path]) -> Iterator[Document]:
-    """Each readable text file as one document; binary files (NUL bytes) are skipped."""
+    """Each readable text file as one document; binary files (NUL bytes) are skipped.
+
+    A ``.jsonl`` file holds one document per line: ``{"text": ...}``, or
+    ``{"prompt": ..., "completion": ...}`` where the prompt's targets are masked.
+    """
     for path in files:
         try:
             data = path.read_bytes()
@@ -65,4 +73,26 @@ def read_documents(files: list[Path]) -> Iterator[Document]:
             raise DataError(f"cannot read {path}: {exc.strerror}; check the path and its permissions") from exc
         if b"\x00" in data[:_BINARY_PROBE_BYTES]:
             continue
-        yield Document(name=str(path), data=data)
+        if path.suffix == ".jsonl":
+            yield from _jsonl_documents(path, data)
+        else:
+            yield Document(name=str(path), data=data)
+
+
+def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where} is not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+        if not isinstance(record, dict):
+            raise DataError(f"{where} must be a JSON object with 'text' or 'prompt' and 'completion'")
+        if "text" in record and isinstance(record["text"], str):
+            yield Document(name=where, data=record["text"].encode("utf-8"))
+        elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+            yield Document(name=where, data=record["completion"].encode("utf-8"), prompt=record["prompt"].encode("utf-8"))
+        else:
+            raise DataError(f"{where} needs a string 'text', or string 'prompt' and 'completion' fields")

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from bigbatch.data.shards import DocumentShard
 from bigbatch.errors import DataError
+from bigbatch.model import IGNORE_INDEX
 
 
 @dataclass
@@ -119,4 +121,110 @@ class PackedLoader:
             raise DataError(f"loader state offset {offset} lies beyond shard {shard}; was the data changed?")
         self._slot = self.usable.index(shard)
         self.offset = offset
+        self.epoch = int(state.get("epoch", 0))
+
+
+class DocumentLoader:
+    """One document per sequence: cut to ``T + 1`` tokens, padded to ``T``.
+
+    Targets are ``-100`` on padding and on masked (prompt) tokens, so the
+    engine's exact normalization counts only what is trained on. Global
+    micro-batch ``j`` of an epoch covers documents ``[j * B * world, (j + 1) * B * world)``;
+    rank ``r`` takes the ``B`` documents that begin ``r * B`` into it. The last
+    window of an epoch may hold fewer documents: the missing rows are all padding.
+    """
+
+    def __init__(
+        self,
+        shards: list[DocumentShard],
+        micro_batch: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        pad_token: int = 0,
+        name: str = "train",
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.shards = shards
+        self.micro_batch = micro_batch
+        self.seq_len = seq_len
+        self.rank = rank
+        self.world_size = world_size
+        self.pad_token = pad_token
+        self.global_window = micro_batch * world_size  # documents per global micro-batch
+        # Flat index of every document: (shard, start, end).
+        empty = np.zeros(0, dtype=np.int64)
+        self._shard_of = np.concatenate([empty] + [np.full(len(s.offsets) - 1, i) for i, s in enumerate(shards)])
+        self._start = np.concatenate([empty] + [np.asarray(s.offsets[:-1]) for s in shards])
+        self._end = np.concatenate([empty] + [np.asarray(s.offsets[1:]) for s in shards])
+        self.n_docs = len(self._start)
+        if self.n_docs == 0:
+            raise DataError(f"the {name} data holds no documents; use more data or a different --val-fraction")
+        self.position = 0  # first document of the next global micro-batch, within the epoch
+        self.epoch = 0
+
+    def docs_left(self) -> int:
+        """Documents not yet read in this epoch (all ranks together)."""
+        return self.n_docs - self.position
+
+    def reset(self) -> None:
+        self.position, self.epoch = 0, 0
+
+    def skip_rest_of_epoch(self) -> None:
+        if self.position:
+            self.position = 0
+            self.epoch += 1
+
+    def next_micro_batch(self) -> MicroBatch:
+        B, T = self.micro_batch, self.seq_len
+        inputs = torch.full((B, T), self.pad_token, dtype=torch.int64)
+        targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
+        first = self.position + self.rank * B
+        for row in range(B):
+            doc = first + row
+            if doc >= self.n_docs:
+                break  # the epoch's last window: remaining rows stay padding
+            shard = self.shards[self._shard_of[doc]]
+            start = int(self._start[doc])
+            stop = min(int(self._end[doc]), start + T + 1)
+            tokens = torch.from_numpy(np.asarray(shard.tokens[start:stop], dtype=np.int64))
+            n = len(tokens) - 1  # positions with a target
+            if n <= 0:
+                continue
+            inputs[row, :n] = tokens[:-1]
+            row_targets = tokens[1:].clone()
+            if shard.mask is not None:
+                trained = torch.from_numpy(np.asarray(shard.mask[start + 1 : stop], dtype=np.bool_))
+                row_targets[~trained] = IGNORE_INDEX
+            targets[row, :n] = row_targets
+        self.position += min(self.global_window, self.docs_left())
+        if self.position >= self.n_docs:
+            self.position = 0
+            self.epoch += 1
+        return MicroBatch(inputs, targets)
+
+    def __iter__(self) -> DocumentLoader:
+        return self
+
+    def __next__(self) -> MicroBatch:
+        return self.next_micro_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "documents",
+            "position": self.position,
+            "epoch": self.epoch,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        position = int(state["position"])
+        if not 0 <= position < self.n_docs:
+            raise DataError(
+                f"loader state position {position} lies outside the {self.n_docs} documents; was the data changed?"
+            )
+        self.position = position
         self.epoch = int(state.get("epoch", 0))

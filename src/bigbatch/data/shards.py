@@ -41,6 +41,8 @@ class DatasetMeta:
     source: str = ""
     documents: int = 0
     eot_token: int | None = None
+    mode: str = "packed"  # or "documents": shards carry document offsets (and masks when masked)
+    masked: bool = False  # documents mode: a .mask.npy per shard marks the tokens trained on
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     extra: dict[str, object] = field(default_factory=dict)
@@ -81,9 +83,28 @@ class DatasetMeta:
             for names in self.shards.values()
         ):
             return "shards must map each split to a list of file names"
+        if self.mode not in ("packed", "documents"):
+            return f"mode {self.mode!r} is not packed or documents"
         if not isinstance(self.tokens, dict) or not all(isinstance(n, int) for n in self.tokens.values()):
             return "tokens must map each split to a token count"
         return None
+
+
+def document_offsets_name(shard_name: str) -> str:
+    """``train_000000.npy`` -> ``train_000000.offsets.npy``: int64 start of each document, then the end."""
+    return shard_name.removesuffix(".npy") + ".offsets.npy"
+
+
+def document_mask_name(shard_name: str) -> str:
+    """``train_000000.npy`` -> ``train_000000.mask.npy``: uint8, 1 where the token is trained on as a target."""
+    return shard_name.removesuffix(".npy") + ".mask.npy"
+
+
+@dataclass
+class DocumentShard:
+    tokens: np.ndarray  # (n_tokens,) token ids
+    offsets: np.ndarray  # (n_docs + 1,) int64
+    mask: np.ndarray | None  # (n_tokens,) uint8 or None (every token is trained on)
 
 
 def is_prepared_dataset(path: Path) -> bool:
@@ -109,7 +130,22 @@ class TokenDataset:
             raise ValueError(f"unknown split {split!r}")
         return [self._open_shard(name) for name in self.meta.shards.get(split, [])]
 
-    def _open_shard(self, name: str) -> np.ndarray:
+    def document_shards(self, split: str) -> list[DocumentShard]:
+        """The split's shards with their document offsets (and masks), for a ``documents`` dataset."""
+        if self.meta.mode != "documents":
+            raise DataError(f"{self.directory} was prepared in {self.meta.mode} mode, not documents")
+        shards = []
+        for name, tokens in zip(self.meta.shards.get(split, []), self.shard_arrays(split)):
+            offsets = self._open_shard(document_offsets_name(name), dtype=np.dtype(np.int64))
+            if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) <= 0):
+                raise DataError(f"document offsets of {self.directory / name} are inconsistent; re-run bigbatch prepare")
+            mask = self._open_shard(document_mask_name(name), dtype=np.dtype(np.uint8)) if self.meta.masked else None
+            if mask is not None and len(mask) != len(tokens):
+                raise DataError(f"the mask of {self.directory / name} does not match its tokens; re-run bigbatch prepare")
+            shards.append(DocumentShard(tokens, offsets, mask))
+        return shards
+
+    def _open_shard(self, name: str, dtype: np.dtype | None = None) -> np.ndarray:
         path = self.directory / name
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -117,9 +153,10 @@ class TokenDataset:
             raise DataError(f"shard {path} is missing; re-run bigbatch prepare") from exc
         except (ValueError, OSError, EOFError) as exc:
             raise DataError(f"shard {path} is damaged or truncated ({exc}); re-run bigbatch prepare") from exc
-        if array.ndim != 1 or array.dtype != np.dtype(self.meta.dtype):
+        expected = dtype if dtype is not None else np.dtype(self.meta.dtype)
+        if array.ndim != 1 or array.dtype != expected:
             raise DataError(
-                f"shard {path} holds {array.dtype} with shape {array.shape}, expected 1-D {self.meta.dtype}; "
+                f"shard {path} holds {array.dtype} with shape {array.shape}, expected 1-D {expected}; "
                 "re-run bigbatch prepare"
             )
         return array
