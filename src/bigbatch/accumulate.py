@@ -42,7 +42,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Sum of next-token cross-entropies over valid targets, for a model returning ``(logits, ...)``."""
     output = model(batch.inputs)
-    logits = output[0] if isinstance(output, tuple) else output  # (B, T, V)
+    if hasattr(output, "logits"):  # Hugging Face model outputs
+        output = output.logits
+    logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)),
         batch.targets.reshape(-1),

@@ -33,6 +33,9 @@ class ModelSection:
     preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl", flag="model")
     block_size: int = _opt(0, "maximum context length; 0 keeps the preset's")
     dropout: float = _opt(0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)")
+    init_from: str = _opt(
+        "", "start from a local Hugging Face GPT-2 directory (config.json + model.safetensors); replaces the preset"
+    )
 
 
 @dataclass

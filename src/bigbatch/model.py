@@ -155,6 +155,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         self.apply(self._init_weights)
+        with torch.no_grad():
+            # Padding rows are never looked up and never reach a softmax: keep them at zero (they stay there).
+            self.transformer.wte.weight[config.vocab_size :].zero_()
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

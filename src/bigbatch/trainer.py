@@ -25,7 +25,8 @@ from bigbatch.data.shards import TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.metrics import JsonlLog, format_step
-from bigbatch.model import GPT, GPTConfig, preset
+from bigbatch.hf import load_hf_gpt2
+from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.sampling import generate
@@ -71,17 +72,30 @@ def default_run_dir() -> Path:
     return candidate
 
 
-def build_model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
-    overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
-    if config.model.block_size:
-        overrides["block_size"] = config.model.block_size
-    model_config = preset(config.model.preset, **overrides)
-    if config.batch.seq_len > model_config.block_size:
+def build_model(config: TrainConfig, vocab_size: int) -> GPT:
+    """The preset with the data's vocabulary, or the pretrained GPT-2 of ``--init-from``."""
+    if config.model.init_from:
+        model = load_hf_gpt2(config.model.init_from)
+        if model.config.vocab_size != vocab_size:
+            raise ConfigError(
+                f"--init-from {config.model.init_from} has vocabulary {model.config.vocab_size} but the data's "
+                f"tokenizer has {vocab_size}; prepare the data with the matching tokenizer (e.g. --tokenizer gpt2)"
+            )
+        if config.model.dropout:
+            raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
+        name = f"init from {config.model.init_from}"
+    else:
+        overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
+        if config.model.block_size:
+            overrides["block_size"] = config.model.block_size
+        model = GPT(preset(config.model.preset, **overrides))
+        name = f"the {config.model.preset} model"
+    if config.batch.seq_len > model.config.block_size:
         raise ConfigError(
-            f"seq_len={config.batch.seq_len} exceeds the {config.model.preset} model's block_size="
-            f"{model_config.block_size}; lower --seq-len or raise --block-size"
+            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={model.config.block_size}; "
+            "lower --seq-len or raise --block-size"
         )
-    return model_config
+    return model
 
 
 class Trainer:
@@ -122,11 +136,11 @@ class Trainer:
         self.documents = self.dataset.meta.mode == "documents"
         self.k_varies = bool(self.token_budget) or self.documents
         self.tokens_seen = 0  # valid target tokens trained on
-        self.model_config = build_model_config(config, self.dataset.vocab_size)
+        self.model = build_model(config, self.dataset.vocab_size).to(self.device)
+        self.model_config = self.model.config
         self.train_loader = self._build_loader("train", "training")
         self.val_loader = self._build_val_loader()
 
-        self.model = GPT(self.model_config).to(self.device)
         self.train_model: torch.nn.Module = torch.compile(self.model) if config.run.compile else self.model
         opt = config.optim
         self.optimizer = build_adamw(
@@ -180,7 +194,7 @@ class Trainer:
         )
         log.info(
             "model %s | %.2fM parameters | %d layers, %d heads, %d wide | vocab %d | block %d",
-            self.config.model.preset, self.model.num_params() / 1e6, cfg.n_layer, cfg.n_head, cfg.n_embd,
+            self.config.model.init_from or self.config.model.preset, self.model.num_params() / 1e6, cfg.n_layer, cfg.n_head, cfg.n_embd,
             cfg.vocab_size, cfg.block_size,
         )
         log.info("plan | %s", self.describe_plan())

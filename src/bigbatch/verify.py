@@ -148,14 +148,20 @@ class EquivalenceReport:
 
 
 def disable_dropout(model: nn.Module) -> list[str]:
-    """Put dropout modules (and modules with a dropout probability attribute) in eval mode; return their paths."""
+    """Set every dropout probability in ``model`` to zero; return the module paths that had one.
+
+    Probabilities are zeroed rather than modules put in eval mode, because some
+    attention implementations read ``dropout.p`` guarded by their *own* training
+    flag (Hugging Face's GPT-2 does). Call this on a copy.
+    """
     disabled = []
     for name, module in model.named_modules():
-        is_dropout = isinstance(module, nn.modules.dropout._DropoutNd)
-        p = getattr(module, "dropout", None)
-        has_rate = isinstance(p, float) and p > 0.0 and not isinstance(module, nn.modules.dropout._DropoutNd)
-        if (is_dropout and module.p > 0.0) or has_rate:
-            module.eval()
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0.0:
+                module.p = 0.0
+                disabled.append(name or "<root>")
+        elif isinstance(getattr(module, "dropout", None), float) and module.dropout > 0.0:
+            module.dropout = 0.0  # e.g. nn.MultiheadAttention, bigbatch's attention
             disabled.append(name or "<root>")
     return disabled
 
