@@ -245,3 +245,17 @@ def test_train_on_masked_documents_with_a_token_budget(tmp_path: Path, capsys: p
     assert all(r["tokens"] >= 40 or r["micro_batches"] == 1 for r in steps)
     assert all(r["tokens"] - 4 * 5 < 40 for r in steps)  # overshoot below one micro-batch's maximum
     assert f"K {steps[0]['micro_batches']} | tokens {steps[0]['tokens']}" in printed
+
+
+def test_prepare_cli_documents_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from bigbatch.cli import main
+
+    (tmp_path / "docs").mkdir()
+    for i in range(5):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"document number {i}\n" * (i + 1))
+    assert main(["prepare", str(tmp_path / "docs"), "--out", str(tmp_path / "ds"), "--mode", "documents"]) == 0
+    assert "documents)" in capsys.readouterr().out
+    dataset = TokenDataset(tmp_path / "ds")
+    assert dataset.meta.mode == "documents" and not dataset.meta.masked
+    shards = dataset.document_shards("train") + dataset.document_shards("val")
+    assert sum(len(s.offsets) - 1 for s in shards) == 5

@@ -27,10 +27,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         tokenizer_name=args.tokenizer,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        mode=args.mode,
     )
     print(
         f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
-        f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size})"
+        f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
     )
     return 0
 
@@ -156,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tokenizer", default="byte", choices=TOKENIZER_NAMES, help="default: byte")
     prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
     prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
+    prepare.add_argument(
+        "--mode", default="packed", choices=("packed", "documents"),
+        help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
+    )
     prepare.set_defaults(handler=_cmd_prepare)
 
     train = commands.add_parser(
