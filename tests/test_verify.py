@@ -132,3 +132,12 @@ def test_cli_preset_with_dropout(capsys: pytest.CaptureFixture) -> None:
     code = main(["verify", "--model", "pico", "--vocab-size", "64", "--dropout", "0.1", "--k", "2", "--seq-len", "16"])
     out = capsys.readouterr().out
     assert code == 0 and "dropout disabled" in out and "classic mistake 'mean / K'" in out
+
+
+def test_fp16_report_shows_unscaled_gradients() -> None:
+    fp32 = check_equivalence(gpt(), batch(4, ragged=True), k=2)
+    fp16 = check_equivalence(gpt(), batch(4, ragged=True), k=2, precision="fp16")
+    assert fp16.equivalent and fp16.tolerance == 1e-2
+    full32 = {p.name: p.full_norm for p in fp32.params}
+    for p in fp16.params:  # true magnitudes, not multiplied by the 65,536 loss scale
+        assert p.full_norm == pytest.approx(full32[p.name], rel=0.05, abs=1e-4)

@@ -260,6 +260,12 @@ def _attribute(full: _OutputRecorder, parts: _OutputRecorder, tolerance: float) 
     return findings
 
 
+def _unscale(engine: AccumulationEngine) -> None:
+    """fp16 gradients carry the GradScaler's scale: divide it out so norms and differences are true values."""
+    if engine.scaler.is_enabled():
+        engine.scaler.unscale_(engine.optimizer)
+
+
 def check_equivalence(
     model: nn.Module,
     batch: torch.Tensor | Sequence[torch.Tensor],
@@ -327,6 +333,7 @@ def check_equivalence(
     full_model.zero_grad(set_to_none=True)
     counts[id(full)] = n_total
     full_engine.accumulate([full])
+    _unscale(full_engine)
     full_recorder.remove()
     g_full = _grads(full_model)
 
@@ -336,6 +343,7 @@ def check_equivalence(
     acc_recorder = _OutputRecorder(acc_model)
     acc_model.zero_grad(set_to_none=True)
     acc_engine.accumulate(parts)
+    _unscale(acc_engine)
     acc_recorder.remove()
     g_acc = _grads(acc_model)
 
