@@ -148,16 +148,19 @@ class AccumulationEngine:
         total = torch.tensor([local], dtype=torch.int64, device=self.device)
         return int(self.dist.all_reduce_sum(total).item())
 
-    def accumulate(self, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, int]:
+    def accumulate(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> tuple[torch.Tensor, int]:
         """Forward and backward over the micro-batches, adding into ``.grad``.
 
         Returns the summed loss of this rank (a detached fp32 tensor on the
-        device) and the global valid-target count ``N``. Gradients are not zeroed
-        here; with fp16 they carry the GradScaler's scale.
+        device) and the global valid-target count ``N``. A caller that already
+        knows ``N`` (packed data: every target is valid) passes it and saves the
+        all-reduce. Gradients are not zeroed here; with fp16 they carry the
+        GradScaler's scale.
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        n_valid = self.global_valid_targets(micro_batches)
+        if n_valid is None:
+            n_valid = self.global_valid_targets(micro_batches)
         if n_valid == 0:
             raise ValueError("the step holds no valid target tokens (every target is -100)")
         scale = self.dist.world_size / n_valid  # the one place the loss is scaled
@@ -173,17 +176,21 @@ class AccumulationEngine:
             loss_total += loss_sum.detach().float()
         return loss_total, n_valid
 
-    def step(self, micro_batches: Sequence[Any]) -> StepRecord:
+    def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
+        """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""
         started = time.perf_counter()
         self.model.train()
         lr = self.schedule(self.step_count)
         self._set_lr(lr)
         self.model.zero_grad(set_to_none=True)
-        loss_total, n_valid = self.accumulate(micro_batches)
+        loss_total, n_valid = self.accumulate(micro_batches, n_valid)
 
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
         skipped = not math.isfinite(grad_norm)
         if skipped:
             self.skipped_steps += 1

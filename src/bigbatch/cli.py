@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,14 +39,43 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from bigbatch.config import config_from_args
+    from bigbatch.distributed import distributed_session, launched_by_torchrun
     from bigbatch.trainer import Trainer
 
     config = config_from_args(args)
     if args.print_config:
         print(config.to_toml(), end="")
         return 0
-    Trainer(config).train()
+    if config.run.nproc > 1 and not launched_by_torchrun():
+        return launch_torchrun(config.run.nproc, ["train", *strip_nproc(args.argv)])
+    with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
+        Trainer(config, dist, device).train()
     return 0
+
+
+def strip_nproc(argv: Sequence[str]) -> list[str]:
+    """The command line without ``--nproc N`` / ``--nproc=N``, for the workers."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def launch_torchrun(nproc: int, worker_args: list[str]) -> int:
+    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code."""
+    import subprocess
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "bigbatch", *worker_args,
+    ]  # fmt: skip
+    return subprocess.call(command)
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -53,8 +83,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.data.tokenizers import get_tokenizer
+    from bigbatch.distributed import resolve_device
     from bigbatch.sampling import generate
-    from bigbatch.trainer import resolve_device
 
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise BigBatchError("--max-new-tokens and --num-samples must be positive")
@@ -101,12 +131,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     import torch
 
-    from bigbatch.trainer import resolve_device
+    from bigbatch.distributed import launched_by_torchrun, resolve_device
     from bigbatch.verify import check_equivalence
-    from bigbatch.verify_cli import load_factory, model_vocab_size, preset_case, token_batch
+    from bigbatch.verify_cli import (
+        load_factory,
+        model_vocab_size,
+        preset_case,
+        token_batch,
+    )
 
-    if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1:
-        raise BigBatchError("--k, --micro-batch and --seq-len must be positive")
+    if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1 or args.nproc < 1:
+        raise BigBatchError("--k, --micro-batch, --seq-len and --nproc must be positive")
+    if args.nproc > 1 and not launched_by_torchrun():
+        return launch_torchrun(args.nproc, ["verify", *strip_nproc(args.argv)])
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return _verify_distributed(args)
     torch.manual_seed(args.seed)
     case = load_factory(args.factory) if args.factory else preset_case(args.model, args.vocab_size, args.dropout)
     batch = case.batch
@@ -135,6 +174,39 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             "params": [p.__dict__ for p in report.params],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0 if report.equivalent else 1
+
+
+def _verify_distributed(args: argparse.Namespace) -> int:
+    """``bigbatch verify --nproc N``: every rank's gradient after the one sync equals the single-process gradient."""
+    import torch
+
+    from bigbatch.distributed import distributed_session
+    from bigbatch.verify import check_distributed_equivalence
+    from bigbatch.verify_cli import (
+        load_factory,
+        model_vocab_size,
+        preset_case,
+        token_batch,
+    )
+
+    with distributed_session(args.device) as (dist, device):
+        torch.manual_seed(args.seed)  # the same model and batch on every rank
+        case = load_factory(args.factory) if args.factory else preset_case(args.model, args.vocab_size, args.dropout)
+        batch = case.batch
+        if batch is None:
+            vocab = args.vocab_size or model_vocab_size(case.model)
+            if not vocab:
+                raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
+            generator = torch.Generator().manual_seed(args.seed)
+            samples = args.k * args.micro_batch * dist.world_size
+            batch = token_batch(samples, args.seq_len, vocab, args.ragged, generator)
+        report = check_distributed_equivalence(
+            case.model, batch, dist, loss_fn=case.loss_fn, k=args.k, device=device,
+            tolerance=args.tolerance or 1e-5,
+        )
+        if dist.is_main:
+            print(report.format())
     return 0 if report.equivalent else 1
 
 
@@ -212,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tolerance", type=float, help="relative L2 tolerance (default: by precision)")
     verify.add_argument("--top", type=int, default=5, help="parameters listed, worst first (default: 5)")
     verify.add_argument("--json", type=Path, help="also write the report as JSON")
+    verify.add_argument("--nproc", type=int, default=1, help="processes: >1 checks DDP across ranks via torchrun")
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--device", default="cpu")
     verify.set_defaults(handler=_cmd_verify)
@@ -220,8 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    args.argv = raw[1:]  # after the subcommand
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
     try:
         return int(args.handler(args))
     except BigBatchError as exc:

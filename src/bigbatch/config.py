@@ -12,10 +12,11 @@ A TOML file has one table per section::
 from __future__ import annotations
 
 import argparse
-import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from bigbatch.errors import ConfigError
 
@@ -88,6 +89,12 @@ class RunSection:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
     compile: bool = _opt(False, "torch.compile the model")
+    nproc: int = _opt(1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you")
+    parallel: str = _opt("auto", "auto (ddp when world_size > 1), ddp or fsdp (FSDP2 fully_shard per block and root)")
+    sync_every_micro_step: bool = _opt(
+        False, "reduce gradients after every micro-step instead of once per step (for comparison; costs K rounds)"
+    )
+    collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error")
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
@@ -166,6 +173,12 @@ class TrainConfig:
             raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
         if self.data.data_mode not in ("packed", "documents"):
             raise ConfigError(f"data_mode must be packed or documents, got {self.data.data_mode!r}")
+        if self.run.nproc < 1:
+            raise ConfigError(f"nproc must be a positive integer, got {self.run.nproc}")
+        if self.run.parallel not in ("auto", "none", "ddp", "fsdp"):
+            raise ConfigError(f"parallel must be auto, none, ddp or fsdp, got {self.run.parallel!r}")
+        if self.run.collective_timeout <= 0:
+            raise ConfigError(f"collective_timeout must be positive, got {self.run.collective_timeout}")
         if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision must be auto, fp32, bf16 or fp16, got {self.run.precision!r}")
 

@@ -14,18 +14,29 @@ import numpy as np
 import torch
 
 from bigbatch import __version__
-from bigbatch.accumulate import AccumulationEngine, StepRecord
+from bigbatch.accumulate import (
+    AccumulationEngine,
+    StepRecord,
+    count_valid_targets,
+    resolve_precision,
+)
 from bigbatch.checkpoint import checkpoint_path, list_checkpoints, save_checkpoint
 from bigbatch.config import TrainConfig
-from bigbatch.accumulate import count_valid_targets
-from bigbatch.data.loader import DocumentLoader, PackedLoader
-from bigbatch.data.steps import budget_micro_batches, step_micro_batches
+from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import TokenDataset
+from bigbatch.data.steps import budget_micro_batches, step_micro_batches
 from bigbatch.data.tokenizers import get_tokenizer
+from bigbatch.distributed import (
+    DistContext,
+    resolve_device,
+    resolve_parallel,
+    unwrap,
+    wrap_model,
+)
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
-from bigbatch.metrics import JsonlLog, format_step
 from bigbatch.hf import load_hf_gpt2
+from bigbatch.metrics import JsonlLog, format_step
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
@@ -43,18 +54,6 @@ class TrainResult:
     val_loss: float | None
     tokens_per_s: float  # mean over steps after the first (which includes warm-up)
     sample: str | None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name} was requested but CUDA is not available here; use --device cpu")
-    return device
 
 
 def seed_everything(seed: int) -> None:
@@ -99,18 +98,26 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
 
 
 class Trainer:
-    """Builds every part from a :class:`TrainConfig`; :meth:`train` runs it to ``max_steps``."""
+    """Builds every part from a :class:`TrainConfig`; :meth:`train` runs it to ``max_steps``.
 
-    def __init__(self, config: TrainConfig) -> None:
+    Under torchrun, pass the :class:`DistContext` and device of
+    :func:`~bigbatch.distributed.distributed_session`: every rank builds the same
+    parts, reads its own stride of the data and makes the same decisions; only
+    rank 0 prints and writes files.
+    """
+
+    def __init__(self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None) -> None:
         config.validate()
         self.config = config
-        self.device = resolve_device(config.run.device)
+        self.dist = dist or DistContext()
+        self.device = device or resolve_device(config.run.device, self.dist.local_rank)
         seed_everything(config.run.seed)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        self.run_dir = Path(config.run.out) if config.run.out else default_run_dir()
+        out = config.run.out or str(default_run_dir())
+        self.run_dir = Path(self.dist.broadcast_object(out))  # rank 0's choice of a default name
         require_creatable_dir(self.run_dir, "run directory")
         if list_checkpoints(self.run_dir):
             raise ConfigError(
@@ -119,31 +126,30 @@ class Trainer:
         if config.data.cache_dir:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
-        data_dir = ensure_prepared(
-            config.data.data,
-            config.data.tokenizer,
-            config.data.val_fraction,
-            config.data.cache_dir or None,
-            mode=config.data.data_mode,
-        )
-        self.dataset = TokenDataset(data_dir)
+        self.dataset = TokenDataset(self._prepared_data())
         batch = config.batch
+        world = self.dist.world_size
         self.token_budget = batch.token_budget
         if self.token_budget:
-            self.plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=1)
+            self.plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=world)
         else:
-            self.plan = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=1)
+            self.plan = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world)
         self.documents = self.dataset.meta.mode == "documents"
         self.k_varies = bool(self.token_budget) or self.documents
-        self.tokens_seen = 0  # valid target tokens trained on
+        self.tokens_seen = 0  # valid target tokens trained on, all ranks
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model_config = self.model.config
         self.train_loader = self._build_loader("train", "training")
         self.val_loader = self._build_val_loader()
 
-        self.train_model: torch.nn.Module = torch.compile(self.model) if config.run.compile else self.model
+        precision = resolve_precision(config.run.precision, self.device)
+        self.parallel = resolve_parallel(config.run.parallel, world)
+        wrapped, grad_sync = wrap_model(
+            self.model, self.parallel, self.dist, self.device, config.run.sync_every_micro_step, precision
+        )
+        self.train_model: torch.nn.Module = torch.compile(wrapped) if config.run.compile else wrapped
         opt = config.optim
-        self.optimizer = build_adamw(
+        self.optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
             self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
         )
         decay_steps = opt.decay_steps or config.run.max_steps
@@ -158,16 +164,37 @@ class Trainer:
             self.optimizer,
             self.schedule,
             grad_clip=opt.grad_clip,
-            precision=config.run.precision,
+            precision=precision,
             device=self.device,
+            grad_sync=grad_sync,
+            dist=self.dist,
         )
+
+    def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        """Log on rank 0 only."""
+        if self.dist.is_main:
+            log.log(level, message, *args)
+
+    def _prepared_data(self) -> Path:
+        """Rank 0 prepares raw text into the cache while the others wait, then every rank finds it there."""
+        data = self.config.data
+
+        def prepare() -> Path:
+            return ensure_prepared(
+                data.data, data.tokenizer, data.val_fraction, data.cache_dir or None, mode=data.data_mode
+            )
+
+        path = prepare() if self.dist.is_main else None
+        self.dist.barrier()
+        return path if path is not None else prepare()
 
     def _build_loader(self, split: str, name: str) -> PackedLoader | DocumentLoader:
         B, T = self.plan.micro_batch, self.plan.seq_len
+        rank, world = self.dist.rank, self.dist.world_size
         if self.documents:
             pad = self.dataset.meta.eot_token or 0
-            return DocumentLoader(self.dataset.document_shards(split), B, T, pad_token=pad, name=name)
-        return PackedLoader(self.dataset.shard_arrays(split), B, T, name=name)
+            return DocumentLoader(self.dataset.document_shards(split), B, T, rank, world, pad_token=pad, name=name)
+        return PackedLoader(self.dataset.shard_arrays(split), B, T, rank, world, name=name)
 
     def _build_val_loader(self) -> PackedLoader | DocumentLoader | None:
         if self.config.run.eval_every == 0:
@@ -184,20 +211,20 @@ class Trainer:
     def _log_header(self) -> None:
         meta = self.dataset.meta
         cfg = self.model_config
-        log.info(
-            "bigbatch %s | device %s | precision %s | run %s",
-            __version__, self.device, self.engine.precision, self.run_dir,
+        self._say(
+            "bigbatch %s | device %s | precision %s | parallel %s | run %s",
+            __version__, self.device, self.engine.precision, self.parallel, self.run_dir,
         )
-        log.info(
+        self._say(
             "data %s | %s tokenizer | train %s tokens | val %s tokens",
             self.dataset.directory, meta.tokenizer, f"{meta.tokens.get('train', 0):,}", f"{meta.tokens.get('val', 0):,}",
         )
-        log.info(
+        self._say(
             "model %s | %.2fM parameters | %d layers, %d heads, %d wide | vocab %d | block %d",
-            self.config.model.init_from or self.config.model.preset, self.model.num_params() / 1e6, cfg.n_layer, cfg.n_head, cfg.n_embd,
-            cfg.vocab_size, cfg.block_size,
+            self.config.model.init_from or self.config.model.preset, self.model.num_params() / 1e6,
+            cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size,
         )
-        log.info("plan | %s", self.describe_plan())
+        self._say("plan | %s", self.describe_plan())
 
     def describe_plan(self) -> str:
         p = self.plan
@@ -214,34 +241,65 @@ class Trainer:
             )
         return p.describe()
 
-    def next_step_batches(self) -> list:
+    def next_step_batches(self) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches for the next step and the step's global valid-target count."""
+        last_window = self.config.batch.last_window
         if self.token_budget:
-            return budget_micro_batches(self.train_loader, self.token_budget, self.config.batch.last_window)
-        return step_micro_batches(self.train_loader, self.plan.accumulation_steps, self.config.batch.last_window)
+            count = lambda mb: self.dist.sum_int(count_valid_targets(mb), self.device)  # noqa: E731
+            batches = budget_micro_batches(self.train_loader, self.token_budget, last_window, count)
+        else:
+            batches = step_micro_batches(self.train_loader, self.plan.accumulation_steps, last_window)
+        if self.documents:
+            n_valid = self.dist.sum_int(sum(count_valid_targets(mb) for mb in batches), self.device)
+        else:  # packed: every target is valid, so the count is known without an all-reduce
+            n_valid = len(batches) * self.plan.tokens_per_micro_batch * self.dist.world_size
+        return batches, n_valid
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``eval_batches`` micro-batches from the start of the split."""
+        """Mean validation loss over ``eval_batches`` micro-batches per rank from the start of the split."""
         assert self.val_loader is not None
         self.val_loader.reset()
         self.train_model.eval()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        count = 0
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, valid targets)
         for _ in range(self.config.run.eval_batches):
             batch = self.val_loader.next_micro_batch()
-            count += count_valid_targets(batch)
             with self.engine.autocast():
-                total += self.engine.loss_fn(self.train_model, batch.to(self.device)).float()
+                loss_sum = self.engine.loss_fn(self.train_model, batch.to(self.device))
+            totals[0] += loss_sum.double()
+            totals[1] += count_valid_targets(batch)
             if self.val_loader.epoch:  # the whole validation split was read
                 break
         self.train_model.train()
-        return float(total.item()) / max(count, 1)
+        self._reshard()
+        self.dist.all_reduce_sum(totals)
+        return float(totals[0] / totals[1].clamp_min(1))
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters gathered after a forward without backward; free them again."""
+        if self.parallel == "fsdp":
+            for module in self.model.modules():
+                if hasattr(module, "reshard"):
+                    module.reshard()
+
+    def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer state as whole tensors (gathered from shards under FSDP, on rank 0)."""
+        if self.parallel != "fsdp":
+            return self.model.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_state_dict(self.model, self.optimizer, options=options)
 
     def checkpoint_payload(self) -> dict[str, Any]:
+        model_state, optimizer_state = self._full_state()
         return {
-            "model": self.model.state_dict(),
+            "model": model_state,
             "model_config": self.model_config.to_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "engine": self.engine.state_dict(),
             "loader": self.train_loader.state_dict(),
             "config": self.config.to_dict(),
@@ -249,66 +307,79 @@ class Trainer:
             "dataset": str(self.dataset.directory),
             "step": self.engine.step_count,
             "tokens_seen": self.tokens_seen,
+            "world_size": self.dist.world_size,
+            "parallel": self.parallel,
             "torch_rng_state": torch.get_rng_state(),
         }
 
     def save(self) -> Path:
-        path = save_checkpoint(self.checkpoint_payload(), checkpoint_path(self.run_dir, self.engine.step_count))
-        log.info("saved checkpoint %s", path)
+        """Rank 0 writes one checkpoint that any world size can read (every rank takes part under FSDP)."""
+        payload = self.checkpoint_payload()
+        path = checkpoint_path(self.run_dir, self.engine.step_count)
+        if self.dist.is_main:
+            save_checkpoint(payload, path)
+            self._say("saved checkpoint %s", path)
+        self.dist.barrier()
         return path
 
     def sample(self, max_new_tokens: int, prompt: str) -> str:
+        """Every rank generates the same text (FSDP needs all ranks in each forward); rank 0 reports it."""
         tokenizer = get_tokenizer(self.dataset.meta.tokenizer)
         ids = tokenizer.encode(prompt.encode("utf-8")) or [0]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.run.seed)
-        out = generate(self.model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)
+        model = self.model if self.parallel == "fsdp" else unwrap(self.model)
+        out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)  # type: ignore[arg-type]
         return tokenizer.decode(out[0, len(ids) :].tolist())
 
     def train(self) -> TrainResult:
         run = self.config.run
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(self.config.to_toml())
         self._log_header()
-        metrics = JsonlLog(self.run_dir / "metrics.jsonl")
+        metrics = JsonlLog(self.run_dir / "metrics.jsonl") if self.dist.is_main else None
         record: StepRecord | None = None
         val_loss: float | None = None
         rates: list[float] = []
         try:
             while self.engine.step_count < run.max_steps:
-                micro_batches = self.next_step_batches()
-                if sum(count_valid_targets(mb) for mb in micro_batches) == 0:
-                    log.warning("skipping a step whose micro-batches hold no valid targets (all masked or padding)")
+                micro_batches, n_valid = self.next_step_batches()
+                if n_valid == 0:
+                    self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
                     continue
                 if self.device.type == "cuda":
                     micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
-                record = self.engine.step(micro_batches)
-                metrics.write_step(record)
+                record = self.engine.step(micro_batches, n_valid)
+                if metrics:
+                    metrics.write_step(record)
                 if record.skipped:
-                    log.warning(format_step(record, show_k=True))
+                    self._say(format_step(record, show_k=True), level=logging.WARNING)
                     continue
                 self.tokens_seen += record.tokens
                 if record.step > 1:
                     rates.append(record.tokens_per_s)
                 if record.step % run.log_every == 0 or record.step == run.max_steps:
-                    log.info(format_step(record, show_k=self.k_varies))
+                    self._say(format_step(record, show_k=self.k_varies))
                 last = record.step == run.max_steps
                 if self.val_loader is not None and (record.step % run.eval_every == 0 or last):
                     started = time.perf_counter()
                     val_loss = self.evaluate()
-                    metrics.write("eval", step=record.step, val_loss=val_loss)
-                    log.info("eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started)
+                    if metrics:
+                        metrics.write("eval", step=record.step, val_loss=val_loss)
+                    self._say("eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started)
                 if last or (run.save_every and record.step % run.save_every == 0):
                     self.save()
         finally:
-            metrics.close()
+            if metrics:
+                metrics.close()
         sample = None
         if run.sample_tokens:
             sample = self.sample(run.sample_tokens, run.sample_prompt)
-            log.info("sample:\n%s", sample)
+            self._say("sample:\n%s", sample)
         assert record is not None
         mean_rate = sum(rates) / len(rates) if rates else record.tokens_per_s
-        log.info(
+        self._say(
             "done | %d steps | %s tokens | mean tok/s %s | final loss %.4f%s",
             self.engine.step_count, f"{self.tokens_seen:,}", f"{mean_rate:,.0f}",
             record.loss, f" | val loss {val_loss:.4f}" if val_loss is not None else "",

@@ -407,3 +407,103 @@ def check_equivalence(
         dropout_disabled=dropout_disabled,
         seconds=time.perf_counter() - started,
     )
+
+
+@dataclass
+class DistributedReport:
+    world_size: int
+    k: int
+    valid_counts: list[int]  # per rank
+    rank_max_abs_diff: float  # largest |g_rank - g_rank0| after the sync step
+    total_rel_diff: float  # ||g_ddp - g_full|| / ||g_full|| against one process on the whole batch
+    tolerance: float
+    seconds: float
+
+    @property
+    def equivalent(self) -> bool:
+        return self.rank_max_abs_diff == 0.0 and self.total_rel_diff <= self.tolerance
+
+    def format(self) -> str:
+        verdict = "EQUIVALENT" if self.equivalent else "NOT EQUIVALENT"
+        return "\n".join(
+            [
+                f"verify | DDP | world {self.world_size} x K {self.k} | valid targets per rank {self.valid_counts} "
+                f"| {self.seconds:.1f}s",
+                f"gradients after the sync step: identical on every rank (max |g_r - g_0| = {self.rank_max_abs_diff:.1e})"
+                if self.rank_max_abs_diff == 0.0
+                else f"gradients after the sync step DIFFER across ranks: max |g_r - g_0| = {self.rank_max_abs_diff:.2e}",
+                f"DDP accumulated vs single-process full batch: relative L2 difference {self.total_rel_diff:.2e} "
+                f"(tolerance {self.tolerance:.0e})",
+                f"verdict: {verdict}",
+            ]
+        )
+
+
+def check_distributed_equivalence(
+    model: nn.Module,
+    batch: torch.Tensor | Sequence[torch.Tensor],
+    dist_ctx: Any,
+    loss_fn: VerifyLossFn | None = None,
+    k: int = 4,
+    device: torch.device | str = "cpu",
+    tolerance: float = DEFAULT_TOLERANCE["fp32"],
+) -> DistributedReport:
+    """Run on every rank of a torchrun job with the same ``model`` and global ``batch``.
+
+    The batch is split into ``world_size x k`` micro-batches; rank ``r`` accumulates
+    micro-batches ``r*k .. r*k+k-1`` through the engine under DDP (gradient sync
+    only on the last). Then every rank's gradient is compared with rank 0's and
+    with the gradient of one process over the whole batch.
+    """
+    import torch.distributed as torch_dist
+
+    from bigbatch.distributed import DDPGradSync
+
+    started = time.perf_counter()
+    device = torch.device(device)
+    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    loss_fn = loss_fn or lm_loss
+    world, rank = dist_ctx.world_size, dist_ctx.rank
+    samples = tensors[0].shape[0]
+    if samples < world * k:
+        raise ValueError(f"need at least world_size x k = {world * k} samples, got {samples}")
+    chunks = torch.tensor_split(torch.arange(samples), world * k)
+    parts = [TensorBatch(tuple(t[idx] for t in tensors)) for idx in chunks[rank * k : (rank + 1) * k]]
+
+    base = copy.deepcopy(model).to(device).train()
+    disable_dropout(base)
+    with torch.no_grad():
+        local = {id(p): int(loss_fn(base, *p.to(device).tensors)[1]) for p in parts}
+    n_valid = dist_ctx.sum_int(sum(local.values()), device)
+    counts = torch.tensor([sum(local.values())], device=device)
+    gathered_counts = [torch.zeros_like(counts) for _ in range(world)]
+    torch_dist.all_gather(gathered_counts, counts)
+
+    replica = copy.deepcopy(base)
+    ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[device.index] if device.type == "cuda" else None)
+    engine = AccumulationEngine(
+        ddp, torch.optim.SGD(replica.parameters(), lr=0.0), constant_schedule(1.0), grad_clip=0.0,
+        device=device, loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0], count_fn=lambda b: local[id(b)],
+        grad_sync=DDPGradSync(ddp), dist=dist_ctx,
+    )
+    replica.zero_grad(set_to_none=True)
+    engine.accumulate(parts, n_valid=n_valid)
+    flat = _flat(list(_grads(replica).values())).to(device)
+    everyone = [torch.zeros_like(flat) for _ in range(world)]
+    torch_dist.all_gather(everyone, flat)
+    rank_diff = max((g - everyone[0]).abs().max().item() for g in everyone)
+
+    reference = copy.deepcopy(base)
+    reference.zero_grad(set_to_none=True)
+    loss_sum, _ = loss_fn(reference, *(t.to(device) for t in tensors))
+    (loss_sum / n_valid).backward()
+    flat_full = _flat(list(_grads(reference).values())).to(device)
+    return DistributedReport(
+        world_size=world,
+        k=k,
+        valid_counts=[int(c.item()) for c in gathered_counts],
+        rank_max_abs_diff=rank_diff,
+        total_rel_diff=_rel(flat, flat_full),
+        tolerance=tolerance,
+        seconds=time.perf_counter() - started,
+    )
