@@ -136,7 +136,7 @@ def test_train_exits_zero_and_logs_plan_and_steps(trained_run: tuple[int, str, s
 def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cache_dir: Path) -> None:
     code, _, _, run_dir = trained_run
     assert code == 0
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000003.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000003.commit", "step_0000003.pt"]
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["model"]["preset"] == "pico"
     assert {k: config["batch"][k] for k in ("total_batch_tokens", "micro_batch", "seq_len")} == {
@@ -211,7 +211,7 @@ def test_sample_from_directory_without_checkpoints(tmp_path: Path, capsys: pytes
     (tmp_path / "empty_run").mkdir()
     code = main(["sample", "--checkpoint", str(tmp_path / "empty_run")])
     captured = capsys.readouterr()
-    assert "no checkpoints" in assert_one_line_error(code, captured.out, captured.err)
+    assert "no complete checkpoints" in assert_one_line_error(code, captured.out, captured.err)
 
 
 def test_sample_from_damaged_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -461,7 +461,11 @@ def test_run_dir_with_checkpoints_is_refused_and_untouched(
     code = main(tiny_args(corpus, cache_dir, run_dir, "--max-steps", "3"))
     captured = capsys.readouterr()
     line = assert_one_line_error(code, captured.out, captured.err)
-    assert "already holds checkpoints" in line
+    assert "holds checkpoints but none is complete and valid" in line  # --resume auto finds nothing to trust
+    code = main(tiny_args(corpus, cache_dir, run_dir, "--max-steps", "3", "--resume", "never"))
+    captured = capsys.readouterr()
+    line = assert_one_line_error(code, captured.out, captured.err)
+    assert "already holds checkpoints" in line and "--overwrite" in line
     assert existing.read_bytes() == payload
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == before  # no config.toml, no metrics
 

@@ -1,16 +1,27 @@
-"""Checkpoints: atomic save, safe load, finding the newest in a run directory.
+"""Checkpoints: atomic save with a commit marker, verified load, retention.
 
 A checkpoint is a dict of tensors and plain values (numbers, strings, lists,
 dicts), so ``torch.load(path, weights_only=True)`` reads it and a checkpoint from
 someone else cannot run code on load. The checkpoint module only gathers the
 ``state_dict()`` of each stateful part; it knows nothing of their insides.
+
+On disk, ``checkpoints/step_0000100.pt`` is written to a temporary file,
+flushed, fsynced and renamed; then ``step_0000100.commit`` (JSON: step, size,
+SHA-256) is written the same way, last. A reader trusts a checkpoint only when
+its commit marker exists and the file's size and checksum match it, so a crash
+at any moment leaves either a complete, verified checkpoint or one that is
+ignored (and reported).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +29,25 @@ import torch
 
 from bigbatch.errors import CheckpointError
 
+log = logging.getLogger(__name__)
+
 FORMAT_NAME = "bigbatch-checkpoint"
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{7,})\.pt$")
+_CHUNK = 1 << 20
 
 
 def checkpoint_path(run_dir: Path | str, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step_{step:07d}.pt"
 
 
+def commit_path(path: Path) -> Path:
+    return path.with_suffix(".commit")
+
+
 def list_checkpoints(run_dir: Path | str) -> list[Path]:
-    """Checkpoints in ``run_dir``, oldest first."""
+    """Checkpoint files in ``run_dir`` (committed or not), oldest first."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
         return []
@@ -37,39 +55,113 @@ def list_checkpoints(run_dir: Path | str) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(payload: dict[str, Any], path: Path | str) -> Path:
-    """Write ``payload`` to ``path`` atomically: a temporary file, fsync, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **payload}
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(document, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(payload: dict[str, Any], path: Path | str) -> Path:
+    """Write ``payload`` to ``path`` atomically, then its commit marker (size and SHA-256), last."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **payload}
+    commit_path(path).unlink(missing_ok=True)  # a re-save of the same step is uncommitted until done
+    _write_atomically(path, lambda handle: torch.save(document, handle))
+    marker = {"step": int(payload.get("step", -1)), "size": path.stat().st_size, "sha256": sha256_of(path)}
+    _write_atomically(commit_path(path), lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
     return path
 
 
+def verify_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or ``None`` when its commit marker vouches for it."""
+    marker_path = commit_path(path)
+    if not marker_path.is_file():
+        return "no commit marker (the save did not finish)"
+    try:
+        marker = json.loads(marker_path.read_text())
+        size, digest = int(marker["size"]), str(marker["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its commit marker is unreadable"
+    if path.stat().st_size != size:
+        return f"its size is {path.stat().st_size} bytes, the commit marker says {size} (truncated?)"
+    if sha256_of(path) != digest:
+        return "its checksum does not match the commit marker (damaged on disk?)"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: Path | str) -> Path | None:
+    """The newest verified checkpoint; each newer one that fails verification is skipped with a warning."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete the commit marker first, so a half-deleted checkpoint is never trusted."""
+    commit_path(path).unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+
+
+def prune_checkpoints(run_dir: Path | str, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` verified checkpoints; delete older files. Failures are logged, never raised."""
+    if keep < 1:
+        return []
+    paths = list_checkpoints(run_dir)
+    valid = [p for p in paths if commit_path(p).is_file()]
+    if len(valid) <= keep:
+        return []
+    cutoff = valid[-keep]
+    removed = []
+    for path in paths:
+        if path >= cutoff:
+            break
+        try:
+            remove_checkpoint(path)
+            removed.append(path)
+        except OSError as exc:
+            log.warning("could not delete old checkpoint %s (%s); the newer ones are unaffected", path, exc.strerror)
+    return removed
+
+
 def resolve_checkpoint(location: Path | str) -> Path:
-    """A checkpoint file from a file path or a run directory (its newest checkpoint)."""
+    """A checkpoint file from a file path, or the newest verified checkpoint of a run directory."""
     location = Path(location)
     if location.is_file():
         return location
     if location.is_dir():
-        found = list_checkpoints(location)
-        if not found:
-            raise CheckpointError(f"{location} holds no checkpoints (expected {CHECKPOINT_DIR}/step_*.pt)")
-        return found[-1]
+        found = latest_valid_checkpoint(location)
+        if found is None:
+            raise CheckpointError(f"{location} holds no complete checkpoints (expected {CHECKPOINT_DIR}/step_*.pt)")
+        return found
     raise CheckpointError(f"checkpoint {location} does not exist; give a run directory or a .pt file")
 
 

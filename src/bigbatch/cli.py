@@ -49,8 +49,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.run.nproc > 1 and not launched_by_torchrun():
         return launch_torchrun(config.run.nproc, ["train", *strip_nproc(args.argv)])
     with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
-        Trainer(config, dist, device).train()
-    return 0
+        result = Trainer(config, dist, device).train()
+    return 128 + result.stopped_by if result.stopped_by else 0  # the shell's convention for a signal
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:

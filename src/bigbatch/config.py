@@ -98,6 +98,14 @@ class RunSection:
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
+    keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all")
+    resume: str = _opt(
+        "auto",
+        "auto: continue from the newest valid checkpoint in --out if there is one; "
+        "never: refuse a run directory that holds checkpoints",
+    )
+    overwrite: bool = _opt(False, "with --resume never: delete the run directory's checkpoints and logs, start over")
+    max_consecutive_skips: int = _opt(5, "abort after this many consecutive steps with a non-finite gradient")
     log_every: int = _opt(1, "print a step line every N steps")
     sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables")
     sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
@@ -173,6 +181,10 @@ class TrainConfig:
             raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
         if self.data.data_mode not in ("packed", "documents"):
             raise ConfigError(f"data_mode must be packed or documents, got {self.data.data_mode!r}")
+        if self.run.resume not in ("auto", "never"):
+            raise ConfigError(f"resume must be auto or never, got {self.run.resume!r}")
+        if self.run.keep_checkpoints < 0 or self.run.max_consecutive_skips < 1:
+            raise ConfigError("keep_checkpoints must be >= 0 and max_consecutive_skips >= 1")
         if self.run.nproc < 1:
             raise ConfigError(f"nproc must be a positive integer, got {self.run.nproc}")
         if self.run.parallel not in ("auto", "none", "ddp", "fsdp"):

@@ -112,6 +112,16 @@ class DistContext:
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` for one process)."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def barrier(self) -> None:
         if self.world_size > 1:
             import torch.distributed as dist

@@ -29,6 +29,10 @@ class CheckpointError(BigBatchError):
     """A checkpoint that is missing, unreadable or incompatible."""
 
 
+class TrainingError(BigBatchError):
+    """Training cannot go on (for example, every recent step had a non-finite gradient)."""
+
+
 def require_creatable_dir(path: Path, what: str) -> None:
     """Raise :class:`ConfigError` early if ``path`` cannot become a directory (a file is in the way)."""
     for candidate in (path, *path.parents):

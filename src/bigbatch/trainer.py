@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,7 +21,12 @@ from bigbatch.accumulate import (
     count_valid_targets,
     resolve_precision,
 )
-from bigbatch.checkpoint import checkpoint_path, list_checkpoints, save_checkpoint
+from bigbatch.checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from bigbatch.config import TrainConfig
 from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader
 from bigbatch.data.prepare import ensure_prepared
@@ -34,13 +40,23 @@ from bigbatch.distributed import (
     unwrap,
     wrap_model,
 )
-from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    TrainingError,
+    require_creatable_dir,
+)
+from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.hf import load_hf_gpt2
 from bigbatch.metrics import JsonlLog, format_step
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
+from bigbatch.resume import check_compatible, find_resume_checkpoint, truncate_metrics
+from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.sampling import generate
+from bigbatch.signals import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +70,7 @@ class TrainResult:
     val_loss: float | None
     tokens_per_s: float  # mean over steps after the first (which includes warm-up)
     sample: str | None
+    stopped_by: int = 0  # the signal that stopped the run early, or 0
 
 
 def seed_everything(seed: int) -> None:
@@ -119,10 +136,8 @@ class Trainer:
         out = config.run.out or str(default_run_dir())
         self.run_dir = Path(self.dist.broadcast_object(out))  # rank 0's choice of a default name
         require_creatable_dir(self.run_dir, "run directory")
-        if list_checkpoints(self.run_dir):
-            raise ConfigError(
-                f"run directory {self.run_dir} already holds checkpoints; choose another --out or remove it"
-            )
+        resume_from = find_resume_checkpoint(self.run_dir, config.run.resume, config.run.overwrite, self.dist.is_main)
+        self.dist.barrier()
         if config.data.cache_dir:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
@@ -139,6 +154,7 @@ class Trainer:
         self.tokens_seen = 0  # valid target tokens trained on, all ranks
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model_config = self.model.config
+        self.dataset.check_token_ids(self.model_config.vocab_size)
         self.train_loader = self._build_loader("train", "training")
         self.val_loader = self._build_val_loader()
 
@@ -168,6 +184,43 @@ class Trainer:
             device=self.device,
             grad_sync=grad_sync,
             dist=self.dist,
+        )
+        fault = fault_from_env()
+        if fault:
+            current = lambda: self.engine.step_count + 1  # noqa: E731
+            self.engine.loss_fn = with_fault(self.engine.loss_fn, fault, self.dist.rank, current)
+        self.resumed_from: Path | None = None
+        if resume_from is not None:
+            self._resume(resume_from)
+
+    def _resume(self, path: Path) -> None:
+        """Restore every stateful part from ``path``; the next step is the one after the checkpoint."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
+
+        document = load_checkpoint(path)
+        check_compatible(document, self.model_config.to_dict(), self.dataset.meta.tokenizer, self.config.batch)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=document["model"], optim_state_dict=document["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )  # fmt: skip
+        self.engine.load_state_dict(document["engine"])
+        self.train_loader.load_state_dict(document["loader"])
+        self.tokens_seen = int(document.get("tokens_seen", 0))
+        saved_world = int(document.get("world_size", 1))
+        rng_states = document.get("rng", [])
+        if saved_world == self.dist.world_size and len(rng_states) == saved_world:
+            restore_rng_state(rng_states[self.dist.rank])
+        else:  # another world size: fresh, distinct streams (documented: dropout masks then differ)
+            seed_everything(self.config.run.seed + 1_000_003 * self.engine.step_count + self.dist.rank)
+        if self.dist.is_main:
+            truncate_metrics(self.run_dir, self.engine.step_count)
+        self.resumed_from = path
+        self._say(
+            "resumed from %s at step %d (%s tokens)%s", path, self.engine.step_count, f"{self.tokens_seen:,}",
+            "" if saved_world == self.dist.world_size else f" | world size {saved_world} -> {self.dist.world_size}",
         )
 
     def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
@@ -283,9 +336,8 @@ class Trainer:
                     module.reshard()
 
     def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Model and optimizer state as whole tensors (gathered from shards under FSDP, on rank 0)."""
-        if self.parallel != "fsdp":
-            return self.model.state_dict(), self.optimizer.state_dict()
+        """Model and optimizer state as whole tensors keyed by parameter name, whatever the parallelism
+        (gathered from shards under FSDP), so that any world size and mode can resume from them."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_state_dict,
@@ -309,17 +361,33 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "world_size": self.dist.world_size,
             "parallel": self.parallel,
-            "torch_rng_state": torch.get_rng_state(),
+            "rng": self.dist.all_gather_object(capture_rng_state()),  # every rank's generators
         }
 
     def save(self) -> Path:
-        """Rank 0 writes one checkpoint that any world size can read (every rank takes part under FSDP)."""
+        """Rank 0 writes one checkpoint that any world size can read (every rank takes part in gathering).
+
+        A failed write (disk full, permissions) leaves the existing checkpoints as they were and raises
+        :class:`CheckpointError` on every rank.
+        """
         payload = self.checkpoint_payload()
         path = checkpoint_path(self.run_dir, self.engine.step_count)
+        error = ""
         if self.dist.is_main:
-            save_checkpoint(payload, path)
-            self._say("saved checkpoint %s", path)
-        self.dist.barrier()
+            started = time.perf_counter()
+            try:
+                save_checkpoint(payload, path)
+            except OSError as exc:
+                error = f"could not save checkpoint {path}: {exc.strerror or exc}; earlier checkpoints are intact"
+            else:
+                self._say(
+                    "saved checkpoint %s (%.1f MB, %.2fs)", path, path.stat().st_size / 1e6,
+                    time.perf_counter() - started,
+                )
+                prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        error = self.dist.broadcast_object(error)
+        if error:
+            raise CheckpointError(error)
         return path
 
     def sample(self, max_new_tokens: int, prompt: str) -> str:
@@ -332,17 +400,43 @@ class Trainer:
         out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)  # type: ignore[arg-type]
         return tokenizer.decode(out[0, len(ids) :].tolist())
 
+    def _agreed_stop(self, stop: StopRequest) -> int:
+        """The stop signal if any rank received one (all ranks agree at this step boundary), else 0."""
+        if self.dist.world_size == 1:
+            return stop.signum
+        import torch.distributed as torch_dist
+
+        flags = torch.tensor([stop.signum], dtype=torch.int64, device=self.device)
+        torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
+        return int(flags.item())
+
+    def _stop(self, signum: int, saved: bool) -> None:
+        if not saved:
+            self.save()
+        self._say(
+            "stopped by %s after step %d; checkpoint saved in %s; run the same command to resume",
+            signal.Signals(signum).name, self.engine.step_count, self.run_dir, level=logging.WARNING,
+        )
+
     def train(self) -> TrainResult:
         run = self.config.run
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.resumed_from is not None and self.engine.step_count >= run.max_steps:
+            raise ConfigError(
+                f"the run in {self.run_dir} already reached max_steps={run.max_steps}; raise --max-steps to train on"
+            )
         self._log_header()
         metrics = JsonlLog(self.run_dir / "metrics.jsonl") if self.dist.is_main else None
         record: StepRecord | None = None
         val_loss: float | None = None
         rates: list[float] = []
+        consecutive_skips = 0
+        stopped_by = 0
+        stop = StopRequest()
         try:
+            stop.__enter__()
             while self.engine.step_count < run.max_steps:
                 micro_batches, n_valid = self.next_step_batches()
                 if n_valid == 0:
@@ -355,7 +449,18 @@ class Trainer:
                     metrics.write_step(record)
                 if record.skipped:
                     self._say(format_step(record, show_k=True), level=logging.WARNING)
+                    consecutive_skips += 1
+                    if consecutive_skips >= run.max_consecutive_skips:
+                        raise TrainingError(
+                            f"{consecutive_skips} consecutive steps had a non-finite gradient (loss {record.loss}); "
+                            "the run is diverging: lower --lr, check the data, or use bf16 rather than fp16"
+                        )
+                    stopped_by = self._agreed_stop(stop)
+                    if stopped_by:
+                        self._stop(stopped_by, saved=False)
+                        break
                     continue
+                consecutive_skips = 0
                 self.tokens_seen += record.tokens
                 if record.step > 1:
                     rates.append(record.tokens_per_s)
@@ -368,11 +473,23 @@ class Trainer:
                     if metrics:
                         metrics.write("eval", step=record.step, val_loss=val_loss)
                     self._say("eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started)
-                if last or (run.save_every and record.step % run.save_every == 0):
+                saved = last or bool(run.save_every and record.step % run.save_every == 0)
+                if saved:
                     self.save()
+                stopped_by = self._agreed_stop(stop)
+                if stopped_by:
+                    self._stop(stopped_by, saved)
+                    break
         finally:
+            stop.__exit__()
             if metrics:
                 metrics.close()
+        if stopped_by:
+            return TrainResult(
+                run_dir=self.run_dir, steps=self.engine.step_count, tokens_seen=self.tokens_seen,
+                final_loss=record.loss if record else float("nan"), val_loss=val_loss,
+                tokens_per_s=sum(rates) / len(rates) if rates else 0.0, sample=None, stopped_by=stopped_by,
+            )  # fmt: skip
         sample = None
         if run.sample_tokens:
             sample = self.sample(run.sample_tokens, run.sample_prompt)

@@ -130,6 +130,18 @@ class TokenDataset:
             raise ValueError(f"unknown split {split!r}")
         return [self._open_shard(name) for name in self.meta.shards.get(split, [])]
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse shards holding ids at or above ``vocab_size`` (they would index past the embedding)."""
+        for split in SPLITS:
+            for name, array in zip(self.meta.shards.get(split, []), self.shard_arrays(split)):
+                for start in range(0, len(array), 1 << 24):  # chunks keep memory flat on huge shards
+                    top = int(array[start : start + (1 << 24)].max(initial=0))
+                    if top >= vocab_size:
+                        raise DataError(
+                            f"shard {self.directory / name} holds token id {top}, but the vocabulary has "
+                            f"{vocab_size} ids (0..{vocab_size - 1}); re-prepare it with the right tokenizer"
+                        )
+
     def document_shards(self, split: str) -> list[DocumentShard]:
         """The split's shards with their document offsets (and masks), for a ``documents`` dataset."""
         if self.meta.mode != "documents":

@@ -1,0 +1,353 @@
+"""Reliability: exact resume, atomic verified checkpoints, retention, faults survived, bad input refused."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bigbatch import checkpoint as ckpt
+from bigbatch.cli import main
+from bigbatch.config import TrainConfig
+from bigbatch.errors import CheckpointError, DataError
+from bigbatch.rng import capture_rng_state, restore_rng_state
+from bigbatch.trainer import Trainer
+
+HERE = Path(__file__).resolve().parent
+SHAKESPEARE = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    path.write_bytes(text)
+    return path
+
+
+def make_config(corpus: Path, out: Path, **run: object) -> TrainConfig:
+    config = TrainConfig()
+    config.model.preset = "pico"
+    config.model.dropout = 0.1  # makes the RNG state matter for exactness
+    config.data.data = str(corpus)
+    config.data.cache_dir = str(out.parent / "cache")
+    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = 2, 32, 256  # K = 4
+    config.run.max_steps = STEPS
+    config.run.eval_every = 3
+    config.run.eval_batches = 2
+    config.run.sample_tokens = 0
+    config.run.out = str(out)
+    for key, value in run.items():
+        setattr(config.run, key, value)
+    return config
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["kind"] == "step"]
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return ckpt.load_checkpoint(run_dir)["model"]
+
+
+@pytest.fixture(scope="module")
+def golden(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("golden") / "run"
+    Trainer(make_config(corpus, out)).train()
+    return out
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def crash_at(trainer: Trainer, step: int, micro: int) -> None:
+    """Make the trainer fail inside micro-batch ``micro`` of optimizer step ``step`` (1-based)."""
+    inner = trainer.engine.loss_fn
+    seen = {"step": 0, "micro": -1}
+
+    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        current = trainer.engine.step_count + 1
+        seen["micro"] = seen["micro"] + 1 if seen["step"] == current else 0
+        seen["step"] = current
+        if model.training and current == step and seen["micro"] == micro:
+            raise Crash(f"injected crash in step {step}")
+        return inner(model, batch)
+
+    trainer.engine.loss_fn = failing
+
+
+@pytest.mark.parametrize(("save_every", "crash_step"), [(1, 2), (1, 5), (2, 4), (2, 6)])
+def test_resume_after_a_crash_is_bitwise_identical(
+    corpus: Path, golden: Path, tmp_path: Path, save_every: int, crash_step: int
+) -> None:
+    """Crash mid-window, resume from the newest checkpoint: the loss sequence and parameters are bitwise equal."""
+    out = tmp_path / "run"
+    trainer = Trainer(make_config(corpus, out, save_every=save_every))
+    crash_at(trainer, crash_step, micro=2)
+    with pytest.raises(Crash):
+        trainer.train()
+    resumed = Trainer(make_config(corpus, out, save_every=save_every))
+    assert resumed.resumed_from is not None
+    assert resumed.engine.step_count == (crash_step - 1) // save_every * save_every  # the window is replayed
+    resumed.train()
+    assert step_losses(out) == step_losses(golden)  # bitwise: == on floats
+    for name, value in final_model(golden).items():
+        assert torch.equal(final_model(out)[name], value), name
+
+
+def test_resume_never_refuses_and_overwrite_starts_over(corpus: Path, golden: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    Trainer(make_config(corpus, out, max_steps=2)).train()
+    from bigbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(make_config(corpus, out, resume="never"))
+    Trainer(make_config(corpus, out, resume="never", overwrite=True)).train()
+    assert step_losses(out) == step_losses(golden)
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [f"step_{STEPS:07d}.pt"]
+
+
+def test_resume_with_another_model_or_batch_is_refused(corpus: Path, golden: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    Trainer(make_config(corpus, out, max_steps=2)).train()
+    other = make_config(corpus, out)
+    other.model.preset = "nano"
+    with pytest.raises(CheckpointError, match="model differs from this run's.*n_layer 2 -> 4"):
+        Trainer(other)
+    other = make_config(corpus, out)
+    other.batch.total_batch_tokens = 512
+    with pytest.raises(CheckpointError, match="total_batch_tokens is 256, this run's is 512"):
+        Trainer(other)
+
+
+def test_resume_with_another_micro_batch_keeps_tokens_per_step(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    Trainer(make_config(corpus, out, max_steps=2)).train()
+    config = make_config(corpus, out, max_steps=3)
+    config.batch.micro_batch = 4  # K 4 -> 2, same 256 tokens per step
+    trainer = Trainer(config)
+    assert trainer.plan.accumulation_steps == 2 and trainer.engine.step_count == 2
+    result = trainer.train()
+    assert result.tokens_seen == 3 * 256
+
+
+def test_reaching_max_steps_again_is_a_clear_error(corpus: Path, golden: Path, tmp_path: Path) -> None:
+    code = main(["train", "--data", str(corpus), "--model", "pico", "--dropout", "0.1", "--micro-batch", "2",
+                 "--seq-len", "32", "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3",
+                 "--eval-batches", "2", "--sample-tokens", "0", "--cache-dir", str(golden.parent / "cache"),
+                 "--out", str(golden)])  # fmt: skip
+    assert code == 2
+
+
+# ---- checkpoints on disk -------------------------------------------------------------------------------
+
+
+def write_checkpoints(run_dir: Path, steps: list[int]) -> list[Path]:
+    return [ckpt.save_checkpoint({"step": s, "w": torch.full((8,), float(s))}, ckpt.checkpoint_path(run_dir, s)) for s in steps]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_marker", "bad_marker"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    older, latest = write_checkpoints(tmp_path, [10, 20])
+    data = latest.read_bytes()
+    if damage == "truncate":
+        latest.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0xFF
+        latest.write_bytes(bytes(flipped))
+    elif damage == "no_marker":
+        ckpt.commit_path(latest).unlink()
+    else:
+        ckpt.commit_path(latest).write_text("{not json")
+    assert ckpt.latest_valid_checkpoint(tmp_path) == older
+    assert "skipping checkpoint" in caplog.text and latest.name in caplog.text
+    assert ckpt.load_checkpoint(tmp_path)["step"] == 10
+
+
+def test_a_failed_write_leaves_nothing_half_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (first,) = write_checkpoints(tmp_path, [1])
+    before = sorted(p.name for p in first.parent.iterdir())
+
+    def disk_full(obj: object, handle: object) -> None:
+        handle.write(b"partial bytes")  # type: ignore[attr-defined]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save_checkpoint({"step": 2}, ckpt.checkpoint_path(tmp_path, 2))
+    assert sorted(p.name for p in first.parent.iterdir()) == before  # no temp file, no step 2
+    assert ckpt.latest_valid_checkpoint(tmp_path) == first
+
+
+def test_trainer_reports_a_failed_save_and_keeps_old_checkpoints(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    Trainer(make_config(corpus, out, max_steps=2)).train()
+    trainer = Trainer(make_config(corpus, out, max_steps=3))
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match="could not save checkpoint .*No space left.*earlier checkpoints are intact"):
+        trainer.train()
+    monkeypatch.undo()
+    assert ckpt.latest_valid_checkpoint(out) == ckpt.checkpoint_path(out, 2)
+
+
+def test_retention_keeps_n_and_survives_a_failed_delete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = write_checkpoints(tmp_path, [1, 2, 3, 4, 5])
+    real_unlink = Path.unlink
+
+    def stubborn(self: Path, missing_ok: bool = False) -> None:
+        if self == paths[0]:
+            raise PermissionError(13, "Permission denied")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", stubborn)
+    removed = ckpt.prune_checkpoints(tmp_path, keep=2)
+    assert removed == paths[1:3]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [paths[0].name, paths[3].name, paths[4].name]
+    assert ckpt.verify_checkpoint(paths[0]) is not None  # its marker went first: never trusted again
+    assert ckpt.latest_valid_checkpoint(tmp_path) == paths[4]
+
+
+def test_rng_state_round_trips_through_weights_only(tmp_path: Path) -> None:
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.random(), np.random.randn(), torch.rand(1)
+    path = ckpt.save_checkpoint({"step": 0, "rng": [capture_rng_state()]}, tmp_path / "r.pt")
+    expected = (random.random(), float(np.random.randn()), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng_state(torch.load(path, weights_only=True)["rng"][0])
+    got = (random.random(), float(np.random.randn()), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from bigbatch.data.prepare import prepare_dataset
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 2000)
+    prepare_dataset(str(corpus), tmp_path / "ds")
+    shard = tmp_path / "ds" / "train_000000.npy"
+    tokens = np.load(shard)
+    tokens[100] = 300
+    np.save(shard, tokens)
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert meta["vocab_size"] == 256
+    code = main(["train", "--data", str(tmp_path / "ds"), "--model", "pico", "--seq-len", "32", "--micro-batch", "2",
+                 "--total-batch-tokens", "64", "--out", str(tmp_path / "run")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "token id 300" in err and "256 ids" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_consecutive_non_finite_steps_abort_with_a_clear_error(corpus: Path, tmp_path: Path) -> None:
+    from bigbatch.errors import TrainingError
+
+    trainer = Trainer(make_config(corpus, tmp_path / "run", max_consecutive_skips=3))
+    inner = trainer.engine.loss_fn
+    trainer.engine.loss_fn = lambda model, batch: inner(model, batch) * float("nan")
+    with pytest.raises(TrainingError, match="3 consecutive steps had a non-finite gradient"):
+        trainer.train()
+    assert trainer.engine.skipped_steps == 3 and trainer.engine.step_count == 0
+
+
+# ---- faults in real processes --------------------------------------------------------------------------
+
+
+def cli_args(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
+        "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2",
+        "--sample-tokens", "0", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def run_cli(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("BIGBATCH_FAULT", None)
+    if fault:
+        env["BIGBATCH_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_cli(args: list[str], fault: str | None, max_restarts: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("BIGBATCH_FAULT", None)
+    if fault:
+        env["BIGBATCH_FAULT"] = fault
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               f"--max-restarts={max_restarts}", "-m", "bigbatch", *args]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = run_cli(cli_args(corpus, out), fault="sigterm:step=3,micro=1")
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "stopped by SIGTERM after step 3" in done.stdout
+    assert ckpt.latest_valid_checkpoint(out) == ckpt.checkpoint_path(out, 3)
+    again = run_cli(cli_args(corpus, out))
+    assert again.returncode == 0 and "resumed from" in again.stdout and f"step {STEPS} | loss" in again.stdout
+
+
+@pytest.fixture(scope="module")
+def golden_two_ranks(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("golden2") / "run"
+    done = torchrun_cli(cli_args(corpus, out), fault=None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_finishes_with_the_golden_parameters(
+    corpus: Path, golden_two_ranks: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    done = torchrun_cli(cli_args(corpus, out, "--save-every", "2"), fault="kill:step=4,micro=1,rank=1", max_restarts=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    for name, value in final_model(golden_two_ranks).items():
+        assert torch.equal(final_model(out)[name], value), name
+
+
+@pytest.mark.slow
+def test_restarts_exhausted_is_a_non_zero_exit(corpus: Path, tmp_path: Path) -> None:
+    done = torchrun_cli(cli_args(corpus, tmp_path / "run"), fault="kill:step=2,rank=1,attempt=any", max_restarts=1)
+    assert done.returncode != 0
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_makes_both_skip(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = torchrun_cli(cli_args(corpus, out), fault="nan:step=2,rank=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SKIPPED (non-finite gradient)" in done.stdout
+    document = ckpt.load_checkpoint(out)
+    assert document["engine"]["skipped_steps"] == 1 and document["step"] == STEPS
+
+
+@pytest.mark.slow
+def test_a_hung_peer_becomes_an_error_within_the_timeout(corpus: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = torchrun_cli(cli_args(corpus, tmp_path / "run", "--collective-timeout", "5"), fault="hang:step=2,rank=1", timeout=240)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 120
