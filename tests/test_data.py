@@ -163,7 +163,11 @@ def test_load_state_dict_rejects_state_from_other_data() -> None:
     with pytest.raises(DataError, match="shard 1"):
         loader.load_state_dict({"shard": 1, "offset": 0, "epoch": 0})  # shard 1 is too short to be usable
     with pytest.raises(DataError, match="offset"):
-        loader.load_state_dict({"shard": 0, "offset": 48, "epoch": 0})
+        loader.load_state_dict({"shard": 0, "offset": 51, "epoch": 0})  # beyond the shard's 50 tokens
+    # Inside the shard but without room for a whole window (saved under a smaller window):
+    # the reader continues where it would go next, here the start of the next pass.
+    loader.load_state_dict({"shard": 0, "offset": 48, "epoch": 0})
+    assert (loader.shard_index, loader.offset, loader.epoch) == (0, 0, 1)
 
 
 def test_reset_returns_to_the_start() -> None:

@@ -117,11 +117,16 @@ class PackedLoader:
         offset = int(state["offset"])
         if shard not in self.usable:
             raise DataError(f"loader state names shard {shard}, which this dataset does not have; was the data changed?")
-        if offset < 0 or offset + self.global_window + 1 > len(self.shards[shard]):
+        if offset < 0 or offset > len(self.shards[shard]):
             raise DataError(f"loader state offset {offset} lies beyond shard {shard}; was the data changed?")
         self._slot = self.usable.index(shard)
         self.offset = offset
         self.epoch = int(state.get("epoch", 0))
+        if offset + self.global_window + 1 > len(self.shards[shard]):
+            # Saved under another micro-batch or world size: this shard's tail no longer holds a whole
+            # window, so continue where this reader would have gone next.
+            self.offset -= self.global_window
+            self._advance(len(self.shards[shard]))
 
 
 class DocumentLoader:
