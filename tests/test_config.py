@@ -42,7 +42,7 @@ def test_bad_mappings_name_the_problem(mapping: dict, pattern: str) -> None:
 @pytest.mark.parametrize(
     ("section", "key", "value", "pattern"),
     [
-        ("batch", "micro_batch", 0, "micro_batch must be a positive integer"),
+        ("batch", "micro_batch", -1, "micro_batch must be a positive integer or auto"),
         ("run", "max_steps", -1, "max_steps must be a positive integer"),
         ("optim", "lr", 0.0, "lr must be positive"),
         ("optim", "min_lr_ratio", 1.5, "min_lr_ratio must be in"),
@@ -65,3 +65,13 @@ def test_demo_config_file_equals_the_defaults() -> None:
 
     path = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
     assert config_from_dict(load_toml(path)) == TrainConfig()
+
+
+def test_micro_batch_auto_is_accepted_in_toml_and_round_trips() -> None:
+    config = TrainConfig()
+    apply_mapping(config, {"batch": {"micro_batch": "auto"}}, origin="t")
+    assert config.batch.micro_batch == 0
+    assert 'micro_batch = "auto"' in config.to_toml()
+    assert config_from_dict(tomllib.loads(config.to_toml())) == config
+    with pytest.raises(ConfigError, match="micro_batch must be int, got str"):
+        apply_mapping(config, {"batch": {"micro_batch": "big"}}, origin="t")

@@ -1,4 +1,4 @@
-"""Command-line interface: ``bigbatch prepare | train | sample | plan | verify``.
+"""Command-line interface: ``bigbatch prepare | train | sample | plan | memory | verify``.
 
 The CLI only parses arguments and calls the library. User errors
 (:class:`~bigbatch.errors.BigBatchError`) become one line on stderr and exit code 2.
@@ -108,21 +108,59 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from bigbatch.plan import plan_batch
+    from bigbatch.accumulate import resolve_precision
+    from bigbatch.distributed import resolve_device
+    from bigbatch.memory import measure
+    from bigbatch.model import preset
+    from bigbatch.plan import parse_count, solve_plan
+    from bigbatch.plan_report import format_plan
 
-    plan = plan_batch(args.total_batch_tokens, args.micro_batch, args.seq_len, args.world_size)
-    rows = [
-        ("tokens per step", f"{plan.tokens_per_step:,}"),
-        ("sequences per step", f"{plan.sequences_per_step:,}"),
-        ("micro-batch (B)", f"{plan.micro_batch}"),
-        ("sequence length (T)", f"{plan.seq_len}"),
-        ("accumulation steps (K)", f"{plan.accumulation_steps}"),
-        ("world size", f"{plan.world_size}"),
-        ("tokens per micro-batch", f"{plan.tokens_per_micro_batch:,}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    total = parse_count(args.tokens_per_step) if args.tokens_per_step else None
+    solved = solve_plan(args.seq_len, total, args.micro_batch, args.k, args.devices)
+    model_config = measured = None
+    precision = "fp32"
+    if args.model:
+        device = resolve_device(args.device)
+        precision = resolve_precision(args.precision, device)
+        model_config = preset(args.model, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+        if solved.plan.seq_len > model_config.block_size:
+            model_config = preset(args.model, block_size=solved.plan.seq_len,
+                                  **({"vocab_size": args.vocab_size} if args.vocab_size else {}))  # fmt: skip
+        if args.measure:
+            measured = measure(model_config, solved.plan.micro_batch, solved.plan.seq_len,
+                               k=min(solved.plan.accumulation_steps, 4), device=device, precision=precision)  # fmt: skip
+    print(format_plan(solved, args.model, model_config, precision, measured))
+    return 0
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from bigbatch.accumulate import resolve_precision
+    from bigbatch.distributed import resolve_device
+    from bigbatch.memory import estimate_memory, measure, memory_report, plot_memory
+    from bigbatch.model import preset
+
+    if args.max_micro_batch < 1 or args.k < 2:
+        raise BigBatchError("--max-micro-batch must be positive and --k at least 2")
+    device = resolve_device(args.device)
+    precision = resolve_precision(args.precision, device)
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    config = preset(args.model, **overrides)
+    if args.seq_len > config.block_size:
+        raise BigBatchError(f"--seq-len {args.seq_len} exceeds the {args.model} block size {config.block_size}")
+    sizes = [2**i for i in range(args.max_micro_batch.bit_length()) if 2**i <= args.max_micro_batch]
+    rows = []
+    for size in sizes:
+        rows.append(measure(config, size, args.seq_len, k=args.k, device=device, precision=precision,
+                            activation_checkpointing=args.activation_checkpointing))  # fmt: skip
+        print(f"measured micro-batch {size}", file=sys.stderr)
+    estimates = {s: estimate_memory(config, s, args.seq_len, precision).activations for s in sizes}
+    how = "allocator peaks" if device.type == "cuda" else "peak resident memory of a fresh process per size"
+    print(f"{args.model} | seq_len {args.seq_len} | {precision} | {device} ({how})"
+          f"{' | activation checkpointing' if args.activation_checkpointing else ''}")  # fmt: skip
+    print(memory_report(rows, estimates))
+    if args.plot:
+        plot_memory(rows, args.plot, f"{args.model}, seq_len {args.seq_len}, {device.type}")
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -254,12 +292,42 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--device", default="auto")
     sample.set_defaults(handler=_cmd_sample)
 
-    plan = commands.add_parser("plan", help="derive accumulation steps K from a token budget")
-    plan.add_argument("--total-batch-tokens", type=int, required=True)
-    plan.add_argument("--micro-batch", type=int, required=True)
+    plan = commands.add_parser(
+        "plan",
+        help="derive K (or micro-batch, or devices) from a token budget; memory and step time",
+        description="Give the tokens per step, the sequence length and all but one of micro-batch, K and devices; "
+        "the missing one is derived (devices default to 1).",
+    )
+    plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step",
+                      help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
     plan.add_argument("--seq-len", type=int, required=True)
-    plan.add_argument("--world-size", type=int, default=1)
+    plan.add_argument("--micro-batch", type=int, help="sequences per micro-batch per device")
+    plan.add_argument("--k", type=int, help="accumulation steps")
+    plan.add_argument("--devices", "--world-size", dest="devices", type=int, help="world size")
+    plan.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
+    plan.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the preset's, 50257)")
+    plan.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
+    plan.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    plan.add_argument("--device", default="auto")
     plan.set_defaults(handler=_cmd_plan)
+
+    memory = commands.add_parser(
+        "memory",
+        help="measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ...",
+        description="Measured, not estimated: CUDA allocator peaks, or on CPU the peak resident memory of a fresh "
+        "process per size (see bigbatch/memory.py). Prints fixed and activation parts, checks linear growth "
+        "and that the peak does not grow with K, and can write a PNG plot.",
+    )
+    memory.add_argument("--model", default="nano", help="preset (default: nano)")
+    memory.add_argument("--seq-len", type=int, default=256)
+    memory.add_argument("--max-micro-batch", type=int, default=16)
+    memory.add_argument("--k", type=int, default=8, help="K for the whole-step peak (default: 8)")
+    memory.add_argument("--vocab-size", type=int, default=256, help="default: 256 (byte tokens)")
+    memory.add_argument("--activation-checkpointing", action="store_true")
+    memory.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    memory.add_argument("--device", default="auto")
+    memory.add_argument("--plot", type=Path, help="write a PNG plot here")
+    memory.set_defaults(handler=_cmd_memory)
 
     verify = commands.add_parser(
         "verify",

@@ -34,6 +34,9 @@ class ModelSection:
     preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl", flag="model")
     block_size: int = _opt(0, "maximum context length; 0 keeps the preset's")
     dropout: float = _opt(0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)")
+    activation_checkpointing: bool = _opt(
+        False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
+    )
     init_from: str = _opt(
         "", "start from a local Hugging Face GPT-2 directory (config.json + model.safetensors); replaces the preset"
     )
@@ -55,7 +58,11 @@ class DataSection:
 @dataclass
 class BatchSection:
     total_batch_tokens: int = _opt(16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size")
-    micro_batch: int = _opt(16, "sequences per micro-batch per device (B)")
+    micro_batch: int = field(
+        default=16,
+        metadata={"help": "sequences per micro-batch per device (B); 'auto' picks the largest that fits", "auto": True},
+    )
+    memory_budget: float = _opt(0.0, "MiB a training step may use on CPU, for --micro-batch auto")
     seq_len: int = _opt(256, "tokens per sequence (T)")
     token_budget: int = _opt(
         0,
@@ -95,6 +102,7 @@ class RunSection:
         False, "reduce gradients after every micro-step instead of once per step (for comparison; costs K rounds)"
     )
     collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error")
+    peak_flops: float = _opt(0.0, "peak FLOP/s per device for MFU; 0 looks the GPU up (A100, H100, H200)")
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
@@ -135,14 +143,18 @@ class TrainConfig:
         lines: list[str] = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            for key, value in values.items():
+                if value == 0 and _field_meta(SECTIONS[section], key).get("auto"):
+                    value = "auto"
+                lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
 
     def validate(self) -> None:
+        if self.batch.micro_batch < 0:
+            raise ConfigError(f"micro_batch must be a positive integer or auto, got {self.batch.micro_batch}")
         positive = {
             "total_batch_tokens": self.batch.total_batch_tokens,
-            "micro_batch": self.batch.micro_batch,
             "seq_len": self.batch.seq_len,
             "max_steps": self.run.max_steps,
             "eval_batches": self.run.eval_batches,
@@ -226,6 +238,14 @@ def _check_type(where: str, value: Any, expected: type) -> Any:
 _SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
 
+def _field_meta(section_cls: type, name: str) -> Any:
+    return {f.name: f.metadata for f in fields(section_cls)}[name]
+
+
+def _int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
 def _field_type(section_cls: type, name: str) -> type:
     """The scalar type of a config field (annotations are strings under ``from __future__ import annotations``)."""
     annotation = {f.name: f.type for f in fields(section_cls)}[name]
@@ -245,6 +265,8 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> 
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
+            if value == "auto" and _field_meta(section_cls, key).get("auto"):
+                value = 0  # stored as 0, resolved by the trainer
             value = _check_type(f"{origin}: {section}.{key}", value, _field_type(section_cls, key))
             setattr(target, key, value)
 
@@ -277,9 +299,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                     default=argparse.SUPPRESS, help=help_text,
                 )
             else:
+                auto = f.metadata.get("auto", False)
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, type=kind, default=argparse.SUPPRESS,
-                    metavar=kind.__name__.upper(), help=help_text,
+                    f"--{_flag(f)}", dest=dest, type=_int_or_auto if auto else kind, default=argparse.SUPPRESS,
+                    metavar="INT|auto" if auto else kind.__name__.upper(), help=help_text,
                 )
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from bigbatch.errors import ConfigError
 
@@ -154,6 +155,8 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        # Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute).
+        self.activation_checkpointing = False
         self.apply(self._init_weights)
         with torch.no_grad():
             # Padding rows are never looked up and never reach a softmax: keep them at zero (they stay there).
@@ -183,7 +186,10 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, padded_vocab)
         if self.config.padded_vocab_size != self.config.vocab_size:

@@ -78,3 +78,88 @@ def plan_batch(total_tokens: int, micro_batch: int, seq_len: int, world_size: in
     if micro_batches:
         message += f"; or keep the total with micro_batch in {{{', '.join(map(str, micro_batches))}}}"
     raise PlanError(message)
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_count(text: str) -> int:
+    """``524288``, ``524_288``, ``2M`` (2,000,000), ``512Ki`` (524,288), ``0.5Mi``."""
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    lowered = cleaned.lower()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            number = lowered[: -len(suffix)]
+            try:
+                value = float(number) * _SUFFIXES[suffix]
+            except ValueError:
+                break
+            if value != int(value) or value < 1:
+                break
+            return int(value)
+    try:
+        value = int(cleaned)
+    except ValueError:
+        raise PlanError(f"{text!r} is not a count; use e.g. 524288, 2M (2,000,000) or 512Ki (524,288)") from None
+    if value < 1:
+        raise PlanError(f"{text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class SolvedPlan:
+    plan: BatchPlan
+    requested_tokens: int | None  # what was asked for, when the plan had to round
+    solved_for: str  # "micro_batch", "accumulation_steps", "world_size" or "" (everything was given)
+
+    @property
+    def rounded(self) -> bool:
+        return self.requested_tokens is not None and self.requested_tokens != self.plan.tokens_per_step
+
+
+def solve_plan(
+    seq_len: int,
+    total_tokens: int | None = None,
+    micro_batch: int | None = None,
+    accumulation_steps: int | None = None,
+    world_size: int | None = None,
+) -> SolvedPlan:
+    """Derive the missing one of micro_batch, K and world size (world defaults to 1 when two are missing).
+
+    When the token budget is not a whole number of micro-batches on every device,
+    the number of sequences is rounded to the nearest multiple that is (never to
+    zero), and the plan reports the total it came to.
+    """
+    _require_positive(seq_len=seq_len)
+    given = {"micro_batch": micro_batch, "accumulation_steps": accumulation_steps, "world_size": world_size}
+    for name, value in given.items():
+        if value is not None:
+            _require_positive(**{name: value})
+    if total_tokens is None:
+        missing = [n for n, v in given.items() if v is None]
+        if missing and missing != ["world_size"]:
+            raise PlanError(f"without --tokens-per-step, give micro-batch and K (missing: {', '.join(missing)})")
+        plan = BatchPlan(micro_batch, seq_len, accumulation_steps, world_size or 1)  # type: ignore[arg-type]
+        return SolvedPlan(plan, None, "")
+    _require_positive(total_batch_tokens=total_tokens)
+    missing = [n for n, v in given.items() if v is None]
+    if len(missing) >= 2 and "world_size" in missing:
+        given["world_size"] = world_size = 1
+        missing.remove("world_size")
+    if len(missing) > 1:
+        raise PlanError(f"give all but one of micro-batch, K and devices (missing: {', '.join(missing)})")
+    target = missing[0] if missing else "accumulation_steps"
+    others = [v for n, v in given.items() if n != target]
+    granularity = others[0] * others[1]  # sequences per unit of the solved quantity
+    sequences = total_tokens / seq_len
+    units = max(1, round(sequences / granularity))
+    if missing:
+        given[target] = units
+    elif given[target] != units:
+        raise PlanError(
+            f"micro_batch x K x devices x seq_len = {micro_batch} x {accumulation_steps} x {world_size} x {seq_len} "
+            f"= {micro_batch * accumulation_steps * world_size * seq_len:,} tokens, not {total_tokens:,}; "  # type: ignore[operator]
+            "leave one of them out to derive it"
+        )
+    plan = BatchPlan(given["micro_batch"], seq_len, given["accumulation_steps"], given["world_size"])  # type: ignore[arg-type]
+    return SolvedPlan(plan, total_tokens, target if missing else "")

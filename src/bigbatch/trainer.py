@@ -21,6 +21,7 @@ from bigbatch.accumulate import (
     count_valid_targets,
     resolve_precision,
 )
+from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.checkpoint import (
     checkpoint_path,
     load_checkpoint,
@@ -49,7 +50,7 @@ from bigbatch.errors import (
 )
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.hf import load_hf_gpt2
-from bigbatch.metrics import JsonlLog, format_step
+from bigbatch.metrics import JsonlLog, device_peak_flops, format_step, mfu
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
@@ -142,23 +143,29 @@ class Trainer:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
         self.dataset = TokenDataset(self._prepared_data())
+        self.model = build_model(config, self.dataset.vocab_size).to(self.device)
+        self.model.activation_checkpointing = config.model.activation_checkpointing
+        self.model_config = self.model.config
+        self.dataset.check_token_ids(self.model_config.vocab_size)
+        precision = resolve_precision(config.run.precision, self.device)
         batch = config.batch
         world = self.dist.world_size
+        micro_batch = batch.micro_batch or self._auto_micro_batch(precision)
         self.token_budget = batch.token_budget
         if self.token_budget:
-            self.plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=world)
+            self.plan = BatchPlan(micro_batch, batch.seq_len, accumulation_steps=1, world_size=world)
         else:
-            self.plan = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world)
+            self.plan = plan_batch(batch.total_batch_tokens, micro_batch, batch.seq_len, world_size=world)
         self.documents = self.dataset.meta.mode == "documents"
         self.k_varies = bool(self.token_budget) or self.documents
         self.tokens_seen = 0  # valid target tokens trained on, all ranks
-        self.model = build_model(config, self.dataset.vocab_size).to(self.device)
-        self.model_config = self.model.config
-        self.dataset.check_token_ids(self.model_config.vocab_size)
+        self.flops_per_token = self.model.flops_per_token(batch.seq_len)
+        self.peak_flops = config.run.peak_flops or (
+            device_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        )
         self.train_loader = self._build_loader("train", "training")
         self.val_loader = self._build_val_loader()
 
-        precision = resolve_precision(config.run.precision, self.device)
         self.parallel = resolve_parallel(config.run.parallel, world)
         wrapped, grad_sync = wrap_model(
             self.model, self.parallel, self.dist, self.device, config.run.sync_every_micro_step, precision
@@ -192,6 +199,22 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume_from is not None:
             self._resume(resume_from)
+
+    def _auto_micro_batch(self, precision: str) -> int:
+        """Rank 0 finds the largest micro-batch that fits and keeps tokens per step exact; every rank uses it."""
+        batch = self.config.batch
+        choice = 0
+        if self.dist.is_main:
+            if batch.token_budget:
+                candidates = [2**i for i in range(11)]
+            else:
+                candidates = candidate_micro_batches(batch.total_batch_tokens, batch.seq_len, self.dist.world_size)
+            choice = choose_micro_batch(
+                self.model_config, candidates, batch.seq_len, k=2, device=self.device, precision=precision,
+                memory_budget_mib=batch.memory_budget, activation_checkpointing=self.model.activation_checkpointing,
+            )  # fmt: skip
+            self._say("auto micro-batch: %d (largest that fits among %s)", choice, candidates)
+        return int(self.dist.broadcast_object(choice))
 
     def _resume(self, path: Path) -> None:
         """Restore every stateful part from ``path``; the next step is the one after the checkpoint."""
@@ -400,6 +423,12 @@ class Trainer:
         out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)  # type: ignore[arg-type]
         return tokenizer.decode(out[0, len(ids) :].tolist())
 
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilization of all devices, when their peak is known (GPU table or --peak-flops)."""
+        if not self.peak_flops:
+            return None
+        return mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size)
+
     def _agreed_stop(self, stop: StopRequest) -> int:
         """The stop signal if any rank received one (all ranks agree at this step boundary), else 0."""
         if self.dist.world_size == 1:
@@ -465,7 +494,7 @@ class Trainer:
                 if record.step > 1:
                     rates.append(record.tokens_per_s)
                 if record.step % run.log_every == 0 or record.step == run.max_steps:
-                    self._say(format_step(record, show_k=self.k_varies))
+                    self._say(format_step(record, show_k=self.k_varies, mfu_value=self.mfu(record.tokens_per_s)))
                 last = record.step == run.max_steps
                 if self.val_loader is not None and (record.step % run.eval_every == 0 or last):
                     started = time.perf_counter()
@@ -496,9 +525,11 @@ class Trainer:
             self._say("sample:\n%s", sample)
         assert record is not None
         mean_rate = sum(rates) / len(rates) if rates else record.tokens_per_s
+        mean_mfu = self.mfu(mean_rate)
         self._say(
-            "done | %d steps | %s tokens | mean tok/s %s | final loss %.4f%s",
+            "done | %d steps | %s tokens | mean tok/s %s%s | final loss %.4f%s",
             self.engine.step_count, f"{self.tokens_seen:,}", f"{mean_rate:,.0f}",
+            f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "",
             record.loss, f" | val loss {val_loss:.4f}" if val_loss is not None else "",
         )
         return TrainResult(

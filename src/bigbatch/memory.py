@@ -1,0 +1,268 @@
+"""Memory of a training micro-step: estimated from the shapes, and measured.
+
+Measured peaks come from the device's own accounting:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` around each phase, in this process.
+* CPU: each micro-batch size runs in a fresh Python process (``python -m
+  bigbatch.memory``). Large allocations are forced onto ``mmap``
+  (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set at
+  once; the kernel's high-water mark (``VmHWM``) is reset before each phase
+  through ``/proc/self/clear_refs`` and read after it, and the peak is reported
+  relative to the resident size before the phase. The Python and PyTorch
+  runtime itself is measured once (before the model exists) and excluded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bigbatch.model import GPT, GPTConfig
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int  # bytes
+    grads: int
+    optimizer: int  # AdamW: two fp32 moments
+    activations: int  # one micro-batch, kept for backward
+
+    @property
+    def fixed(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def estimate_memory(config: GPTConfig, micro_batch: int, seq_len: int, precision: str = "fp32") -> MemoryEstimate:
+    """Shapes-only estimate. Activations per layer: ``34 x T x B x C`` values saved for backward (attention
+    scores are not stored by fused SDPA), plus fp32 logits and their gradient."""
+    with torch.device("meta"):
+        n = GPT(config).num_params(non_embedding=False)
+    act_bytes = 2 if precision in ("bf16", "fp16") else 4
+    per_layer = 34 * seq_len * micro_batch * config.n_embd * act_bytes // 2
+    logits = 2 * micro_batch * seq_len * config.padded_vocab_size * 4
+    return MemoryEstimate(params=4 * n, grads=4 * n, optimizer=8 * n, activations=config.n_layer * per_layer + logits)
+
+
+@dataclass(frozen=True)
+class MicroStepMeasurement:
+    """Peaks in bytes above the state before each phase; times in seconds."""
+
+    micro_batch: int
+    fixed: int  # parameters + AdamW state, counted from the tensors (gradients are part of each phase's peak)
+    forward_peak: int  # activations kept for backward, and transients
+    backward_peak: int  # forward + backward, gradients included
+    optimizer_peak: int
+    step_peak_k2: int  # a whole step of K = 2, from zeroed gradients
+    step_peak_k: int  # a whole step of K micro-batches
+    k: int
+    micro_step_seconds: float
+    optimizer_seconds: float
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class _CpuPeak:
+    """Peak resident memory of a phase, relative to the resident size at its start."""
+
+    def __enter__(self) -> _CpuPeak:
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current VmRSS
+        self.start = _rss_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = _rss_bytes("VmHWM") - self.start
+
+
+class _CudaPeak:
+    def __enter__(self) -> _CudaPeak:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated() - self.start
+
+
+def measure_in_process(
+    config: GPTConfig, micro_batch: int, seq_len: int, k: int, device: torch.device, precision: str = "fp32",
+    activation_checkpointing: bool = False,
+) -> MicroStepMeasurement:
+    """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`)."""
+    from bigbatch.accumulate import AccumulationEngine
+    from bigbatch.data.loader import MicroBatch
+    from bigbatch.optim import build_adamw, constant_schedule
+
+    peak_meter = _CudaPeak if device.type == "cuda" else _CpuPeak
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    model.activation_checkpointing = activation_checkpointing
+    optimizer = build_adamw(model, lr=1e-4)
+    for p in model.parameters():  # create AdamW's moments now, so the phases below do not
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    fixed = param_bytes + state_bytes  # resident before every step; gradients appear during backward
+    engine = AccumulationEngine(model, optimizer, constant_schedule(1e-4), device=device, precision=precision)
+    tokens = torch.randint(0, config.vocab_size, (max(k, 2), micro_batch, seq_len + 1))
+    batches = [MicroBatch(t[:, :-1], t[:, 1:]).to(device) for t in tokens]
+    n_valid = micro_batch * seq_len
+
+    def micro_step() -> torch.Tensor:
+        with engine.autocast():
+            loss = engine.loss_fn(model, batches[0])
+        return loss / n_valid
+
+    engine.step(batches[:1])  # warm-up (allocator, kernels)
+    model.zero_grad(set_to_none=True)
+    with peak_meter() as forward:
+        loss = micro_step()
+    with peak_meter() as backward:
+        loss.backward()
+    backward_peak = forward.peak + backward.peak
+    del loss
+    with peak_meter() as opt_phase:
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    with peak_meter() as step2:
+        engine.step(batches[:2])
+    model.zero_grad(set_to_none=True)
+    with peak_meter() as stepk:
+        engine.step(batches[:k])
+    model.zero_grad(set_to_none=True)
+
+    def timed(fn: object, repeats: int = 3) -> float:
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()  # type: ignore[operator]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    micro_seconds = timed(lambda: micro_step().backward())
+    opt_seconds = timed(optimizer.step)
+    return MicroStepMeasurement(
+        micro_batch=micro_batch, fixed=fixed, forward_peak=forward.peak,
+        backward_peak=backward_peak, optimizer_peak=opt_phase.peak, step_peak_k2=step2.peak, step_peak_k=stepk.peak,
+        k=k, micro_step_seconds=micro_seconds, optimizer_seconds=opt_seconds,
+    )
+
+
+def measure(
+    config: GPTConfig, micro_batch: int, seq_len: int, k: int = 4, device: torch.device | str = "cpu",
+    precision: str = "fp32", activation_checkpointing: bool = False,
+) -> MicroStepMeasurement:
+    """Measure one micro-batch size: in this process on CUDA, in a fresh process on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return measure_in_process(config, micro_batch, seq_len, k, device, precision, activation_checkpointing)
+    request = {
+        "config": config.to_dict(), "micro_batch": micro_batch, "seq_len": seq_len, "k": k,
+        "precision": precision, "activation_checkpointing": activation_checkpointing,
+    }  # fmt: skip
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(
+        [sys.executable, "-m", "bigbatch.memory", json.dumps(request)], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe failed for micro_batch {micro_batch}: {done.stderr.strip()[-500:]}")
+    return MicroStepMeasurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def linear_fit(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
+    """Least-squares ``y = a x + b`` and the largest relative deviation of a point from the line."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    a = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    b = mean_y - a * mean_x
+    worst = max(abs(y - (a * x + b)) / max(abs(y), 1) for x, y in zip(xs, ys))
+    return a, b, worst
+
+
+def _probe_main() -> None:
+    request = json.loads(sys.argv[1])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = measure_in_process(
+        GPTConfig(**request["config"]), request["micro_batch"], request["seq_len"], request["k"],
+        torch.device("cpu"), request["precision"], request["activation_checkpointing"],
+    )
+    print(json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    _probe_main()
+
+
+def memory_report(rows: list[MicroStepMeasurement], estimate_activations: dict[int, int]) -> str:
+    """The table of ``bigbatch memory``, with the linearity and K-flatness checks."""
+    lines = [
+        f"{'micro-batch':>11} {'fixed MiB':>10} {'activations':>12} {'estimate':>9} {'fwd+bwd':>9} {'optimizer':>9} "
+        f"{'step K=2':>9} {f'step K={rows[0].k}':>9} {'micro-step':>10}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.micro_batch:>11} {r.fixed / MiB:>10.1f} {r.forward_peak / MiB:>12.1f} "
+            f"{estimate_activations[r.micro_batch] / MiB:>9.1f} {r.backward_peak / MiB:>9.1f} "
+            f"{r.optimizer_peak / MiB:>9.1f} {r.step_peak_k2 / MiB:>9.1f} {r.step_peak_k / MiB:>9.1f} "
+            f"{r.micro_step_seconds * 1000:>8.0f}ms"
+        )
+    if len(rows) >= 2:
+        slope, intercept, worst = linear_fit([r.micro_batch for r in rows], [r.forward_peak for r in rows])
+        lines.append(
+            f"activations grow linearly with the micro-batch: {slope / MiB:.2f} MiB per sequence "
+            f"(+{intercept / MiB:.1f} MiB), largest deviation from the line {worst:.1%}"
+        )
+    growth = max(abs(r.step_peak_k - r.step_peak_k2) / max(r.step_peak_k2, 1) for r in rows)
+    lines.append(
+        f"peak of a whole step at K={rows[0].k} vs K=2, same micro-batch: largest difference {growth:.1%} "
+        "(gradients are held across micro-steps; activations are freed after each)"
+    )
+    return "\n".join(lines)
+
+
+def plot_memory(rows: list[MicroStepMeasurement], path: Path, title: str) -> Path:
+    """PNG: fixed part, activations and whole-step peak against the micro-batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r.micro_batch for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(xs, [r.fixed / MiB for r in rows], "s--", label="fixed: params + AdamW state")
+    ax.plot(xs, [r.forward_peak / MiB for r in rows], "o-", label="activations (forward peak)")
+    ax.plot(xs, [(r.fixed + r.step_peak_k) / MiB for r in rows], "^-", label=f"total peak of a step (K={rows[0].k})")
+    ax.set_xlabel("micro-batch (sequences)")
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,63 @@
+"""The table of ``bigbatch plan``: the batch arithmetic, memory and the step-time model."""
+
+from __future__ import annotations
+
+from bigbatch.memory import MiB, MicroStepMeasurement, estimate_memory
+from bigbatch.model import GPTConfig
+from bigbatch.plan import SolvedPlan
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n < 1024 * MiB else f"{n / 1024 / MiB:,.2f} GiB"
+
+
+def format_plan(
+    solved: SolvedPlan,
+    model_name: str | None = None,
+    model_config: GPTConfig | None = None,
+    precision: str = "fp32",
+    measured: MicroStepMeasurement | None = None,
+) -> str:
+    plan = solved.plan
+    rows: list[tuple[str, str]] = [
+        ("tokens per step", f"{plan.tokens_per_step:,}"),
+        ("sequences per step", f"{plan.sequences_per_step:,}"),
+        ("sequence length (T)", f"{plan.seq_len:,}"),
+        ("micro-batch per device (B)", f"{plan.micro_batch}"),
+        ("accumulation steps (K)", f"{plan.accumulation_steps}"),
+        ("micro-steps per device per step", f"{plan.accumulation_steps}"),
+        ("devices (world size)", f"{plan.world_size}"),
+        ("tokens per micro-batch", f"{plan.tokens_per_micro_batch:,}"),
+    ]
+    notes = []
+    if solved.solved_for:
+        notes.append(f"derived: {solved.solved_for}")
+    if solved.rounded:
+        notes.append(
+            f"{solved.requested_tokens:,} tokens is not a whole number of micro-batches on every device; rounded "
+            f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens "
+            f"({plan.tokens_per_step / 1e6:.1f}M)"
+        )
+    if model_config is not None:
+        estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
+        rows += [
+            (f"model {model_name}", f"{estimate.params // 4 / 1e6:,.1f}M parameters"),
+            ("parameters (fp32)", _mib(estimate.params)),
+            ("gradients (fp32)", _mib(estimate.grads)),
+            ("AdamW state", _mib(estimate.optimizer)),
+            (f"activations per micro-batch ({precision}, estimate)", _mib(estimate.activations)),
+            ("peak per device (estimate)", _mib(estimate.fixed + estimate.activations)),
+        ]
+    if measured is not None:
+        step = plan.accumulation_steps * measured.micro_step_seconds + measured.optimizer_seconds
+        rows += [
+            ("activations per micro-batch (measured)", _mib(measured.forward_peak)),
+            ("peak per device (measured)", _mib(measured.fixed + max(measured.backward_peak, measured.step_peak_k))),
+            ("micro-step time (measured)", f"{measured.micro_step_seconds * 1000:,.1f} ms"),
+            ("optimizer step time (measured)", f"{measured.optimizer_seconds * 1000:,.1f} ms"),
+            ("step time = K x micro-step + optimizer", f"{step * 1000:,.0f} ms"),
+            ("tokens/s per device (model)", f"{plan.tokens_per_step / plan.world_size / step:,.0f}"),
+        ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines + [f"note: {n}" for n in notes])
