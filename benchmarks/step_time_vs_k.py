@@ -27,7 +27,7 @@ from bigbatch.optim import build_adamw, constant_schedule
 PRESET, B, T = "nano", 8, 128
 KS = (1, 2, 4, 8)
 GRAD_CLIP = 1.0
-ROUNDS, MIN_ROUNDS, BUDGET_S = 12, 3, 30.0  # fewer rounds when a busy machine makes them slow
+ROUNDS, MIN_ROUNDS, BUDGET_S = 12, 3, 20.0  # fewer rounds when a busy machine makes them slow
 GOAL = 0.10  # |predicted - measured| / measured
 
 
