@@ -27,7 +27,7 @@ from bigbatch.optim import build_adamw, constant_schedule
 
 PRESET, B, T, K = "nano", 4, 128, 2
 WARMUP = 2  # untimed steps per copy; the compiled copy compiles forward and backward in the first
-STEPS, BUDGET_S = 20, 15.0  # timed steps per copy (at most), and the time allowed for them
+STEPS, BUDGET_S = 20, 10.0  # timed steps per copy (at most), and the time allowed for them
 
 
 def main() -> int:

@@ -292,7 +292,7 @@ def test_print_config_applies_overrides(tmp_path: Path, capsys: pytest.CaptureFi
     assert config["batch"]["seq_len"] == 32
     assert config["batch"]["micro_batch"] == 16  # default untouched
     assert config["optim"]["lr"] == 0.003
-    assert config["run"]["compile"] is True
+    assert config["run"]["compile"] == "on"
     assert config["run"]["sample_prompt"] == 'say "hi"\n'
     # printing the config trains nothing and creates nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -368,13 +368,22 @@ def test_plan_prints_k(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert re.search(r"^accumulation steps \(K\)\s+4$", out, re.MULTILINE), out
     assert re.search(r"^tokens per step\s+524,288$", out, re.MULTILINE), out
-    assert re.search(r"^world size\s+8$", out, re.MULTILINE), out
+    assert re.search(r"^devices \(world size\)\s+8$", out, re.MULTILINE), out
 
 
-def test_plan_non_divisible(capsys: pytest.CaptureFixture) -> None:
+def test_plan_non_divisible_rounds_and_says_so(capsys: pytest.CaptureFixture) -> None:
     code = main(["plan", "--total-batch-tokens", "500000", "--micro-batch", "16", "--seq-len", "1024"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"^accumulation steps \(K\)\s+31$", out, re.MULTILINE), out  # 488.3 sequences -> 496
+    assert "rounded the sequences per step to 496 = 507,904 tokens" in out
+
+
+def test_plan_inconsistent_settings_are_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
+    code = main(["plan", "--total-batch-tokens", "500000", "--micro-batch", "16", "--seq-len", "1024", "--k", "4",
+                 "--devices", "1"])
     captured = capsys.readouterr()
-    assert "nearest valid" in assert_one_line_error(code, captured.out, captured.err)
+    assert "leave one of them out" in assert_one_line_error(code, captured.out, captured.err)
 
 
 # --------------------------------------------------------------------------------------------

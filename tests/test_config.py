@@ -12,7 +12,7 @@ def test_toml_round_trip_preserves_every_field() -> None:
     config = TrainConfig()
     config.batch.micro_batch = 4
     config.run.sample_prompt = 'say "hi"\n\tthen\\stop'
-    config.run.compile = True
+    config.run.compile = "on"
     assert config_from_dict(tomllib.loads(config.to_toml())) == config
 
 
@@ -30,7 +30,7 @@ def test_mapping_overrides_fields_and_accepts_ints_for_floats() -> None:
         ({"training": {"lr": 1.0}}, r"unknown section \[training\]"),
         ({"batch": {"micro_batch": "4"}}, r"batch.micro_batch must be int, got str"),
         ({"batch": {"micro_batch": 4.0}}, r"batch.micro_batch must be int, got float"),
-        ({"run": {"compile": 1}}, r"run.compile must be bool, got int"),
+        ({"run": {"compile": 1}}, r"run.compile must be str, got int"),
         ({"batch": 3}, r"\[batch\] must be a table"),
     ],
 )
@@ -75,3 +75,13 @@ def test_micro_batch_auto_is_accepted_in_toml_and_round_trips() -> None:
     assert config_from_dict(tomllib.loads(config.to_toml())) == config
     with pytest.raises(ConfigError, match="micro_batch must be int, got str"):
         apply_mapping(config, {"batch": {"micro_batch": "big"}}, origin="t")
+
+
+def test_compile_switch_accepts_booleans_and_rejects_other_words() -> None:
+    config = TrainConfig()
+    assert config.run.compile == "auto"
+    apply_mapping(config, {"run": {"compile": True}}, origin="t")
+    assert config.run.compile == "on"
+    config.run.compile = "maybe"
+    with pytest.raises(ConfigError, match="compile must be one of auto, on, off"):
+        config.validate()

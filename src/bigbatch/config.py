@@ -21,6 +21,9 @@ import tomllib
 from bigbatch.errors import ConfigError
 
 
+SWITCH_VALUES = ("auto", "on", "off")
+
+
 def _opt(default: Any, help: str, flag: str | None = None) -> Any:
     """A config field with its CLI help (and a flag name when it differs from the field name)."""
     metadata = {"help": help}
@@ -95,7 +98,10 @@ class RunSection:
     seed: int = _opt(1337, "random seed")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
-    compile: bool = _opt(False, "torch.compile the model")
+    compile: str = field(
+        default="auto",
+        metadata={"help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off", "switch": True},
+    )
     nproc: int = _opt(1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you")
     parallel: str = _opt("auto", "auto (ddp when world_size > 1), ddp or fsdp (FSDP2 fully_shard per block and root)")
     sync_every_micro_step: bool = _opt(
@@ -203,6 +209,8 @@ class TrainConfig:
             raise ConfigError(f"parallel must be auto, none, ddp or fsdp, got {self.run.parallel!r}")
         if self.run.collective_timeout <= 0:
             raise ConfigError(f"collective_timeout must be positive, got {self.run.collective_timeout}")
+        if self.run.compile not in SWITCH_VALUES:
+            raise ConfigError(f"compile must be one of {', '.join(SWITCH_VALUES)}, got {self.run.compile!r}")
         if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision must be auto, fp32, bf16 or fp16, got {self.run.precision!r}")
 
@@ -267,6 +275,8 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> 
                 raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
             if value == "auto" and _field_meta(section_cls, key).get("auto"):
                 value = 0  # stored as 0, resolved by the trainer
+            if isinstance(value, bool) and _field_meta(section_cls, key).get("switch"):
+                value = "on" if value else "off"
             value = _check_type(f"{origin}: {section}.{key}", value, _field_type(section_cls, key))
             setattr(target, key, value)
 
@@ -293,7 +303,16 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default if f.default is not MISSING else None
             help_text = f"{f.metadata['help']} (default: {default!r})"
             dest = f"{section}.{f.name}"
-            if kind is bool:
+            if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
+                group.add_argument(
+                    f"--{_flag(f)}", dest=dest, nargs="?", const="on", choices=SWITCH_VALUES,
+                    default=argparse.SUPPRESS, help=help_text,
+                )
+                group.add_argument(
+                    f"--no-{_flag(f)}", dest=dest, action="store_const", const="off", default=argparse.SUPPRESS,
+                    help=f"same as --{_flag(f)} off",
+                )
+            elif kind is bool:
                 group.add_argument(
                     f"--{_flag(f)}", dest=dest, action=argparse.BooleanOptionalAction,
                     default=argparse.SUPPRESS, help=help_text,

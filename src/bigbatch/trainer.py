@@ -170,7 +170,8 @@ class Trainer:
         wrapped, grad_sync = wrap_model(
             self.model, self.parallel, self.dist, self.device, config.run.sync_every_micro_step, precision
         )
-        self.train_model: torch.nn.Module = torch.compile(wrapped) if config.run.compile else wrapped
+        compile_model = config.run.compile == "on" or (config.run.compile == "auto" and self.device.type == "cuda")
+        self.train_model: torch.nn.Module = torch.compile(wrapped) if compile_model else wrapped
         opt = config.optim
         self.optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
             self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
