@@ -322,7 +322,9 @@ def test_killed_rank_restarts_and_finishes_with_the_golden_parameters(
     corpus: Path, golden_two_ranks: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    done = torchrun_cli(cli_args(corpus, out, "--save-every", "2"), fault="kill:step=4,micro=1,rank=1", max_restarts=1)
+    # The kill fires on the first attempt only; a second spare restart absorbs a transient gloo connection
+    # failure of a restarted round on a loaded machine (seen once in CI), which is not what this test is about.
+    done = torchrun_cli(cli_args(corpus, out, "--save-every", "2"), fault="kill:step=4,micro=1,rank=1", max_restarts=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     for name, value in final_model(golden_two_ranks).items():
