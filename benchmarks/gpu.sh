@@ -16,11 +16,14 @@ PY=.venv/bin/python
 
 # The benchmark itself skips quietly without CUDA (so `make bench` passes on CPU); here that is an error.
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    "$PY" -c 'import torch; print(f"gpu.sh: CUDA is not available to torch {torch.__version__} '\
-'(CUDA build: {torch.version.cuda}); run this on a CUDA machine with a CUDA build of torch in .venv")' >&2
+    build=$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')
+    echo "gpu.sh: CUDA is not available to the torch in .venv ($build); run this on a CUDA machine" \
+        "with a CUDA build of torch" >&2
     exit 1
 fi
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
 
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"  # one GPU
 exec "$PY" benchmarks/gpu_throughput.py

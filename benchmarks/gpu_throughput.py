@@ -101,7 +101,7 @@ def main() -> int:
             continue
         except Exception as exc:  # e.g. no flash kernel for this GPU/dtype, a compile error
             failures += 1
-            print(f"  {micro_batch:>11} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            print(f"  {micro_batch:>11} failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
             continue
         results[micro_batch] = result
         mfu_text = f"{mfu(result['flops_per_token'], result['tokens_per_s'], peak):7.1%}" if peak else "    n/a"
