@@ -167,16 +167,9 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from bigbatch.distributed import launched_by_torchrun, resolve_device
     from bigbatch.verify import check_equivalence
-    from bigbatch.verify_cli import (
-        load_factory,
-        model_vocab_size,
-        preset_case,
-        token_batch,
-    )
+    from bigbatch.verify_cli import build_case
 
     if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1 or args.nproc < 1:
         raise BigBatchError("--k, --micro-batch, --seq-len and --nproc must be positive")
@@ -184,18 +177,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return launch_torchrun(args.nproc, ["verify", *strip_nproc(args.argv)])
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         return _verify_distributed(args)
-    torch.manual_seed(args.seed)
-    case = load_factory(args.factory) if args.factory else preset_case(args.model, args.vocab_size, args.dropout)
-    batch = case.batch
-    if batch is None:
-        vocab = args.vocab_size or model_vocab_size(case.model)
-        if not vocab:
-            raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
-        generator = torch.Generator().manual_seed(args.seed)
-        batch = token_batch(args.k * args.micro_batch, args.seq_len, vocab, args.ragged, generator)
+    case = build_case(args.factory, args.model, args.vocab_size, args.dropout, args.seed,
+                      args.k * args.micro_batch, args.seq_len, args.ragged)  # fmt: skip
     try:
         report = check_equivalence(
-            case.model, batch, loss_fn=case.loss_fn, k=args.k, precision=args.precision,
+            case.model, case.batch, loss_fn=case.loss_fn, k=args.k, precision=args.precision,
             tolerance=args.tolerance, device=resolve_device(args.device), seed=args.seed,
         )
     except ValueError as exc:
@@ -217,30 +203,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _verify_distributed(args: argparse.Namespace) -> int:
     """``bigbatch verify --nproc N``: every rank's gradient after the one sync equals the single-process gradient."""
-    import torch
 
     from bigbatch.distributed import distributed_session
     from bigbatch.verify import check_distributed_equivalence
-    from bigbatch.verify_cli import (
-        load_factory,
-        model_vocab_size,
-        preset_case,
-        token_batch,
-    )
+    from bigbatch.verify_cli import build_case
 
     with distributed_session(args.device) as (dist, device):
-        torch.manual_seed(args.seed)  # the same model and batch on every rank
-        case = load_factory(args.factory) if args.factory else preset_case(args.model, args.vocab_size, args.dropout)
-        batch = case.batch
-        if batch is None:
-            vocab = args.vocab_size or model_vocab_size(case.model)
-            if not vocab:
-                raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
-            generator = torch.Generator().manual_seed(args.seed)
-            samples = args.k * args.micro_batch * dist.world_size
-            batch = token_batch(samples, args.seq_len, vocab, args.ragged, generator)
+        case = build_case(args.factory, args.model, args.vocab_size, args.dropout, args.seed,
+                          args.k * args.micro_batch * dist.world_size, args.seq_len, args.ragged)  # fmt: skip
         report = check_distributed_equivalence(
-            case.model, batch, dist, loss_fn=case.loss_fn, k=args.k, device=device,
+            case.model, case.batch, dist, loss_fn=case.loss_fn, k=args.k, device=device,
             tolerance=args.tolerance or 1e-5,
         )
         if dist.is_main:

@@ -20,7 +20,6 @@ import tomllib
 
 from bigbatch.errors import ConfigError
 
-
 SWITCH_VALUES = ("auto", "on", "off")
 
 

@@ -73,3 +73,19 @@ def model_vocab_size(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     return int(vocab) if isinstance(vocab, int) else None
+
+
+def build_case(
+    factory: str | None, preset_name: str, vocab_size: int, dropout: float, seed: int, samples: int, seq_len: int,
+    ragged: bool,
+) -> VerifyCase:
+    """The model (a preset or ``factory``) with its batch: the factory's own, or ``samples`` random sequences."""
+    torch.manual_seed(seed)  # the same model on every rank
+    case = load_factory(factory) if factory else preset_case(preset_name, vocab_size, dropout)
+    if case.batch is None:
+        vocab = vocab_size or model_vocab_size(case.model)
+        if not vocab:
+            raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
+        generator = torch.Generator().manual_seed(seed)
+        case.batch = token_batch(samples, seq_len, vocab, ragged, generator)
+    return case
