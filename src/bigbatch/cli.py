@@ -91,7 +91,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     document = load_checkpoint(args.checkpoint)
     model = model_from_checkpoint(document).to(device)
-    tokenizer = get_tokenizer(str(document.get("tokenizer", "byte")))
+    dataset_dir = document.get("dataset")
+    tokenizer = get_tokenizer(str(document.get("tokenizer", "byte")), Path(dataset_dir) if dataset_dir else None)
     prompt_ids = tokenizer.encode(args.prompt.encode("utf-8"))
     if not prompt_ids:
         prompt_ids = [tokenizer.eot_token if tokenizer.eot_token is not None else 10]
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare", help="tokenize text into token shards")
     prepare.add_argument("source", help="a text file, a directory, a glob, or 'builtin'")
     prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
-    prepare.add_argument("--tokenizer", default="byte", choices=TOKENIZER_NAMES, help="default: byte")
+    prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
     prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
     prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
     prepare.add_argument(

@@ -31,7 +31,7 @@ from bigbatch.checkpoint import (
 from bigbatch.config import TrainConfig
 from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader
 from bigbatch.data.prepare import ensure_prepared
-from bigbatch.data.shards import TokenDataset
+from bigbatch.data.shards import open_dataset
 from bigbatch.data.steps import budget_micro_batches, step_micro_batches
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.distributed import (
@@ -142,7 +142,7 @@ class Trainer:
         if config.data.cache_dir:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
-        self.dataset = TokenDataset(self._prepared_data())
+        self.dataset = open_dataset(self._prepared_data())
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model.activation_checkpointing = config.model.activation_checkpointing
         self.model_config = self.model.config
@@ -416,7 +416,7 @@ class Trainer:
 
     def sample(self, max_new_tokens: int, prompt: str) -> str:
         """Every rank generates the same text (FSDP needs all ranks in each forward); rank 0 reports it."""
-        tokenizer = get_tokenizer(self.dataset.meta.tokenizer)
+        tokenizer = get_tokenizer(self.dataset.meta.tokenizer, self.dataset.directory)
         ids = tokenizer.encode(prompt.encode("utf-8")) or [0]
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.config.run.seed)

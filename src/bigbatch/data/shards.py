@@ -172,3 +172,8 @@ class TokenDataset:
                 "re-run bigbatch prepare"
             )
         return array
+
+
+def open_dataset(directory: Path | str) -> TokenDataset:
+    """The dataset in ``directory`` (a directory prepared by bigbatch)."""
+    return TokenDataset(directory)

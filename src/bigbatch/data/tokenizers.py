@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from bigbatch.errors import BigBatchError, ConfigError
@@ -66,8 +67,9 @@ class TiktokenGPT2Tokenizer:
 TOKENIZER_NAMES = ("byte", "gpt2")
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer by name: ``byte`` or ``gpt2``."""
+def get_tokenizer(name: str, directory: Path | None = None) -> Tokenizer:
+    """A tokenizer by name: ``byte`` or ``gpt2``. ``directory`` is the prepared dataset it belongs to, where a
+    tokenizer trained on that data keeps its files."""
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
