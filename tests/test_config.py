@@ -85,3 +85,37 @@ def test_compile_switch_accepts_booleans_and_rejects_other_words() -> None:
     config.run.compile = "maybe"
     with pytest.raises(ConfigError, match="compile must be one of auto, on, off"):
         config.validate()
+
+
+def test_every_ready_config_loads_validates_and_divides() -> None:
+    from pathlib import Path
+
+    from bigbatch.config import load_toml
+    from bigbatch.model import preset
+    from bigbatch.plan import plan_batch
+
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8}
+    names = sorted(p.name for p in folder.glob("*.toml"))
+    assert names == ["demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml"]
+    for name in names:
+        config = config_from_dict(load_toml(folder / name))
+        config.validate()
+        assert config.batch.seq_len <= preset(config.model.preset).block_size, name
+        if not config.batch.token_budget:
+            plan = plan_batch(config.batch.total_batch_tokens, config.batch.micro_batch, config.batch.seq_len,
+                              worlds.get(name, 1))  # fmt: skip
+            if name == "gpt-1b-8gpu.toml":
+                assert plan.accumulation_steps == 4
+            if name == "gpt2-124m.toml":
+                assert plan.accumulation_steps == 4 and plan.tokens_per_step == 524_288
+
+
+def test_gpt_1b_preset_is_about_a_billion_parameters() -> None:
+    import torch
+
+    from bigbatch.model import GPT, preset
+
+    with torch.device("meta"):
+        n = GPT(preset("gpt-1b")).num_params(non_embedding=False)
+    assert 1.0e9 < n < 1.2e9

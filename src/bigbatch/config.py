@@ -33,7 +33,7 @@ def _opt(default: Any, help: str, flag: str | None = None) -> Any:
 
 @dataclass
 class ModelSection:
-    preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl", flag="model")
+    preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-1b", flag="model")
     block_size: int = _opt(0, "maximum context length; 0 keeps the preset's")
     dropout: float = _opt(0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)")
     activation_checkpointing: bool = _opt(
@@ -108,6 +108,8 @@ class RunSection:
     )
     collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error")
     peak_flops: float = _opt(0.0, "peak FLOP/s per device for MFU; 0 looks the GPU up (A100, H100, H200)")
+    tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
+    wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
     eval_batches: int = _opt(8, "micro-batches per validation pass")
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")

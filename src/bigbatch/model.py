@@ -70,6 +70,8 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
     "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+    # About 1.1B parameters at a 4,096-token context (the 8-GPU example in configs/).
+    "gpt-1b": GPTConfig(n_layer=20, n_head=16, n_embd=2048, block_size=4096),
 }
 
 
