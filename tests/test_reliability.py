@@ -296,6 +296,8 @@ def torchrun_cli(args: list[str], fault: str | None, max_restarts: int = 0, time
         env["BIGBATCH_FAULT"] = fault
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "-m", "bigbatch", *args]  # fmt: skip
+    if "--collective-timeout" not in args:
+        command += ["--collective-timeout", "60"]  # a stuck rendezvous fails within a minute, not ten
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -161,7 +161,18 @@ def distributed_session(device_name: str, timeout_s: float = 600.0) -> Iterator[
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun, key this attempt's rendezvous by the restart count, so that a restarted round can
+        # never read a peer address left in the agent's store by the round before it.
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"bigbatch/attempt_{attempt}", base)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     try:
         yield DistContext(rank=rank, world_size=world, local_rank=local_rank), device
         # Free DDP/FSDP objects (they sit in reference cycles) while the process group is alive: gloo work
