@@ -231,13 +231,18 @@ def test_sample_from_damaged_checkpoint(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([], ["prepare", "train", "sample", "plan"]),
+        ([], ["prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval"]),
         (["train"], ["--total-batch-tokens", "--micro-batch", "--seq-len", "--print-config", "tokens per optimizer step"]),
         (["sample"], ["--checkpoint", "--prompt", "--max-new-tokens"]),
         (["prepare"], ["--out", "--tokenizer", "--val-fraction"]),
-        (["plan"], ["--total-batch-tokens", "--world-size"]),
+        (["plan"], ["--tokens-per-step", "--devices", "--measure"]),
+        (["memory"], ["--max-micro-batch", "--plot"]),
+        (["verify"], ["--factory", "--nproc"]),
+        (["report"], ["--out"]),
+        (["export"], ["--format"]),
+        (["eval"], ["--data", "--split"]),
     ],
-    ids=["top", "train", "sample", "prepare", "plan"],
+    ids=["top", "train", "sample", "prepare", "plan", "memory", "verify", "report", "export", "eval"],
 )
 def test_help(argv: list[str], expected: list[str], capsys: pytest.CaptureFixture) -> None:
     assert exit_code(lambda: main([*argv, "--help"])) == 0

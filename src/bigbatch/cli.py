@@ -1,4 +1,4 @@
-"""Command-line interface: ``bigbatch prepare | train | sample | plan | memory | verify``.
+"""Command-line interface: ``bigbatch prepare | train | sample | plan | memory | verify | report | export | eval``.
 
 The CLI only parses arguments and calls the library. User errors
 (:class:`~bigbatch.errors.BigBatchError`) become one line on stderr and exit code 2.
@@ -139,6 +139,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import estimate_memory, measure, memory_report, plot_memory
     from bigbatch.model import preset
+    from bigbatch.progress import ProgressBar
 
     if args.max_micro_batch < 1 or args.k < 2:
         raise BigBatchError("--max-micro-batch must be positive and --k at least 2")
@@ -150,10 +151,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         raise BigBatchError(f"--seq-len {args.seq_len} exceeds the {args.model} block size {config.block_size}")
     sizes = [2**i for i in range(args.max_micro_batch.bit_length()) if 2**i <= args.max_micro_batch]
     rows = []
-    for size in sizes:
-        rows.append(measure(config, size, args.seq_len, k=args.k, device=device, precision=precision,
-                            activation_checkpointing=args.activation_checkpointing))  # fmt: skip
-        print(f"measured micro-batch {size}", file=sys.stderr)
+    with ProgressBar(len(sizes), label="measured", stream=sys.stderr, min_interval=0) as bar:  # only on a TTY
+        for i, size in enumerate(sizes):
+            bar.update(i, extra=f"measuring micro-batch {size}")
+            rows.append(measure(config, size, args.seq_len, k=args.k, device=device, precision=precision,
+                                activation_checkpointing=args.activation_checkpointing))  # fmt: skip
+            if bar.enabled:
+                bar.update(i + 1, extra=f"measured micro-batch {size}")
+            else:
+                print(f"measured micro-batch {size}", file=sys.stderr)
     estimates = {s: estimate_memory(config, s, args.seq_len, precision).activations for s in sizes}
     how = "allocator peaks" if device.type == "cuda" else "peak resident memory of a fresh process per size"
     print(f"{args.model} | seq_len {args.seq_len} | {precision} | {device} ({how})"
@@ -162,6 +168,47 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     if args.plot:
         plot_memory(rows, args.plot, f"{args.model}, seq_len {args.seq_len}, {device.type}")
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from bigbatch.report import make_report
+
+    out, summaries, plots = make_report(args.runs, args.out)
+    print("\n\n".join(s.format() for s in summaries))
+    print(f"\nreport: {out} ({', '.join(p.name for p in plots)}, summary.txt)")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+    from bigbatch.hf import save_hf_gpt2
+
+    out = args.out_dir
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
+        raise BigBatchError(f"{out} already exists and is not empty; choose a new output directory")
+    path = resolve_checkpoint(args.run)
+    document = load_checkpoint(path)
+    model = model_from_checkpoint(document)
+    save_hf_gpt2(model, out)
+    cfg = model.config
+    print(
+        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face GPT-2 layout: config.json + "
+        f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+        f"{document.get('tokenizer', 'byte')} tokens); load it with transformers.GPT2LMHeadModel.from_pretrained"
+    )
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from bigbatch.distributed import resolve_device
+    from bigbatch.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.run, args.data, split=args.split, batches=args.batches, micro_batch=args.micro_batch,
+        seq_len=args.seq_len, device=resolve_device(args.device), precision=args.precision, cache_dir=args.cache_dir,
+    )  # fmt: skip
+    print(result.format())
     return 0
 
 
@@ -329,6 +376,48 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--device", default="cpu")
     verify.set_defaults(handler=_cmd_verify)
+
+    report = commands.add_parser(
+        "report",
+        help="plot loss, learning rate, gradient norm and throughput of runs; print a summary",
+        description="Read each run's metrics.jsonl and write PNG plots (runs overlaid, labelled by directory name) "
+        "and summary.txt: steps, tokens, best validation loss, final train loss, mean tokens/s and MFU, skipped steps.",
+    )
+    report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
+    report.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
+                        "./report for several)")  # fmt: skip
+    report.set_defaults(handler=_cmd_report)
+
+    export = commands.add_parser(
+        "export",
+        help="write a run's newest valid checkpoint as a Hugging Face GPT-2 model",
+        description="Write the model of the newest valid checkpoint (config.json + model.safetensors), loadable "
+        "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR).",
+    )
+    export.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    export.add_argument("--format", default="hf", choices=("hf",), help="hf: Hugging Face GPT-2 layout (default)")
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) output directory")
+    export.set_defaults(handler=_cmd_export)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="loss and perplexity of a saved run's model on a token set",
+        description="Token-weighted mean loss over valid targets, read from the start of the split as training's "
+        "validation pass reads it. Defaults come from the run: micro-batch, seq_len, eval_batches.",
+    )
+    evaluate.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    evaluate.add_argument("--data", required=True, help="prepared dataset directory or raw text (file, dir, glob, "
+                          "'builtin'), prepared with the checkpoint's tokenizer")  # fmt: skip
+    evaluate.add_argument("--split", default="val", choices=("val", "train"))
+    evaluate.add_argument("--batches", type=int, help="micro-batches to read (default: the run's eval_batches; "
+                          "0 reads the whole split)")  # fmt: skip
+    evaluate.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the run's)")
+    evaluate.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    evaluate.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
+                          "if it exists, else the default cache)")  # fmt: skip
+    evaluate.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
+    evaluate.add_argument("--device", default="auto")
+    evaluate.set_defaults(handler=_cmd_eval)
     return parser
 
 

@@ -1,13 +1,17 @@
-"""Step records: the console line and a JSONL file."""
+"""Step records: the console line, a JSONL file, and optional TensorBoard / Weights & Biases loggers."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from bigbatch.accumulate import StepRecord
+from bigbatch.errors import BigBatchError
+
+METRICS_FILE = "metrics.jsonl"
 
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 """Dense bf16 peak FLOP/s per device (tensor cores, no sparsity), matched against the CUDA device name."""
@@ -57,8 +61,136 @@ class JsonlLog:
         self._handle.write(json.dumps({"kind": kind, **values}) + "\n")
         self._handle.flush()
 
-    def write_step(self, record: StepRecord) -> None:
-        self.write("step", **asdict(record), tokens_per_s=record.tokens_per_s)
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        extra = {"mfu": mfu} if mfu is not None else {}
+        self.write("step", **asdict(record), tokens_per_s=record.tokens_per_s, **extra)
+
+    def write_eval(self, step: int, val_loss: float) -> None:
+        self.write("eval", step=step, val_loss=val_loss)
 
     def close(self) -> None:
         self._handle.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Optional loggers: TensorBoard and Weights & Biases, behind the same three methods
+# --------------------------------------------------------------------------------------------
+
+
+class MetricsSink(Protocol):
+    """Where step and eval records go: ``write_step``, ``write_eval``, ``close``."""
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None: ...
+
+    def write_eval(self, step: int, val_loss: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _step_scalars(record: StepRecord, mfu: float | None) -> dict[str, float]:
+    scalars = {
+        "train/loss": record.loss, "train/grad_norm": record.grad_norm, "train/lr": record.lr,
+        "train/tokens_per_s": record.tokens_per_s, "train/micro_batches": float(record.micro_batches),
+        "train/tokens": float(record.tokens), "train/skipped": float(record.skipped),
+    }  # fmt: skip
+    if mfu is not None:
+        scalars["train/mfu"] = mfu
+    return scalars
+
+
+def require_package(module: str, feature: str, pip_name: str) -> Any:
+    """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BigBatchError(
+            f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
+        ) from exc
+
+
+class TensorBoardLog:
+    """Scalars for ``tensorboard --logdir RUN_DIR/tensorboard`` (``torch.utils.tensorboard``)."""
+
+    def __init__(self, log_dir: Path | str) -> None:
+        module = require_package("torch.utils.tensorboard", "run.tensorboard (--tensorboard)", "tensorboard")
+        self.writer = module.SummaryWriter(log_dir=str(log_dir))
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        for name, value in _step_scalars(record, mfu).items():
+            self.writer.add_scalar(name, value, record.step)
+
+    def write_eval(self, step: int, val_loss: float) -> None:
+        self.writer.add_scalar("val/loss", val_loss, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLog:
+    """A Weights & Biases run in ``project``; ``WANDB_MODE=offline`` keeps it on disk, no network."""
+
+    def __init__(self, project: str, run_dir: Path | str, config: dict[str, Any] | None = None) -> None:
+        self.wandb = require_package("wandb", f"run.wandb (--wandb {project})", "wandb")
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = self.wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config or {})
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        self.run.log(_step_scalars(record, mfu), step=record.step)
+
+    def write_eval(self, step: int, val_loss: float) -> None:
+        self.run.log({"val/loss": val_loss}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsFanout:
+    """Sends every record to each sink; :meth:`close` closes them all, then re-raises the first failure."""
+
+    def __init__(self, sinks: list[MetricsSink]) -> None:
+        self.sinks = sinks
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        for sink in self.sinks:
+            sink.write_step(record, mfu)
+
+    def write_eval(self, step: int, val_loss: float) -> None:
+        for sink in self.sinks:
+            sink.write_eval(step, val_loss)
+
+    def close(self) -> None:
+        error: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # close the rest; report the first
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+def check_optional_loggers(tensorboard: bool, wandb_project: str) -> None:
+    """Fail early, before any training, when an enabled logger's package is missing."""
+    if tensorboard:
+        require_package("torch.utils.tensorboard", "run.tensorboard (--tensorboard)", "tensorboard")
+    if wandb_project:
+        require_package("wandb", f"run.wandb (--wandb {wandb_project})", "wandb")
+
+
+def open_metrics(
+    run_dir: Path | str, tensorboard: bool = False, wandb_project: str = "", config: dict[str, Any] | None = None
+) -> MetricsFanout:
+    """``RUN_DIR/metrics.jsonl`` always; TensorBoard and W&B when enabled (off by default: nothing else happens)."""
+    run_dir = Path(run_dir)
+    sinks: list[MetricsSink] = [JsonlLog(run_dir / METRICS_FILE)]
+    try:
+        if tensorboard:
+            sinks.append(TensorBoardLog(run_dir / "tensorboard"))
+        if wandb_project:
+            sinks.append(WandbLog(wandb_project, run_dir, config))
+    except BaseException:
+        MetricsFanout(sinks).close()
+        raise
+    return MetricsFanout(sinks)

@@ -15,10 +15,9 @@ from bigbatch.checkpoint import (
     list_checkpoints,
 )
 from bigbatch.errors import CheckpointError, ConfigError
+from bigbatch.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def find_resume_checkpoint(run_dir: Path, resume: str, overwrite: bool, is_main: bool) -> Path | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,10 +51,11 @@ from bigbatch.errors import (
 )
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.hf import load_hf_gpt2
-from bigbatch.metrics import JsonlLog, device_peak_flops, format_step, mfu
+from bigbatch.metrics import check_optional_loggers, device_peak_flops, format_step, mfu, open_metrics
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
+from bigbatch.progress import ProgressBar
 from bigbatch.resume import check_compatible, find_resume_checkpoint, truncate_metrics
 from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.sampling import generate
@@ -127,6 +129,10 @@ class Trainer:
     def __init__(self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None) -> None:
         config.validate()
         self.config = config
+        self.tensorboard = bool(getattr(config.run, "tensorboard", False))
+        self.wandb_project = str(getattr(config.run, "wandb", "") or "")
+        check_optional_loggers(self.tensorboard, self.wandb_project)  # before any work: say which pip install
+        self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
         self.dist = dist or DistContext()
         self.device = device or resolve_device(config.run.device, self.dist.local_rank)
         seed_everything(config.run.seed)
@@ -250,6 +256,8 @@ class Trainer:
     def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Log on rank 0 only."""
         if self.dist.is_main:
+            if self.progress is not None:
+                self.progress.clear()  # the line goes above the bar; the next update redraws it
             log.log(level, message, *args)
 
     def _prepared_data(self) -> Path:
@@ -458,7 +466,13 @@ class Trainer:
                 f"the run in {self.run_dir} already reached max_steps={run.max_steps}; raise --max-steps to train on"
             )
         self._log_header()
-        metrics = JsonlLog(self.run_dir / "metrics.jsonl") if self.dist.is_main else None
+        metrics = (
+            open_metrics(self.run_dir, self.tensorboard, self.wandb_project, self.config.to_dict())
+            if self.dist.is_main
+            else None
+        )
+        self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
+        self.progress.update(self.engine.step_count)
         record: StepRecord | None = None
         val_loss: float | None = None
         rates: list[float] = []
@@ -475,8 +489,9 @@ class Trainer:
                 if self.device.type == "cuda":
                     micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
                 record = self.engine.step(micro_batches, n_valid)
+                step_mfu = self.mfu(record.tokens_per_s)
                 if metrics:
-                    metrics.write_step(record)
+                    metrics.write_step(record, mfu=step_mfu)
                 if record.skipped:
                     self._say(format_step(record, show_k=True), level=logging.WARNING)
                     consecutive_skips += 1
@@ -495,23 +510,26 @@ class Trainer:
                 if record.step > 1:
                     rates.append(record.tokens_per_s)
                 if record.step % run.log_every == 0 or record.step == run.max_steps:
-                    self._say(format_step(record, show_k=self.k_varies, mfu_value=self.mfu(record.tokens_per_s)))
+                    self._say(format_step(record, show_k=self.k_varies, mfu_value=step_mfu))
                 last = record.step == run.max_steps
                 if self.val_loader is not None and (record.step % run.eval_every == 0 or last):
                     started = time.perf_counter()
                     val_loss = self.evaluate()
                     if metrics:
-                        metrics.write("eval", step=record.step, val_loss=val_loss)
+                        metrics.write_eval(record.step, val_loss)
                     self._say("eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started)
                 saved = last or bool(run.save_every and record.step % run.save_every == 0)
                 if saved:
                     self.save()
+                self.progress.update(record.step, record.tokens_per_s)
                 stopped_by = self._agreed_stop(stop)
                 if stopped_by:
                     self._stop(stopped_by, saved)
                     break
         finally:
             stop.__exit__()
+            self.progress.close()
+            self.progress = None
             if metrics:
                 metrics.close()
         if stopped_by:

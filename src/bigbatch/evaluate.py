@@ -1,0 +1,152 @@
+"""``bigbatch eval``: loss and perplexity of a saved run's model on a token set.
+
+The loss is the token-weighted mean over valid targets (targets of ``-100``
+do not count), read from the start of the split exactly as the trainer's
+validation pass reads it, so with the run's own data, micro-batch, sequence
+length and ``eval_batches`` it reproduces the run's last logged validation loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bigbatch.accumulate import count_valid_targets, resolve_precision, token_loss_sum
+from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
+from bigbatch.data.loader import DocumentLoader, PackedLoader
+from bigbatch.data.prepare import ensure_prepared
+from bigbatch.data.shards import open_dataset
+from bigbatch.errors import ConfigError, DataError
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float  # mean per valid target token, nats
+    tokens: int  # valid targets scored
+    micro_batches: int
+    split: str
+    dataset: Path
+    tokenizer: str
+    step: int  # the checkpoint's optimizer step
+    micro_batch: int
+    seq_len: int
+    whole_split: bool  # the split was read to its end
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    def format(self) -> str:
+        read = f"{self.micro_batches} micro-batches" + (" (the whole split)" if self.whole_split else "")
+        return (
+            f"eval step {self.step} | {self.split} split of {self.dataset} ({self.tokenizer}) | {read} of "
+            f"{self.micro_batch} x {self.seq_len} | {self.tokens:,} tokens | loss {self.loss:.4f} | "
+            f"perplexity {self.perplexity:,.2f}"
+        )
+
+
+def _section(document: dict[str, Any], name: str) -> dict[str, Any]:
+    config = document.get("config")
+    section = config.get(name) if isinstance(config, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def evaluate_checkpoint(
+    checkpoint: Path | str,
+    data: str,
+    split: str = "val",
+    batches: int | None = None,
+    micro_batch: int | None = None,
+    seq_len: int | None = None,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    cache_dir: Path | str | None = None,
+) -> EvalResult:
+    """Mean loss of the newest valid checkpoint in ``checkpoint`` (a run directory or a ``.pt`` file) on ``data``.
+
+    ``data`` is a prepared dataset directory or raw text; raw text is prepared
+    (once, cached) with the checkpoint's tokenizer, validation fraction and data
+    mode, so the run's own corpus gives the run's own validation split. Unset
+    ``batches``, ``micro_batch`` and ``seq_len`` default to the run's
+    ``eval_batches``, micro-batch and sequence length; ``batches=0`` reads the
+    whole split once.
+    """
+    if split not in ("val", "train"):
+        raise ConfigError(f"--split {split!r}: choose val or train")
+    device = torch.device(device)
+    document = load_checkpoint(checkpoint)
+    model = model_from_checkpoint(document)
+    tokenizer = str(document.get("tokenizer", "byte"))
+    data_cfg, batch_cfg, run_cfg = _section(document, "data"), _section(document, "batch"), _section(document, "run")
+
+    if micro_batch is None:  # the run's (0 when it chose automatically: then 8)
+        micro_batch = int(batch_cfg.get("micro_batch") or 0) or 8
+    if seq_len is None:
+        seq_len = int(batch_cfg.get("seq_len") or 0) or model.config.block_size
+    batches = int(run_cfg.get("eval_batches", 8)) if batches is None else batches
+    if micro_batch < 1 or seq_len < 1 or batches < 0:
+        raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
+    if seq_len > model.config.block_size:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {model.config.block_size}")
+
+    if cache_dir is None:  # the run's own cache when it is still there, so its prepared data is reused
+        run_cache = str(data_cfg.get("cache_dir") or "")
+        cache_dir = run_cache if run_cache and Path(run_cache).is_dir() else None
+    val_fraction = float(data_cfg.get("val_fraction", 0.1))
+    directory = ensure_prepared(data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")))
+    dataset = open_dataset(directory)
+    if dataset.meta.tokenizer != tokenizer:
+        raise DataError(
+            f"{directory} was prepared with the {dataset.meta.tokenizer} tokenizer but the checkpoint's model was "
+            f"trained with {tokenizer}; give raw text or a dataset prepared with --tokenizer {tokenizer}"
+        )
+    dataset.check_token_ids(model.config.vocab_size)
+    if not dataset.meta.shards.get(split):
+        raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
+    try:
+        if dataset.meta.mode == "documents":
+            pad = dataset.meta.eot_token or 0
+            loader: PackedLoader | DocumentLoader = DocumentLoader(
+                dataset.document_shards(split), micro_batch, seq_len, pad_token=pad, name=split
+            )
+        else:
+            loader = PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, name=split)
+    except DataError as exc:
+        raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
+
+    precision = resolve_precision(precision, device)
+    model = model.to(device).eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid targets)
+    read = 0
+    with torch.no_grad():
+        while batches == 0 or read < batches:
+            batch = loader.next_micro_batch()
+            with _autocast(precision, device):
+                loss_sum = token_loss_sum(model, batch.to(device))
+            totals[0] += loss_sum.double()
+            totals[1] += count_valid_targets(batch)
+            read += 1
+            if loader.epoch:  # the whole split was read
+                break
+    n_valid = int(totals[1].item())
+    if n_valid == 0:
+        raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
+    return EvalResult(
+        loss=float(totals[0] / n_valid), tokens=n_valid, micro_batches=read, split=split, dataset=directory,
+        tokenizer=tokenizer, step=int(document.get("step", 0)), micro_batch=micro_batch, seq_len=seq_len,
+        whole_split=bool(loader.epoch),
+    )  # fmt: skip
+
+
+def _autocast(precision: str, device: torch.device) -> Any:
+    from contextlib import nullcontext
+
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+

@@ -1,0 +1,191 @@
+"""bigbatch export (Hugging Face GPT-2 layout, loaded by transformers offline) and bigbatch eval."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch import checkpoint as ckpt
+from bigbatch.cli import main
+from bigbatch.evaluate import evaluate_checkpoint
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (out, err)
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("export_eval")
+    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    (path / "corpus.txt").write_bytes(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(workspace: Path) -> Path:
+    out = workspace / "run"
+    argv = [
+        "train", "--data", str(workspace / "corpus.txt"), "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
+        "--total-batch-tokens", "256", "--eval-every", "2", "--eval-batches", "3", "--sample-tokens", "0",
+        "--max-steps", "3", "--cache-dir", str(workspace / "cache"), "--out", str(out),
+    ]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(workspace)
+        code, stdout, stderr = run_main(argv)
+    assert code == 0, stdout + stderr
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+
+def test_export_loads_in_transformers_with_identical_logits(run_dir: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    code, stdout, stderr = run_main(["export", str(run_dir), "--format", "hf", str(out)])
+    assert code == 0, stderr
+    assert "exported step 3" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+    ours = ckpt.model_from_checkpoint(ckpt.load_checkpoint(run_dir)).eval()
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(out), local_files_only=True).eval()
+    x = torch.randint(0, ours.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(x)[0][..., : ours.config.vocab_size]
+        actual = theirs(x).logits
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_export_refuses_a_non_empty_directory(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, stdout, stderr = run_main(["export", str(run_dir), "--format", "hf", str(out)])
+    assert "not empty" in assert_one_line_error(code, stdout, stderr)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_export_of_a_run_without_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    code, stdout, stderr = run_main(["export", str(tmp_path / "empty"), "--format", "hf", str(tmp_path / "hf")])
+    assert "no complete checkpoints" in assert_one_line_error(code, stdout, stderr)
+    assert not (tmp_path / "hf").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# eval
+# --------------------------------------------------------------------------------------------
+
+
+def last_val_loss(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in records if r["kind"] == "eval"][-1]
+
+
+def test_eval_reproduces_the_runs_validation_loss(run_dir: Path, workspace: Path) -> None:
+    """Raw text with the run's defaults (micro-batch, seq_len, eval_batches, tokenizer, val split) gives the
+    loss the trainer logged after its last step."""
+    code, stdout, stderr = run_main(["eval", str(run_dir), "--data", str(workspace / "corpus.txt"),
+                                     "--cache-dir", str(workspace / "cache"), "--device", "cpu"])  # fmt: skip
+    assert code == 0, stderr
+    expected = last_val_loss(run_dir)
+    match = stdout.split("| loss ")[1].split()
+    assert float(match[0]) == pytest.approx(expected, abs=1e-4)
+    assert f"perplexity {math.exp(expected):,.2f}" in stdout
+    assert "3 micro-batches of 4 x 32 | 384 tokens" in stdout
+    result = evaluate_checkpoint(run_dir, str(workspace / "corpus.txt"), cache_dir=workspace / "cache")
+    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-6)
+
+
+def test_eval_is_a_token_weighted_mean_whatever_the_batching(run_dir: Path, workspace: Path) -> None:
+    data, cache = str(workspace / "corpus.txt"), workspace / "cache"
+    one = evaluate_checkpoint(run_dir, data, batches=8, micro_batch=1, seq_len=32, cache_dir=cache)
+    eight = evaluate_checkpoint(run_dir, data, batches=1, micro_batch=8, seq_len=32, cache_dir=cache)
+    assert one.tokens == eight.tokens == 256
+    assert one.loss == pytest.approx(eight.loss, rel=1e-6)
+    train = evaluate_checkpoint(run_dir, data, split="train", batches=2, cache_dir=cache)
+    assert train.split == "train" and train.tokens == 256 and train.loss != one.loss
+
+
+def test_eval_whole_split_from_a_prepared_directory(run_dir: Path, workspace: Path) -> None:
+    prepared = ckpt.load_checkpoint(run_dir)["dataset"]
+    code, stdout, stderr = run_main(["eval", str(run_dir), "--data", prepared, "--batches", "0", "--device", "cpu"])
+    assert code == 0, stderr
+    assert "(the whole split)" in stdout
+    result = evaluate_checkpoint(run_dir, prepared, batches=0)
+    assert result.whole_split and result.tokens > 3 * 4 * 32
+    meta = json.loads((Path(prepared) / "meta.json").read_text())
+    assert result.tokens <= meta["tokens"]["val"]
+
+
+def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Path) -> None:
+    document = ckpt.load_checkpoint(run_dir)
+    document["tokenizer"] = "gpt2"  # pretend the model was trained on GPT-2 tokens
+    other = tmp_path / "other_run"
+    ckpt.save_checkpoint({k: v for k, v in document.items() if k not in ("format", "version")},
+                         ckpt.checkpoint_path(other, 3))  # fmt: skip
+    code, stdout, stderr = run_main(["eval", str(other), "--data", document["dataset"], "--device", "cpu"])
+    line = assert_one_line_error(code, stdout, stderr)
+    assert "byte tokenizer" in line and "gpt2" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [(["--seq-len", "128"], "block_size"), (["--micro-batch", "0"], "positive"), (["--batches", "-1"], "at least 0")],
+    ids=["seq-len-above-block", "zero-micro-batch", "negative-batches"],
+)
+def test_eval_bad_arguments_are_one_line_errors(run_dir: Path, workspace: Path, extra: list[str], needle: str) -> None:
+    prepared = ckpt.load_checkpoint(run_dir)["dataset"]
+    code, stdout, stderr = run_main(["eval", str(run_dir), "--data", prepared, "--device", "cpu", *extra])
+    assert needle in assert_one_line_error(code, stdout, stderr)
+
+
+def test_eval_of_missing_data(run_dir: Path, tmp_path: Path) -> None:
+    code, stdout, stderr = run_main(["eval", str(run_dir), "--data", str(tmp_path / "nope.txt"), "--device", "cpu"])
+    assert "does not exist" in assert_one_line_error(code, stdout, stderr)

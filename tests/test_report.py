@@ -1,0 +1,410 @@
+"""bigbatch report (plots + summary), the terminal progress bar, and the optional TensorBoard / W&B loggers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bigbatch.accumulate import StepRecord
+from bigbatch.cli import main
+from bigbatch.errors import BigBatchError
+from bigbatch.metrics import JsonlLog, MetricsFanout, check_optional_loggers, open_metrics
+from bigbatch.progress import ProgressBar, format_duration
+from bigbatch.report import PLOTS, make_report, read_metrics, run_labels, summarize
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def run_main(argv: list[str], stderr: io.StringIO | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), stderr if stderr is not None else io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, out: str, err: str) -> str:
+    assert code == 2, (out, err)
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("report")
+    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    (path / "corpus.txt").write_bytes(text)
+    return path
+
+
+def train_args(workspace: Path, out: Path, micro_batch: int, *extra: str) -> list[str]:
+    return [
+        "train", "--data", str(workspace / "corpus.txt"), "--model", "pico", "--seq-len", "32",
+        "--micro-batch", str(micro_batch), "--total-batch-tokens", "256", "--eval-every", "2", "--eval-batches", "2",
+        "--sample-tokens", "0", "--max-steps", "3", "--cache-dir", str(workspace / "cache"), "--out", str(out),
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(workspace: Path) -> tuple[Path, Path]:
+    """The same 256 tokens per step as K=2 x 4 sequences and as K=1 x 8 (with a peak FLOP/s, so MFU is logged)."""
+    k2, k1 = workspace / "k2", workspace / "k1"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(workspace)
+        for argv in (train_args(workspace, k2, 4), train_args(workspace, k1, 8, "--peak-flops", "1e12")):
+            code, out, err = run_main(argv)
+            assert code == 0, out + err
+    return k2, k1
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    assert path.stat().st_size > 5000, path  # a real plot, not an empty canvas
+
+
+# --------------------------------------------------------------------------------------------
+# metrics.jsonl carries MFU when the trainer computes it
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_records_carry_mfu_only_when_known(runs: tuple[Path, Path]) -> None:
+    k2, k1 = runs
+    with_mfu = [r for r in records(k1) if r["kind"] == "step"]
+    assert len(with_mfu) == 3 and all(0 < r["mfu"] < 1 for r in with_mfu)
+    # mfu = flops_per_token * tokens/s / peak (1e12 on one device)
+    ratios = {round(r["mfu"] * 1e12 / r["tokens_per_s"]) for r in with_mfu}
+    assert len(ratios) == 1
+    assert all("mfu" not in r for r in records(k2) if r["kind"] == "step")  # CPU: peak unknown, nothing written
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def test_report_of_one_run_writes_plots_and_a_matching_summary(runs: tuple[Path, Path]) -> None:
+    run_dir = runs[1]
+    code, out, err = run_main(["report", str(run_dir)])
+    assert code == 0, err
+    report_dir = run_dir / "report"  # the default for one run
+    for name in (*PLOTS, "mfu.png"):
+        assert_png(report_dir / name)
+
+    steps = [r for r in records(run_dir) if r["kind"] == "step"]
+    evals = [r for r in records(run_dir) if r["kind"] == "eval"]
+    best = min(evals, key=lambda r: r["val_loss"])
+    mean_rate = sum(r["tokens_per_s"] for r in steps[1:]) / 2  # step 1 left out
+    mean_mfu = sum(r["mfu"] for r in steps[1:]) / 2
+    summary = (report_dir / "summary.txt").read_text()
+    assert summary.strip() in out  # printed as well
+    assert f"run {run_dir.name}\n" in summary
+    assert "  steps              3\n" in summary
+    assert "  tokens seen        768\n" in summary
+    assert f"  final train loss   {steps[-1]['loss']:.4f}\n" in summary
+    assert f"  best val loss      {best['val_loss']:.4f} at step {best['step']} " in summary
+    assert f"(perplexity {math.exp(best['val_loss']):,.2f})" in summary
+    assert f"  final val loss     {evals[-1]['val_loss']:.4f}\n" in summary
+    assert f"  mean tokens/s      {mean_rate:,.0f} " in summary
+    assert f"  mean MFU           {mean_mfu:.1%}\n" in summary
+    assert "  skipped steps      0" in summary
+
+    s = summarize(read_metrics(run_dir))
+    assert (s.steps, s.tokens, s.skipped, s.best_val_step) == (3, 768, 0, best["step"])
+    assert s.final_loss == steps[-1]["loss"] and s.best_val_loss == best["val_loss"]
+    assert s.mean_tokens_per_s == pytest.approx(mean_rate) and s.mean_mfu == pytest.approx(mean_mfu)
+
+
+def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    k2, k1 = runs
+    code, out, err = run_main(["report", str(k2), str(k1)])
+    assert code == 0, err
+    report_dir = tmp_path / "report"  # ./report for several runs
+    for name in (*PLOTS, "mfu.png"):
+        assert_png(report_dir / name)
+    summary = (report_dir / "summary.txt").read_text()
+    assert "run k2\n" in summary and "run k1\n" in summary
+    assert summary.count("mean MFU") == 1  # only the run whose records carry it
+    # the same tokens per step as K=2 and K=1 is the same training, to rounding
+    a, b = (summarize(read_metrics(d)) for d in runs)
+    assert a.final_loss == pytest.approx(b.final_loss, rel=1e-5)
+    assert a.tokens == b.tokens == 768
+
+
+def test_report_out_option(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    out_dir, summaries, plots = make_report([runs[0]], tmp_path / "elsewhere" / "r")
+    assert out_dir == tmp_path / "elsewhere" / "r"
+    assert sorted(p.name for p in plots) == sorted(PLOTS)  # no MFU in this run: no mfu.png
+    assert (out_dir / "summary.txt").is_file() and len(summaries) == 1
+
+
+def write_jsonl(path: Path, lines: list[object]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    (path / "metrics.jsonl").write_text(text)
+    return path
+
+
+def step(n: int, loss: float, tokens: int = 100, tps: float = 1000.0, skipped: bool = False, **extra: object) -> dict:
+    return {"kind": "step", "step": n, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": tokens,
+            "micro_batches": 2, "dt": tokens / tps, "skipped": skipped, "tokens_per_s": tps, **extra}  # fmt: skip
+
+
+def test_summary_handles_skipped_steps_nan_and_a_cut_line(tmp_path: Path) -> None:
+    run_dir = write_jsonl(
+        tmp_path / "r",
+        [
+            step(1, 5.0, tps=10.0, mfu=0.01),  # warm-up: left out of the means
+            step(2, 4.0, tps=2000.0, mfu=0.2),
+            step(2, float("nan"), tps=3000.0, skipped=True),  # a skipped step keeps the step number
+            {"kind": "eval", "step": 2, "val_loss": 3.5},
+            step(3, 3.0, tps=4000.0, mfu=0.4),
+            {"kind": "eval", "step": 3, "val_loss": 3.7},
+            '{"kind": "step", "step": 4, "lo',  # cut by a crash
+        ],
+    )
+    s = summarize(read_metrics(run_dir))
+    assert s.steps == 3 and s.skipped == 1
+    assert s.tokens == 300  # the skipped step trained on nothing
+    assert s.final_loss == 3.0
+    assert (s.best_val_loss, s.best_val_step, s.final_val_loss) == (3.5, 2, 3.7)
+    assert s.mean_tokens_per_s == pytest.approx(3000.0)  # steps 2 and 3, applied ones only
+    assert s.mean_mfu == pytest.approx(0.3)
+    out_dir, _, plots = make_report([run_dir])
+    for path in plots:
+        assert_png(path)
+    assert "skipped steps      1" in (out_dir / "summary.txt").read_text()
+
+
+def test_run_labels_disambiguate_equal_names(tmp_path: Path) -> None:
+    assert run_labels([tmp_path / "a" / "run", tmp_path / "b" / "run"]) == ["a/run", "b/run"]
+    assert run_labels([tmp_path / "k1", tmp_path / "k8"]) == ["k1", "k8"]
+
+
+@pytest.mark.parametrize("case", ["missing-dir", "no-metrics", "empty-metrics", "only-eval"])
+def test_report_without_step_records_is_a_one_line_error(case: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    if case != "missing-dir":
+        run_dir.mkdir()
+    if case == "empty-metrics":
+        (run_dir / "metrics.jsonl").write_text("")
+    if case == "only-eval":
+        write_jsonl(run_dir, [{"kind": "eval", "step": 1, "val_loss": 2.0}])
+    code, out, err = run_main(["report", str(run_dir)])
+    line = assert_one_line_error(code, out, err)
+    assert str(run_dir) in line
+    assert not (run_dir / "report").exists()
+    with pytest.raises(BigBatchError):
+        read_metrics(run_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# progress bar
+# --------------------------------------------------------------------------------------------
+
+
+def test_progress_bar_draws_nothing_on_a_non_tty() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(10, stream=stream, min_interval=0)
+    assert not bar.enabled
+    for i in range(11):
+        bar.update(i, tokens_per_s=1234.0)
+    bar.clear()
+    bar.close()
+    assert stream.getvalue() == ""
+
+
+def test_progress_bar_draws_frames_with_eta_on_a_tty() -> None:
+    stream = FakeTTY()
+    now = [100.0]
+    bar = ProgressBar(10, stream=stream, min_interval=0, clock=lambda: now[0])
+    assert bar.enabled
+    bar.update(0)
+    now[0] += 10.0
+    bar.update(1, tokens_per_s=12345.0)  # 10 s per step, 9 steps to go
+    text = stream.getvalue()
+    frames = text.split("\r")[1:]
+    assert len(frames) == 2 and "\n" not in text
+    assert frames[0].startswith("step 0/10 [") and "ETA --:--" in frames[0]
+    assert frames[1].startswith("step 1/10 [##") and " 10%" in frames[1]
+    assert "tok/s 12,345" in frames[1] and frames[1].rstrip().endswith("ETA 1:30")
+    bar.clear()  # erases the line for a log line, then the next update redraws
+    assert stream.getvalue().endswith("\r" + " " * len(frames[1]) + "\r")
+    now[0] += 10.0
+    bar.update(2)
+    assert stream.getvalue().split("\r")[-1].startswith("step 2/10") and "ETA 1:20" in stream.getvalue()
+    bar.close()
+    size = len(stream.getvalue())
+    bar.update(3)  # closed: nothing more
+    assert len(stream.getvalue()) == size
+
+
+def test_progress_bar_rate_limits_but_draws_the_last_frame() -> None:
+    stream = FakeTTY()
+    bar = ProgressBar(100, stream=stream, min_interval=3600)
+    for i in range(101):
+        bar.update(i)
+    frames = stream.getvalue().split("\r")[1:]
+    assert [f.split()[1] for f in frames] == ["0/100", "100/100"]
+
+
+def test_format_duration() -> None:
+    assert [format_duration(s) for s in (0, 3.4, 247, 3909)] == ["0:00", "0:03", "4:07", "1:05:09"]
+
+
+def test_trainer_bar_only_on_a_tty_and_log_lines_unchanged(workspace: Path, tmp_path: Path) -> None:
+    plain_code, plain_out, plain_err = run_main(train_args(workspace, tmp_path / "plain", 4))
+    assert plain_code == 0 and "\r" not in plain_out + plain_err and plain_err == ""
+    tty = FakeTTY()
+    code, out, err = run_main(train_args(workspace, tmp_path / "tty", 4), stderr=tty)
+    assert code == 0, out + err
+    assert "\r" not in out  # stdout: the same log lines
+    def logged(text: str) -> list[str]:  # step and eval lines without their timings
+        return [" | ".join(line.split(" | ")[:2]) for line in text.splitlines() if line.startswith(("step", "eval"))]
+
+    assert logged(out) == logged(plain_out) and len(logged(out)) == 5
+    assert "step 3/3 [####################] 100%" in err and "ETA" in err
+    assert err.endswith("\r")  # cleared at the end
+
+
+def fake_measurement(size: int):  # noqa: ANN201
+    from bigbatch.memory import MicroStepMeasurement
+
+    mib = 1 << 20
+    return MicroStepMeasurement(size, 10 * mib, size * mib, 2 * size * mib, mib, 3 * size * mib, 3 * size * mib, 8,
+                                0.01 * size, 0.001)  # fmt: skip
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "tty"])
+def test_memory_progress(tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bigbatch.memory
+
+    monkeypatch.setattr(bigbatch.memory, "measure", lambda config, size, *a, **k: fake_measurement(size))
+    stream = FakeTTY() if tty else io.StringIO()
+    code, out, err = run_main(["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "4",
+                               "--device", "cpu"], stderr=stream)  # fmt: skip
+    assert code == 0, err
+    assert "micro-batch" in out
+    if tty:
+        assert "measured micro-batch 1\n" not in err
+        assert "measured 3/3 [" in err and "ETA" in err and "\r" in err
+    else:
+        assert err == "measured micro-batch 1\nmeasured micro-batch 2\nmeasured micro-batch 4\n"
+
+
+# --------------------------------------------------------------------------------------------
+# optional loggers
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_loggers_write_only_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing either would now fail
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    check_optional_loggers(False, "")
+    sink = open_metrics(tmp_path / "run")
+    assert [type(s) for s in sink.sinks] == [JsonlLog]
+    sink.write_step(StepRecord(1, 2.0, 0.5, 1e-3, 64, 2, 0.1))
+    sink.write_eval(1, 1.9)
+    sink.close()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["kind"] for line in lines] == ["step", "eval"] and "mfu" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "module", "needle"),
+    [(["--tensorboard"], "torch.utils.tensorboard", "pip install tensorboard"),
+     (["--wandb", "myproj"], "wandb", "pip install wandb")],
+    ids=["tensorboard", "wandb"],
+)  # fmt: skip
+def test_missing_logger_package_is_a_one_line_error(
+    flags: list[str], module: str, needle: str, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)
+    run_dir = tmp_path / "run"
+    code, out, err = run_main([*train_args(workspace, run_dir, 4), *flags])
+    line = assert_one_line_error(code, out, err)
+    assert needle in line
+    assert not run_dir.exists()  # refused before anything was written
+
+
+def test_loggers_are_fed_when_the_packages_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stand-in modules record what TensorBoard's SummaryWriter and wandb receive."""
+    calls: list[tuple] = []
+
+    class Writer:
+        def __init__(self, log_dir: str) -> None:
+            calls.append(("tb-init", log_dir))
+
+        def add_scalar(self, name: str, value: float, step: int) -> None:
+            calls.append(("tb", name, value, step))
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            calls.append(("tb-close",))
+
+    class Run:
+        def log(self, values: dict, step: int) -> None:
+            calls.append(("wandb", values, step))
+
+        def finish(self) -> None:
+            calls.append(("wandb-finish",))
+
+    def init(**kwargs: object) -> Run:
+        calls.append(("wandb-init", kwargs["project"]))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    sink = open_metrics(tmp_path / "run", tensorboard=True, wandb_project="proj", config={"a": 1})
+    assert isinstance(sink, MetricsFanout) and len(sink.sinks) == 3
+    sink.write_step(StepRecord(7, 2.0, 0.5, 1e-3, 64, 2, 0.1), mfu=0.25)
+    sink.write_eval(7, 1.5)
+    sink.close()
+    assert ("tb-init", str(tmp_path / "run" / "tensorboard")) in calls
+    assert ("tb", "train/loss", 2.0, 7) in calls and ("tb", "train/mfu", 0.25, 7) in calls
+    assert ("tb", "val/loss", 1.5, 7) in calls
+    assert ("wandb-init", "proj") in calls and ("wandb", {"val/loss": 1.5}, 7) in calls
+    logged = next(c for c in calls if c[0] == "wandb" and "train/loss" in c[1])
+    assert logged[1]["train/tokens_per_s"] == pytest.approx(640.0) and logged[2] == 7
+    assert ("tb-close",) in calls and ("wandb-finish",) in calls
