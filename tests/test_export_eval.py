@@ -57,7 +57,9 @@ def assert_one_line_error(code: int, out: str, err: str) -> str:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("export_eval")
-    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    # Without the shared corpus, numbered lines: never periodic, so the train and val splits differ.
+    fallback = "".join(f"line {i}: to be or not to be, {i * i % 97} is it.\n" for i in range(1500)).encode()
+    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else fallback
     (path / "corpus.txt").write_bytes(text)
     return path
 

@@ -29,6 +29,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
         mode=args.mode,
+        workers=args.workers or None,
     )
     print(
         f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
     prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
     prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
+    prepare.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
     prepare.add_argument(
         "--mode", default="packed", choices=("packed", "documents"),
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",

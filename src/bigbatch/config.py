@@ -46,8 +46,16 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    data: str = _opt("builtin", "a prepared dataset directory, or raw text (file, directory, glob, or 'builtin')")
-    tokenizer: str = _opt("byte", "tokenizer for raw text: byte (no download) or gpt2 (tiktoken)")
+    data: str = _opt(
+        "builtin",
+        "a prepared dataset directory; raw text (file, directory, glob, or 'builtin'); or token shards from "
+        "build-nanogpt (.npy) / llm.c (.bin): a directory or glob",
+    )
+    tokenizer: str = _opt(
+        "byte",
+        "tokenizer for raw text: byte (no download), gpt2 (tiktoken) or bpe:VOCAB (byte-level BPE trained on the "
+        "data, e.g. bpe:4096)",
+    )
     val_fraction: float = _opt(0.1, "share of the token stream held out for validation when preparing raw text")
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
     data_mode: str = _opt(

@@ -540,8 +540,11 @@ class Trainer:
             )  # fmt: skip
         sample = None
         if run.sample_tokens:
-            sample = self.sample(run.sample_tokens, run.sample_prompt)
-            self._say("sample:\n%s", sample)
+            try:
+                sample = self.sample(run.sample_tokens, run.sample_prompt)
+                self._say("sample:\n%s", sample)
+            except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: the run itself is done
+                self._say("no sample: %s", exc, level=logging.WARNING)
         assert record is not None
         mean_rate = sum(rates) / len(rates) if rates else record.tokens_per_s
         mean_mfu = self.mfu(mean_rate)

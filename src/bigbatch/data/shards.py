@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bigbatch.errors import DataError
+
+if TYPE_CHECKING:
+    from bigbatch.data.foreign import ForeignDataset
 
 META_FILE = "meta.json"
 FORMAT_NAME = "bigbatch-tokens"
@@ -174,6 +178,13 @@ class TokenDataset:
         return array
 
 
-def open_dataset(directory: Path | str) -> TokenDataset:
-    """The dataset in ``directory`` (a directory prepared by bigbatch)."""
+def open_dataset(directory: Path | str) -> TokenDataset | ForeignDataset:
+    """The dataset ``directory`` names: a directory prepared by bigbatch, or foreign token shards read as they
+    are (build-nanogpt ``.npy`` or llm.c ``.bin``: a directory without ``meta.json``, a file or a glob)."""
+    from bigbatch.data.foreign import ForeignDataset, foreign_files
+
+    if not is_prepared_dataset(Path(directory)):
+        files = foreign_files(directory)
+        if files:
+            return ForeignDataset(directory, files)
     return TokenDataset(directory)
