@@ -211,7 +211,7 @@ def _probe_main() -> None:
         GPTConfig(**request["config"]), request["micro_batch"], request["seq_len"], request["k"],
         torch.device("cpu"), request["precision"], request["activation_checkpointing"],
     )
-    print(json.dumps(asdict(result)))
+    sys.stdout.write(json.dumps(asdict(result)) + "\n")  # the parent reads this line
 
 
 if __name__ == "__main__":

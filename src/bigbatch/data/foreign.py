@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bigbatch.data.shards import SPLITS, DatasetMeta, DocumentShard, is_prepared_dataset
+from bigbatch.data.shards import (
+    SPLITS,
+    DatasetMeta,
+    DocumentShard,
+    check_token_range,
+    is_prepared_dataset,
+)
 from bigbatch.errors import DataError
 
 GPT2_VOCAB_SIZE = 50257
@@ -131,15 +137,8 @@ class ForeignDataset:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Refuse shards holding ids at or above ``vocab_size`` (they would index past the embedding)."""
-        for split in SPLITS:
-            for path, array in zip(self._files[split], self.shard_arrays(split)):
-                for start in range(0, len(array), 1 << 24):  # chunks keep memory flat on huge shards
-                    top = int(array[start : start + (1 << 24)].max(initial=0))
-                    if top >= vocab_size:
-                        raise DataError(
-                            f"shard {path} holds token id {top}, but the vocabulary has {vocab_size} ids "
-                            f"(0..{vocab_size - 1}); these are not GPT-2 tokens, or the model's vocabulary is too small"
-                        )
+        shards = ((path, array) for split in SPLITS for path, array in zip(self._files[split], self.shard_arrays(split)))
+        check_token_range(shards, vocab_size, "these are not GPT-2 tokens, or the model's vocabulary is too small")
 
     def document_shards(self, split: str) -> list[DocumentShard]:
         raise DataError(

@@ -13,6 +13,7 @@ read, so a dataset larger than RAM is fine.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -111,6 +112,19 @@ class DocumentShard:
     mask: np.ndarray | None  # (n_tokens,) uint8 or None (every token is trained on)
 
 
+def check_token_range(shards: Iterable[tuple[object, np.ndarray]], vocab_size: int, fix: str) -> None:
+    """Raise :class:`DataError` naming the first shard with a token id at or above ``vocab_size``."""
+    chunk = 1 << 24  # chunks keep memory flat on huge memory-mapped shards
+    for where, array in shards:
+        for start in range(0, len(array), chunk):
+            top = int(array[start : start + chunk].max(initial=0))
+            if top >= vocab_size:
+                raise DataError(
+                    f"shard {where} holds token id {top}, but the vocabulary has {vocab_size} ids "
+                    f"(0..{vocab_size - 1}); {fix}"
+                )
+
+
 def is_prepared_dataset(path: Path) -> bool:
     return (path / META_FILE).is_file()
 
@@ -136,15 +150,12 @@ class TokenDataset:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Refuse shards holding ids at or above ``vocab_size`` (they would index past the embedding)."""
-        for split in SPLITS:
-            for name, array in zip(self.meta.shards.get(split, []), self.shard_arrays(split)):
-                for start in range(0, len(array), 1 << 24):  # chunks keep memory flat on huge shards
-                    top = int(array[start : start + (1 << 24)].max(initial=0))
-                    if top >= vocab_size:
-                        raise DataError(
-                            f"shard {self.directory / name} holds token id {top}, but the vocabulary has "
-                            f"{vocab_size} ids (0..{vocab_size - 1}); re-prepare it with the right tokenizer"
-                        )
+        shards = (
+            (self.directory / name, array)
+            for split in SPLITS
+            for name, array in zip(self.meta.shards.get(split, []), self.shard_arrays(split))
+        )
+        check_token_range(shards, vocab_size, "re-prepare it with the right tokenizer")
 
     def document_shards(self, split: str) -> list[DocumentShard]:
         """The split's shards with their document offsets (and masks), for a ``documents`` dataset."""
