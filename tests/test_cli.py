@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
 import re
 import subprocess
 import sys
-import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
+from helpers import assert_one_line_error, run_main
 
 from bigbatch.cli import main
 
@@ -74,20 +73,6 @@ def tiny_args(data: Path | str, cache: Path, out: Path, *extra: str) -> list[str
     ]  # fmt: skip
 
 
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """main() in-process with stdout/stderr captured (usable outside capsys, e.g. in module fixtures)."""
-    out, err = io.StringIO(), io.StringIO()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
 def trained_run(workspace: Path, corpus: Path, cache_dir: Path) -> tuple[int, str, str, Path]:
     run_dir = workspace / "run"
@@ -101,15 +86,6 @@ def exit_code(fn: Callable[[], object]) -> int:
     with pytest.raises(SystemExit) as info:
         fn()
     return int(info.value.code or 0)
-
-
-def assert_one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (out, err)
-    lines = err.strip("\n").splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("bigbatch: error: "), err
-    assert "Traceback" not in out and "Traceback" not in err
-    return lines[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +165,27 @@ def test_sample_continues_the_prompt(trained_run: tuple[int, str, str, Path], ca
     argv[2] = str(run_dir / "checkpoints" / "step_0000003.pt")
     assert main(argv) == 0
     assert capsys.readouterr().out == first.out
+
+
+def test_sample_streams_the_same_text_as_a_batch(
+    trained_run: tuple[int, str, str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
+    from bigbatch.data.tokenizers import get_tokenizer
+    from bigbatch.sampling import generate
+
+    _, _, _, run_dir = trained_run
+    for temperature in ("0", "0.8"):
+        argv = ["sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30",
+                "--temperature", temperature, "--seed", "5", "--device", "cpu"]  # fmt: skip
+        assert main(argv) == 0
+        streamed = capsys.readouterr().out
+        document = load_checkpoint(run_dir)
+        model = model_from_checkpoint(document)
+        tokenizer = get_tokenizer(str(document.get("tokenizer", "byte")))
+        prompt = tokenizer.encode(b"ROMEO:")
+        out = generate(model, torch.tensor([prompt]), 30, float(temperature), 50, torch.Generator().manual_seed(5))
+        assert streamed == "ROMEO:" + tokenizer.decode(out[0, len(prompt) :].tolist()) + "\n"
 
 
 def test_sample_several(trained_run: tuple[int, str, str, Path], capsys: pytest.CaptureFixture) -> None:

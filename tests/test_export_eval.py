@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import math
@@ -12,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_one_line_error, run_main
 
 from bigbatch import checkpoint as ckpt
-from bigbatch.cli import main
 from bigbatch.evaluate import evaluate_checkpoint
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -31,27 +29,6 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (out, err)
-    lines = err.strip("\n").splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
-    assert "Traceback" not in out + err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

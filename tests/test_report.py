@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -13,11 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import assert_one_line_error, run_main
 
 from bigbatch.accumulate import StepRecord
-from bigbatch.cli import main
 from bigbatch.errors import BigBatchError
-from bigbatch.metrics import JsonlLog, MetricsFanout, check_optional_loggers, open_metrics
+from bigbatch.metrics import (
+    JsonlLog,
+    MetricsFanout,
+    check_optional_loggers,
+    open_metrics,
+)
 from bigbatch.progress import ProgressBar, format_duration
 from bigbatch.report import PLOTS, make_report, read_metrics, run_labels, summarize
 
@@ -39,27 +43,6 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
-
-
-def run_main(argv: list[str], stderr: io.StringIO | None = None) -> tuple[int, str, str]:
-    out, err = io.StringIO(), stderr if stderr is not None else io.StringIO()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(code: int, out: str, err: str) -> str:
-    assert code == 2, (out, err)
-    lines = err.strip("\n").splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
-    assert "Traceback" not in out + err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

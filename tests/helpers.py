@@ -1,0 +1,35 @@
+"""Helpers shared by the CLI-level tests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+from bigbatch.cli import main
+
+
+def run_main(argv: list[str], stderr: io.StringIO | None = None) -> tuple[int, str, str]:
+    """main() in-process with stdout/stderr captured (usable outside capsys, e.g. in module fixtures).
+
+    main() points the root logger at the current stdout; the logger is restored afterwards.
+    """
+    out, err = io.StringIO(), stderr if stderr is not None else io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code: int, out: str, err: str) -> str:
+    """Exit code 2, exactly one 'bigbatch: error:' line on stderr, no traceback anywhere; returns the line."""
+    assert code == 2, (out, err)
+    lines = err.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
