@@ -34,8 +34,10 @@ TRICKY = [
 def corpus_text(limit: int = 200_000) -> str:
     if SHAKESPEARE.is_file():
         return SHAKESPEARE.read_text(encoding="utf-8")[:limit]
+    # Without the shared corpus: words of random syllables, varied enough for hundreds of merges.
     rng = random.Random(0)
-    words = ["the", "king", "queen", "shall", "speak", "thou", "art", "my", "lord", "good", "night", "to", "be"]
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3_000)]
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + "." for _ in range(6_000)]
     return "\n".join(lines)[:limit]
 
