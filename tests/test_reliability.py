@@ -17,7 +17,7 @@ import torch
 from bigbatch import checkpoint as ckpt
 from bigbatch.cli import main
 from bigbatch.config import TrainConfig
-from bigbatch.errors import CheckpointError, DataError
+from bigbatch.errors import CheckpointError
 from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.trainer import Trainer
 
@@ -371,3 +371,20 @@ def test_loader_state_from_a_smaller_world_continues_in_the_next_shard() -> None
         loader.load_state_dict(state)  # 800 + 200 + 1 > 1000: no whole window left in shard 0
     first = two[0].next_micro_batch()
     assert first.inputs[0, 0].item() == 1000 and two[0].shard_index == 1
+
+
+def test_a_sample_that_cannot_load_its_tokenizer_is_only_a_warning(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Training is done and saved; an offline GPT-2 encoding must not turn the run into a failure."""
+    from bigbatch.errors import BigBatchError
+
+    trainer = Trainer(make_config(corpus, tmp_path / "run", max_steps=1, sample_tokens=5))
+
+    def offline(*args: object, **kwargs: object) -> str:
+        raise BigBatchError("could not load tiktoken's GPT-2 encoding")
+
+    monkeypatch.setattr(trainer, "sample", offline)
+    result = trainer.train()
+    assert result.steps == 1 and result.sample is None
+    assert "no sample: could not load" in caplog.text

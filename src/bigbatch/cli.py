@@ -85,7 +85,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.distributed import resolve_device
-    from bigbatch.sampling import generate
+    from bigbatch.sampling import decoded_pieces, generate, generate_stream
 
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise BigBatchError("--max-new-tokens and --num-samples must be positive")
@@ -101,6 +101,16 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         raise BigBatchError("the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    if args.num_samples == 1:  # stream: each piece of text as soon as it is sampled
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        tokens = generate_stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, generator=generator)
+        for piece in decoded_pieces(tokens, tokenizer.decode):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return 0
     out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, generator=generator)
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -182,7 +192,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+    from bigbatch.checkpoint import (
+        load_checkpoint,
+        model_from_checkpoint,
+        resolve_checkpoint,
+    )
     from bigbatch.hf import save_hf_gpt2
 
     out = args.out_dir
@@ -283,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
 
     prepare = commands.add_parser("prepare", help="tokenize text into token shards")
-    prepare.add_argument("source", help="a text file, a directory, a glob, or 'builtin'")
+    prepare.add_argument(
+        "source", help="a text file, a directory, a glob, 'builtin', or hf:NAME[:CONFIG][:SPLIT] (needs datasets)"
+    )
     prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
     prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")

@@ -43,6 +43,7 @@ class ProgressBar:
         enabled: bool | None = None,
         min_interval: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        format_count: Callable[[int], str] = str,
     ) -> None:
         self.total = max(int(total), 0)
         self.label = label
@@ -53,6 +54,7 @@ class ProgressBar:
         self.enabled = enabled
         self.min_interval = min_interval
         self.clock = clock
+        self.format_count = format_count  # how ``done`` and ``total`` read, e.g. bytes as MB
         self._start: tuple[float, int] | None = None  # (time, units done) at the first update
         self._last_draw = float("-inf")
         self._width = 0  # characters of the line now on screen; 0 when none
@@ -63,7 +65,8 @@ class ProgressBar:
         total = self.total
         fraction = min(done / total, 1.0) if total else 1.0
         filled = int(BAR_WIDTH * fraction)
-        parts = [f"{self.label} {done}/{total} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {fraction:4.0%}"]
+        count = f"{self.format_count(done)}/{self.format_count(total)}"
+        parts = [f"{self.label} {count} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {fraction:4.0%}"]
         if extra:
             parts.append(extra)
         if tokens_per_s is not None:

@@ -43,6 +43,7 @@ from bigbatch.distributed import (
     wrap_model,
 )
 from bigbatch.errors import (
+    BigBatchError,
     CheckpointError,
     ConfigError,
     DataError,
@@ -51,7 +52,13 @@ from bigbatch.errors import (
 )
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.hf import load_hf_gpt2
-from bigbatch.metrics import check_optional_loggers, device_peak_flops, format_step, mfu, open_metrics
+from bigbatch.metrics import (
+    check_optional_loggers,
+    device_peak_flops,
+    format_step,
+    mfu,
+    open_metrics,
+)
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch

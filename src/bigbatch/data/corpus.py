@@ -1,4 +1,4 @@
-"""Text sources: the built-in corpus, a file, a directory or a glob."""
+"""Text sources: the built-in corpus, a file, a directory, a glob, or a Hugging Face dataset (``hf:``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from bigbatch.errors import DataError
 
 BUILTIN = "builtin"
 """Name of the built-in corpus: the Python standard library's top-level ``.py`` sources."""
+
+HF_PREFIX = "hf:"
+"""``hf:NAME[:CONFIG][:SPLIT]``: the ``text`` field of a Hugging Face dataset, streamed (needs ``datasets``)."""
+HF_DEFAULT_SPLIT = "train"
 
 _BINARY_PROBE_BYTES = 8192
 
@@ -96,3 +100,47 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
             yield Document(name=where, data=record["completion"].encode("utf-8"), prompt=record["prompt"].encode("utf-8"))
         else:
             raise DataError(f"{where} needs a string 'text', or string 'prompt' and 'completion' fields")
+
+
+def is_hf_source(source: str) -> bool:
+    return source.startswith(HF_PREFIX)
+
+
+def parse_hf_source(source: str) -> tuple[str, str | None, str]:
+    """``hf:NAME[:CONFIG][:SPLIT]`` as ``(name, config or None, split)``; the split defaults to ``train``."""
+    parts = source[len(HF_PREFIX) :].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise DataError(
+            f"bad Hugging Face source {source!r}; write hf:NAME[:CONFIG][:SPLIT], "
+            "e.g. hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"
+        )
+    name = parts[0]
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 and parts[2] else HF_DEFAULT_SPLIT
+    return name, config, split
+
+
+def hf_documents(source: str) -> Iterator[Document]:
+    """Each record's ``text`` of the Hugging Face dataset ``source`` names, streamed (nothing downloaded whole)."""
+    name, config, split = parse_hf_source(source)
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DataError("the hf: data source needs the datasets package: pip install datasets") from exc
+
+    def offline(exc: BaseException) -> DataError:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return DataError(
+            f"the dataset {name} could not be downloaded ({detail}); offline? save it as text or .jsonl files "
+            "where there is a network and point --data at the local copy"
+        )
+
+    try:
+        records = datasets.load_dataset(name, config, split=split, streaming=True)
+        for number, record in enumerate(records, start=1):
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"record {number} of {source} has no string 'text' field; the hf: source reads 'text'")
+            yield Document(name=f"{source}#{number}", data=text.encode("utf-8"))
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        raise offline(exc) from exc

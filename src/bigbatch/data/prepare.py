@@ -20,14 +20,21 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bigbatch.data.corpus import BUILTIN, read_documents, resolve_source
+from bigbatch.data.corpus import (
+    BUILTIN,
+    Document,
+    hf_documents,
+    is_hf_source,
+    read_documents,
+    resolve_source,
+)
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.shards import (
     META_FILE,
@@ -37,8 +44,17 @@ from bigbatch.data.shards import (
     is_prepared_dataset,
     token_dtype,
 )
-from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
+from bigbatch.data.tokenizers import (
+    BPE_FILE,
+    BPETokenizer,
+    Tokenizer,
+    bpe_vocab_size,
+    get_tokenizer,
+    is_bpe,
+    train_bpe,
+)
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +126,30 @@ def prepare_dataset(
         bpe_vocab_size(tokenizer_name)  # a bad name fails before any work
     else:
         tokenizer = get_tokenizer(tokenizer_name)
-    files = resolve_source(source)
+    hf = is_hf_source(source)
+    files = [] if hf else resolve_source(source)
+
+    def documents() -> Iterator[Document]:
+        return hf_documents(source) if hf else read_documents(files)
+
+    total_bytes = None if hf else sum(path.stat().st_size for path in files)  # unknown for a stream
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if tokenizer is None:
-            tokenizer = _train_bpe(tokenizer_name, files, source)
+            tokenizer = _train_bpe(tokenizer_name, documents, source)
             tokenizer.save(staging / BPE_FILE)  # type: ignore[attr-defined]
         dtype = token_dtype(tokenizer.vocab_size)
-        n_workers = _worker_count(workers, tokenizer, files)
+        n_workers = _worker_count(workers, tokenizer, total_bytes)
         stream_path = staging / _STREAM_FILE
         lengths: list[int] = []
         prompt_lengths: list[int] = []
         n_bytes = 0
         tokenize_started = time.perf_counter()
-        progress = _Progress("tokenized", tokenize_started)
-        with open(stream_path, "wb") as stream_file:
-            for ids, prompt_length, size in _encoded_documents(files, tokenizer, dtype, n_workers):
+        progress = _Progress("tokenized", tokenize_started, total_bytes=total_bytes)
+        with progress, open(stream_path, "wb") as stream_file:
+            for ids, prompt_length, size in _encoded_documents(documents, tokenizer, dtype, n_workers):
                 stream_file.write(ids.tobytes())
                 lengths.append(len(ids))
                 prompt_lengths.append(prompt_length)
@@ -180,15 +202,28 @@ def prepare_dataset(
 
 
 class _Progress:
-    """Logs ``documents, MB of text, MB/s`` every few seconds."""
+    """Logs ``documents, MB of text, MB/s`` every few seconds; or, given ``total_bytes`` and with stderr a
+    terminal, draws a progress bar (MB done of the total, MB/s, ETA) instead.
 
-    def __init__(self, what: str, started: float) -> None:
+    ``total_bytes`` is the size of the files, so JSON Lines overhead and skipped binary files leave the bar
+    short of 100% at the end; it is erased then either way.
+    """
+
+    def __init__(self, what: str, started: float, total_bytes: int | None = None) -> None:
         self.what = what
         self.started = started
         self.next_report = started + PROGRESS_SECONDS
+        self.bar: ProgressBar | None = None
+        if total_bytes:
+            bar = ProgressBar(total_bytes, label=f"{what} MB", format_count=lambda n: f"{n / 1e6:.1f}")
+            self.bar = bar if bar.enabled else None
 
     def update(self, documents: int, n_bytes: int) -> None:
         now = time.perf_counter()
+        if self.bar is not None:
+            rate = n_bytes / 1e6 / max(now - self.started, 1e-9)
+            self.bar.update(min(n_bytes, self.bar.total), extra=f"{documents:,} documents | {rate:.1f} MB/s")
+            return
         if now < self.next_report:
             return
         self.next_report = now + PROGRESS_SECONDS
@@ -196,6 +231,16 @@ class _Progress:
             "%s %s documents, %.1f MB of text, %.1f MB/s",
             self.what, f"{documents:,}", n_bytes / 1e6, n_bytes / 1e6 / max(now - self.started, 1e-9),
         )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def split_text(data: bytes, size: int = PIECE_BYTES) -> list[bytes]:
@@ -217,14 +262,14 @@ def split_text(data: bytes, size: int = PIECE_BYTES) -> list[bytes]:
     return pieces
 
 
-def _train_bpe(name: str, files: list[Path], source: str) -> Tokenizer:
+def _train_bpe(name: str, documents: Callable[[], Iterable[Document]], source: str) -> Tokenizer:
     log.info("training the %s tokenizer on %s", name, source)
     started = time.perf_counter()
     progress = _Progress(f"{name} training read", started)
     seen = {"documents": 0, "bytes": 0}
 
     def texts() -> Iterator[str]:
-        for doc in read_documents(files):
+        for doc in documents():
             for part in (doc.prompt, doc.data):
                 for piece in split_text(part) if part else ():
                     yield piece.decode("utf-8", errors="replace")
@@ -248,12 +293,13 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _worker_count(workers: int | None, tokenizer: Tokenizer, files: list[Path]) -> int:
+def _worker_count(workers: int | None, tokenizer: Tokenizer, total_bytes: int | None) -> int:
+    """``total_bytes``: the size of the corpus files; ``None`` for a stream of unknown size (taken as large)."""
     if workers is not None:
         return workers
     if tokenizer.name == "byte":
         return 1  # a vectorized copy: faster than shipping the text to another process
-    if sum(path.stat().st_size for path in files) < PARALLEL_MIN_BYTES:
+    if total_bytes is not None and total_bytes < PARALLEL_MIN_BYTES:
         return 1
     return max(1, min(_cpu_count(), MAX_WORKERS))
 
@@ -266,14 +312,14 @@ def _encode_piece(tokenizer: Tokenizer, data: bytes, dtype: np.dtype) -> np.ndar
 
 
 def _encoded_documents(
-    files: list[Path], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+    documents: Callable[[], Iterable[Document]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
 ) -> Iterator[tuple[np.ndarray, int, int]]:
     """``(token ids, prompt length in tokens, bytes of text)`` per non-empty document, in corpus order; the ids
     end with the end-of-text token where the tokenizer has one."""
     plans: deque[tuple[int, int, int]] = deque()  # per document: prompt pieces, all pieces, bytes
 
     def pieces() -> Iterator[bytes]:
-        for doc in read_documents(files):
+        for doc in documents():
             prompt = split_text(doc.prompt) if doc.prompt else []
             data = split_text(doc.data) if doc.data else []
             if not prompt and not data:
@@ -434,11 +480,13 @@ def _save_document_shard(
 
 
 def _source_fingerprint(source: str, tokenizer_name: str, val_fraction: float, mode: str) -> str:
-    files = resolve_source(source)
-    entries = []
-    for path in files:
-        stat = path.stat()
-        entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    entries: list[Any] = []
+    if is_hf_source(source):
+        entries.append(source)  # a remote stream: no files to stat; the source names it
+    else:
+        for path in resolve_source(source):
+            stat = path.stat()
+            entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     payload = json.dumps({"files": entries, "tokenizer": tokenizer_name, "val_fraction": val_fraction, "mode": mode})
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -464,13 +512,17 @@ def ensure_prepared(
     prepared once into the cache and reused while the files are unchanged.
     """
     path = Path(data).expanduser()
-    if data != BUILTIN and is_prepared_dataset(path):
+    raw = data == BUILTIN or is_hf_source(data)
+    if not raw and is_prepared_dataset(path):
         return path
-    if data != BUILTIN and foreign_files(data):
+    if not raw and foreign_files(data):
         return path  # token shards from build-nanogpt or llm.c: read as they are
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     key = _source_fingerprint(data, tokenizer_name, val_fraction, mode)
-    label = "builtin" if data == BUILTIN else Path(data).name.replace("*", "_") or "data"
+    if is_hf_source(data):
+        label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
+    else:
+        label = "builtin" if data == BUILTIN else Path(data).name.replace("*", "_") or "data"
     target = cache / f"{label}-{tokenizer_name.replace(':', '')}-{mode}-{key}"
     if is_prepared_dataset(target):
         return target

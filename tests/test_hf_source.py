@@ -1,0 +1,108 @@
+"""The ``hf:`` data source, with a fake ``datasets`` module (the real one is optional and not needed)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bigbatch.data.corpus import parse_hf_source
+from bigbatch.data.prepare import ensure_prepared, prepare_dataset
+from bigbatch.data.tokenizers import get_tokenizer
+from bigbatch.errors import BigBatchError
+
+TEXTS = ["first document, héllo", "second one\nwith two lines", "", "third"]
+
+
+def fake_datasets(monkeypatch: pytest.MonkeyPatch, load: Any) -> list[tuple[tuple, dict]]:
+    calls: list[tuple[tuple, dict]] = []
+
+    def load_dataset(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return load(*args, **kwargs)
+
+    module = types.ModuleType("datasets")
+    module.load_dataset = load_dataset  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", module)
+    return calls
+
+
+def test_parse() -> None:
+    assert parse_hf_source("hf:org/name") == ("org/name", None, "train")
+    assert parse_hf_source("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train") == (
+        "HuggingFaceFW/fineweb-edu", "sample-10BT", "train",
+    )  # fmt: skip
+    assert parse_hf_source("hf:x::validation") == ("x", None, "validation")
+    with pytest.raises(BigBatchError, match="hf:NAME"):
+        parse_hf_source("hf:a:b:c:d")
+
+
+def test_prepare_from_a_dataset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = fake_datasets(monkeypatch, lambda *a, **k: iter([{"text": t, "id": i} for i, t in enumerate(TEXTS)]))
+    source = "hf:org/corpus:cfg:train"
+    meta = prepare_dataset(source, tmp_path / "out", val_fraction=0.0, mode="documents", workers=1)
+    assert calls == [(("org/corpus", "cfg"), {"split": "train", "streaming": True})]
+    assert meta.documents == 3 and meta.source == source  # the empty text is skipped
+    tokens = np.load(tmp_path / "out" / meta.shards["train"][0])
+    offsets = np.load(tmp_path / "out" / meta.shards["train"][0].replace(".npy", ".offsets.npy"))
+    tokenizer = get_tokenizer("byte")
+    decoded = [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert decoded == [t for t in TEXTS if t]
+
+
+def test_prepare_in_workers_with_bpe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    texts = [f"document {i}: " + "some words here\n" * 50 for i in range(40)]
+    fake_datasets(monkeypatch, lambda *a, **k: ({"text": t} for t in texts))
+    one = prepare_dataset("hf:org/c", tmp_path / "one", tokenizer_name="bpe:300", val_fraction=0.0, workers=1)
+    two = prepare_dataset("hf:org/c", tmp_path / "two", tokenizer_name="bpe:300", val_fraction=0.0, workers=2)
+    a = np.concatenate([np.load(tmp_path / "one" / n) for n in one.shards["train"]])
+    b = np.concatenate([np.load(tmp_path / "two" / n) for n in two.shards["train"]])
+    assert np.array_equal(a, b) and one.documents == 40
+    tokenizer = get_tokenizer("bpe:300", tmp_path / "two")
+    assert tokenizer.decode([t for t in a.tolist() if t != tokenizer.eot_token]) == "".join(texts)
+
+
+def test_ensure_prepared_caches_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = fake_datasets(monkeypatch, lambda *a, **k: iter([{"text": "hello world\n" * 20}]))
+    first = ensure_prepared("hf:org/name:cfg", "byte", 0.1, cache_dir=tmp_path)
+    again = ensure_prepared("hf:org/name:cfg", "byte", 0.1, cache_dir=tmp_path)
+    assert first == again and len(calls) == 1
+    assert ":" not in first.name and first.parent == tmp_path
+    other = ensure_prepared("hf:org/name:other", "byte", 0.1, cache_dir=tmp_path)
+    assert other != first and len(calls) == 2
+
+
+def test_missing_datasets_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    with pytest.raises(BigBatchError, match=r"needs the datasets package: pip install datasets"):
+        prepare_dataset("hf:org/name", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("when", ["load", "iterate"])
+def test_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, when: str) -> None:
+    def records() -> Any:
+        yield {"text": "one"}
+        raise ConnectionError("Couldn't reach the Hub\nmore detail")
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        if when == "load":
+            raise ConnectionError("Couldn't reach 'org/name' on the Hub (LocalEntryNotFoundError)")
+        return records()
+
+    fake_datasets(monkeypatch, load)
+    with pytest.raises(BigBatchError) as info:
+        prepare_dataset("hf:org/name", tmp_path / "out")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "org/name could not be downloaded" in message and "offline?" in message and "local copy" in message
+
+
+def test_record_without_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake_datasets(monkeypatch, lambda *a, **k: iter([{"content": "x"}]))
+    with pytest.raises(BigBatchError, match="no string 'text' field"):
+        prepare_dataset("hf:org/name", tmp_path / "out")
