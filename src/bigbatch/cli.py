@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from bigbatch import __version__
 from bigbatch.errors import BigBatchError
@@ -439,14 +440,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines to whatever ``sys.stdout`` is when they are written, not the stream it was when logging
+    was set up (a redirected or replaced stdout would otherwise receive, or fail on, later lines)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
+    handler = CurrentStdoutHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     try:
         return int(args.handler(args))
     except BigBatchError as exc:
