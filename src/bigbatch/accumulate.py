@@ -69,6 +69,40 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """Autocast for a resolved precision: none for fp32, bf16 or fp16 on ``device`` otherwise."""
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def summed_loss(
+    model: nn.Module,
+    loader: Any,
+    max_batches: int,
+    device: torch.device,
+    precision: str = "fp32",
+    loss_fn: LossFn = token_loss_sum,
+) -> tuple[torch.Tensor, int]:
+    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over at most ``max_batches``
+    micro-batches (0: no limit), stopping at the end of the loader's split; and the micro-batches read.
+    The caller puts ``model`` in eval mode (and sums over ranks)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    read = 0
+    with torch.no_grad():
+        while max_batches == 0 or read < max_batches:
+            batch = loader.next_micro_batch()
+            with autocast_for(precision, device):
+                loss_sum = loss_fn(model, batch.to(device))
+            totals[0] += loss_sum.double()
+            totals[1] += count_valid_targets(batch)
+            read += 1
+            if loader.epoch:  # the whole split was read
+                break
+    return totals, read
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What one optimizer step did. ``loss`` is the token-weighted mean over the whole global step."""
@@ -131,10 +165,7 @@ class AccumulationEngine:
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return autocast_for(self.precision, self.device)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -12,11 +12,10 @@ A TOML file has one table per section::
 from __future__ import annotations
 
 import argparse
+import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from bigbatch.errors import ConfigError
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from bigbatch.accumulate import count_valid_targets, resolve_precision, token_loss_sum
+from bigbatch.accumulate import resolve_precision, summed_loss
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
-from bigbatch.data.loader import DocumentLoader, PackedLoader
+from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
 from bigbatch.errors import ConfigError, DataError
@@ -108,30 +108,12 @@ def evaluate_checkpoint(
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
     try:
-        if dataset.meta.mode == "documents":
-            pad = dataset.meta.eot_token or 0
-            loader: PackedLoader | DocumentLoader = DocumentLoader(
-                dataset.document_shards(split), micro_batch, seq_len, pad_token=pad, name=split
-            )
-        else:
-            loader = PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, name=split)
+        loader = loader_for(dataset, split, micro_batch, seq_len)
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
 
-    precision = resolve_precision(precision, device)
     model = model.to(device).eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid targets)
-    read = 0
-    with torch.no_grad():
-        while batches == 0 or read < batches:
-            batch = loader.next_micro_batch()
-            with _autocast(precision, device):
-                loss_sum = token_loss_sum(model, batch.to(device))
-            totals[0] += loss_sum.double()
-            totals[1] += count_valid_targets(batch)
-            read += 1
-            if loader.epoch:  # the whole split was read
-                break
+    totals, read = summed_loss(model, loader, batches, device, resolve_precision(precision, device))
     n_valid = int(totals[1].item())
     if n_valid == 0:
         raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
@@ -140,13 +122,4 @@ def evaluate_checkpoint(
         tokenizer=tokenizer, step=int(document.get("step", 0)), micro_batch=micro_batch, seq_len=seq_len,
         whole_split=bool(loader.epoch),
     )  # fmt: skip
-
-
-def _autocast(precision: str, device: torch.device) -> Any:
-    from contextlib import nullcontext
-
-    if precision == "fp32":
-        return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 

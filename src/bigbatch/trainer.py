@@ -21,6 +21,7 @@ from bigbatch.accumulate import (
     StepRecord,
     count_valid_targets,
     resolve_precision,
+    summed_loss,
 )
 from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.checkpoint import (
@@ -30,7 +31,7 @@ from bigbatch.checkpoint import (
     save_checkpoint,
 )
 from bigbatch.config import TrainConfig
-from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader
+from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
 from bigbatch.data.steps import budget_micro_batches, step_micro_batches
@@ -282,11 +283,7 @@ class Trainer:
 
     def _build_loader(self, split: str, name: str) -> PackedLoader | DocumentLoader:
         B, T = self.plan.micro_batch, self.plan.seq_len
-        rank, world = self.dist.rank, self.dist.world_size
-        if self.documents:
-            pad = self.dataset.meta.eot_token or 0
-            return DocumentLoader(self.dataset.document_shards(split), B, T, rank, world, pad_token=pad, name=name)
-        return PackedLoader(self.dataset.shard_arrays(split), B, T, rank, world, name=name)
+        return loader_for(self.dataset, split, B, T, self.dist.rank, self.dist.world_size, name=name)
 
     def _build_val_loader(self) -> PackedLoader | DocumentLoader | None:
         if self.config.run.eval_every == 0:
@@ -353,15 +350,10 @@ class Trainer:
         assert self.val_loader is not None
         self.val_loader.reset()
         self.train_model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, valid targets)
-        for _ in range(self.config.run.eval_batches):
-            batch = self.val_loader.next_micro_batch()
-            with self.engine.autocast():
-                loss_sum = self.engine.loss_fn(self.train_model, batch.to(self.device))
-            totals[0] += loss_sum.double()
-            totals[1] += count_valid_targets(batch)
-            if self.val_loader.epoch:  # the whole validation split was read
-                break
+        totals, _ = summed_loss(
+            self.train_model, self.val_loader, self.config.run.eval_batches, self.device, self.engine.precision,
+            self.engine.loss_fn,
+        )  # (loss sum, valid targets)
         self.train_model.train()
         self._reshard()
         self.dist.all_reduce_sum(totals)

@@ -129,6 +129,19 @@ class PackedLoader:
             self._advance(len(self.shards[shard]))
 
 
+def loader_for(
+    dataset: Any, split: str, micro_batch: int, seq_len: int, rank: int = 0, world_size: int = 1, name: str = ""
+) -> PackedLoader | DocumentLoader:
+    """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
+    with its end-of-text token), else the packed stream."""
+    name = name or split
+    if dataset.meta.mode == "documents":
+        pad = dataset.meta.eot_token or 0
+        shards = dataset.document_shards(split)
+        return DocumentLoader(shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name)
+    return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)
+
+
 class DocumentLoader:
     """One document per sequence: cut to ``T + 1`` tokens, padded to ``T``.
 
