@@ -75,7 +75,10 @@ def run(parallel: str, out: str, dist_ctx, device) -> None:  # type: ignore[no-u
     for ragged in (False, True):
         model, records, rounds = train(parallel, ragged, dist_ctx, device)
         if parallel == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from pathlib import Path
 
 from bigbatch.cli import main
 
@@ -33,3 +34,15 @@ def assert_one_line_error(code: int, out: str, err: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("bigbatch: error: "), err
     assert "Traceback" not in out + err
     return lines[0]
+
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def corpus_bytes(limit: int = 60_000) -> bytes:
+    """The first ``limit`` bytes of ../shared's tinyshakespeare; without it, numbered lines (never periodic,
+    so train and validation splits differ)."""
+    if SHAKESPEARE.is_file():
+        return SHAKESPEARE.read_bytes()[:limit]
+    lines = "".join(f"line {i}: to be or not to be, {i * i % 97} is it.\n" for i in range(limit // 30 + 1))
+    return lines.encode()[:limit]

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn as nn
+from conftest import random_batch
 
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.data.loader import MicroBatch
 from bigbatch.model import GPT
 from bigbatch.optim import CosineSchedule, build_adamw, constant_schedule
-
-from conftest import random_batch
 
 TOL = 1e-5
 SEQ = 16

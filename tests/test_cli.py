@@ -8,11 +8,11 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from helpers import assert_one_line_error, run_main
 

@@ -17,7 +17,6 @@ from bigbatch.data.shards import META_FILE, TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 
-
 # --------------------------------------------------------------------------------------------
 # PackedLoader
 # --------------------------------------------------------------------------------------------

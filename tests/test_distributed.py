@@ -8,17 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dist_worker
 import pytest
 import torch
+from helpers import corpus_bytes
+from test_accumulate import assert_parameters_match
 
-import dist_worker
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.optim import build_adamw, constant_schedule
-from test_accumulate import assert_parameters_match
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
-SHAKESPEARE = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def torchrun(*args: str, nproc: int = 2, extra: tuple[str, ...] = ("--standalone",), cwd: Path | None = None) -> None:
@@ -96,7 +96,7 @@ def train_args(corpus: Path, cache: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    text = SHAKESPEARE.read_bytes()[:50_000] if SHAKESPEARE.is_file() else b"to be or not to be, " * 2500
+    text = corpus_bytes(50_000)
     path.write_bytes(text)
     return path
 

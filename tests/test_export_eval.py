@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, run_main
+from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch import checkpoint as ckpt
 from bigbatch.evaluate import evaluate_checkpoint
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(autouse=True)
@@ -34,9 +32,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("export_eval")
-    # Without the shared corpus, numbered lines: never periodic, so the train and val splits differ.
-    fallback = "".join(f"line {i}: to be or not to be, {i * i % 97} is it.\n" for i in range(1500)).encode()
-    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else fallback
+    text = corpus_bytes(60_000)
     (path / "corpus.txt").write_bytes(text)
     return path
 

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import VOCAB, random_batch
 
 from bigbatch.errors import ConfigError
 from bigbatch.model import GPT, GPTConfig, pad_vocab, preset
-
-from conftest import VOCAB, random_batch
 
 
 def test_vocab_is_padded_but_logits_are_not(tiny_model: GPT) -> None:

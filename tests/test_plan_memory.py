@@ -7,7 +7,11 @@ import copy
 import pytest
 import torch
 
-from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch, largest_fitting
+from bigbatch.autobatch import (
+    candidate_micro_batches,
+    choose_micro_batch,
+    largest_fitting,
+)
 from bigbatch.cli import main
 from bigbatch.errors import ConfigError, PlanError
 from bigbatch.memory import estimate_memory, linear_fit, measure

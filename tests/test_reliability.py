@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import corpus_bytes
 
 from bigbatch import checkpoint as ckpt
 from bigbatch.cli import main
@@ -21,15 +22,13 @@ from bigbatch.errors import CheckpointError
 from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.trainer import Trainer
 
-HERE = Path(__file__).resolve().parent
-SHAKESPEARE = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    text = corpus_bytes(60_000)
     path.write_bytes(text)
     return path
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_main
+from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.accumulate import StepRecord
 from bigbatch.errors import BigBatchError
@@ -25,7 +25,6 @@ from bigbatch.metrics import (
 from bigbatch.progress import ProgressBar, format_duration
 from bigbatch.report import PLOTS, make_report, read_metrics, run_labels, summarize
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -48,7 +47,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("report")
-    text = SHAKESPEARE.read_bytes()[:60_000] if SHAKESPEARE.is_file() else b"to be or not to be, that is it. " * 2000
+    text = corpus_bytes(60_000)
     (path / "corpus.txt").write_bytes(text)
     return path
 

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import verify_factories
 
 from bigbatch.cli import main
 from bigbatch.model import GPT, GPTConfig
 from bigbatch.verify import check_equivalence
 from bigbatch.verify_cli import token_batch
-
-import verify_factories
 
 
 def gpt(dropout: float = 0.0) -> GPT:
