@@ -12,7 +12,7 @@ import verify_factories
 
 from bigbatch.cli import main
 from bigbatch.model import GPT, GPTConfig
-from bigbatch.verify import check_equivalence
+from bigbatch.verify import check_equivalence, split_indices
 from bigbatch.verify_cli import token_batch
 
 
@@ -140,3 +140,153 @@ def test_fp16_report_shows_unscaled_gradients() -> None:
     full32 = {p.name: p.full_norm for p in fp32.params}
     for p in fp16.params:  # true magnitudes, not multiplied by the 65,536 loss scale
         assert p.full_norm == pytest.approx(full32[p.name], rel=0.05, abs=1e-4)
+
+
+# --- What the verifier must not be fooled by (issue 10, holes 1-4) ---
+
+
+def test_split_indices_cover_every_sample_once() -> None:
+    for samples in range(1, 23):
+        for k in range(1, samples + 1):
+            for name in ("equal", "unequal", "permuted"):
+                pieces = split_indices(samples, k, name, seed=3)
+                assert sorted(torch.cat(pieces).tolist()) == list(range(samples)), (samples, k, name)
+                assert all(p.numel() > 0 for p in pieces)
+    assert [p.numel() for p in split_indices(8, 4, "unequal")] == [1, 2, 3, 2]
+    assert torch.cat(split_indices(8, 4, "permuted")).tolist() != list(range(8))
+
+
+def test_instance_norm_with_running_stats_is_not_equivalent() -> None:
+    report = check_equivalence(verify_factories.instance_norm_lm(), batch(8, ragged=False), k=4)
+    assert report.total_rel_diff <= report.tolerance  # the gradient is exact: only the statistics differ
+    assert not report.equivalent
+    assert any(f.module == "norm" and f.kind == "InstanceNorm1d" for f in report.findings)
+    differing = {b.name for b in report.splits[0].buffers}
+    assert {"norm.running_mean", "norm.running_var"} <= differing
+    assert "buffer norm.running_mean differs after the step" in "\n".join(report.reasons)
+    assert "verdict: NOT EQUIVALENT" in report.format()
+
+
+def test_batch_coupled_type_fails_the_verdict_below_the_tolerance() -> None:
+    report = check_equivalence(verify_factories.scaled_branch_batchnorm_lm(), batch(8, ragged=False), k=4, precision="bf16")
+    assert all(s.total_rel_diff < report.tolerance for s in report.splits)  # hidden under the bf16 tolerance
+    assert not report.equivalent
+    assert any("bn [BatchNorm1d]" in reason for reason in report.reasons)
+
+
+def test_a_buffer_that_differs_fails_the_verdict_and_is_named() -> None:
+    report = check_equivalence(verify_factories.tracked_lm(), batch(8, ragged=False), k=4)
+    assert all(s.gradient_matches for s in report.splits)
+    assert not report.equivalent
+    assert [b.name for b in report.splits[0].buffers] == ["tracker.ema"]
+    finding = next(f for f in report.findings if f.module == "tracker")
+    assert finding.kind == "buffer" and "tracker.ema" in finding.detail
+    assert report.buffers_compared == 1
+
+
+def test_equal_splits_alone_miss_an_adjacent_pair_mixer_and_the_default_splits_find_it() -> None:
+    aligned = check_equivalence(verify_factories.pair_mix_lm(), batch(8, ragged=False), k=4, splits=["equal"])
+    assert aligned.equivalent  # pairs (0,1), (2,3), ... never straddle an equal split of 2s
+    report = check_equivalence(verify_factories.pair_mix_lm(), batch(8, ragged=False), k=4)
+    assert not report.equivalent
+    by_name = {s.name: s for s in report.splits}
+    assert by_name["equal"].gradient_matches
+    assert not by_name["unequal"].gradient_matches and not by_name["permuted"].gradient_matches
+    mix = next(f for f in report.findings if f.module == "mix")
+    assert mix.kind == "empirical" and mix.split == "unequal"
+    assert {f.module for f in report.findings} == {"mix"}  # not the head or emb downstream/upstream of it
+    assert "under the unequal split [1, 2, 3, 2]" in "\n".join(report.reasons)
+
+
+def test_a_non_leaf_module_that_mixes_in_its_own_forward_is_named() -> None:
+    report = check_equivalence(verify_factories.neighbour_lm(), batch(8, ragged=False), k=4)
+    assert not report.equivalent
+    assert {f.module for f in report.findings} == {"block"}  # not block.proj / block.norm, nor the root
+
+
+def test_mixing_in_the_roots_own_forward_is_attributed_to_the_model() -> None:
+    report = check_equivalence(verify_factories.root_mix_lm(), batch(8, ragged=False), k=4)
+    assert not report.equivalent
+    (finding,) = report.findings
+    assert finding.module == "<model>" and "model's own forward" in finding.detail
+
+
+def test_a_loss_that_couples_samples_is_named() -> None:
+    model, data, loss_fn = verify_factories.contrastive_case()
+    report = check_equivalence(model, data, loss_fn=loss_fn, k=4)
+    assert not report.equivalent
+    (finding,) = report.findings
+    assert finding.module == "<loss>" and "the loss function couples samples" in finding.detail
+
+
+def test_a_model_that_cannot_run_on_one_sample_is_reported_not_raised() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def loss_fn(m: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return ((m(a) - b) ** 2).sum(), a.shape[0]
+
+    report = check_equivalence(model, (x, y), loss_fn=loss_fn, k=4)
+    unequal = next(s for s in report.splits if s.name == "unequal")
+    assert unequal.error is not None and "value per channel" in unequal.error
+    assert not report.equivalent and "the model fails on the micro-batches of the unequal split" in report.format()
+
+
+def test_exact_models_pass_every_split() -> None:
+    report = check_equivalence(gpt(), batch(9, ragged=True), k=3)
+    assert [s.name for s in report.splits] == ["equal", "unequal", "permuted"]
+    assert report.equivalent and not report.findings and not report.reasons
+    assert all(s.total_rel_diff <= 1e-5 for s in report.splits)
+
+
+def test_unknown_split_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match="splits must be one or more of equal, unequal, permuted"):
+        check_equivalence(gpt(), batch(4, ragged=False), k=2, splits=["diagonal"])
+    assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "8", "--splits", "x"]) == 2
+    assert "splits must be one or more of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("factory", "splits", "expected_code", "named"),
+    [
+        ("instance_norm_lm", "equal,unequal,permuted", 1, "norm [InstanceNorm1d]"),
+        ("pair_mix_lm", "equal", 0, None),
+        ("pair_mix_lm", "equal,unequal,permuted", 1, "mix [empirical]"),
+        ("neighbour_lm", "equal,unequal,permuted", 1, "block [empirical]"),
+        ("contrastive_case", "equal,unequal,permuted", 1, "<loss> [loss]"),
+    ],
+)
+def test_cli_verdicts(
+    factory: str, splits: str, expected_code: int, named: str | None, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    report_path = tmp_path / "report.json"
+    argv = ["verify", "--factory", f"verify_factories:{factory}", "--vocab-size", "50", "--seq-len", "12",
+            "--splits", splits, "--json", str(report_path)]  # fmt: skip
+    assert main(argv) == expected_code
+    out = capsys.readouterr().out
+    saved = json.loads(report_path.read_text())
+    assert saved["equivalent"] is (expected_code == 0)
+    assert [s["name"] for s in saved["splits"]] == splits.split(",")
+    if named:
+        assert f"breaks equivalence: {named}" in out and saved["reasons"]
+
+
+@pytest.mark.slow
+def test_distributed_verify_scans_modules_and_buffers() -> None:
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    command = [sys.executable, "-m", "bigbatch", "verify", "--nproc", "2", "--factory", "verify_factories:tracked_lm",
+               "--vocab-size", "50", "--k", "2", "--seq-len", "8"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "rank 0: tracker.ema" in done.stdout and "rank 1: tracker.ema" in done.stdout
+    assert "verdict: NOT EQUIVALENT" in done.stdout
+    command[command.index("verify_factories:tracked_lm")] = "verify_factories:batchnorm_lm"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "breaks equivalence: bn [BatchNorm1d]" in done.stdout, done.stdout + done.stderr

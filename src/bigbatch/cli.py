@@ -247,6 +247,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         report = check_equivalence(
             case.model, case.batch, loss_fn=case.loss_fn, k=args.k, precision=args.precision,
             tolerance=args.tolerance, device=resolve_device(args.device), seed=args.seed,
+            splits=[name.strip() for name in args.splits.split(",") if name.strip()],
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc
@@ -259,7 +260,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             "update_rel_diff": report.update_rel_diff, "seconds": report.seconds,
             "mistakes": {m.name: m.rel_diff for m in report.mistakes},
             "findings": [f.__dict__ for f in report.findings], "dropout_disabled": report.dropout_disabled,
-            "params": [p.__dict__ for p in report.params],
+            "params": [p.__dict__ for p in report.params], "reasons": report.reasons,
+            "splits": [
+                {**{k: v for k, v in s.__dict__.items() if k not in ("params", "buffers")},
+                 "buffers": [b.__dict__ for b in s.buffers]}
+                for s in report.splits
+            ],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     return 0 if report.equivalent else 1
@@ -388,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
     )
     verify.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
+    verify.add_argument(
+        "--splits", default="equal,unequal,permuted",
+        help="how the batch is cut into micro-batches, comma-separated: equal (K pieces), unequal (sizes 1, 2, 3, "
+        "... and the remainder), permuted (K pieces of the shuffled samples) (default: all three)",
+    )
     verify.add_argument("--tolerance", type=float, help="relative L2 tolerance (default: by precision)")
     verify.add_argument("--top", type=int, default=5, help="parameters listed, worst first (default: 5)")
     verify.add_argument("--json", type=Path, help="also write the report as JSON")
