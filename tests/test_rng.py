@@ -118,7 +118,9 @@ def run_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
                                    "--model", "pico", "--vocab-size", "61", "--measure"])  # fmt: skip
         assert code == 0, err
     elif name == "memory":
-        code, out, err = run_main(["memory", "--model", "pico", "--seq-len", "16", "--max-micro-batch", "2", "--k", "2"])
+        code, out, err = run_main(
+            ["memory", "--model", "pico", "--seq-len", "16", "--max-micro-batch", "2", "--k", "2"]
+        )
         assert code == 0, err
 
 
@@ -175,8 +177,7 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
         return {**document, "world_size": 2, "rng": document["rng"] * 2}
 
     monkeypatch.setattr("bigbatch.trainer.load_checkpoint", saved_by_two_ranks)
-    make_config_again = make_config(corpus, out, max_steps=4, save_every=2, eval_every=0)
-    resumed = Trainer(make_config_again)
+    resumed = Trainer(make_config(corpus, out, max_steps=4, save_every=2, eval_every=0))
     assert resumed.resumed_from is not None and resumed.engine.step_count == 2
     state = capture_rng_state()
     seed_rank_generators(1337, 0, step=2)
