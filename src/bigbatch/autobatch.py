@@ -10,6 +10,7 @@ import torch
 from bigbatch.errors import ConfigError
 from bigbatch.memory import MiB, measure
 from bigbatch.model import GPTConfig
+from bigbatch.rng import preserved_rng
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
     return candidates[best]
 
 
+@preserved_rng()  # a probe: the caller's generators are left as they were
 def choose_micro_batch(
     config: GPTConfig, candidates: list[int], seq_len: int, k: int, device: torch.device, precision: str,
     memory_budget_mib: float, activation_checkpointing: bool = False,

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bigbatch.model import GPT, GPTConfig
+from bigbatch.rng import preserved_rng
 
 MiB = 2**20
 
@@ -102,11 +103,15 @@ class _CudaPeak:
         self.peak = torch.cuda.max_memory_allocated() - self.start
 
 
+@preserved_rng()
 def measure_in_process(
     config: GPTConfig, micro_batch: int, seq_len: int, k: int, device: torch.device, precision: str = "fp32",
     activation_checkpointing: bool = False,
 ) -> MicroStepMeasurement:
-    """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`)."""
+    """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`).
+
+    It seeds and draws (model, tokens), so it runs under :func:`~bigbatch.rng.preserved_rng`: the caller's
+    generators (e.g. a trainer's, for ``--micro-batch auto`` on CUDA) are left exactly as they were."""
     from bigbatch.accumulate import AccumulationEngine
     from bigbatch.data.loader import MicroBatch
     from bigbatch.optim import build_adamw, constant_schedule

@@ -65,7 +65,7 @@ from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.progress import ProgressBar
 from bigbatch.resume import check_compatible, find_resume_checkpoint, truncate_metrics
-from bigbatch.rng import capture_rng_state, restore_rng_state
+from bigbatch.rng import capture_rng_state, restore_rng_state, seed_rank_generators
 from bigbatch.sampling import generate
 from bigbatch.signals import StopRequest
 
@@ -85,6 +85,8 @@ class TrainResult:
 
 
 def seed_everything(seed: int) -> None:
+    """The same state on every rank: for building the model (identical parameters on every rank). Training
+    itself draws from each rank's own streams (:func:`~bigbatch.rng.seed_rank_generators`)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -211,6 +213,9 @@ class Trainer:
         if fault:
             current = lambda: self.engine.step_count + 1  # noqa: E731
             self.engine.loss_fn = with_fault(self.engine.loss_fn, fault, self.dist.rank, current)
+        # Every part is built (the model from the shared seed above; probes leave the generators as they found
+        # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.
+        seed_rank_generators(config.run.seed, self.dist.rank)
         self.resumed_from: Path | None = None
         if resume_from is not None:
             self._resume(resume_from)
@@ -251,8 +256,8 @@ class Trainer:
         rng_states = document.get("rng", [])
         if saved_world == self.dist.world_size and len(rng_states) == saved_world:
             restore_rng_state(rng_states[self.dist.rank])
-        else:  # another world size: fresh, distinct streams (documented: dropout masks then differ)
-            seed_everything(self.config.run.seed + 1_000_003 * self.engine.step_count + self.dist.rank)
+        else:  # another world size: each rank's stream derived as in a fresh run, at this step (masks then differ)
+            seed_rank_generators(self.config.run.seed, self.dist.rank, step=self.engine.step_count)
         if self.dist.is_main:
             truncate_metrics(self.run_dir, self.engine.step_count)
         self.resumed_from = path
