@@ -290,3 +290,22 @@ def test_distributed_verify_scans_modules_and_buffers() -> None:
     command[command.index("verify_factories:tracked_lm")] = "verify_factories:batchnorm_lm"
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "breaks equivalence: bn [BatchNorm1d]" in done.stdout, done.stdout + done.stderr
+
+
+def test_verification_leaves_the_callers_generators_alone() -> None:
+    import random
+
+    import numpy as np
+
+    from bigbatch.rng import capture_rng_state
+
+    model, data = gpt(dropout=0.1), batch(4, ragged=True)
+    torch.manual_seed(77)
+    random.seed(77)
+    np.random.seed(77)
+    before = capture_rng_state()
+    check_equivalence(model, data, k=2, seed=5)
+    after = capture_rng_state()
+    assert torch.equal(before["torch"], after["torch"])
+    assert torch.equal(before["python_state"], after["python_state"])
+    assert torch.equal(before["numpy_keys"], after["numpy_keys"]) and before["numpy_pos"] == after["numpy_pos"]

@@ -45,6 +45,7 @@ import torch.nn as nn
 from bigbatch.accumulate import AccumulationEngine, resolve_precision, token_loss_sum
 from bigbatch.model import IGNORE_INDEX
 from bigbatch.optim import constant_schedule
+from bigbatch.rng import preserved_rng
 
 VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -503,6 +504,7 @@ def _param_comparisons(g_full: dict[str, torch.Tensor], g_acc: dict[str, torch.T
     ]
 
 
+@preserved_rng()  # it seeds every pass alike: the caller's generators are left as they were
 def check_equivalence(
     model: nn.Module,
     batch: torch.Tensor | Sequence[torch.Tensor],
