@@ -35,6 +35,7 @@ from bigbatch.data.corpus import (
     read_documents,
     resolve_source,
 )
+from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.shards import (
     META_FILE,
@@ -54,6 +55,7 @@ from bigbatch.data.tokenizers import (
     train_bpe,
 )
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.fileperm import apply_umask
 from bigbatch.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ def prepare_dataset(
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    apply_umask(staging, directory=True)  # mkdtemp makes it 0700; the dataset is the user's, umask applies
     try:
         if tokenizer is None:
             tokenizer = _train_bpe(tokenizer_name, documents, source)
@@ -171,6 +174,10 @@ def prepare_dataset(
         finally:
             del stream
         stream_path.unlink()
+        fingerprints = {
+            "tokenizer": tokenizer_fingerprint(tokenizer.name, staging),
+            "data": prepared_data_fingerprint(staging, shard_names, mode, masked),
+        }
         meta = DatasetMeta(
             tokenizer=tokenizer.name,
             vocab_size=tokenizer.vocab_size,
@@ -182,6 +189,7 @@ def prepare_dataset(
             eot_token=tokenizer.eot_token,
             mode=mode,
             masked=masked,
+            fingerprints=fingerprints,
         )
         (staging / META_FILE).write_text(meta.to_json())
         if out.exists():
