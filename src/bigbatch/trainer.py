@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loade
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
 from bigbatch.data.steps import budget_micro_batches, step_micro_batches
-from bigbatch.data.tokenizers import get_tokenizer
+from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import (
     DistContext,
     resolve_device,
@@ -64,7 +63,19 @@ from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.progress import ProgressBar
-from bigbatch.resume import check_compatible, find_resume_checkpoint, truncate_metrics
+from bigbatch.data.fingerprint import dataset_fingerprints
+from bigbatch.resume import (
+    check_compatible,
+    check_settings,
+    check_tokenizer,
+    data_changed,
+    find_resume_checkpoint,
+    initial_schedule,
+    resumed_schedule,
+    truncate_metrics,
+)
+from bigbatch.run_identity import default_run_dir
+from bigbatch.tokenizer_files import save_run_tokenizer
 from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.sampling import generate
 from bigbatch.signals import StopRequest
@@ -88,15 +99,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def default_run_dir() -> Path:
-    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate, n = base, 1
-    while candidate.exists():
-        candidate = base.with_name(f"{base.name}-{n}")
-        n += 1
-    return candidate
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> GPT:
@@ -148,7 +150,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        out = config.run.out or str(default_run_dir())
+        out = config.run.out or str(default_run_dir(config))  # the same settings find the same run again
         self.run_dir = Path(self.dist.broadcast_object(out))  # rank 0's choice of a default name
         require_creatable_dir(self.run_dir, "run directory")
         resume_from = find_resume_checkpoint(self.run_dir, config.run.resume, config.run.overwrite, self.dist.is_main)
@@ -157,6 +159,10 @@ class Trainer:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
         self.dataset = open_dataset(self._prepared_data())
+        self.fingerprints = dataset_fingerprints(self.dataset)
+        tokenizer_name = self.dataset.meta.tokenizer
+        # A bpe:VOCAB tokenizer travels inside each checkpoint (it is small), so the model never loses it.
+        self._bpe_json = get_tokenizer(tokenizer_name, self.dataset.directory).to_str() if is_bpe(tokenizer_name) else None  # type: ignore[attr-defined]
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model.activation_checkpointing = config.model.activation_checkpointing
         self.model_config = self.model.config
@@ -190,13 +196,9 @@ class Trainer:
         self.optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
             self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
         )
-        decay_steps = opt.decay_steps or config.run.max_steps
-        self.schedule = CosineSchedule(
-            max_lr=opt.lr,
-            min_lr=opt.lr * opt.min_lr_ratio,
-            warmup_steps=min(opt.warmup_steps, decay_steps),
-            decay_steps=decay_steps,
-        )
+        self.schedule: CosineSchedule = initial_schedule(
+            opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps
+        )  # a resumed run replaces it with the run's own (see _resume)
         self.engine = AccumulationEngine(
             self.train_model,
             self.optimizer,
@@ -212,6 +214,12 @@ class Trainer:
             current = lambda: self.engine.step_count + 1  # noqa: E731
             self.engine.loss_fn = with_fault(self.engine.loss_fn, fault, self.dist.rank, current)
         self.resumed_from: Path | None = None
+        self.completed = False  # resumed at (or past) max_steps: nothing left to do
+        if opt.warmup_steps > self.schedule.warmup_steps and resume_from is None:
+            self._say(
+                "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
+                self.schedule.decay_steps, self.schedule.warmup_steps, level=logging.WARNING,
+            )  # fmt: skip
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -239,13 +247,36 @@ class Trainer:
         )
 
         document = load_checkpoint(path)
+        check_settings(document, self.config, self.run_dir)
         check_compatible(document, self.model_config.to_dict(), self.dataset.meta.tokenizer, self.config.batch)
+        check_tokenizer(document.get("fingerprints") or {}, self.fingerprints, self.dataset.meta.tokenizer,
+                        f"this run's data {self.dataset.directory}")  # fmt: skip
+        changed = data_changed(document, self.fingerprints, self.config.data.data)
+        if changed and not self.config.run.allow_data_change:
+            raise CheckpointError(
+                f"the data of the run in {self.run_dir} changed: {changed}; add --allow-data-change to continue "
+                "on the new data, or restore the run's data"
+            )
         set_state_dict(
             self.model, self.optimizer, model_state_dict=document["model"], optim_state_dict=document["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )  # fmt: skip
         self.engine.load_state_dict(document["engine"])
-        self.train_loader.load_state_dict(document["loader"])
+        self.schedule, schedule_note = resumed_schedule(document, self.config, self.engine.step_count)
+        self.engine.schedule = self.schedule
+        self.engine.load_state_dict(document["engine"])  # again: sets the lr of the next step from the schedule
+        self.completed = self.engine.step_count >= self.config.run.max_steps
+        try:
+            self.train_loader.load_state_dict(document["loader"])
+        except DataError:
+            if not changed:
+                raise
+            self._say("the new data has no position matching the checkpoint's: reading it from its start",
+                      level=logging.WARNING)  # fmt: skip
+        if changed:
+            self._say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)
+        if schedule_note:
+            self._say("%s", schedule_note, level=logging.WARNING)
         self.tokens_seen = int(document.get("tokens_seen", 0))
         saved_world = int(document.get("world_size", 1))
         rng_states = document.get("rng", [])
@@ -387,6 +418,12 @@ class Trainer:
             "loader": self.train_loader.state_dict(),
             "config": self.config.to_dict(),
             "tokenizer": self.dataset.meta.tokenizer,
+            "fingerprints": dict(self.fingerprints),
+            "schedule": {
+                "max_lr": self.schedule.max_lr, "min_lr": self.schedule.min_lr,
+                "warmup_steps": self.schedule.warmup_steps, "decay_steps": self.schedule.decay_steps,
+            },
+            **({"tokenizer_json": self._bpe_json} if self._bpe_json else {}),
             "dataset": str(self.dataset.directory),
             "step": self.engine.step_count,
             "tokens_seen": self.tokens_seen,
@@ -455,15 +492,37 @@ class Trainer:
             signal.Signals(signum).name, self.engine.step_count, self.run_dir, level=logging.WARNING,
         )
 
+    def _complete(self) -> TrainResult:
+        """A finished run asked to run again: say so and succeed (a requeueing scheduler needs exit 0)."""
+        self._say(
+            "the run in %s is complete: it reached step %d (max_steps %d); nothing to do (raise --max-steps, "
+            "with --extend-schedule to stretch the learning-rate decay, to train on)",
+            self.run_dir, self.engine.step_count, self.config.run.max_steps,
+        )  # fmt: skip
+        return TrainResult(
+            run_dir=self.run_dir, steps=self.engine.step_count, tokens_seen=self.tokens_seen,
+            final_loss=float("nan"), val_loss=None, tokens_per_s=0.0, sample=None,
+        )  # fmt: skip
+
+    def _start_run_dir(self) -> None:
+        """Rank 0: the run directory with its config and its own copy of the tokenizer; a fresh start (nothing
+        to resume: a first run, or a crash before the first checkpoint) begins a clean metrics log."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.resumed_from is None:
+            truncate_metrics(self.run_dir, 0)
+        try:
+            tokenizer = get_tokenizer(self.dataset.meta.tokenizer, self.dataset.directory)
+            save_run_tokenizer(self.run_dir, tokenizer, self.model_config.block_size)
+        except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: training does not need it
+            self._say("the tokenizer could not be copied into the run directory: %s", exc, level=logging.WARNING)
+
     def train(self) -> TrainResult:
         run = self.config.run
+        if self.completed:
+            return self._complete()
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(self.config.to_toml())
-        if self.resumed_from is not None and self.engine.step_count >= run.max_steps:
-            raise ConfigError(
-                f"the run in {self.run_dir} already reached max_steps={run.max_steps}; raise --max-steps to train on"
-            )
+            self._start_run_dir()
         self._log_header()
         metrics = (
             open_metrics(self.run_dir, self.tensorboard, self.wandb_project, self.config.to_dict())
