@@ -211,3 +211,26 @@ def checkpoint_tokenizer(document: dict[str, Any], location: Path) -> Tokenizer:
         f"the {name} tokenizer of this model was not found: not in the run directory ({RUN_TOKENIZER_DIR}/), "
         f"not in the checkpoint, and not in its dataset {dataset or '(unknown)'}; restore one of them"
     )
+
+
+def export_tokenizer(document: dict[str, Any], location: Path, out: Path, model_max_length: int) -> str:
+    """Put the model's tokenizer files beside an export in ``out``; returns a note for the summary line.
+
+    The run directory's copy is used when there is one; otherwise the files are written from the tokenizer
+    (for ``gpt2`` that needs tiktoken's encoding: when it cannot be loaded the export goes on without the
+    tokenizer and says so).
+    """
+    run_dir = run_dir_of(location)
+    source = run_dir / RUN_TOKENIZER_DIR if run_dir is not None else None
+    if source is not None and (source / INFO_FILE).is_file():
+        info = json.loads((source / INFO_FILE).read_text())
+        expected = str((document.get("fingerprints") or {}).get("tokenizer") or "")
+        if not expected or info.get("fingerprint") == expected:
+            copy_tokenizer_files(source, out)
+            return " + tokenizer files"
+    try:
+        write_tokenizer_files(out, checkpoint_tokenizer(document, location), model_max_length)
+    except BigBatchError as exc:
+        log.warning("the export has no tokenizer files: %s", exc)
+        return ", without tokenizer files"
+    return " + tokenizer files"
