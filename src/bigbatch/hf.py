@@ -167,6 +167,7 @@ def save_hf_gpt2(model: GPT, directory: Path | str) -> Path:
         apply_umask(staging, directory=True)  # mkdtemp makes 0700
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+        apply_umask(staging / "model.safetensors")  # safetensors writes 0600
         if directory.exists():
             directory.rmdir()
         os.replace(staging, directory)
