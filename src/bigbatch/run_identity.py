@@ -78,8 +78,11 @@ def identity_settings(config: TrainConfig) -> dict[str, Any]:
 
 
 def settings_fingerprint(config: TrainConfig) -> str:
-    """A short hash of the run's defining settings and its data source (path as given)."""
-    settings = identity_settings(config)
+    """A short hash of the run's defining settings that differ from their defaults, and of its data source (path
+    as given). Defaults are left out so that a setting added by a later bigbatch (at its default) does not move
+    an existing run to another directory."""
+    defaults = _flat(TrainConfig().to_dict())
+    settings = {k: v for k, v in identity_settings(config).items() if k not in defaults or v != defaults[k]}
     settings["data.data"] = config.data.data
     payload = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:10]
