@@ -370,3 +370,19 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: i
     assert mode(path) == mode(ckpt.commit_path(path)) == file_mode
     assert mode(export) == mode(tmp_path / "ds") == dir_mode
     assert {mode(p) for p in [*export.iterdir(), *(tmp_path / "ds").iterdir()]} == {file_mode}
+
+
+def test_the_run_directory_copy_of_the_tokenizer_follows_the_runs_tokenizer(tmp_path: Path) -> None:
+    """A run started over (--resume never --overwrite) with other data replaces a stale tokenizer copy."""
+    from bigbatch.data.tokenizers import ByteTokenizer, train_bpe
+    from bigbatch.tokenizer_files import INFO_FILE, save_run_tokenizer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_run_tokenizer(run, ByteTokenizer(), 32)
+    assert json.loads((run / "tokenizer" / INFO_FILE).read_text())["name"] == "byte"
+    bpe = train_bpe("bpe:300", [corpus_bytes(20_000).decode()])
+    save_run_tokenizer(run, bpe, 32)
+    assert json.loads((run / "tokenizer" / INFO_FILE).read_text())["name"] == "bpe:300"
+    assert (run / "tokenizer" / "merges.txt").is_file()
+    assert [p.name for p in run.iterdir()] == ["tokenizer"]  # no staging directory left behind

@@ -149,6 +149,12 @@ def _fingerprint(name: str, text: str) -> str:
     return tokenizer_json_fingerprint(text) if is_bpe(name) else tokenizer_fingerprint(name)
 
 
+def _fingerprint_of(tokenizer: Tokenizer) -> str:
+    return _fingerprint(tokenizer.name, tokenizer.to_str()) if isinstance(tokenizer, BPETokenizer) else (
+        tokenizer_fingerprint(tokenizer.name)
+    )
+
+
 def copy_tokenizer_files(source: Path, directory: Path) -> None:
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
@@ -156,16 +162,20 @@ def copy_tokenizer_files(source: Path, directory: Path) -> None:
 
 
 def save_run_tokenizer(run_dir: Path, tokenizer: Tokenizer, model_max_length: int) -> Path:
-    """``RUN_DIR/tokenizer/``, written once (atomically: a staging directory renamed into place)."""
+    """``RUN_DIR/tokenizer/``, written once (atomically: a staging directory renamed into place); a copy of
+    another tokenizer (a run started over with other data) is replaced."""
     target = run_dir / RUN_TOKENIZER_DIR
-    if (target / INFO_FILE).is_file():
-        return target
+    try:
+        if json.loads((target / INFO_FILE).read_text()).get("fingerprint") == _fingerprint_of(tokenizer):
+            return target
+    except (OSError, ValueError, AttributeError):
+        pass  # missing or unreadable: (re)write it
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=run_dir))
     try:
         apply_umask(staging, directory=True)
         write_tokenizer_files(staging, tokenizer, model_max_length)
         if target.exists():
-            shutil.rmtree(target)  # an incomplete copy (no info file): replace it
+            shutil.rmtree(target)  # an incomplete copy, or another tokenizer's: replace it
         os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
