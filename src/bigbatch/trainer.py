@@ -273,10 +273,6 @@ class Trainer:
                 raise
             self._say("the new data has no position matching the checkpoint's: reading it from its start",
                       level=logging.WARNING)  # fmt: skip
-        if changed:
-            self._say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)
-        if schedule_note:
-            self._say("%s", schedule_note, level=logging.WARNING)
         self.tokens_seen = int(document.get("tokens_seen", 0))
         saved_world = int(document.get("world_size", 1))
         rng_states = document.get("rng", [])
@@ -291,6 +287,10 @@ class Trainer:
             "resumed from %s at step %d (%s tokens)%s", path, self.engine.step_count, f"{self.tokens_seen:,}",
             "" if saved_world == self.dist.world_size else f" | world size {saved_world} -> {self.dist.world_size}",
         )
+        if changed:
+            self._say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)
+        if schedule_note:
+            self._say("%s", schedule_note, level=logging.WARNING)
 
     def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Log on rank 0 only."""
@@ -424,7 +424,7 @@ class Trainer:
                 "warmup_steps": self.schedule.warmup_steps, "decay_steps": self.schedule.decay_steps,
             },
             **({"tokenizer_json": self._bpe_json} if self._bpe_json else {}),
-            "dataset": str(self.dataset.directory),
+            "dataset": str(Path(self.dataset.directory).resolve()),  # absolute: eval and sample find it from anywhere
             "step": self.engine.step_count,
             "tokens_seen": self.tokens_seen,
             "world_size": self.dist.world_size,
