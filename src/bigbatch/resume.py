@@ -190,5 +190,6 @@ def resumed_schedule(document: dict[str, Any], config: Any, step: int) -> tuple[
         return saved, f"--extend-schedule: the schedule is unchanged (decay ends at step {decay})"
     return schedule, (
         f"--extend-schedule: the cosine decay now ends at step {decay} (was {saved.decay_steps}), warmup "
-        f"{warmup} steps; lr at step {step + 1} is {schedule(step):.2e} (the kept schedule would give {saved(step):.2e})"
+        f"{warmup} steps; lr at step {step + 1} is {schedule(step):.2e} (the kept schedule would give "
+        f"{saved(step):.2e})"
     )

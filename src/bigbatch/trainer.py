@@ -162,7 +162,9 @@ class Trainer:
         self.fingerprints = dataset_fingerprints(self.dataset)
         tokenizer_name = self.dataset.meta.tokenizer
         # A bpe:VOCAB tokenizer travels inside each checkpoint (it is small), so the model never loses it.
-        self._bpe_json = get_tokenizer(tokenizer_name, self.dataset.directory).to_str() if is_bpe(tokenizer_name) else None  # type: ignore[attr-defined]
+        self._bpe_json: str | None = None
+        if is_bpe(tokenizer_name):
+            self._bpe_json = get_tokenizer(tokenizer_name, self.dataset.directory).to_str()  # type: ignore[attr-defined]
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model.activation_checkpointing = config.model.activation_checkpointing
         self.model_config = self.model.config
