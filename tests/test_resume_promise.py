@@ -386,3 +386,14 @@ def test_the_run_directory_copy_of_the_tokenizer_follows_the_runs_tokenizer(tmp_
     assert json.loads((run / "tokenizer" / INFO_FILE).read_text())["name"] == "bpe:300"
     assert (run / "tokenizer" / "merges.txt").is_file()
     assert [p.name for p in run.iterdir()] == ["tokenizer"]  # no staging directory left behind
+
+
+def test_byte_tokenizer_files_give_byte_ids(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from bigbatch.data.tokenizers import ByteTokenizer
+    from bigbatch.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path, ByteTokenizer(), 64)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    text = "héllo  wörld\n\tdef f(x): return 1 😀"
+    assert hf.encode(text) == list(text.encode()) and hf.decode(list(text.encode())) == text
