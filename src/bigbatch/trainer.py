@@ -30,6 +30,7 @@ from bigbatch.checkpoint import (
     save_checkpoint,
 )
 from bigbatch.config import TrainConfig
+from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
@@ -63,7 +64,6 @@ from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.progress import ProgressBar
-from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.resume import (
     check_compatible,
     check_settings,
@@ -74,11 +74,11 @@ from bigbatch.resume import (
     resumed_schedule,
     truncate_metrics,
 )
-from bigbatch.run_identity import default_run_dir
-from bigbatch.tokenizer_files import save_run_tokenizer
 from bigbatch.rng import capture_rng_state, restore_rng_state
+from bigbatch.run_identity import default_run_dir
 from bigbatch.sampling import generate
 from bigbatch.signals import StopRequest
+from bigbatch.tokenizer_files import save_run_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -513,6 +513,11 @@ class Trainer:
         (self.run_dir / "config.toml").write_text(self.config.to_toml())
         if self.resumed_from is None:
             truncate_metrics(self.run_dir, 0)
+        if self.dataset.meta.tokenizer != "gpt2":  # gpt2 may need a download: copied with the end-of-run sample
+            self._copy_tokenizer()
+
+    def _copy_tokenizer(self) -> None:
+        """Rank 0: the run's own copy of its tokenizer in RUN_DIR/tokenizer/ (see bigbatch/tokenizer_files.py)."""
         try:
             tokenizer = get_tokenizer(self.dataset.meta.tokenizer, self.dataset.directory)
             save_run_tokenizer(self.run_dir, tokenizer, self.model_config.block_size)
@@ -603,6 +608,8 @@ class Trainer:
             try:
                 sample = self.sample(run.sample_tokens, run.sample_prompt)
                 self._say("sample:\n%s", sample)
+                if self.dist.is_main and self.dataset.meta.tokenizer == "gpt2":
+                    self._copy_tokenizer()  # the sample has loaded the GPT-2 encoding
             except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: the run itself is done
                 self._say("no sample: %s", exc, level=logging.WARNING)
         assert record is not None
