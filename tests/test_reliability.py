@@ -124,11 +124,11 @@ def test_resume_with_another_model_or_batch_is_refused(corpus: Path, golden: Pat
     Trainer(make_config(corpus, out, max_steps=2)).train()
     other = make_config(corpus, out)
     other.model.preset = "nano"
-    with pytest.raises(CheckpointError, match="model differs from this run's.*n_layer 2 -> 4"):
+    with pytest.raises(CheckpointError, match=r"other settings \(model.preset 'pico' -> 'nano'\)"):
         Trainer(other)
     other = make_config(corpus, out)
     other.batch.total_batch_tokens = 512
-    with pytest.raises(CheckpointError, match="total_batch_tokens is 256, this run's is 512"):
+    with pytest.raises(CheckpointError, match=r"other settings \(batch.total_batch_tokens 256 -> 512\)"):
         Trainer(other)
 
 
@@ -143,12 +143,18 @@ def test_resume_with_another_micro_batch_keeps_tokens_per_step(corpus: Path, tmp
     assert result.tokens_seen == 3 * 256
 
 
-def test_reaching_max_steps_again_is_a_clear_error(corpus: Path, golden: Path, tmp_path: Path) -> None:
+def test_reaching_max_steps_again_says_complete_and_succeeds(
+    corpus: Path, golden: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A requeued job of a finished run exits 0 and says the run is complete; nothing in the run changes."""
+    before = {p: p.stat().st_mtime_ns for p in golden.rglob("*") if p.is_file()}
     code = main(["train", "--data", str(corpus), "--model", "pico", "--dropout", "0.1", "--micro-batch", "2",
                  "--seq-len", "32", "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3",
                  "--eval-batches", "2", "--sample-tokens", "0", "--cache-dir", str(golden.parent / "cache"),
                  "--out", str(golden)])  # fmt: skip
-    assert code == 2
+    assert code == 0
+    assert f"is complete: it reached step {STEPS} (max_steps {STEPS})" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in golden.rglob("*") if p.is_file()} == before
 
 
 # ---- checkpoints on disk -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError
+from bigbatch.fileperm import apply_umask
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
     """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        apply_umask(fd)  # mkstemp makes 0600; the checkpoint gets the mode the user's umask gives
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()

@@ -84,17 +84,16 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
-    from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.distributed import resolve_device
     from bigbatch.sampling import decoded_pieces, generate, generate_stream
+    from bigbatch.tokenizer_files import checkpoint_tokenizer
 
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise BigBatchError("--max-new-tokens and --num-samples must be positive")
     device = resolve_device(args.device)
     document = load_checkpoint(args.checkpoint)
     model = model_from_checkpoint(document).to(device)
-    dataset_dir = document.get("dataset")
-    tokenizer = get_tokenizer(str(document.get("tokenizer", "byte")), Path(dataset_dir) if dataset_dir else None)
+    tokenizer = checkpoint_tokenizer(document, args.checkpoint)  # the run's own copy first: the cache may move
     prompt_ids = tokenizer.encode(args.prompt.encode("utf-8"))
     if not prompt_ids:
         prompt_ids = [tokenizer.eot_token if tokenizer.eot_token is not None else 10]
@@ -199,6 +198,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         resolve_checkpoint,
     )
     from bigbatch.hf import save_hf_gpt2
+    from bigbatch.tokenizer_files import export_tokenizer
 
     out = args.out_dir
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
@@ -207,11 +207,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     document = load_checkpoint(path)
     model = model_from_checkpoint(document)
     save_hf_gpt2(model, out)
+    tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
     cfg = model.config
     print(
         f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face GPT-2 layout: config.json + "
         f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
-        f"{document.get('tokenizer', 'byte')} tokens); load it with transformers.GPT2LMHeadModel.from_pretrained"
+        f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
+        "transformers.GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained"
     )
     return 0
 
@@ -436,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         "validation pass reads it. Defaults come from the run: micro-batch, seq_len, eval_batches.",
     )
     evaluate.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
-    evaluate.add_argument("--data", required=True, help="prepared dataset directory or raw text (file, dir, glob, "
-                          "'builtin'), prepared with the checkpoint's tokenizer")  # fmt: skip
+    evaluate.add_argument("--data", help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
+                          "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
     evaluate.add_argument("--split", default="val", choices=("val", "train"))
     evaluate.add_argument("--batches", type=int, help="micro-batches to read (default: the run's eval_batches; "
                           "0 reads the whole split)")  # fmt: skip

@@ -100,7 +100,11 @@ class OptimSection:
 @dataclass
 class RunSection:
     max_steps: int = _opt(120, "optimizer steps to train")
-    out: str = _opt("", "run directory (default: runs/<date-time>)")
+    out: str = _opt(
+        "",
+        "run directory (default: runs/<model>-<hash of the run's settings>, so the same command continues the "
+        "same run)",
+    )
     seed: int = _opt(1337, "random seed")
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
@@ -131,6 +135,14 @@ class RunSection:
     log_every: int = _opt(1, "print a step line every N steps")
     sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables")
     sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
+    extend_schedule: bool = _opt(
+        False,
+        "on resume: stretch the saved learning-rate schedule to this run's max_steps (or decay_steps) instead of "
+        "keeping it",
+    )
+    allow_data_change: bool = _opt(
+        False, "on resume: continue on data whose tokens differ from the checkpoint's (same tokenizer only)"
+    )
 
 
 SECTIONS: dict[str, type] = {

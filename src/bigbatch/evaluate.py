@@ -17,10 +17,14 @@ import torch
 
 from bigbatch.accumulate import resolve_precision, summed_loss
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
+from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
+from bigbatch.data.tokenizers import is_bpe
 from bigbatch.errors import ConfigError, DataError
+from bigbatch.resume import check_tokenizer
+from bigbatch.tokenizer_files import checkpoint_tokenizer
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ def _section(document: dict[str, Any], name: str) -> dict[str, Any]:
 
 def evaluate_checkpoint(
     checkpoint: Path | str,
-    data: str,
+    data: str | None = None,
     split: str = "val",
     batches: int | None = None,
     micro_batch: int | None = None,
@@ -69,8 +73,11 @@ def evaluate_checkpoint(
     """Mean loss of the newest valid checkpoint in ``checkpoint`` (a run directory or a ``.pt`` file) on ``data``.
 
     ``data`` is a prepared dataset directory or raw text; raw text is prepared
-    (once, cached) with the checkpoint's tokenizer, validation fraction and data
-    mode, so the run's own corpus gives the run's own validation split. Unset
+    (once, cached) with the checkpoint's tokenizer (a ``bpe:VOCAB`` one as it is,
+    not trained again), validation fraction and data mode, so the run's own corpus
+    gives the run's own validation split. ``None`` evaluates on the run's own
+    data: the dataset it was trained on, or its source prepared again when that
+    dataset is gone. Tokens of another tokenizer (by fingerprint) are refused. Unset
     ``batches``, ``micro_batch`` and ``seq_len`` default to the run's
     ``eval_batches``, micro-batch and sequence length; ``batches=0`` reads the
     whole split once.
@@ -97,13 +104,23 @@ def evaluate_checkpoint(
         run_cache = str(data_cfg.get("cache_dir") or "")
         cache_dir = run_cache if run_cache and Path(run_cache).is_dir() else None
     val_fraction = float(data_cfg.get("val_fraction", 0.1))
-    directory = ensure_prepared(data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")))
+    if data is None:  # the run's own data: the dataset it trained on while it exists, else its source
+        trained_on = str(document.get("dataset") or "")
+        data = trained_on if trained_on and Path(trained_on).exists() else str(data_cfg.get("data") or "")
+        if not data:
+            raise ConfigError("the checkpoint does not say which data it was trained on; give --data")
+    bpe_json = None
+    if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
+        bpe_json = checkpoint_tokenizer(document, Path(checkpoint)).to_str()  # type: ignore[attr-defined]
+    directory = ensure_prepared(data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")),
+                                bpe_json=bpe_json)  # fmt: skip
     dataset = open_dataset(directory)
     if dataset.meta.tokenizer != tokenizer:
         raise DataError(
             f"{directory} was prepared with the {dataset.meta.tokenizer} tokenizer but the checkpoint's model was "
             f"trained with {tokenizer}; give raw text or a dataset prepared with --tokenizer {tokenizer}"
         )
+    check_tokenizer(document.get("fingerprints") or {}, dataset_fingerprints(dataset), tokenizer, str(directory))
     dataset.check_token_ids(model.config.vocab_size)
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")

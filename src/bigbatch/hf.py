@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError
+from bigbatch.fileperm import apply_umask
 from bigbatch.model import GPT, GPTConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -163,8 +164,10 @@ def save_hf_gpt2(model: GPT, directory: Path | str) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
+        apply_umask(staging, directory=True)  # mkdtemp makes 0700
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+        apply_umask(staging / "model.safetensors")  # safetensors writes 0600
         if directory.exists():
             directory.rmdir()
         os.replace(staging, directory)

@@ -16,6 +16,7 @@ from bigbatch.checkpoint import (
 )
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.metrics import METRICS_FILE
+from bigbatch.optim import CosineSchedule
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -82,6 +84,112 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
         # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint.
         if recorded < step or (recorded == step and not record.get("skipped")):
             kept.append(line)
+    if len(kept) == len(lines):
+        return  # nothing to drop: the file stays untouched
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+
+
+def check_settings(document: dict[str, Any], config: Any, run_dir: Path) -> None:
+    """Refuse to continue a run whose defining settings (see :mod:`bigbatch.run_identity`) differ from this one's."""
+    from bigbatch.run_identity import settings_diff
+
+    diffs = settings_diff(document.get("config", {}), config)
+    if diffs:
+        raise CheckpointError(
+            f"{run_dir} holds a run with other settings ({'; '.join(diffs)}); run its own command to continue it, "
+            "or choose another --out (or leave --out unset: each set of settings gets its own run directory)"
+        )
+
+
+def check_tokenizer(saved: dict[str, Any], current: dict[str, str], name: str, what: str) -> None:
+    """Refuse tokens of a tokenizer whose fingerprint differs from the one the model was trained with."""
+    before, now = str(saved.get("tokenizer") or ""), str(current.get("tokenizer") or "")
+    if before and now and before != now:
+        raise CheckpointError(
+            f"{what} was prepared with a {name} tokenizer other than the model's (fingerprint {now}, the model's "
+            f"is {before}: same name, trained on other text); use the run's own data, or data prepared with the "
+            "run's tokenizer"
+        )
+
+
+def data_changed(document: dict[str, Any], current: dict[str, str], data: str) -> str | None:
+    """How this run's data differs from the checkpoint's, or ``None`` when it is the same (or cannot be told)."""
+    saved = document.get("fingerprints") or {}
+    before, now = str(saved.get("data") or ""), str(current.get("data") or "")
+    if before and now:
+        if before == now:
+            return None
+        return f"its tokens differ from the checkpoint's (data fingerprint {before} -> {now})"
+    saved_data = str(document.get("config", {}).get("data", {}).get("data", data))
+    if saved_data != data:  # no fingerprints (an older checkpoint or dataset): compare the paths
+        return f"data {saved_data!r} -> {data!r}"
+    return None
+
+
+def saved_schedule(document: dict[str, Any]) -> CosineSchedule:
+    """The learning-rate schedule the checkpoint's run used (derived from its config when not stored)."""
+    stored = document.get("schedule")
+    if isinstance(stored, dict):
+        return CosineSchedule(
+            max_lr=float(stored["max_lr"]), min_lr=float(stored["min_lr"]),
+            warmup_steps=int(stored["warmup_steps"]), decay_steps=int(stored["decay_steps"]),
+        )  # fmt: skip
+    config = document.get("config", {})
+    optim, run = config.get("optim", {}), config.get("run", {})
+    return initial_schedule(
+        float(optim.get("lr", 2e-3)), float(optim.get("min_lr_ratio", 0.1)), int(optim.get("warmup_steps", 0)),
+        int(optim.get("decay_steps", 0)), int(run.get("max_steps", 1)),
+    )  # fmt: skip
+
+
+def initial_schedule(lr: float, min_lr_ratio: float, warmup: int, decay: int, max_steps: int) -> CosineSchedule:
+    """Warmup then cosine decay to ``lr x min_lr_ratio`` at ``decay`` (0: at ``max_steps``); warmup no longer
+    than the decay."""
+    decay_steps = decay or max_steps
+    return CosineSchedule(lr, lr * min_lr_ratio, min(warmup, decay_steps), decay_steps)
+
+
+def resumed_schedule(document: dict[str, Any], config: Any, step: int) -> tuple[CosineSchedule, str | None]:
+    """The schedule a resumed run follows, and what to say about it.
+
+    The saved schedule is kept: resuming with a larger ``max_steps`` does not move the end of the decay (the
+    learning rate stays at its minimum after it). ``--extend-schedule`` moves the end of the decay to this
+    run's ``decay_steps`` (or ``max_steps``); warmup that is already over stays as it was. Changing
+    ``warmup_steps`` or ``decay_steps`` without ``--extend-schedule`` is refused.
+    """
+    saved = saved_schedule(document)
+    saved_optim = document.get("config", {}).get("optim", {})
+    opt, run = config.optim, config.run
+    changed = [
+        f"optim.{key} {saved_optim.get(key)!r} -> {getattr(opt, key)!r}"
+        for key in ("warmup_steps", "decay_steps")
+        if key in saved_optim and saved_optim[key] != getattr(opt, key)
+    ]
+    if not run.extend_schedule:
+        if changed:
+            raise ConfigError(
+                f"{'; '.join(changed)} would change the learning-rate schedule of the run being resumed; add "
+                "--extend-schedule to apply it, or keep the run's values"
+            )
+        note = None
+        if run.max_steps > saved.decay_steps and not opt.decay_steps:
+            note = (
+                f"max_steps {run.max_steps} is beyond the end of this run's learning-rate decay (step "
+                f"{saved.decay_steps}): the schedule is kept, lr stays at {saved.min_lr:.1e} after step "
+                f"{saved.decay_steps}; add --extend-schedule to stretch the decay to step {run.max_steps}"
+            )
+        return saved, note
+    decay = opt.decay_steps or run.max_steps
+    warmup = saved.warmup_steps if step >= saved.warmup_steps else min(opt.warmup_steps, decay)
+    if decay < warmup:
+        raise ConfigError(f"--extend-schedule: the decay would end at step {decay}, before the warmup ({warmup} steps)")
+    schedule = CosineSchedule(saved.max_lr, saved.min_lr, warmup, decay)
+    if schedule == saved:
+        return saved, f"--extend-schedule: the schedule is unchanged (decay ends at step {decay})"
+    return schedule, (
+        f"--extend-schedule: the cosine decay now ends at step {decay} (was {saved.decay_steps}), warmup "
+        f"{warmup} steps; lr at step {step + 1} is {schedule(step):.2e} (the kept schedule would give "
+        f"{saved(step):.2e})"
+    )

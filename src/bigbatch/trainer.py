@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,12 @@ from bigbatch.checkpoint import (
     save_checkpoint,
 )
 from bigbatch.config import TrainConfig
+from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
 from bigbatch.data.steps import budget_micro_batches, step_micro_batches
-from bigbatch.data.tokenizers import get_tokenizer
+from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import (
     DistContext,
     resolve_device,
@@ -64,10 +64,21 @@ from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.progress import ProgressBar
-from bigbatch.resume import check_compatible, find_resume_checkpoint, truncate_metrics
+from bigbatch.resume import (
+    check_compatible,
+    check_settings,
+    check_tokenizer,
+    data_changed,
+    find_resume_checkpoint,
+    initial_schedule,
+    resumed_schedule,
+    truncate_metrics,
+)
 from bigbatch.rng import capture_rng_state, restore_rng_state, seed_rank_generators
+from bigbatch.run_identity import default_run_dir
 from bigbatch.sampling import generate
 from bigbatch.signals import StopRequest
+from bigbatch.tokenizer_files import save_run_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +101,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def default_run_dir() -> Path:
-    base = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    candidate, n = base, 1
-    while candidate.exists():
-        candidate = base.with_name(f"{base.name}-{n}")
-        n += 1
-    return candidate
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> GPT:
@@ -150,7 +152,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        out = config.run.out or str(default_run_dir())
+        out = config.run.out or str(default_run_dir(config))  # the same settings find the same run again
         self.run_dir = Path(self.dist.broadcast_object(out))  # rank 0's choice of a default name
         require_creatable_dir(self.run_dir, "run directory")
         resume_from = find_resume_checkpoint(self.run_dir, config.run.resume, config.run.overwrite, self.dist.is_main)
@@ -159,6 +161,12 @@ class Trainer:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
         self.dataset = open_dataset(self._prepared_data())
+        self.fingerprints = dataset_fingerprints(self.dataset)
+        tokenizer_name = self.dataset.meta.tokenizer
+        # A bpe:VOCAB tokenizer travels inside each checkpoint (it is small), so the model never loses it.
+        self._bpe_json: str | None = None
+        if is_bpe(tokenizer_name):
+            self._bpe_json = get_tokenizer(tokenizer_name, self.dataset.directory).to_str()  # type: ignore[attr-defined]
         self.model = build_model(config, self.dataset.vocab_size).to(self.device)
         self.model.activation_checkpointing = config.model.activation_checkpointing
         self.model_config = self.model.config
@@ -192,13 +200,9 @@ class Trainer:
         self.optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
             self.model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
         )
-        decay_steps = opt.decay_steps or config.run.max_steps
-        self.schedule = CosineSchedule(
-            max_lr=opt.lr,
-            min_lr=opt.lr * opt.min_lr_ratio,
-            warmup_steps=min(opt.warmup_steps, decay_steps),
-            decay_steps=decay_steps,
-        )
+        self.schedule: CosineSchedule = initial_schedule(
+            opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps
+        )  # a resumed run replaces it with the run's own (see _resume)
         self.engine = AccumulationEngine(
             self.train_model,
             self.optimizer,
@@ -217,6 +221,12 @@ class Trainer:
         # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.
         seed_rank_generators(config.run.seed, self.dist.rank)
         self.resumed_from: Path | None = None
+        self.completed = False  # resumed at (or past) max_steps: nothing left to do
+        if opt.warmup_steps > self.schedule.warmup_steps and resume_from is None:
+            self._say(
+                "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
+                self.schedule.decay_steps, self.schedule.warmup_steps, level=logging.WARNING,
+            )  # fmt: skip
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -244,13 +254,32 @@ class Trainer:
         )
 
         document = load_checkpoint(path)
+        check_settings(document, self.config, self.run_dir)
         check_compatible(document, self.model_config.to_dict(), self.dataset.meta.tokenizer, self.config.batch)
+        check_tokenizer(document.get("fingerprints") or {}, self.fingerprints, self.dataset.meta.tokenizer,
+                        f"this run's data {self.dataset.directory}")  # fmt: skip
+        changed = data_changed(document, self.fingerprints, self.config.data.data)
+        if changed and not self.config.run.allow_data_change:
+            raise CheckpointError(
+                f"the data of the run in {self.run_dir} changed: {changed}; add --allow-data-change to continue "
+                "on the new data, or restore the run's data"
+            )
         set_state_dict(
             self.model, self.optimizer, model_state_dict=document["model"], optim_state_dict=document["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )  # fmt: skip
         self.engine.load_state_dict(document["engine"])
-        self.train_loader.load_state_dict(document["loader"])
+        self.schedule, schedule_note = resumed_schedule(document, self.config, self.engine.step_count)
+        self.engine.schedule = self.schedule
+        self.engine.load_state_dict(document["engine"])  # again: sets the lr of the next step from the schedule
+        self.completed = self.engine.step_count >= self.config.run.max_steps
+        try:
+            self.train_loader.load_state_dict(document["loader"])
+        except DataError:
+            if not changed:
+                raise
+            self._say("the new data has no position matching the checkpoint's: reading it from its start",
+                      level=logging.WARNING)  # fmt: skip
         self.tokens_seen = int(document.get("tokens_seen", 0))
         saved_world = int(document.get("world_size", 1))
         rng_states = document.get("rng", [])
@@ -265,6 +294,10 @@ class Trainer:
             "resumed from %s at step %d (%s tokens)%s", path, self.engine.step_count, f"{self.tokens_seen:,}",
             "" if saved_world == self.dist.world_size else f" | world size {saved_world} -> {self.dist.world_size}",
         )
+        if changed:
+            self._say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)
+        if schedule_note:
+            self._say("%s", schedule_note, level=logging.WARNING)
 
     def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Log on rank 0 only."""
@@ -392,7 +425,13 @@ class Trainer:
             "loader": self.train_loader.state_dict(),
             "config": self.config.to_dict(),
             "tokenizer": self.dataset.meta.tokenizer,
-            "dataset": str(self.dataset.directory),
+            "fingerprints": dict(self.fingerprints),
+            "schedule": {
+                "max_lr": self.schedule.max_lr, "min_lr": self.schedule.min_lr,
+                "warmup_steps": self.schedule.warmup_steps, "decay_steps": self.schedule.decay_steps,
+            },
+            **({"tokenizer_json": self._bpe_json} if self._bpe_json else {}),
+            "dataset": str(Path(self.dataset.directory).resolve()),  # absolute: eval and sample find it from anywhere
             "step": self.engine.step_count,
             "tokens_seen": self.tokens_seen,
             "world_size": self.dist.world_size,
@@ -460,15 +499,42 @@ class Trainer:
             signal.Signals(signum).name, self.engine.step_count, self.run_dir, level=logging.WARNING,
         )
 
+    def _complete(self) -> TrainResult:
+        """A finished run asked to run again: say so and succeed (a requeueing scheduler needs exit 0)."""
+        self._say(
+            "the run in %s is complete: it reached step %d (max_steps %d); nothing to do (raise --max-steps, "
+            "with --extend-schedule to stretch the learning-rate decay, to train on)",
+            self.run_dir, self.engine.step_count, self.config.run.max_steps,
+        )  # fmt: skip
+        return TrainResult(
+            run_dir=self.run_dir, steps=self.engine.step_count, tokens_seen=self.tokens_seen,
+            final_loss=float("nan"), val_loss=None, tokens_per_s=0.0, sample=None,
+        )  # fmt: skip
+
+    def _start_run_dir(self) -> None:
+        """Rank 0: the run directory with its config and its own copy of the tokenizer; a fresh start (nothing
+        to resume: a first run, or a crash before the first checkpoint) begins a clean metrics log."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.resumed_from is None:
+            truncate_metrics(self.run_dir, 0)
+        if self.dataset.meta.tokenizer != "gpt2":  # gpt2 may need a download: copied with the end-of-run sample
+            self._copy_tokenizer()
+
+    def _copy_tokenizer(self) -> None:
+        """Rank 0: the run's own copy of its tokenizer in RUN_DIR/tokenizer/ (see bigbatch/tokenizer_files.py)."""
+        try:
+            tokenizer = get_tokenizer(self.dataset.meta.tokenizer, self.dataset.directory)
+            save_run_tokenizer(self.run_dir, tokenizer, self.model_config.block_size)
+        except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: training does not need it
+            self._say("the tokenizer could not be copied into the run directory: %s", exc, level=logging.WARNING)
+
     def train(self) -> TrainResult:
         run = self.config.run
+        if self.completed:
+            return self._complete()
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(self.config.to_toml())
-        if self.resumed_from is not None and self.engine.step_count >= run.max_steps:
-            raise ConfigError(
-                f"the run in {self.run_dir} already reached max_steps={run.max_steps}; raise --max-steps to train on"
-            )
+            self._start_run_dir()
         self._log_header()
         metrics = (
             open_metrics(self.run_dir, self.tensorboard, self.wandb_project, self.config.to_dict())
@@ -547,6 +613,8 @@ class Trainer:
             try:
                 sample = self.sample(run.sample_tokens, run.sample_prompt)
                 self._say("sample:\n%s", sample)
+                if self.dist.is_main and self.dataset.meta.tokenizer == "gpt2":
+                    self._copy_tokenizer()  # the sample has loaded the GPT-2 encoding
             except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: the run itself is done
                 self._say("no sample: %s", exc, level=logging.WARNING)
         assert record is not None

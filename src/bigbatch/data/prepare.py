@@ -35,6 +35,11 @@ from bigbatch.data.corpus import (
     read_documents,
     resolve_source,
 )
+from bigbatch.data.fingerprint import (
+    prepared_data_fingerprint,
+    tokenizer_fingerprint,
+    tokenizer_json_fingerprint,
+)
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.shards import (
     META_FILE,
@@ -54,6 +59,7 @@ from bigbatch.data.tokenizers import (
     train_bpe,
 )
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.fileperm import apply_umask
 from bigbatch.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -85,6 +91,7 @@ def prepare_dataset(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     mode: str = "packed",
     workers: int | None = None,
+    bpe_json: str | None = None,
 ) -> DatasetMeta:
     """Tokenize ``source`` into ``out_dir``.
 
@@ -98,7 +105,8 @@ def prepare_dataset(
     masked prompt, and the last ``val_fraction`` of the documents is validation.
 
     ``tokenizer_name`` ``bpe:VOCAB`` trains a byte-level BPE with that vocabulary on the documents first and
-    keeps it in ``out_dir/tokenizer.json``.
+    keeps it in ``out_dir/tokenizer.json``; with ``bpe_json`` (a ``tokenizer.json`` document, e.g. a run's own)
+    that tokenizer is used and kept instead of training one.
 
     ``workers``: processes that tokenize; ``None`` picks one per CPU core when the corpus is large enough
     to gain from it and the tokenizer is not ``byte``, 1 tokenizes in this process. The shards are the same
@@ -124,6 +132,8 @@ def prepare_dataset(
     tokenizer: Tokenizer | None = None
     if is_bpe(tokenizer_name):
         bpe_vocab_size(tokenizer_name)  # a bad name fails before any work
+        if bpe_json:
+            tokenizer = BPETokenizer.from_str(tokenizer_name, bpe_json)
     else:
         tokenizer = get_tokenizer(tokenizer_name)
     hf = is_hf_source(source)
@@ -136,10 +146,12 @@ def prepare_dataset(
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    apply_umask(staging, directory=True)  # mkdtemp makes it 0700; the dataset is the user's, umask applies
     try:
         if tokenizer is None:
             tokenizer = _train_bpe(tokenizer_name, documents, source)
-            tokenizer.save(staging / BPE_FILE)  # type: ignore[attr-defined]
+        if isinstance(tokenizer, BPETokenizer):
+            tokenizer.save(staging / BPE_FILE)
         dtype = token_dtype(tokenizer.vocab_size)
         n_workers = _worker_count(workers, tokenizer, total_bytes)
         stream_path = staging / _STREAM_FILE
@@ -171,6 +183,10 @@ def prepare_dataset(
         finally:
             del stream
         stream_path.unlink()
+        fingerprints = {
+            "tokenizer": tokenizer_fingerprint(tokenizer.name, staging),
+            "data": prepared_data_fingerprint(staging, shard_names, mode, masked),
+        }
         meta = DatasetMeta(
             tokenizer=tokenizer.name,
             vocab_size=tokenizer.vocab_size,
@@ -182,6 +198,7 @@ def prepare_dataset(
             eot_token=tokenizer.eot_token,
             mode=mode,
             masked=masked,
+            fingerprints=fingerprints,
         )
         (staging / META_FILE).write_text(meta.to_json())
         if out.exists():
@@ -504,12 +521,14 @@ def ensure_prepared(
     val_fraction: float,
     cache_dir: Path | str | None = None,
     mode: str = "packed",
+    bpe_json: str | None = None,
 ) -> Path:
     """A prepared dataset directory for ``data``.
 
     ``data`` is either a prepared directory or foreign token shards (build-nanogpt ``.npy``, llm.c ``.bin``:
     a directory, file or glob), used as they are, or raw text (``builtin``, a file, a directory or a glob),
-    prepared once into the cache and reused while the files are unchanged.
+    prepared once into the cache and reused while the files are unchanged. ``bpe_json``: see
+    :func:`prepare_dataset` (its fingerprint becomes part of the cache key).
     """
     path = Path(data).expanduser()
     raw = data == BUILTIN or is_hf_source(data)
@@ -519,6 +538,8 @@ def ensure_prepared(
         return path  # token shards from build-nanogpt or llm.c: read as they are
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     key = _source_fingerprint(data, tokenizer_name, val_fraction, mode)
+    if bpe_json and is_bpe(tokenizer_name):
+        key = hashlib.sha256(f"{key}:{tokenizer_json_fingerprint(bpe_json)}".encode()).hexdigest()[:16]
     if is_hf_source(data):
         label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
     else:
@@ -528,7 +549,8 @@ def ensure_prepared(
         return target
     log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
     try:
-        prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode)
+        prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode,
+                        bpe_json=bpe_json if is_bpe(tokenizer_name) else None)  # fmt: skip
     except (DataError, OSError):
         if is_prepared_dataset(target):  # another process prepared the same source at the same time
             return target

@@ -51,6 +51,7 @@ class DatasetMeta:
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     extra: dict[str, object] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)  # "tokenizer", "data": see data/fingerprint.py
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
