@@ -33,8 +33,10 @@ from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (3, 5, 8, 11, 12, 14, 1, 2, 4, 6, 9, 17)
-"""What CI runs: chosen so that every value of every drawn dimension occurs (test_fuzz checks that)."""
+FIXED_SEEDS = (4, 2, 190, 453, 6, 19, 99, 145, 236, 105, 45, 226)
+"""What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
+event (short last window, partial budget step, dropped remainder, step without valid targets) occurs;
+tests/test_fuzz.py checks that."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
 

@@ -134,8 +134,12 @@ def _valid(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(int((y != IGNORE).sum()) for _, y in batch)
 
 
-def expected_steps(setting: Setting, calls: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-    """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets)."""
+def expected_steps(
+    setting: Setting, calls: int, events: set[str] | None = None
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets). ``events``
+    collects ``dropped`` when an incomplete last window was skipped."""
+    events = set() if events is None else events
     stream = _Stream(setting)
     steps = []
     for _ in range(calls):
@@ -147,6 +151,7 @@ def expected_steps(setting: Setting, calls: int) -> list[list[list[tuple[torch.T
                 if setting.last_window == "drop":
                     if stream.position:
                         stream.position, stream.epoch = 0, stream.epoch + 1
+                        events.add("dropped")
                 else:
                     k = math.ceil(stream.docs_left() / per_micro)
             step = [stream.next()[0] for _ in range(k)]
@@ -162,6 +167,7 @@ def expected_steps(setting: Setting, calls: int) -> list[list[list[tuple[torch.T
                         break
                     assert passes < 2, "the draw guarantees that a budget fits in one pass"
                     step, total = [], 0  # the pass's incomplete remainder is skipped
+                    events.add("dropped")
         steps.append(step)
     return steps
 

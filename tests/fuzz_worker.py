@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from fuzz_settings import Setting
 
-SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip")
+SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch")
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
 
@@ -64,6 +64,9 @@ def run_bigbatch(setting: Setting, workdir: Path, dist: Any = None, device: Any 
     def recording_next_step_batches() -> tuple[list, int]:
         epoch = trainer.train_loader.epoch
         batches, n_valid = next_step_batches()
+        if sabotage == "drop_last_micro_batch" and len(batches) > 1:  # a step assembled wrongly, counted right
+            batches = batches[:-1]
+            n_valid = dist.sum_int(sum(count_valid_targets(mb) for mb in batches), device)
         calls.append({
             "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
             "n_valid": n_valid, "epoch_before": epoch, "epoch_after": trainer.train_loader.epoch, "record": None,
