@@ -111,6 +111,9 @@ def fuzz(seeds: Iterable[int], workdir: Path, say: Callable[[str], None] = print
             say(f"     {problem}")
         if not outcome.ok:
             say(f"     reproduce: {repro(setting.seed)}")
+        if not verbose and len(outcomes) % 10 == 0:
+            failures = sum(not o.ok for o in outcomes.values())
+            say(f"fuzz: {len(outcomes)}/{len(settings)} settings done, {failures} failed")
 
     for setting in settings:
         if setting.world == 1:

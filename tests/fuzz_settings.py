@@ -65,15 +65,15 @@ class Setting:
             f"min {self.min_lr_ratio:g} wd {self.weight_decay:g} betas ({self.beta1:g}, {self.beta2:g}) eps {self.eps:g}"
         )
 
-    def data_file(self, directory: Path) -> Path:
-        """Write the training data into ``directory`` (once) and return its path."""
+    def data_path(self, directory: Path) -> Path:
+        return directory / ("corpus.txt" if self.mode == "packed" else "docs.jsonl")
+
+    def write_data(self, directory: Path) -> Path:
+        """Write the training data into ``directory``: the text, or one JSON line per document."""
+        path = self.data_path(directory)
         if self.mode == "packed":
-            path = directory / "corpus.txt"
-            if not path.exists():
-                path.write_text(self.corpus)
-            return path
-        path = directory / "docs.jsonl"
-        if not path.exists():
+            path.write_text(self.corpus)
+        else:
             lines = [
                 json.dumps({"text": text} if prompt is None else {"prompt": prompt, "completion": text})
                 for prompt, text in self.documents

@@ -50,7 +50,7 @@ def run_bigbatch(setting: Setting, workdir: Path, dist: Any = None, device: Any 
     dist = dist or DistContext()
     device = device or torch.device("cpu")
     workdir.mkdir(parents=True, exist_ok=True)
-    data = setting.data_file(workdir) if dist.is_main else workdir / ("corpus.txt" if setting.mode == "packed" else "docs.jsonl")
+    data = setting.write_data(workdir) if dist.is_main else setting.data_path(workdir)
     dist.barrier()
     flags = setting.train_flags(data, workdir / "cache", workdir / "run")
     args = build_parser().parse_args(["train", *flags])
