@@ -27,6 +27,14 @@ from the betas; ~lr per step). What the masked elements do to the model is then 
 bigbatch's final model, masked elements and all, must give the same logits as the reference's final
 model on the last step's batch (relative L2 <= 1e-5). Every other element, the query and value bias
 slices included, is compared to 1e-5.
+
+**Conditioning.** A few settings (a handful of tokens per step, a high learning rate, eps 1e-6 against
+tiny gradients) amplify rounding so much that the reference itself, run in plain float32, lands more
+than 1e-5 from its float64 self after two steps (measured: 5e-6 in the parameters and 7e-5 in the
+logits on one seed of 200). No fp32 implementation can meet 1e-5 there, so the reference is replayed in
+float32 too, and each bar (parameters, logits, logged loss and norm) is max(1e-5, 10 x how far plain
+fp32 lands from float64 on this setting). Settings where that raises a bar are counted in the summary;
+for all others the bar is exactly 1e-5. Real bugs (see test_fuzz's planted ones) are 100x above either.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch
 from fuzz_settings import Setting, non_empty
 
 TOL = 1e-5  # fp32: relative L2 over all parameters (zero-gradient elements masked, see above)
+CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this many times as far as plain fp32
 NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the global norm is zero to rounding
 IGNORE = -100
 LN_EPS = 1e-5
@@ -64,6 +73,8 @@ class Outcome:
     micro_batches: list[int] = field(default_factory=list)  # K per rank of each optimizer step
     step_norm_rel: list[float] = field(default_factory=list)  # per step: logged gradient norm vs the reference's
     ref32_rel: float = math.nan  # the same reference in float32 against float64: the setting's conditioning
+    widened: bool = False  # plain fp32 itself misses TOL on this setting, so a bar was raised to SLACK x it
+    closest: float = 0.0  # the largest difference / tolerance over the checks: how near to failing
 
     @property
     def ok(self) -> bool:
@@ -383,12 +394,9 @@ def param_difference(
     return param_rel, _rel(torch.cat(updates), torch.cat(ref_updates)), worst, drift
 
 
-def compare(setting: Setting, result: dict[str, Any], conditioning: bool = True) -> Outcome:
-    """Run the reference over the steps bigbatch took and compare everything it logged and learnt.
-
-    With ``conditioning``, the reference also runs in float32: how far that lands from the float64 run
-    (``ref32_rel``) says how much this setting amplifies rounding, to tell chaos from a bug in a report.
-    """
+def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
+    """Run the reference over the steps bigbatch took and compare everything it logged and learnt
+    (tolerances: ``TOL``, or ``CONDITIONING_SLACK`` x what plain fp32 does on an ill-conditioned setting)."""
     out = Outcome(seed=setting.seed)
     problems = out.problems
     config = result["model_config"]
@@ -417,7 +425,12 @@ def compare(setting: Setting, result: dict[str, Any], conditioning: bool = True)
             batches.append((x, y))
             records.append(call["records"][0])
     reference, logs, null = replay(setting, initial, batches, n_head, vocab)
+    # The same replay in float32: how far plain fp32 arithmetic lands from float64 on this setting.
+    reference32, logs32, _ = replay(setting, initial, batches, n_head, vocab, dtype=torch.float32)
     out.steps = len(logs)
+    cond_loss = max((abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(logs32, logs)), default=0.0)
+    cond_norm = max((abs(a.norm - b.norm) / b.norm for a, b in zip(logs32, logs)), default=0.0)
+    out.ref32_rel = param_difference(reference32, reference, initial, null)[0]
     for t, (log, record) in enumerate(zip(logs, records), start=1):
         out.clipped_steps += setting.grad_clip > 0 and log.norm > setting.grad_clip
         out.loss_rel = max(out.loss_rel, abs(record["loss"] - log.loss) / abs(log.loss))
@@ -428,10 +441,19 @@ def compare(setting: Setting, result: dict[str, Any], conditioning: bool = True)
             problems.append(f"step {t}: logged {record['tokens']} tokens, the step holds {log.n_valid} valid targets")
         if abs(record["lr"] - log.lr) > 1e-12 * log.lr + 1e-15:
             problems.append(f"step {t}: learning rate {record['lr']:.6g}, the schedule gives {log.lr:.6g}")
-    if out.loss_rel > TOL:
-        problems.append(f"logged loss differs from the reference by {out.loss_rel:.2e} (relative)")
-    if out.norm_rel > TOL:
-        problems.append(f"logged gradient norm differs from the reference by {out.norm_rel:.2e} (relative)")
+
+    def check(what: str, value: float, conditioning: float) -> None:
+        bar = max(TOL, CONDITIONING_SLACK * conditioning)
+        out.widened = out.widened or bar > TOL
+        out.closest = max(out.closest, value / bar)
+        if not value <= bar:
+            problems.append(
+                f"{what}: {value:.2e} relative difference from the reference (tolerance {bar:.2g}; plain fp32 "
+                f"lands {conditioning:.1e} from float64 on this setting)"
+            )
+
+    check("logged loss", out.loss_rel, cond_loss)
+    check("logged gradient norm", out.norm_rel, cond_norm)
     for name in initial:
         key = _key_slice(name, c)
         if key is not None and not bool(null[name][key].all()):
@@ -440,19 +462,19 @@ def compare(setting: Setting, result: dict[str, Any], conditioning: bool = True)
     out.param_rel, out.update_rel, out.worst_tensor, out.masked_diff = param_difference(final, reference, initial, null)
     bound = sum(log.lr * adam_step_bound(setting.beta1, setting.beta2, t) for t, log in enumerate(logs, start=1))
     if out.masked_diff > bound * (1 + 1e-6):
-        problems.append(f"a masked (zero-gradient) element moved {out.masked_diff:.2e}, more than AdamW can ({bound:.2e})")
-    if not out.param_rel <= TOL:
-        problems.append(f"parameters differ from the reference by {out.param_rel:.2e} relative L2 (tolerance {TOL:g})")
-    if batches:
-        with torch.no_grad():  # bigbatch's model, key bias and all, against the reference's
-            out.logits_rel = _rel(gpt_logits(final, batches[-1][0], n_head, vocab), gpt_logits(reference, batches[-1][0], n_head, vocab))
-        if not out.logits_rel <= TOL:
-            problems.append(f"final logits differ from the reference's by {out.logits_rel:.2e} (relative L2)")
+        problems.append(
+            f"a masked (zero-gradient) element moved {out.masked_diff:.2e}, more than AdamW can ({bound:.2e})"
+        )
+    check("the parameters", out.param_rel, out.ref32_rel)
+    if batches:  # bigbatch's model, masked elements and all, against the reference's
+        x = batches[-1][0]
+        with torch.no_grad():
+            want = gpt_logits(reference, x, n_head, vocab)
+            out.logits_rel = _rel(gpt_logits(final, x, n_head, vocab), want)
+            cond_logits = _rel(gpt_logits(reference32, x, n_head, vocab), want)
+        check("the final logits", out.logits_rel, cond_logits)
     if setting.clip == "tight" and out.clipped_steps != out.steps:
         problems.append(f"clipping was to bite on every step but bit on {out.clipped_steps} of {out.steps}")
     if setting.clip == "loose" and out.clipped_steps:
         problems.append("clipping was never to bite but did")
-    if conditioning and batches:
-        reference32, _, _ = replay(setting, initial, batches, n_head, vocab, dtype=torch.float32)
-        out.ref32_rel = param_difference(reference32, reference, initial, null)[0]
     return out

@@ -52,6 +52,8 @@ class Setting:
     beta2: float
     eps: float
     init_seed: int  # --seed: the model's initialisation
+    sync_every_micro_step: bool  # two ranks: reduce after every micro-step instead of once per step
+    activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -62,7 +64,10 @@ class Setting:
             f"seed {self.seed}: {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
             f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
             f"{self.max_steps} steps lr {self.lr:.2g} warmup {self.warmup_steps} decay {self.decay_steps} "
-            f"min {self.min_lr_ratio:g} wd {self.weight_decay:g} betas ({self.beta1:g}, {self.beta2:g}) eps {self.eps:g}"
+            f"min {self.min_lr_ratio:g} wd {self.weight_decay:g} betas ({self.beta1:g}, {self.beta2:g}) "
+            f"eps {self.eps:g}"
+            + (" | sync every micro-step" if self.sync_every_micro_step else "")
+            + (" | activation checkpointing" if self.activation_checkpointing else "")
         )
 
     def data_path(self, directory: Path) -> Path:
@@ -98,6 +103,8 @@ class Setting:
             "--eps", repr(self.eps), "--seed", str(self.init_seed), "--parallel", self.parallel,
             "--device", "cpu", "--precision", "fp32", "--no-compile", "--eval-every", "0", "--sample-tokens", "0",
             "--collective-timeout", "120", "--out", str(out),
+            "--sync-every-micro-step" if self.sync_every_micro_step else "--no-sync-every-micro-step",
+            "--activation-checkpointing" if self.activation_checkpointing else "--no-activation-checkpointing",
         ]  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -189,4 +196,6 @@ def draw(seed: int) -> Setting:
         warmup_steps=warmup, decay_steps=decay, weight_decay=rng.choice([0.0, 0.1, 0.5]),
         beta1=rng.choice([0.9, 0.8]), beta2=rng.choice([0.95, 0.999]), eps=rng.choice([1e-8, 1e-6]),
         init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
+        # drawn last, so that adding them left every earlier choice of a seed as it was
+        sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
     )  # fmt: skip

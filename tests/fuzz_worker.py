@@ -37,7 +37,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in state.items()}
 
 
-def run_bigbatch(setting: Setting, workdir: Path, dist: Any = None, device: Any = None, sabotage: str = "") -> dict | None:
+def run_bigbatch(
+    setting: Setting, workdir: Path, dist: Any = None, device: Any = None, sabotage: str = ""
+) -> dict | None:
     """Train ``setting`` with bigbatch; the record on rank 0 (``None`` on other ranks)."""
     from bigbatch.accumulate import count_valid_targets, token_loss_sum
     from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
@@ -84,9 +86,11 @@ def run_bigbatch(setting: Setting, workdir: Path, dist: Any = None, device: Any 
     trainer.next_step_batches = recording_next_step_batches  # type: ignore[method-assign]
     trainer.engine.step = recording_step  # type: ignore[method-assign]
     if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
-        trainer.engine.loss_fn = lambda model, mb: (  # type: ignore[assignment]
-            token_loss_sum(model, mb) / max(1, count_valid_targets(mb)) * calls[-1]["n_valid"] / len(calls[-1]["batches"])
-        )
+        def mean_over_k(model: torch.nn.Module, mb: Any) -> torch.Tensor:  # the engine then scales by 1/N
+            mean = token_loss_sum(model, mb) / max(1, count_valid_targets(mb))
+            return mean * calls[-1]["n_valid"] / len(calls[-1]["batches"])
+
+        trainer.engine.loss_fn = mean_over_k
     elif sabotage == "schedule_off_by_one":
         schedule = trainer.engine.schedule
         trainer.engine.schedule = lambda step: schedule(step + 1)
@@ -110,7 +114,7 @@ def run_bigbatch(setting: Setting, workdir: Path, dist: Any = None, device: Any 
             "epoch_before": first["epoch_before"], "epoch_after": first["epoch_after"],
             "records": [call["record"] for call in per_rank],
         })  # fmt: skip
-    assert all(len(g) == len(gathered[0]) for g in gathered), "ranks called next_step_batches a different number of times"
+    assert all(len(g) == len(gathered[0]) for g in gathered), "ranks assembled different numbers of steps"
     return {
         "setting": setting.to_json(), "model_config": model_config, "initial": initial, "final": final,
         "checkpoint": checkpoint, "steps": steps, "steps_done": result.steps, "world": dist.world_size,
