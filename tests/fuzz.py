@@ -161,8 +161,8 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"{worst(lambda o: o.logits_rel)}; largest masked (zero-gradient) difference: {worst(lambda o: o.masked_diff)}",
         f"optimizer steps compared: {sum(o.steps for o in outcomes)}, "
         f"clipped: {sum(o.clipped_steps for o in outcomes)}, steps with no valid target skipped: "
-        f"{sum(o.skipped_empty for o in outcomes)}; settings where plain fp32 itself misses {TOL:g} "
-        f"(bar raised to 10x it): {sum(o.widened for o in outcomes)}; closest call: {worst(lambda o: o.closest)} "
+        f"{sum(o.skipped_empty for o in outcomes)}; settings with a bar above {TOL:g} (plain fp32 lands over "
+        f"{TOL / 10:g} from float64; bar = 10x that): {sum(o.widened for o in outcomes)}; closest call: {worst(lambda o: o.closest)} "
         "of its tolerance",
         *(f"counterexample: seed {o.seed}: {o.problems[0]}\n  reproduce: {repro(o.seed)}" for o in bad),
     ])  # fmt: skip
