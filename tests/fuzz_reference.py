@@ -29,9 +29,9 @@ model on the last step's batch (relative L2 <= 1e-5). Every other element, the q
 slices included, is compared to 1e-5.
 
 **Conditioning.** A few settings (a handful of tokens per step, a high learning rate, eps 1e-6 against
-tiny gradients) amplify rounding so much that the reference itself, run in plain float32, lands more
-than 1e-5 from its float64 self after two steps (measured: 5e-6 in the parameters and 7e-5 in the
-logits on one seed of 200). No fp32 implementation can meet 1e-5 there, so the reference is replayed in
+tiny gradients) amplify rounding so much that the reference itself, run in plain float32, lands near
+or beyond 1e-5 from its float64 self after two steps (seed 333532821: 5.4e-6 in the parameters, 7.2e-5
+in the logits). No fp32 implementation can meet 1e-5 there, so the reference is replayed in
 float32 too, and each bar (parameters, logits, logged loss and norm) is max(1e-5, 10 x how far plain
 fp32 lands from float64 on this setting). Settings where that raises a bar (plain fp32 over 1e-6 away)
 are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
