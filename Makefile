@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench fuzz venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# Differential fuzzer (tests/fuzz.py): bigbatch's training step against one naive giant batch.
+# `make fuzz` runs CI's fixed seeds, `make fuzz N=200` 200 random seeds, `make fuzz SEED=1234` one seed.
+fuzz: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tests/fuzz.py $(if $(SEED),--seed $(SEED) --verbose,$(if $(N),--n $(N)))
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,481 @@
+"""The naive reference of the differential fuzzer, written without bigbatch's training code.
+
+For a :class:`~fuzz_settings.Setting` the reference works out on its own, from the raw data and the
+rules the README states, which samples form each global step (documents one per row, cut to T + 1
+and padded, prompt targets masked; packed windows strided over ranks; fixed K, the last window of a
+document epoch partial or dropped; a token budget reached by the micro-batch that crosses it, which is
+included whole). It checks that bigbatch consumed exactly those samples, then trains a float64 copy
+of the initial model the plain way: **one** forward/backward over every sample of the global step
+concatenated, loss = (sum of per-token cross-entropy over valid targets) / (number of valid targets),
+global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim >= 2), learning rate
+from a hand-written warmup + cosine formula. The GPT forward is written out here too (explicit causal
+softmax attention, tanh GELU, LayerNorm), reading the same parameter names.
+
+**The key bias, and other exactly-zero gradients.** Each attention's ``c_attn.bias`` holds query, key
+and value slices. The key slice adds ``q . b_k`` to every score of a query, the same constant for all
+keys, which softmax cancels: the loss does not depend on it and its true gradient is exactly zero. In
+float64 the reference's is ~1e-17, so the reference never moves it (AdamW: m = v = 0, no step); in
+bigbatch's fp32 it is rounding noise (~1e-9), and AdamW divides by sqrt(v) + eps, turning noise into
+moves of up to about lr per step that mean nothing. Data can add more such elements: when every valid
+target of a step sits at position 0 of its row (a batch of one-token completions), no query or key
+weight receives any gradient either. So rather than a hard-coded exception, the reference finds them:
+an element whose float64 gradient is below ``NULL_GRAD`` (1e-12) x the global gradient norm on every
+step has an exact gradient of zero. Those elements (the key-bias slices always among them, which is
+asserted) are masked out of the 1e-5 relative comparison and held instead to the absolute bound that
+AdamW's normalisation allows for pure noise: at most sum_t lr_t x max|m_hat|/sqrt(v_hat) (computed
+from the betas; ~lr per step). What the masked elements do to the model is then checked directly:
+bigbatch's final model, masked elements and all, must give the same logits as the reference's final
+model on the last step's batch (relative L2 <= 1e-5). Every other element, the query and value bias
+slices included, is compared to 1e-5.
+
+**Conditioning.** A few settings (a handful of tokens per step, a high learning rate, eps 1e-6 against
+tiny gradients) amplify rounding so much that the reference itself, run in plain float32, lands near
+or beyond 1e-5 from its float64 self after two steps (seed 333532821: 5.4e-6 in the parameters, 7.2e-5
+in the logits). No fp32 implementation can meet 1e-5 there, so the reference is replayed in
+float32 too, and each bar (parameters, logits, logged loss and norm) is max(1e-5, 10 x how far plain
+fp32 lands from float64 on this setting). Settings where that raises a bar (plain fp32 over 1e-6 away)
+are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
+(mean / K, an off-by-one schedule, no clipping, a step short of a micro-batch) are 1e-3 off or more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fuzz_settings import Setting, non_empty
+
+TOL = 1e-5  # fp32: relative L2 over all parameters (zero-gradient elements masked, see above)
+CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this many times as far as plain fp32
+NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the global norm is zero to rounding
+IGNORE = -100
+LN_EPS = 1e-5
+
+
+@dataclass
+class Outcome:
+    """What the comparison of one setting found; ``problems`` empty means bigbatch matched the reference."""
+
+    seed: int
+    problems: list[str] = field(default_factory=list)
+    param_rel: float = math.nan  # relative L2 over all parameters, key-bias slices masked
+    worst_tensor: tuple[str, float] = ("", math.nan)  # largest per-tensor relative difference
+    update_rel: float = math.nan  # relative L2 of (final - initial) against the reference's update
+    loss_rel: float = 0.0  # worst per-step relative difference of the logged loss
+    norm_rel: float = 0.0  # worst per-step relative difference of the logged (pre-clip) gradient norm
+    logits_rel: float = math.nan  # final models' logits on the last step's batch
+    masked: int = 0  # parameter elements whose exact gradient is zero on every step (key-bias slices and more)
+    masked_diff: float = 0.0  # largest |bigbatch - reference| on them: AdamW-amplified rounding noise
+    steps: int = 0
+    clipped_steps: int = 0
+    skipped_empty: int = 0  # steps whose samples held no valid target (the trainer takes no step)
+    micro_batches: list[int] = field(default_factory=list)  # K per rank of each optimizer step
+    step_norm_rel: list[float] = field(default_factory=list)  # per step: logged gradient norm vs the reference's
+    ref32_rel: float = math.nan  # the same reference in float32 against float64: the setting's conditioning
+    widened: bool = False  # plain fp32 itself misses TOL on this setting, so a bar was raised to SLACK x it
+    closest: float = 0.0  # the largest difference / tolerance over the checks: how near to failing
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which samples form each step, from the raw data and the README's rules.
+
+
+@dataclass
+class _Stream:
+    """Global micro-batches of the data in order: ``next()`` is every rank's (inputs, targets) and
+    whether this global micro-batch ended a pass over the data."""
+
+    setting: Setting
+    position: int = 0
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        s = self.setting
+        self.B, self.T, self.world = s.micro_batch, s.seq_len, s.world
+        if s.mode == "packed":
+            self.tokens = torch.tensor(list(s.corpus.encode()), dtype=torch.int64)
+            self.size = len(self.tokens)
+        else:
+            self.docs = [((p or "").encode(), (p or "").encode() + t.encode()) for p, t in non_empty(s.documents)]
+            self.size = len(self.docs)
+
+    def docs_left(self) -> int:
+        return self.size - self.position
+
+    def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.zeros(self.T, dtype=torch.int64)  # byte tokenizer: no end-of-text, padding is 0
+        targets = torch.full((self.T,), IGNORE, dtype=torch.int64)
+        if index < self.size:
+            prompt, tokens = self.docs[index]
+            n = min(len(tokens), self.T + 1) - 1
+            for i in range(n):
+                inputs[i] = tokens[i]
+                if i + 1 >= len(prompt):  # target i is token i + 1; prompt tokens are not trained on
+                    targets[i] = tokens[i + 1]
+        return inputs, targets
+
+    def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        B, T, world = self.B, self.T, self.world
+        if self.setting.mode == "packed":
+            window = B * T
+            ranks = []
+            for r in range(world):
+                chunk = self.tokens[self.position + r * window : self.position + (r + 1) * window + 1]
+                ranks.append((chunk[:-1].reshape(B, T), chunk[1:].reshape(B, T)))
+            self.position += window * world
+            ended = self.position + window * world + 1 > self.size  # no whole window left: wrap
+        else:
+            ranks = []
+            for r in range(world):
+                rows = [self._row(self.position + r * B + i) for i in range(B)]
+                ranks.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+            self.position += min(B * world, self.docs_left())
+            ended = self.position >= self.size
+        if ended:
+            self.position, self.epoch = 0, self.epoch + 1
+        return ranks, ended
+
+
+def _valid(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(int((y != IGNORE).sum()) for _, y in batch)
+
+
+def expected_steps(
+    setting: Setting, calls: int, events: set[str] | None = None
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets). ``events``
+    collects ``dropped`` when an incomplete last window was skipped."""
+    events = set() if events is None else events
+    stream = _Stream(setting)
+    steps = []
+    for _ in range(calls):
+        step: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        if setting.k:  # fixed K; a document epoch's last, incomplete step is partial or dropped
+            k = setting.k
+            per_micro = setting.micro_batch * setting.world
+            if setting.mode == "documents" and stream.docs_left() < k * per_micro:
+                if setting.last_window == "drop":
+                    if stream.position:
+                        stream.position, stream.epoch = 0, stream.epoch + 1
+                        events.add("dropped")
+                else:
+                    k = math.ceil(stream.docs_left() / per_micro)
+            step = [stream.next()[0] for _ in range(k)]
+        else:  # a token budget: the micro-batch that reaches it is included whole
+            total, passes = 0, 0
+            while total < setting.token_budget:
+                batch, ended = stream.next()
+                step.append(batch)
+                total += _valid(batch)
+                if ended:
+                    passes += 1
+                    if total >= setting.token_budget or (setting.last_window == "partial" and total > 0):
+                        break
+                    assert passes < 2, "the draw guarantees that a budget fits in one pass"
+                    step, total = [], 0  # the pass's incomplete remainder is skipped
+                    events.add("dropped")
+        steps.append(step)
+    return steps
+
+
+def check_composition(setting: Setting, steps: list[dict[str, Any]]) -> list[str]:
+    """The README's rules on what bigbatch recorded, then sample-for-sample equality with the reference's
+    own assembly of every step."""
+    problems: list[str] = []
+    B, T, world = setting.micro_batch, setting.seq_len, setting.world
+    for s, step in enumerate(steps):
+        ranks = step["ranks"]  # per rank: list of (inputs, targets)
+        ks = [len(r) for r in ranks]
+        total = sum(int((y != IGNORE).sum()) for r in ranks for _, y in r)
+        if len(set(ks)) != 1:
+            problems.append(f"call {s}: ranks hold different numbers of micro-batches {ks}")
+            continue
+        if any(tuple(x.shape) != (B, T) or tuple(y.shape) != (B, T) for r in ranks for x, y in r):
+            problems.append(f"call {s}: a micro-batch is not {B} x {T}")
+        if any(n != total for n in step["n_valid"]):
+            problems.append(f"call {s}: the trainer's valid-target count {step['n_valid']} != {total} counted")
+        ended_pass = step["epoch_after"] > step["epoch_before"]
+        partial_end = setting.last_window == "partial" and ended_pass
+        if setting.k:
+            allowed_short = setting.mode == "documents" and partial_end
+            if ks[0] != setting.k and not (allowed_short and ks[0] < setting.k):
+                problems.append(f"call {s}: K={ks[0]} per rank, expected {setting.k} (B*K={B * setting.k} sequences)")
+        else:
+            last = sum(int((r[-1][1] != IGNORE).sum()) for r in ranks)
+            if total < setting.token_budget and not (partial_end and total > 0):
+                problems.append(f"call {s}: {total} valid targets do not reach the budget {setting.token_budget}")
+            if total - last >= setting.token_budget:
+                problems.append(
+                    f"call {s}: the budget {setting.token_budget} was reached before the last micro-batch "
+                    f"({total - last} of {total} valid targets without it)"
+                )
+        record = step["records"][0]
+        if (record is None) != (total == 0):
+            problems.append(f"call {s}: {total} valid targets but {'no ' if record is None else ''}optimizer step")
+    expected = expected_steps(setting, len(steps))
+    for s, (step, want) in enumerate(zip(steps, expected)):
+        got = step["ranks"]
+        if len(got[0]) != len(want):
+            problems.append(f"call {s}: {len(got[0])} micro-batches per rank, the reference assembles {len(want)}")
+            break
+        same = all(
+            torch.equal(got[r][m][0], want[m][r][0]) and torch.equal(got[r][m][1], want[m][r][1])
+            for m in range(len(want)) for r in range(world)
+        )  # fmt: skip
+        if not same:
+            problems.append(f"call {s}: bigbatch's samples differ from the reference's assembly of the step")
+            break
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model, the loss, the schedule and AdamW, written out.
+
+
+def learning_rate(setting: Setting, step: int) -> float:
+    """Linear warmup to ``lr`` (step ``s`` of the warmup gets ``lr * (s + 1) / warmup``), then cosine decay to
+    ``lr * min_lr_ratio`` at ``decay_steps`` (0: the run's last step), constant after it (build-nanogpt's recipe)."""
+    peak, low = setting.lr, setting.lr * setting.min_lr_ratio
+    end = setting.decay_steps or setting.max_steps
+    warmup = setting.warmup_steps
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if step >= end:
+        return low
+    progress = (step - warmup) / (end - warmup)
+    return low + (peak - low) * (1 + math.cos(math.pi * progress)) / 2
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + LN_EPS) * weight + bias
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gpt_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, n_head: int, vocab: int) -> torch.Tensor:
+    """(B, T) token ids -> (B, T, vocab) logits of GPT-2 with parameters ``p`` (token table tied to the head)."""
+    B, T = idx.shape
+    x = p["transformer.wte.weight"][idx] + p["transformer.wpe.weight"][:T]  # (B, T, C)
+    C = x.shape[-1]
+    D = C // n_head
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    layer = 0
+    while f"transformer.h.{layer}.ln_1.weight" in p:
+        h = f"transformer.h.{layer}."
+        a = _layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
+        q, k, v = (a @ p[h + "attn.c_attn.weight"].T + p[h + "attn.c_attn.bias"]).split(C, dim=-1)
+        q, k, v = (t.reshape(B, T, n_head, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        weights = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+        y = (weights @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + y @ p[h + "attn.c_proj.weight"].T + p[h + "attn.c_proj.bias"]
+        m = _layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
+        m = _gelu_tanh(m @ p[h + "mlp.c_fc.weight"].T + p[h + "mlp.c_fc.bias"])
+        x = x + m @ p[h + "mlp.c_proj.weight"].T + p[h + "mlp.c_proj.bias"]
+        layer += 1
+    x = _layer_norm(x, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
+    return (x @ p["transformer.wte.weight"].T)[..., :vocab]
+
+
+def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(sum of -log p(target) over targets != -100) / their number."""
+    valid = targets != IGNORE
+    picked = logits[valid]  # (N, V)
+    nll = torch.logsumexp(picked, dim=-1) - picked.gather(1, targets[valid].unsqueeze(1)).squeeze(1)
+    n = int(valid.sum())
+    return nll.sum() / n, n
+
+
+def _key_slice(name: str, c: int) -> slice | None:
+    return slice(c, 2 * c) if name.endswith("attn.c_attn.bias") else None
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _parameters(state: dict[str, torch.Tensor], problems: list[str], what: str) -> dict[str, torch.Tensor]:
+    """Float64 copies, the tied LM head checked equal to the token table and dropped."""
+    params = {name: value.detach().double().clone() for name, value in state.items() if name != "lm_head.weight"}
+    if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]):
+        problems.append(f"{what}: lm_head.weight is no longer tied to transformer.wte.weight")
+    return params
+
+
+@dataclass
+class StepLog:
+    loss: float
+    norm: float  # before clipping
+    n_valid: int
+    lr: float
+
+
+def replay(
+    setting: Setting,
+    initial: dict[str, torch.Tensor],
+    steps: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    n_head: int,
+    vocab: int,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[dict[str, torch.Tensor], list[StepLog], dict[str, torch.Tensor]]:
+    """Train a copy of ``initial`` on ``steps`` (per optimizer step: every sample of the global step, as
+    one (inputs, targets) batch) the plain way; the final parameters, what each step saw, and per
+    parameter the elements whose gradient was zero (to rounding) on every step."""
+    params = {name: value.detach().to(dtype).clone().requires_grad_(True) for name, value in initial.items()}
+    names = list(params)
+    c = params["transformer.wte.weight"].shape[1]
+    m = {name: torch.zeros_like(v) for name, v in params.items()}
+    v2 = {name: torch.zeros_like(v) for name, v in params.items()}
+    logs = []
+    null = {name: torch.ones_like(v, dtype=torch.bool) for name, v in params.items()}
+    for t, (x, y) in enumerate(steps, start=1):
+        lr = learning_rate(setting, t - 1)
+        loss, n = mean_token_loss(gpt_logits(params, x, n_head, vocab), y)  # ONE forward over the whole step
+        grads = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
+        norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+        for name, g in grads.items():
+            null[name] &= g.abs() <= NULL_GRAD * norm
+        if setting.grad_clip > 0 and norm > setting.grad_clip:
+            grads = {name: g * (setting.grad_clip / norm) for name, g in grads.items()}
+        with torch.no_grad():  # AdamW (decoupled decay on matrices and embeddings), bias-corrected moments
+            for name, p in params.items():
+                g = grads[name]
+                if p.dim() >= 2:
+                    p.mul_(1 - lr * setting.weight_decay)
+                m[name] = setting.beta1 * m[name] + (1 - setting.beta1) * g
+                v2[name] = setting.beta2 * v2[name] + (1 - setting.beta2) * g * g
+                m_hat = m[name] / (1 - setting.beta1**t)
+                v_hat = v2[name] / (1 - setting.beta2**t)
+                p.sub_(lr * m_hat / (v_hat.sqrt() + setting.eps))
+        logs.append(StepLog(loss=loss.item(), norm=norm, n_valid=n, lr=lr))
+    return {name: p.detach().double() for name, p in params.items()}, logs, null
+
+
+def adam_step_bound(beta1: float, beta2: float, t: int) -> float:
+    """The largest |m_hat| / sqrt(v_hat) after ``t`` steps of any gradient sequence (Cauchy-Schwarz), i.e. how
+    far one AdamW step can move an element, in units of the learning rate (1 at t = 1)."""
+    a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
+    b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
+    return math.sqrt(sum(ai * ai / bi for ai, bi in zip(a, b)))
+
+
+def param_difference(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+    null: dict[str, torch.Tensor],
+) -> tuple[float, float, tuple[str, float], float]:
+    """(relative L2 over all parameters, of the updates, the worst single tensor, the largest difference
+    on the masked elements) with the elements of ``null`` masked (see the module docstring)."""
+    diffs, refs, updates, ref_updates = [], [], [], []
+    worst, drift = ("", 0.0), 0.0
+    for name in ref:
+        r, g, s = ref[name].clone(), got[name].clone(), start[name].clone()
+        mask = null[name]
+        if mask.any():
+            drift = max(drift, float((g - r)[mask].abs().max()))
+            for tensor in (r, g, s):
+                tensor[mask] = 0.0
+        diffs.append((g - r).flatten())
+        refs.append(r.flatten())
+        updates.append((g - s).flatten())
+        ref_updates.append((r - s).flatten())
+        rel = _rel(g, r) if r.norm() > 0 else float((g - r).norm())
+        if rel > worst[1]:
+            worst = (name, rel)
+    param_rel = float(torch.cat(diffs).norm() / torch.cat(refs).norm())
+    return param_rel, _rel(torch.cat(updates), torch.cat(ref_updates)), worst, drift
+
+
+def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
+    """Run the reference over the steps bigbatch took and compare everything it logged and learnt
+    (tolerances: ``TOL``, or ``CONDITIONING_SLACK`` x what plain fp32 does on an ill-conditioned setting)."""
+    out = Outcome(seed=setting.seed)
+    problems = out.problems
+    config = result["model_config"]
+    n_head, vocab, c = int(config["n_head"]), int(config["vocab_size"]), int(config["n_embd"])
+    calls = result["steps"]
+    problems += check_composition(setting, calls)
+    if result["steps_done"] != setting.max_steps:
+        problems.append(f"bigbatch took {result['steps_done']} optimizer steps, not {setting.max_steps}")
+    initial = _parameters(result["initial"], problems, "initial state")
+    final = _parameters(result["final"], problems, "final state")
+    if result.get("checkpoint") is not None:
+        saved = _parameters(result["checkpoint"], problems, "checkpoint")
+        if set(saved) != set(final) or any(not torch.equal(saved[k], final[k]) for k in final):
+            problems.append("the saved checkpoint's model differs from the trained model")
+    if set(final) != set(initial):
+        problems.append(f"parameter names differ: {sorted(set(final) ^ set(initial))}")
+        return out
+
+    batches, records = [], []
+    for call, want in zip(calls, expected_steps(setting, len(calls))):
+        x = torch.cat([xr for micro in want for xr, _ in micro])  # every sample of the global step
+        y = torch.cat([yr for micro in want for _, yr in micro])
+        if int((y != IGNORE).sum()) == 0:
+            out.skipped_empty += 1
+        elif call["records"][0] is not None:  # else reported by check_composition
+            batches.append((x, y))
+            records.append(call["records"][0])
+    reference, logs, null = replay(setting, initial, batches, n_head, vocab)
+    # The same replay in float32: how far plain fp32 arithmetic lands from float64 on this setting.
+    reference32, logs32, _ = replay(setting, initial, batches, n_head, vocab, dtype=torch.float32)
+    out.steps = len(logs)
+    cond_loss = max((abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(logs32, logs)), default=0.0)
+    cond_norm = max((abs(a.norm - b.norm) / b.norm for a, b in zip(logs32, logs)), default=0.0)
+    out.ref32_rel = param_difference(reference32, reference, initial, null)[0]
+    for t, (log, record) in enumerate(zip(logs, records), start=1):
+        out.clipped_steps += setting.grad_clip > 0 and log.norm > setting.grad_clip
+        out.loss_rel = max(out.loss_rel, abs(record["loss"] - log.loss) / abs(log.loss))
+        out.step_norm_rel.append(abs(record["grad_norm"] - log.norm) / log.norm)
+        out.norm_rel = max(out.norm_rel, out.step_norm_rel[-1])
+        out.micro_batches.append(record["micro_batches"])
+        if record["tokens"] != log.n_valid:
+            problems.append(f"step {t}: logged {record['tokens']} tokens, the step holds {log.n_valid} valid targets")
+        if abs(record["lr"] - log.lr) > 1e-12 * log.lr + 1e-15:
+            problems.append(f"step {t}: learning rate {record['lr']:.6g}, the schedule gives {log.lr:.6g}")
+
+    def check(what: str, value: float, conditioning: float) -> None:
+        bar = max(TOL, CONDITIONING_SLACK * conditioning)
+        out.widened = out.widened or bar > TOL
+        out.closest = max(out.closest, value / bar)
+        if not value <= bar:
+            problems.append(
+                f"{what}: {value:.2e} relative difference from the reference (tolerance {bar:.2g}; plain fp32 "
+                f"lands {conditioning:.1e} from float64 on this setting)"
+            )
+
+    check("logged loss", out.loss_rel, cond_loss)
+    check("logged gradient norm", out.norm_rel, cond_norm)
+    for name in initial:
+        key = _key_slice(name, c)
+        if key is not None and not bool(null[name][key].all()):
+            problems.append(f"{name}: the key slice has a nonzero gradient in the reference")
+    out.masked = sum(int(mask.sum()) for mask in null.values())
+    out.param_rel, out.update_rel, out.worst_tensor, out.masked_diff = param_difference(final, reference, initial, null)
+    bound = sum(log.lr * adam_step_bound(setting.beta1, setting.beta2, t) for t, log in enumerate(logs, start=1))
+    if out.masked_diff > bound * (1 + 1e-6):
+        problems.append(
+            f"a masked (zero-gradient) element moved {out.masked_diff:.2e}, more than AdamW can ({bound:.2e})"
+        )
+    check("the parameters", out.param_rel, out.ref32_rel)
+    if batches:  # bigbatch's model, masked elements and all, against the reference's
+        x = batches[-1][0]
+        with torch.no_grad():
+            want = gpt_logits(reference, x, n_head, vocab)
+            out.logits_rel = _rel(gpt_logits(final, x, n_head, vocab), want)
+            cond_logits = _rel(gpt_logits(reference32, x, n_head, vocab), want)
+        check("the final logits", out.logits_rel, cond_logits)
+    if setting.clip == "tight" and out.clipped_steps != out.steps:
+        problems.append(f"clipping was to bite on every step but bit on {out.clipped_steps} of {out.steps}")
+    if setting.clip == "loose" and out.clipped_steps:
+        problems.append("clipping was never to bite but did")
+    return out

@@ -1,0 +1,201 @@
+"""Random settings for the differential fuzzer (``tests/test_fuzz.py``, ``make fuzz``).
+
+One integer seed gives one :class:`Setting`: the batch arithmetic (data mode,
+micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy),
+the optimizer (clipping that bites or not, schedule, AdamW hyper-parameters) and
+the training data itself (a packed text or a ``.jsonl`` of ragged documents with
+masked prompts), all drawn so that the configuration is valid for bigbatch.
+The same seed always gives the same setting and data, so a counterexample is
+reproduced by its seed alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+MODES = ("packed", "documents")
+PARALLELS = ("none", "ddp", "fsdp")
+LAST_WINDOWS = ("partial", "drop")
+CLIPS = ("off", "loose", "tight")
+PRESET = "pico"  # 2 layers, 2 heads, 32 wide, block 64: the fuzzer's model
+MAX_SEQ_LEN = 32
+# Printable ASCII without the NUL byte: one byte = one token with the byte tokenizer, and token 0 (the
+# document loader's padding) never occurs inside a document, so a padded row's length is visible.
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'-()\n"
+
+
+@dataclass(frozen=True)
+class Setting:
+    seed: int
+    mode: str  # packed | documents
+    world: int  # 1 or 2 processes (gloo)
+    parallel: str  # none (world 1) | ddp | fsdp
+    micro_batch: int  # B
+    seq_len: int  # T
+    k: int  # fixed K per rank; 0 when steps are sized by token_budget
+    token_budget: int  # valid targets per step; 0 = fixed K
+    last_window: str  # partial | drop
+    clip: str  # off (grad_clip 0) | loose (enabled, never reached) | tight (bites on every step)
+    grad_clip: float
+    max_steps: int
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    decay_steps: int  # 0 = max_steps
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    init_seed: int  # --seed: the model's initialisation
+    sync_every_micro_step: bool  # two ranks: reduce after every micro-step instead of once per step
+    activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
+    corpus: str  # packed mode: the whole training text
+    documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
+
+    def describe(self) -> str:
+        sizing = f"K {self.k}" if self.k else f"budget {self.token_budget}"
+        data = f"{len(self.corpus)} bytes" if self.mode == "packed" else f"{len(self.documents)} docs"
+        return (
+            f"seed {self.seed}: {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
+            f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
+            f"{self.max_steps} steps lr {self.lr:.2g} warmup {self.warmup_steps} decay {self.decay_steps} "
+            f"min {self.min_lr_ratio:g} wd {self.weight_decay:g} betas ({self.beta1:g}, {self.beta2:g}) "
+            f"eps {self.eps:g}"
+            + (" | sync every micro-step" if self.sync_every_micro_step else "")
+            + (" | activation checkpointing" if self.activation_checkpointing else "")
+        )
+
+    def data_path(self, directory: Path) -> Path:
+        return directory / ("corpus.txt" if self.mode == "packed" else "docs.jsonl")
+
+    def write_data(self, directory: Path) -> Path:
+        """Write the training data into ``directory``: the text, or one JSON line per document."""
+        path = self.data_path(directory)
+        if self.mode == "packed":
+            path.write_text(self.corpus)
+        else:
+            lines = [
+                json.dumps({"text": text} if prompt is None else {"prompt": prompt, "completion": text})
+                for prompt, text in self.documents
+            ]
+            path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def train_flags(self, data: Path, cache: Path, out: Path) -> list[str]:
+        """The ``bigbatch train`` flags of this setting."""
+        if self.k:
+            sizing = ["--total-batch-tokens", str(self.micro_batch * self.seq_len * self.k * self.world)]
+        else:
+            sizing = ["--token-budget", str(self.token_budget)]
+        return [
+            "--model", PRESET, "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
+            "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
+            "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
+            "--last-window", self.last_window, "--grad-clip", repr(self.grad_clip),
+            "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
+            "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps),
+            "--weight-decay", repr(self.weight_decay), "--beta1", repr(self.beta1), "--beta2", repr(self.beta2),
+            "--eps", repr(self.eps), "--seed", str(self.init_seed), "--parallel", self.parallel,
+            "--device", "cpu", "--precision", "fp32", "--no-compile", "--eval-every", "0", "--sample-tokens", "0",
+            "--collective-timeout", "120", "--out", str(out),
+            "--sync-every-micro-step" if self.sync_every_micro_step else "--no-sync-every-micro-step",
+            "--activation-checkpointing" if self.activation_checkpointing else "--no-activation-checkpointing",
+        ]  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Setting:
+        values = {f.name: data[f.name] for f in fields(cls)}
+        values["documents"] = tuple((p, t) for p, t in values["documents"])
+        return cls(**values)
+
+
+def document_valid_targets(prompt: str | None, text: str, seq_len: int) -> int:
+    """Valid targets of one document as one row: tokens cut to T + 1, targets inside the prompt masked."""
+    p = len((prompt or "").encode())
+    n = p + len(text.encode())
+    return max(0, min(n, seq_len + 1) - max(p, 1))
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+def _documents(rng: random.Random, seq_len: int) -> list[tuple[str | None, str]]:
+    docs: list[tuple[str | None, str]] = []
+    for _ in range(rng.randint(1, 30)):
+        if rng.random() < 0.2:
+            docs.append((None, _text(rng, rng.randint(1, seq_len + 8))))
+            continue
+        prompt = rng.choice([0, rng.randint(1, max(1, seq_len // 2)), rng.randint(0, seq_len + 6)])
+        completion = rng.choice([0, rng.randint(1, 4), rng.randint(1, seq_len + 8)])
+        docs.append((_text(rng, prompt), _text(rng, completion)))  # both empty: prepare skips the line
+    return docs
+
+
+def non_empty(documents: tuple[tuple[str | None, str], ...]) -> list[tuple[str | None, str]]:
+    """The documents that prepare keeps (a line with no text at all is not a document)."""
+    return [(p, t) for p, t in documents if (p or "") + t]
+
+
+def draw(seed: int) -> Setting:
+    """The setting of ``seed``: every choice random, every combination valid."""
+    rng = random.Random(seed)
+    world = rng.choice([1, 2])
+    parallel = "none" if world == 1 else rng.choice(["ddp", "fsdp"])
+    mode = rng.choice(MODES)
+    B = rng.randint(1, 4)
+    T = rng.randint(2, MAX_SEQ_LEN)
+    budget_mode = rng.random() < 0.5
+    k = 0 if budget_mode else rng.randint(1, 4)
+    last_window = rng.choice(LAST_WINDOWS)
+    global_window = B * T * world  # tokens of one global micro-batch (packed)
+    corpus = ""
+    documents: tuple[tuple[str | None, str], ...] = ()
+    token_budget = 0
+    if mode == "packed":
+        windows = rng.randint(1, 6)  # whole global windows in one pass: the stream wraps within a few steps
+        corpus = _text(rng, windows * global_window + 1 + rng.randint(0, global_window - 1))
+        if budget_mode:
+            high = 3 * global_window
+            if last_window == "drop":  # every step must fit in one pass over the data
+                high = min(high, windows * global_window)
+            token_budget = rng.randint(1, high)
+    else:
+        docs = _documents(rng, T)
+        if k and last_window == "drop":  # one whole step must fit in an epoch
+            while len(non_empty(tuple(docs))) < k * B * world:
+                docs.extend(_documents(rng, T))
+        if sum(document_valid_targets(p, t, T) for p, t in docs) == 0:
+            docs.append((_text(rng, 2), _text(rng, rng.randint(1, T))))
+        documents = tuple(docs)
+        if budget_mode:
+            kept = non_empty(documents)
+            total = sum(document_valid_targets(p, t, T) for p, t in kept)
+            per_window = total / math.ceil(len(kept) / (B * world))
+            high = max(1, int(3 * per_window))
+            if last_window == "drop":
+                high = min(high, total)
+            token_budget = rng.randint(1, high)
+    clip = rng.choice(CLIPS)
+    grad_clip = {"off": 0.0, "loose": 1e4, "tight": round(rng.uniform(0.003, 0.05), 4)}[clip]
+    max_steps = rng.randint(1, 4)
+    warmup = rng.randint(0, max_steps)
+    decay = rng.choice([0, rng.randint(max(warmup, 1), max_steps + 2)])
+    return Setting(
+        seed=seed, mode=mode, world=world, parallel=parallel, micro_batch=B, seq_len=T, k=k,
+        token_budget=token_budget, last_window=last_window, clip=clip, grad_clip=grad_clip, max_steps=max_steps,
+        lr=round(10 ** rng.uniform(-4.0, -2.5), 7), min_lr_ratio=rng.choice([0.0, 0.1, 0.5, 1.0]),
+        warmup_steps=warmup, decay_steps=decay, weight_decay=rng.choice([0.0, 0.1, 0.5]),
+        beta1=rng.choice([0.9, 0.8]), beta2=rng.choice([0.95, 0.999]), eps=rng.choice([1e-8, 1e-6]),
+        init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
+        # drawn last, so that adding them left every earlier choice of a seed as it was
+        sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
+    )  # fmt: skip

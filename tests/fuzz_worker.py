@@ -1,0 +1,144 @@
+"""The bigbatch side of the differential fuzzer: train a :class:`~fuzz_settings.Setting` through the real
+``bigbatch train`` path (flags -> config -> :class:`~bigbatch.trainer.Trainer`) and record what happened.
+
+In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many settings in one job
+(amortising torchrun's start-up)::
+
+    torchrun --nproc-per-node 2 tests/fuzz_worker.py SETTINGS.json OUT_DIR
+
+Rank 0 writes ``OUT_DIR/seed_<seed>.pt`` per setting (or ``seed_<seed>.error`` with the traceback) as
+soon as it is done. Recorded per setting: the initial and final full model state, and per call of the
+trainer's ``next_step_batches`` every rank's micro-batches, the valid-target count the trainer derived,
+the loader's epoch before and after, and the engine's :class:`StepRecord` when a step was taken.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from fuzz_settings import Setting
+
+SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch")
+"""Planted bugs, to prove that the fuzzer catches them (tests only)."""
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole tensors on every rank's behalf (gathered under FSDP2; a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value.detach().clone() for name, value in state.items()}
+
+
+def run_bigbatch(
+    setting: Setting, workdir: Path, dist: Any = None, device: Any = None, sabotage: str = ""
+) -> dict | None:
+    """Train ``setting`` with bigbatch; the record on rank 0 (``None`` on other ranks)."""
+    from bigbatch.accumulate import count_valid_targets, token_loss_sum
+    from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
+    from bigbatch.cli import build_parser
+    from bigbatch.config import config_from_args
+    from bigbatch.distributed import DistContext
+    from bigbatch.trainer import Trainer
+
+    assert sabotage in SABOTAGES, sabotage
+    dist = dist or DistContext()
+    device = device or torch.device("cpu")
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = setting.write_data(workdir) if dist.is_main else setting.data_path(workdir)
+    dist.barrier()
+    flags = setting.train_flags(data, workdir / "cache", workdir / "run")
+    args = build_parser().parse_args(["train", *flags])
+    trainer = Trainer(config_from_args(args), dist, device)
+    initial = full_state(trainer.model)
+
+    calls: list[dict[str, Any]] = []
+    next_step_batches = trainer.next_step_batches
+    engine_step = trainer.engine.step
+
+    def recording_next_step_batches() -> tuple[list, int]:
+        epoch = trainer.train_loader.epoch
+        batches, n_valid = next_step_batches()
+        if sabotage == "drop_last_micro_batch" and len(batches) > 1:  # a step assembled wrongly, counted right
+            batches = batches[:-1]
+            n_valid = dist.sum_int(sum(count_valid_targets(mb) for mb in batches), device)
+        calls.append({
+            "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
+            "n_valid": n_valid, "epoch_before": epoch, "epoch_after": trainer.train_loader.epoch, "record": None,
+        })  # fmt: skip
+        return batches, n_valid
+
+    def recording_step(micro_batches: list, n_valid: int | None = None) -> Any:
+        record = engine_step(micro_batches, n_valid)
+        calls[-1]["record"] = {
+            "step": record.step, "loss": record.loss, "grad_norm": record.grad_norm, "lr": record.lr,
+            "tokens": record.tokens, "micro_batches": record.micro_batches, "skipped": record.skipped,
+        }  # fmt: skip
+        return record
+
+    trainer.next_step_batches = recording_next_step_batches  # type: ignore[method-assign]
+    trainer.engine.step = recording_step  # type: ignore[method-assign]
+    if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
+        def mean_over_k(model: torch.nn.Module, mb: Any) -> torch.Tensor:  # the engine then scales by 1/N
+            mean = token_loss_sum(model, mb) / max(1, count_valid_targets(mb))
+            return mean * calls[-1]["n_valid"] / len(calls[-1]["batches"])
+
+        trainer.engine.loss_fn = mean_over_k
+    elif sabotage == "schedule_off_by_one":
+        schedule = trainer.engine.schedule
+        trainer.engine.schedule = lambda step: schedule(step + 1)
+    elif sabotage == "no_clip":
+        trainer.engine.grad_clip = 0.0
+
+    result = trainer.train()
+    final = full_state(trainer.model)
+    checkpoint = load_checkpoint(resolve_checkpoint(result.run_dir))["model"] if dist.is_main else None
+    gathered = dist.all_gather_object(calls)
+    model_config = trainer.model_config.to_dict()
+    del trainer
+    gc.collect()  # DDP/FSDP objects sit in reference cycles: free them while the process group lives
+    if not dist.is_main:
+        return None
+    steps = []
+    for per_rank in zip(*gathered):  # the same calls on every rank, in order
+        first = per_rank[0]
+        steps.append({
+            "ranks": [call["batches"] for call in per_rank], "n_valid": [call["n_valid"] for call in per_rank],
+            "epoch_before": first["epoch_before"], "epoch_after": first["epoch_after"],
+            "records": [call["record"] for call in per_rank],
+        })  # fmt: skip
+    assert all(len(g) == len(gathered[0]) for g in gathered), "ranks assembled different numbers of steps"
+    return {
+        "setting": setting.to_json(), "model_config": model_config, "initial": initial, "final": final,
+        "checkpoint": checkpoint, "steps": steps, "steps_done": result.steps, "world": dist.world_size,
+    }  # fmt: skip
+
+
+def main() -> None:
+    from bigbatch.distributed import distributed_session
+
+    settings_file, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    settings = [Setting.from_json(s) for s in json.loads(settings_file.read_text())]
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    with distributed_session("cpu", timeout_s=120) as (dist, device):
+        for setting in settings:
+            try:
+                record = run_bigbatch(setting, out_dir / f"work_{setting.seed}", dist, device)
+            except Exception:  # recorded; the next setting still runs
+                if dist.is_main:
+                    (out_dir / f"seed_{setting.seed}.error").write_text(traceback.format_exc())
+                continue
+            if dist.is_main:
+                torch.save(record, out_dir / f"seed_{setting.seed}.pt")
+
+
+if __name__ == "__main__":
+    main()
