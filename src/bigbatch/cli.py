@@ -70,14 +70,15 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, worker_args: list[str]) -> int:
-    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code."""
-    import subprocess
+    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code; the workers
+    die with this process (see :mod:`bigbatch.lifeline`)."""
+    from bigbatch.lifeline import run_supervised
 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "bigbatch", *worker_args,
     ]  # fmt: skip
-    return subprocess.call(command)
+    return run_supervised(command)
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -459,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(raw)
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
+    if "RANK" in os.environ:
+        from bigbatch.lifeline import watch_parents
+
+        watch_parents()  # a worker dies with its launcher and its torchrun agent
     handler = CurrentStdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()

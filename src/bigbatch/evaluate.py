@@ -108,7 +108,9 @@ def evaluate_checkpoint(
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
     try:
-        loader = loader_for(dataset, split, micro_batch, seq_len)
+        # the run's long-document policy (a run from before the policy existed truncated long documents)
+        long_documents = str(data_cfg.get("long_documents", "truncate"))
+        loader = loader_for(dataset, split, micro_batch, seq_len, long_documents=long_documents)
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
 

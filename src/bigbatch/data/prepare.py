@@ -512,6 +512,8 @@ def ensure_prepared(
     prepared once into the cache and reused while the files are unchanged.
     """
     path = Path(data).expanduser()
+    if tokenizer_name in ("", "auto"):  # raw text's default; prepared or token-shard data keeps its own
+        tokenizer_name = "byte"
     raw = data == BUILTIN or is_hf_source(data)
     if not raw and is_prepared_dataset(path):
         return path
