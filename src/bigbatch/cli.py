@@ -36,6 +36,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
         f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
     )
+    from bigbatch.data.prepare import prepared_notes
+
+    for note in prepared_notes(meta):
+        print(f"{args.out}: {note}")
     return 0
 
 
@@ -469,8 +473,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    from bigbatch.signals import Terminated, sigterm_unwinds
+
     try:
-        return int(args.handler(args))
+        with sigterm_unwinds():
+            return int(args.handler(args))
     except BigBatchError as exc:
         print(f"bigbatch: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -479,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
               file=sys.stderr)
         return EXIT_USER_ERROR
+    except Terminated:
+        print("bigbatch: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
