@@ -94,8 +94,9 @@ def test_sigterm_to_the_launcher_stops_the_workers_politely(tmp_path: Path) -> N
     try:
         wait_for_checkpoint(launcher, run, tmp_path / "launcher.log")
         launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=120)
+        code = launcher.wait(timeout=120)
         log = (tmp_path / "launcher.log").read_text()
+        assert code == 128 + signal.SIGTERM, log[-3000:]
         assert "stopped by SIGTERM after step" in log, log[-3000:]
         assert not processes_of(launcher.pid)
     finally:

@@ -69,11 +69,10 @@ def run_supervised(command: Sequence[str]) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            try:
-                return agent.wait()
-            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for safety
-                continue
+        code = agent.wait()
+        if forwarded and code != 0:  # torchrun ends with 1 after a stop request: report the request itself
+            return 128 + forwarded[0]
+        return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
