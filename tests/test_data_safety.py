@@ -325,3 +325,33 @@ def test_prepare_reports_invalid_utf8_under_a_text_tokenizer(tmp_path: Path) -> 
     code, out, err = run_main(["prepare", str(tmp_path / "bad.txt"), "--out", "byte"])
     assert code == 0 and "U+FFFD" not in out  # the byte tokenizer keeps every byte
     assert "utf8_replacements" not in json.loads(Path("byte/meta.json").read_text())["extra"]
+
+
+def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bigbatch.sampling as sampling
+
+    (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
+    code, out, err = run_main(["train", "--data", str(tmp_path / "c.txt"), "--out", "run", *TRAIN, "--max-steps", "1"])
+    assert code == 0, err
+    real, calls = sampling._next_token, []
+
+    def next_token(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "_next_token", next_token)
+    code, out, err = run_main(["sample", "--checkpoint", "run", "--max-new-tokens", "100000", "--prompt", "a"])
+    assert code == 143 and err.strip() == "bigbatch: terminated" and len(calls) <= 4
+
+
+def test_prefix_sums_read_in_chunks_match_a_cumsum() -> None:
+    from bigbatch.data.loader import _prefix_sums
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2, size=10_007).astype(np.uint8)
+    positions = np.sort(np.concatenate([[0, 10_007, 1000, 1000, 1001], rng.integers(0, 10_008, size=300)]))
+    reference = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])[positions]
+    for chunk in (1, 7, 1000, 1 << 22):
+        assert np.array_equal(_prefix_sums(values, positions, chunk=chunk), reference)

@@ -176,19 +176,29 @@ def trained_targets(shards: list[DocumentShard], seq_len: int | None = None) -> 
             continue
         mask = np.asarray(shard.mask)
         if seq_len is None:  # every masked-in token but the first of each document (it is never a target)
-            total += int(mask.sum(dtype=np.int64)) - int(mask[starts].sum(dtype=np.int64))
+            total += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask[starts]))
             continue
         keep = stops - starts > 1  # documents with at least one target
-        first, stop = starts[keep] + 1, stops[keep]
-        if not len(first):
-            continue
-        # Sums over [first_i, stop_i) and over the gaps between them in one pass (reduceat's last segment runs
-        # to the end of the array, so a final bound equal to its length is left out).
-        bounds = np.stack([first, stop], axis=1).reshape(-1)
-        if bounds[-1] == len(mask):
-            bounds = bounds[:-1]
-        total += int(np.add.reduceat(mask, bounds, dtype=np.int64)[::2].sum())
+        bounds = np.stack([starts[keep] + 1, stops[keep]], axis=1).reshape(-1)  # non-decreasing
+        prefix = _prefix_sums(mask, bounds)
+        total += int(np.sum(prefix[1::2] - prefix[::2]))
     return total
+
+
+def _prefix_sums(values: np.ndarray, positions: np.ndarray, chunk: int = 1 << 22) -> np.ndarray:
+    """``values[:p].sum()`` for each of the non-decreasing ``positions`` (0..len), reading ``values`` (a memory
+    map, perhaps larger than RAM) in chunks: memory stays flat."""
+    out = np.empty(len(positions), dtype=np.int64)
+    running, done = 0, 0
+    for start in range(0, len(values), chunk):
+        sums = np.cumsum(np.asarray(values[start : start + chunk]), dtype=np.int64)  # sums[i] = block[: i + 1]
+        upto = int(np.searchsorted(positions, start + len(sums), side="left"))  # positions inside this chunk
+        inside = positions[done:upto] - start
+        out[done:upto] = running + np.where(inside > 0, sums[np.maximum(inside - 1, 0)], 0)
+        done = upto
+        running += int(sums[-1])
+    out[done:] = running  # positions at the very end
+    return out
 
 
 class DocumentLoader:
