@@ -62,6 +62,14 @@ def test_all_empty_completions_is_one_line_error_quickly(tmp_path: Path) -> None
     assert "skipping a step" not in out
 
 
+def test_prepare_counts_documents_without_targets(tmp_path: Path) -> None:
+    data = jsonl(tmp_path / "empty.jsonl", [completion(i, "") for i in range(9)] + [completion(9, " yes")])
+    code, out, err = run_main(["prepare", str(data), "--out", "ds", "--mode", "documents"])
+    assert code == 0, err
+    assert "9 of 10 documents have no target to train on" in out
+    assert json.loads(Path("ds/meta.json").read_text())["extra"]["documents_without_targets"] == 9
+
+
 def test_validation_split_without_valid_targets_is_refused_at_start_up(tmp_path: Path) -> None:
     records = [completion(i, f" answer number {i} is long enough") for i in range(36)]
     records += [completion(100 + i, "") for i in range(4)]  # the last 10%: the validation split

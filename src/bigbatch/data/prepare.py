@@ -93,8 +93,9 @@ def prepare_dataset(
     tokenizer's end-of-text token where it has one) into one stream; the last
     ``val_fraction`` of the stream becomes the validation split.
 
-    ``documents``: each document stays a unit (one sequence when training, cut to
-    the sequence length and padded); shards store document offsets beside the
+    ``documents``: each document stays a unit (one sequence when training, padded; a document longer than
+    the sequence length is split into windows or truncated by the training run's ``long_documents`` policy,
+    which needs the sequence length and so is not fixed here); shards store document offsets beside the
     tokens, a ``.mask.npy`` marks the tokens to train on when any document has a
     masked prompt, and the last ``val_fraction`` of the documents is validation.
 
@@ -190,6 +191,9 @@ def prepare_dataset(
             meta.extra["utf8_replacements"] = invalid.replacements
         if mode == "documents":
             meta.extra["longest_document"] = max(lengths)
+            # targets are positions 1.. of a document; a prompt masks the first prompt-length of them
+            untrained = sum(1 for n, p in zip(lengths, prompt_lengths) if n - max(p, 1) <= 0)
+            meta.extra["documents_without_targets"] = untrained
         (staging / META_FILE).write_text(meta.to_json())
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -218,6 +222,13 @@ def prepared_notes(meta: DatasetMeta) -> list[str]:
     if "utf8_replacements" in meta.extra:
         notes.append(f"{replaced:,} invalid UTF-8 sequences replaced by U+FFFD ({meta.tokenizer} tokenizer)")
     if meta.mode == "documents":
+        untrained = int(meta.extra.get("documents_without_targets", 0) or 0)  # type: ignore[call-overload]
+        if untrained:
+            refused = "; training on them alone is refused" if untrained == meta.documents else ""
+            notes.append(
+                f"{untrained:,} of {meta.documents:,} documents have no target to train on (a single token, or "
+                f"wholly prompt: an empty completion){refused}"
+            )
         longest = int(meta.extra.get("longest_document", 0) or 0)  # type: ignore[call-overload]
         notes.append(
             f"long documents: longest {longest:,} tokens; training splits those longer than seq_len+1 into seq_len "
