@@ -91,7 +91,7 @@ def test_one_valid_token_versus_a_thousand_is_exact_and_mean_over_k_is_not() -> 
 
 def test_document_loader_pads_truncates_and_masks() -> None:
     shard = documents([5, 80, 3], prompt=[2, 0, 1])
-    loader = DocumentLoader([shard], micro_batch=3, seq_len=8, pad_token=0)
+    loader = DocumentLoader([shard], micro_batch=3, seq_len=8, pad_token=0, long_documents="truncate")
     batch = loader.next_micro_batch()
     tokens = torch.from_numpy(shard.tokens.astype(np.int64))
     # Document 0: 5 tokens -> 4 positions; its first two tokens are prompt, so target 0 (token 1) is masked.
@@ -130,13 +130,14 @@ def test_document_loader_state_round_trips() -> None:
     resumed.load_state_dict(state)
     for a, b in zip(expected, [resumed.next_micro_batch() for _ in range(5)]):
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
-    with pytest.raises(DataError, match="outside the 7 documents"):
-        resumed.load_state_dict({"position": 7})
+    assert resumed.n_sequences == 10  # documents of 8, 9 and 12 tokens are two windows of seq_len 6 each
+    with pytest.raises(DataError, match="outside the 10 sequences"):
+        resumed.load_state_dict({"position": 10, "long_documents": "split"})
 
 
 def test_token_budget_takes_micro_batches_until_reached_and_is_exact() -> None:
     lengths = [3, 40, 9, 65, 2, 17, 33, 5, 60, 11, 24, 8]
-    loader = DocumentLoader([documents(lengths)], micro_batch=2, seq_len=32)
+    loader = DocumentLoader([documents(lengths)], micro_batch=2, seq_len=32, long_documents="truncate")
     valid = [min(n, 33) - 1 for n in lengths]  # targets per document after truncation to T + 1
     per_micro = [valid[i] + valid[i + 1] for i in range(0, len(valid), 2)]
     assert per_micro == [34, 40, 17, 36, 42, 30]
@@ -171,7 +172,7 @@ def test_token_budget_partial_and_drop_at_the_end_of_an_epoch() -> None:
 
 def test_fixed_k_last_window_partial_matches_the_remaining_full_batch() -> None:
     lengths = [9, 30, 4, 17, 25, 6, 12]  # 7 documents; a step of K=2 x B=2 takes 4
-    loader = DocumentLoader([documents(lengths, seed=3)], micro_batch=2, seq_len=16)
+    loader = DocumentLoader([documents(lengths, seed=3)], micro_batch=2, seq_len=16, long_documents="truncate")
     step_micro_batches(loader, k=2)
     last = step_micro_batches(loader, k=2, last_window="partial")
     assert len(last) == 2 and torch.all(last[1].targets[1] == -100)  # 3 documents: the last row is padding

@@ -84,14 +84,18 @@ def summed_loss(
     device: torch.device,
     precision: str = "fp32",
     loss_fn: LossFn = token_loss_sum,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over at most ``max_batches``
     micro-batches (0: no limit), stopping at the end of the loader's split; and the micro-batches read.
+    ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
     The caller puts ``model`` in eval mode (and sums over ranks)."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     read = 0
     with torch.no_grad():
         while max_batches == 0 or read < max_batches:
+            if should_stop is not None and should_stop():
+                break
             batch = loader.next_micro_batch()
             with autocast_for(precision, device):
                 loss_sum = loss_fn(model, batch.to(device))

@@ -36,6 +36,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
         f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
     )
+    from bigbatch.data.prepare import prepared_notes
+
+    for note in prepared_notes(meta):
+        print(f"{args.out}: {note}")
     return 0
 
 
@@ -70,14 +74,15 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, worker_args: list[str]) -> int:
-    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code."""
-    import subprocess
+    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code; the workers
+    die with this process (see :mod:`bigbatch.lifeline`)."""
+    from bigbatch.lifeline import run_supervised
 
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "bigbatch", *worker_args,
     ]  # fmt: skip
-    return subprocess.call(command)
+    return run_supervised(command)
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -472,13 +477,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(raw)
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
+    if "RANK" in os.environ:
+        from bigbatch.lifeline import watch_parents
+
+        watch_parents()  # a worker dies with its launcher and its torchrun agent
     handler = CurrentStdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    from bigbatch.signals import Terminated, sigterm_unwinds
+
     try:
-        return int(args.handler(args))
+        with sigterm_unwinds():
+            return int(args.handler(args))
     except BigBatchError as exc:
         print(f"bigbatch: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -487,6 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
               file=sys.stderr)
         return EXIT_USER_ERROR
+    except Terminated:
+        print("bigbatch: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130

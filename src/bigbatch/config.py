@@ -51,9 +51,10 @@ class DataSection:
         "build-nanogpt (.npy) / llm.c (.bin): a directory or glob",
     )
     tokenizer: str = _opt(
-        "byte",
+        "auto",
         "tokenizer for raw text: byte (no download), gpt2 (tiktoken) or bpe:VOCAB (byte-level BPE trained on the "
-        "data, e.g. bpe:4096)",
+        "data, e.g. bpe:4096); auto: byte for raw text, the dataset's own for prepared or token-shard data (another "
+        "name than the dataset's is an error)",
     )
     val_fraction: float = _opt(0.1, "share of the token stream held out for validation when preparing raw text")
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
@@ -61,6 +62,11 @@ class DataSection:
         "packed",
         "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
         ".jsonl prompt/completion records mask the prompt)",
+    )
+    long_documents: str = _opt(
+        "split",
+        "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
+        "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
     )
 
 
@@ -219,6 +225,8 @@ class TrainConfig:
             raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
         if self.data.data_mode not in ("packed", "documents"):
             raise ConfigError(f"data_mode must be packed or documents, got {self.data.data_mode!r}")
+        if self.data.long_documents not in ("split", "truncate"):
+            raise ConfigError(f"long_documents must be split or truncate, got {self.data.long_documents!r}")
         if self.run.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be auto or never, got {self.run.resume!r}")
         if self.run.keep_checkpoints < 0 or self.run.max_consecutive_skips < 1:

@@ -125,9 +125,16 @@ def evaluate_checkpoint(
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
     try:
-        loader = loader_for(dataset, split, micro_batch, seq_len)
+        # the run's long-document policy (a run from before the policy existed truncated long documents)
+        long_documents = str(data_cfg.get("long_documents", "truncate"))
+        loader = loader_for(dataset, split, micro_batch, seq_len, long_documents=long_documents)
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
+    if getattr(loader, "valid_targets", 1) == 0:
+        raise DataError(
+            f"the {split} split of {directory} holds no valid targets (every document is a single token or wholly "
+            "masked): there is nothing to score"
+        )
 
     model = model.to(device).eval()
     totals, read = summed_loss(model, loader, batches, device, resolve_precision(precision, device))

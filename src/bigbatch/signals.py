@@ -1,9 +1,12 @@
-"""Polite stops: SIGTERM or SIGINT finish the current optimizer step, save, and exit."""
+"""Polite stops: SIGTERM or SIGINT finish the current optimizer step, save, and exit; elsewhere SIGTERM unwinds
+like Ctrl-C."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -32,3 +35,26 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop (prepare, eval, sample, memory sweeps, start-up): it unwinds the stack
+    as Ctrl-C does, so clean-ups run (a half-prepared dataset is removed), and the CLI exits 143."""
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (instead of killing the
+    process on the spot); the training loop's :class:`StopRequest` takes over inside it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -33,7 +33,7 @@ from bigbatch.config import TrainConfig
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loader_for
 from bigbatch.data.prepare import ensure_prepared
-from bigbatch.data.shards import open_dataset
+from bigbatch.data.shards import check_requested_tokenizer, open_dataset
 from bigbatch.data.steps import budget_micro_batches, step_micro_batches
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import (
@@ -129,6 +129,42 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
     return model
 
 
+def describe_long_documents(loader: DocumentLoader) -> str:
+    """The long-document policy of a documents-mode training split and what it costs, for the run header."""
+    total = loader.valid_targets + loader.dropped_targets
+    longer = f"{loader.long_document_count:,} of {loader.n_docs:,} documents longer than seq_len+1={loader.seq_len + 1}"
+    if loader.long_documents == "split":
+        return (
+            f"split into seq_len windows ({loader.n_sequences:,} sequences; {longer}) | "
+            f"0 of {total:,} target tokens dropped"
+        )
+    share = loader.dropped_targets / total if total else 0.0
+    return (
+        f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {total:,} target tokens dropped "
+        f"({share:.1%}); --long-documents split trains on every one"
+    )
+
+
+class EmptyStepGuard:
+    """Bounds the steps skipped in a row because they hold no valid target: a training split with valid
+    targets yields one within an epoch, so two epochs of empty steps mean none will come."""
+
+    def __init__(self) -> None:
+        self.first_epoch: int | None = None
+
+    def reset(self) -> None:
+        self.first_epoch = None
+
+    def skipped(self, loader: PackedLoader | DocumentLoader) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = loader.epoch
+        elif loader.epoch - self.first_epoch >= 2:
+            raise DataError(
+                "every step of a whole epoch held no valid targets (documents that are a single token or wholly "
+                "masked); fix the training data"
+            )
+
+
 class Trainer:
     """Builds every part from a :class:`TrainConfig`; :meth:`train` runs it to ``max_steps``.
 
@@ -161,6 +197,7 @@ class Trainer:
             require_creatable_dir(Path(config.data.cache_dir), "cache directory")
 
         self.dataset = open_dataset(self._prepared_data())
+        check_requested_tokenizer(self.dataset.meta, config.data.tokenizer, self.dataset.directory)
         self.fingerprints = dataset_fingerprints(self.dataset)
         tokenizer_name = self.dataset.meta.tokenizer
         # A bpe:VOCAB tokenizer travels inside each checkpoint (it is small), so the model never loses it.
@@ -321,7 +358,17 @@ class Trainer:
 
     def _build_loader(self, split: str, name: str) -> PackedLoader | DocumentLoader:
         B, T = self.plan.micro_batch, self.plan.seq_len
-        return loader_for(self.dataset, split, B, T, self.dist.rank, self.dist.world_size, name=name)
+        loader = loader_for(
+            self.dataset, split, B, T, self.dist.rank, self.dist.world_size, name=name,
+            long_documents=self.config.data.long_documents,
+        )  # fmt: skip
+        if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
+            raise DataError(
+                f"the {name} split of {self.dataset.directory} holds no valid targets: each of its "
+                f"{loader.n_docs:,} documents is a single token or wholly masked (e.g. a prompt with an empty "
+                "completion), so there is nothing to train on or score; fix the data"
+            )
+        return loader
 
     def _build_val_loader(self) -> PackedLoader | DocumentLoader | None:
         if self.config.run.eval_every == 0:
@@ -352,6 +399,8 @@ class Trainer:
             cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size,
         )
         self._say("plan | %s", self.describe_plan())
+        if isinstance(self.train_loader, DocumentLoader):
+            self._say("long documents | %s", describe_long_documents(self.train_loader))
 
     def describe_plan(self) -> str:
         p = self.plan
@@ -363,7 +412,8 @@ class Trainer:
             )
         if self.documents:
             return (
-                f"{p.describe()} (positions; one document per sequence, normalized by the valid targets of each step) "
+                f"{p.describe()} (positions; one document, or one window of a long one, per sequence, normalized by "
+                "the valid targets of each step) "
                 f"| last window: {self.config.batch.last_window}"
             )
         return p.describe()
@@ -383,19 +433,29 @@ class Trainer:
         return batches, n_valid
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over ``eval_batches`` micro-batches per rank from the start of the split."""
+    def evaluate(self, stop: StopRequest | None = None) -> float | None:
+        """Mean validation loss over ``eval_batches`` micro-batches per rank from the start of the split; ``None``
+        when those micro-batches hold no valid target (no number is made up) or a stop signal cut the pass short."""
         assert self.val_loader is not None
         self.val_loader.reset()
         self.train_model.eval()
+        stopped = False
+
+        def should_stop() -> bool:
+            nonlocal stopped
+            stopped = stopped or bool(stop is not None and self._agreed_stop(stop))
+            return stopped
+
         totals, _ = summed_loss(
             self.train_model, self.val_loader, self.config.run.eval_batches, self.device, self.engine.precision,
-            self.engine.loss_fn,
+            self.engine.loss_fn, should_stop=should_stop if stop is not None else None,
         )  # (loss sum, valid targets)
         self.train_model.train()
         self._reshard()
         self.dist.all_reduce_sum(totals)
-        return float(totals[0] / totals[1].clamp_min(1))
+        if stopped or totals[1] == 0:
+            return None
+        return float(totals[0] / totals[1])
 
     def _reshard(self) -> None:
         """FSDP2 keeps the root's parameters gathered after a forward without backward; free them again."""
@@ -547,6 +607,7 @@ class Trainer:
         val_loss: float | None = None
         rates: list[float] = []
         consecutive_skips = 0
+        empty_steps = EmptyStepGuard()
         stopped_by = 0
         stop = StopRequest()
         try:
@@ -555,7 +616,13 @@ class Trainer:
                 micro_batches, n_valid = self.next_step_batches()
                 if n_valid == 0:
                     self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
+                    empty_steps.skipped(self.train_loader)
+                    stopped_by = self._agreed_stop(stop)
+                    if stopped_by:
+                        self._stop(stopped_by, saved=False)
+                        break
                     continue
+                empty_steps.reset()
                 if self.device.type == "cuda":
                     micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
                 record = self.engine.step(micro_batches, n_valid)
@@ -584,10 +651,19 @@ class Trainer:
                 last = record.step == run.max_steps
                 if self.val_loader is not None and (record.step % run.eval_every == 0 or last):
                     started = time.perf_counter()
-                    val_loss = self.evaluate()
-                    if metrics:
-                        metrics.write_eval(record.step, val_loss)
-                    self._say("eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started)
+                    step_val_loss = self.evaluate(stop)
+                    if step_val_loss is not None:
+                        val_loss = step_val_loss
+                        if metrics:
+                            metrics.write_eval(record.step, val_loss)
+                        self._say(
+                            "eval step %d | val loss %.4f | %.1fs", record.step, val_loss, time.perf_counter() - started
+                        )
+                    elif not stop.signum:
+                        self._say(
+                            "eval step %d | no val loss: the first %d validation micro-batches hold no valid targets; "
+                            "raise --eval-batches", record.step, run.eval_batches, level=logging.WARNING,
+                        )  # fmt: skip
                 saved = last or bool(run.save_every and record.step % run.save_every == 0)
                 if saved:
                     self.save()

@@ -95,11 +95,17 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
         if not isinstance(record, dict):
             raise DataError(f"{where} must be a JSON object with 'text' or 'prompt' and 'completion'")
         if "text" in record and isinstance(record["text"], str):
-            yield Document(name=where, data=record["text"].encode("utf-8"))
+            yield Document(name=where, data=_utf8(record["text"]))
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-            yield Document(name=where, data=record["completion"].encode("utf-8"), prompt=record["prompt"].encode("utf-8"))
+            yield Document(name=where, data=_utf8(record["completion"]), prompt=_utf8(record["prompt"]))
         else:
             raise DataError(f"{where} needs a string 'text', or string 'prompt' and 'completion' fields")
+
+
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8; a lone surrogate (``"\\ud800"`` in JSON) becomes the bytes it stands for, invalid UTF-8
+    that text tokenizers count and replace, rather than an encoding error."""
+    return text.encode("utf-8", errors="surrogatepass")
 
 
 def is_hf_source(source: str) -> bool:

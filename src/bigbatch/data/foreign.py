@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,38 @@ FORMATS = {".npy": "build-nanogpt .npy", ".bin": "llm.c .bin"}
 
 def foreign_files(data: str | Path) -> list[Path] | None:
     """The token shard files ``data`` names (a directory, a file or a glob), sorted, or ``None`` when ``data``
-    is not foreign token data (raw text, a bigbatch dataset, ``builtin``, nothing)."""
+    is not foreign token data (raw text, a bigbatch dataset, ``builtin``, nothing).
+
+    Shards of bigbatch's own layout are refused, never read as foreign GPT-2 tokens: a file inside a prepared
+    dataset, or a prepared dataset whose ``meta.json`` is lost (its tokenizer and vocabulary went with it)."""
+    files = _token_files(data)
+    if files:
+        refuse_bigbatch_layout(files)
+    return files
+
+
+OWN_SHARD = re.compile(r"^(train|val)_\d{6}(\.offsets|\.mask)?\.npy$")
+"""The shard names ``bigbatch prepare`` writes."""
+
+
+def refuse_bigbatch_layout(files: list[Path]) -> None:
+    """Raise :class:`DataError` when ``files`` are shards of a bigbatch dataset rather than foreign token shards."""
+    for parent in sorted({p.parent for p in files}):
+        if is_prepared_dataset(parent):
+            raise DataError(
+                f"{files[0]} is a shard of the bigbatch dataset {parent}; point --data at the directory {parent}"
+            )
+    if all(OWN_SHARD.match(p.name) for p in files):
+        parent = files[0].parent
+        raise DataError(
+            f"{parent} holds shards in bigbatch's own layout ({files[0].name}, ...) but no meta.json: a prepared "
+            "dataset whose metadata was lost, not GPT-2 token shards (its tokenizer and vocabulary are unknown); "
+            "restore meta.json, or run bigbatch prepare on the original text into a new directory (shards that "
+            "really are GPT-2 tokens: rename them, e.g. data_train_000000.npy)"
+        )
+
+
+def _token_files(data: str | Path) -> list[Path] | None:
     text = str(data)
     if text == "builtin":
         return None

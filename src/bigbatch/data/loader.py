@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from bigbatch.data.shards import DocumentShard
-from bigbatch.errors import DataError
+from bigbatch.errors import ConfigError, DataError
 from bigbatch.model import IGNORE_INDEX
 
 
@@ -129,27 +129,92 @@ class PackedLoader:
             self._advance(len(self.shards[shard]))
 
 
+LONG_DOCUMENT_POLICIES = ("split", "truncate")
+"""What a documents-mode sequence does with a document longer than ``seq_len + 1`` tokens: ``split`` it into
+windows of ``seq_len`` targets (every target trained on once; only a document's last window is padded), or
+``truncate`` it to its first ``seq_len + 1`` tokens (the rest is never trained on)."""
+
+
+def check_long_documents(policy: str) -> None:
+    if policy not in LONG_DOCUMENT_POLICIES:
+        raise ConfigError(f"long_documents must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {policy!r}")
+
+
 def loader_for(
-    dataset: Any, split: str, micro_batch: int, seq_len: int, rank: int = 0, world_size: int = 1, name: str = ""
+    dataset: Any,
+    split: str,
+    micro_batch: int,
+    seq_len: int,
+    rank: int = 0,
+    world_size: int = 1,
+    name: str = "",
+    long_documents: str = "split",
 ) -> PackedLoader | DocumentLoader:
     """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
-    with its end-of-text token), else the packed stream."""
+    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the packed stream."""
     name = name or split
     if dataset.meta.mode == "documents":
         pad = dataset.meta.eot_token or 0
         shards = dataset.document_shards(split)
-        return DocumentLoader(shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name)
+        return DocumentLoader(
+            shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name, long_documents=long_documents
+        )
     return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)
 
 
+def trained_targets(shards: list[DocumentShard], seq_len: int | None = None) -> int:
+    """Target tokens trained on in one epoch of document ``shards``: every token after a document's first
+    (``seq_len`` None: the ``split`` policy), or only those among its first ``seq_len + 1`` tokens (``truncate``).
+    Masked (prompt) tokens do not count."""
+    total = 0
+    for shard in shards:
+        starts = np.asarray(shard.offsets[:-1], dtype=np.int64)
+        ends = np.asarray(shard.offsets[1:], dtype=np.int64)
+        stops = ends if seq_len is None else np.minimum(ends, starts + seq_len + 1)
+        if shard.mask is None:
+            total += int(np.sum(stops - starts - 1))
+            continue
+        mask = np.asarray(shard.mask)
+        if seq_len is None:  # every masked-in token but the first of each document (it is never a target)
+            total += int(np.count_nonzero(mask)) - int(np.count_nonzero(mask[starts]))
+            continue
+        keep = stops - starts > 1  # documents with at least one target
+        bounds = np.stack([starts[keep] + 1, stops[keep]], axis=1).reshape(-1)  # non-decreasing
+        prefix = _prefix_sums(mask, bounds)
+        total += int(np.sum(prefix[1::2] - prefix[::2]))
+    return total
+
+
+def _prefix_sums(values: np.ndarray, positions: np.ndarray, chunk: int = 1 << 22) -> np.ndarray:
+    """``values[:p].sum()`` for each of the non-decreasing ``positions`` (0..len), reading ``values`` (a memory
+    map, perhaps larger than RAM) in chunks: memory stays flat."""
+    out = np.empty(len(positions), dtype=np.int64)
+    running, done = 0, 0
+    for start in range(0, len(values), chunk):
+        sums = np.cumsum(np.asarray(values[start : start + chunk]), dtype=np.int64)  # sums[i] = block[: i + 1]
+        upto = int(np.searchsorted(positions, start + len(sums), side="left"))  # positions inside this chunk
+        inside = positions[done:upto] - start
+        out[done:upto] = running + np.where(inside > 0, sums[np.maximum(inside - 1, 0)], 0)
+        done = upto
+        running += int(sums[-1])
+    out[done:] = running  # positions at the very end
+    return out
+
+
 class DocumentLoader:
-    """One document per sequence: cut to ``T + 1`` tokens, padded to ``T``.
+    """One document per sequence, padded to ``T``; a document longer than ``T + 1`` tokens is split into
+    windows of ``T`` targets (``long_documents="split"``, each window padded only at its end and overlapping
+    the next by the one token that is both a target and the next input) or cut to ``T + 1`` tokens
+    (``"truncate"``).
 
     Targets are ``-100`` on padding and on masked (prompt) tokens, so the
-    engine's exact normalization counts only what is trained on. Global
-    micro-batch ``j`` of an epoch covers documents ``[j * B * world, (j + 1) * B * world)``;
-    rank ``r`` takes the ``B`` documents that begin ``r * B`` into it. The last
-    window of an epoch may hold fewer documents: the missing rows are all padding.
+    engine's exact normalization counts only what is trained on. The sequences (windows) of an epoch are
+    numbered in document order; global micro-batch ``j`` covers sequences ``[j * B * world, (j + 1) * B * world)``
+    and rank ``r`` takes the ``B`` that begin ``r * B`` into it. The last window of an epoch may hold fewer
+    sequences: the missing rows are all padding.
+
+    ``valid_targets`` is the number of targets one epoch trains on (all ranks); ``dropped_targets`` those the
+    policy never trains on (0 under ``split``).
     """
 
     def __init__(
@@ -161,30 +226,44 @@ class DocumentLoader:
         world_size: int = 1,
         pad_token: int = 0,
         name: str = "train",
+        long_documents: str = "split",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        check_long_documents(long_documents)
         self.shards = shards
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
         self.pad_token = pad_token
-        self.global_window = micro_batch * world_size  # documents per global micro-batch
+        self.long_documents = long_documents
+        self.global_window = micro_batch * world_size  # sequences per global micro-batch
         # Flat index of every document: (shard, start, end).
         empty = np.zeros(0, dtype=np.int64)
         self._shard_of = np.concatenate([empty] + [np.full(len(s.offsets) - 1, i) for i, s in enumerate(shards)])
-        self._start = np.concatenate([empty] + [np.asarray(s.offsets[:-1]) for s in shards])
-        self._end = np.concatenate([empty] + [np.asarray(s.offsets[1:]) for s in shards])
+        self._start = np.concatenate([empty] + [np.asarray(s.offsets[:-1]) for s in shards]).astype(np.int64)
+        self._end = np.concatenate([empty] + [np.asarray(s.offsets[1:]) for s in shards]).astype(np.int64)
         self.n_docs = len(self._start)
         if self.n_docs == 0:
             raise DataError(f"the {name} data holds no documents; use more data or a different --val-fraction")
-        self.position = 0  # first document of the next global micro-batch, within the epoch
+        lengths = self._end - self._start
+        if long_documents == "split":  # windows of T targets: ceil((length - 1) / T), at least one
+            windows = np.maximum(1, -(-(lengths - 1) // seq_len))
+        else:
+            windows = np.ones(self.n_docs, dtype=np.int64)
+        self._first_window = np.concatenate([[0], np.cumsum(windows)]).astype(np.int64)  # (n_docs + 1,)
+        self.n_sequences = int(self._first_window[-1])
+        self.long_document_count = int(np.sum(lengths > seq_len + 1))
+        all_targets = trained_targets(shards)
+        self.valid_targets = all_targets if long_documents == "split" else trained_targets(shards, seq_len)
+        self.dropped_targets = all_targets - self.valid_targets
+        self.position = 0  # first sequence of the next global micro-batch, within the epoch
         self.epoch = 0
 
     def docs_left(self) -> int:
-        """Documents not yet read in this epoch (all ranks together)."""
-        return self.n_docs - self.position
+        """Sequences not yet read in this epoch (all ranks together)."""
+        return self.n_sequences - self.position
 
     def reset(self) -> None:
         self.position, self.epoch = 0, 0
@@ -200,11 +279,12 @@ class DocumentLoader:
         targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
         first = self.position + self.rank * B
         for row in range(B):
-            doc = first + row
-            if doc >= self.n_docs:
+            sequence = first + row
+            if sequence >= self.n_sequences:
                 break  # the epoch's last window: remaining rows stay padding
+            doc = int(np.searchsorted(self._first_window, sequence, side="right")) - 1
             shard = self.shards[self._shard_of[doc]]
-            start = int(self._start[doc])
+            start = int(self._start[doc]) + (sequence - int(self._first_window[doc])) * T
             stop = min(int(self._end[doc]), start + T + 1)
             tokens = torch.from_numpy(np.asarray(shard.tokens[start:stop], dtype=np.int64))
             n = len(tokens) - 1  # positions with a target
@@ -217,7 +297,7 @@ class DocumentLoader:
                 row_targets[~trained] = IGNORE_INDEX
             targets[row, :n] = row_targets
         self.position += min(self.global_window, self.docs_left())
-        if self.position >= self.n_docs:
+        if self.position >= self.n_sequences:
             self.position = 0
             self.epoch += 1
         return MicroBatch(inputs, targets)
@@ -236,13 +316,21 @@ class DocumentLoader:
             "micro_batch": self.micro_batch,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
+            "long_documents": self.long_documents,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        position = int(state["position"])
-        if not 0 <= position < self.n_docs:
+        saved_policy = str(state.get("long_documents", "truncate"))  # before the policy existed: truncate
+        if saved_policy != self.long_documents and self.long_document_count:
             raise DataError(
-                f"loader state position {position} lies outside the {self.n_docs} documents; was the data changed?"
+                f"the checkpoint read documents with long_documents = {saved_policy}, this run uses "
+                f"{self.long_documents}; resume with --long-documents {saved_policy}"
+            )
+        position = int(state["position"])
+        if not 0 <= position < self.n_sequences:
+            raise DataError(
+                f"loader state position {position} lies outside the {self.n_sequences} sequences of this split; "
+                "was the data changed?"
             )
         self.position = position
         self.epoch = int(state.get("epoch", 0))

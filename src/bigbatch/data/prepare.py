@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -99,8 +100,9 @@ def prepare_dataset(
     tokenizer's end-of-text token where it has one) into one stream; the last
     ``val_fraction`` of the stream becomes the validation split.
 
-    ``documents``: each document stays a unit (one sequence when training, cut to
-    the sequence length and padded); shards store document offsets beside the
+    ``documents``: each document stays a unit (one sequence when training, padded; a document longer than
+    the sequence length is split into windows or truncated by the training run's ``long_documents`` policy,
+    which needs the sequence length and so is not fixed here); shards store document offsets beside the
     tokens, a ``.mask.npy`` marks the tokens to train on when any document has a
     masked prompt, and the last ``val_fraction`` of the documents is validation.
 
@@ -160,8 +162,10 @@ def prepare_dataset(
         n_bytes = 0
         tokenize_started = time.perf_counter()
         progress = _Progress("tokenized", tokenize_started, total_bytes=total_bytes)
+        invalid = InvalidUTF8()
+        checked = invalid if tokenizer.name != "byte" else None  # the byte tokenizer keeps any bytes as they are
         with progress, open(stream_path, "wb") as stream_file:
-            for ids, prompt_length, size in _encoded_documents(documents, tokenizer, dtype, n_workers):
+            for ids, prompt_length, size in _encoded_documents(documents, tokenizer, dtype, n_workers, checked):
                 stream_file.write(ids.tobytes())
                 lengths.append(len(ids))
                 prompt_lengths.append(prompt_length)
@@ -200,6 +204,13 @@ def prepare_dataset(
             masked=masked,
             fingerprints=fingerprints,
         )
+        if checked is not None:
+            meta.extra["utf8_replacements"] = invalid.replacements
+        if mode == "documents":
+            meta.extra["longest_document"] = max(lengths)
+            # targets are positions 1.. of a document; a prompt masks the first prompt-length of them
+            untrained = sum(1 for n, p in zip(lengths, prompt_lengths) if n - max(p, 1) <= 0)
+            meta.extra["documents_without_targets"] = untrained
         (staging / META_FILE).write_text(meta.to_json())
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -215,7 +226,66 @@ def prepare_dataset(
         tokenizer.name, mode, elapsed, n_bytes / 1e6 / max(elapsed, 1e-9),
         n_bytes / 1e6 / max(tokenize_seconds, 1e-9), n_workers, "process" if n_workers == 1 else "processes",
     )  # fmt: skip
+    if invalid.replacements:
+        log.warning("%s: %s", out, invalid.describe(tokenizer.name))
     return meta
+
+
+def prepared_notes(meta: DatasetMeta) -> list[str]:
+    """What ``bigbatch prepare`` reports beside the token counts: invalid UTF-8 replaced by a text tokenizer, and
+    in documents mode what the long-document policy drops (decided when training, where seq_len is known)."""
+    notes = []
+    replaced = int(meta.extra.get("utf8_replacements", 0) or 0)  # type: ignore[call-overload]
+    if "utf8_replacements" in meta.extra:
+        notes.append(f"{replaced:,} invalid UTF-8 sequences replaced by U+FFFD ({meta.tokenizer} tokenizer)")
+    if meta.mode == "documents":
+        untrained = int(meta.extra.get("documents_without_targets", 0) or 0)  # type: ignore[call-overload]
+        if untrained:
+            refused = "; training on them alone is refused" if untrained == meta.documents else ""
+            notes.append(
+                f"{untrained:,} of {meta.documents:,} documents have no target to train on (a single token, or "
+                f"wholly prompt: an empty completion){refused}"
+            )
+        longest = int(meta.extra.get("longest_document", 0) or 0)  # type: ignore[call-overload]
+        notes.append(
+            f"long documents: longest {longest:,} tokens; training splits those longer than seq_len+1 into seq_len "
+            "windows (--long-documents split, the default: 0 tokens dropped); --long-documents truncate keeps only "
+            "the first seq_len+1 tokens of each (the run header counts what that drops)"
+        )
+    return notes
+
+
+class InvalidUTF8:
+    """Counts what a tokenizer that reads text (gpt2, bpe) cannot see as it is: invalid UTF-8 sequences, each
+    decoded as U+FFFD (the byte tokenizer keeps the bytes)."""
+
+    def __init__(self) -> None:
+        self.replacements = 0
+        self.documents = 0
+        self.first = ""
+
+    def check(self, name: str, parts: Iterable[bytes]) -> None:
+        found = sum(utf8_replacements(part) for part in parts)
+        if found:
+            self.replacements += found
+            self.documents += 1
+            self.first = self.first or name
+
+    def describe(self, tokenizer: str) -> str:
+        return (
+            f"{self.replacements:,} invalid UTF-8 sequences in {self.documents:,} documents (the first in "
+            f"{self.first}) were replaced by U+FFFD for the {tokenizer} tokenizer; fix the encoding of the text, "
+            "or use --tokenizer byte, which keeps every byte"
+        )
+
+
+def utf8_replacements(data: bytes) -> int:
+    """The U+FFFD characters that decoding ``data`` as UTF-8 with ``errors="replace"`` introduces."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace").count("\ufffd") - data.count("\ufffd".encode())
+    return 0
 
 
 class _Progress:
@@ -329,16 +399,22 @@ def _encode_piece(tokenizer: Tokenizer, data: bytes, dtype: np.dtype) -> np.ndar
 
 
 def _encoded_documents(
-    documents: Callable[[], Iterable[Document]], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+    documents: Callable[[], Iterable[Document]],
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    workers: int,
+    invalid: InvalidUTF8 | None = None,
 ) -> Iterator[tuple[np.ndarray, int, int]]:
     """``(token ids, prompt length in tokens, bytes of text)`` per non-empty document, in corpus order; the ids
-    end with the end-of-text token where the tokenizer has one."""
+    end with the end-of-text token where the tokenizer has one. ``invalid`` counts invalid UTF-8."""
     plans: deque[tuple[int, int, int]] = deque()  # per document: prompt pieces, all pieces, bytes
 
     def pieces() -> Iterator[bytes]:
         for doc in documents():
             prompt = split_text(doc.prompt) if doc.prompt else []
             data = split_text(doc.data) if doc.data else []
+            if invalid is not None:  # piece by piece (cut between ASCII characters): memory stays flat
+                invalid.check(doc.name, prompt + data)
             if not prompt and not data:
                 continue
             plans.append((len(prompt), len(prompt) + len(data), len(doc.data) + len(doc.prompt)))
@@ -369,6 +445,8 @@ _WORKER_TOKENIZER: Any = None
 
 def _init_worker(name: str, tokenizer_json: str | None) -> None:
     global _WORKER_TOKENIZER
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool is ended by the parent, which handles signals
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_TOKENIZER = BPETokenizer.from_str(name, tokenizer_json) if tokenizer_json else get_tokenizer(name)
 
 
@@ -531,6 +609,8 @@ def ensure_prepared(
     :func:`prepare_dataset` (its fingerprint becomes part of the cache key).
     """
     path = Path(data).expanduser()
+    if tokenizer_name in ("", "auto"):  # raw text's default; prepared or token-shard data keeps its own
+        tokenizer_name = "byte"
     raw = data == BUILTIN or is_hf_source(data)
     if not raw and is_prepared_dataset(path):
         return path

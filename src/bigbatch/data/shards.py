@@ -126,6 +126,17 @@ def check_token_range(shards: Iterable[tuple[object, np.ndarray]], vocab_size: i
                 )
 
 
+def check_requested_tokenizer(meta: DatasetMeta, requested: str, directory: Path | str) -> None:
+    """Refuse a ``--tokenizer`` other than ``auto`` that names another tokenizer than the dataset's own: the
+    tokens on disk were made by the dataset's tokenizer, and the flag cannot change them."""
+    if requested in ("", "auto") or requested == meta.tokenizer:
+        return
+    raise DataError(
+        f"--tokenizer {requested} contradicts the data: {directory} holds {meta.tokenizer} tokens; drop --tokenizer "
+        f"(or pass --tokenizer {meta.tokenizer}), or point --data at raw text to prepare it with {requested}"
+    )
+
+
 def is_prepared_dataset(path: Path) -> bool:
     return (path / META_FILE).is_file()
 

@@ -45,9 +45,9 @@ def step_micro_batches(loader: Loader, k: int, last_window: str = "partial") -> 
         needed = k * loader.global_window
         if loader.docs_left() < needed:
             if last_window == "drop":
-                if loader.n_docs < needed:
+                if loader.n_sequences < needed:
                     raise DataError(
-                        f"the data holds {loader.n_docs} documents, fewer than one step of {needed} "
+                        f"the data holds {loader.n_sequences} sequences, fewer than one step of {needed} "
                         "(K x micro_batch x world_size); use last_window = partial or a smaller batch"
                     )
                 loader.skip_rest_of_epoch()
