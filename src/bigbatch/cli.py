@@ -16,6 +16,16 @@ from typing import Any
 
 from bigbatch import __version__
 from bigbatch.errors import BigBatchError
+from bigbatch.ranges import (
+    MEMORY_K,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    PROBABILITY,
+    SEED,
+    VOCAB_OR_DEFAULT,
+)
 
 EXIT_USER_ERROR = 2
 
@@ -88,8 +98,6 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.sampling import decoded_pieces, generate, generate_stream
 
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        raise BigBatchError("--max-new-tokens and --num-samples must be positive")
     device = resolve_device(args.device)
     document = load_checkpoint(args.checkpoint)
     model = model_from_checkpoint(document).to(device)
@@ -153,8 +161,6 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     from bigbatch.model import preset
     from bigbatch.progress import ProgressBar
 
-    if args.max_micro_batch < 1 or args.k < 2:
-        raise BigBatchError("--max-micro-batch must be positive and --k at least 2")
     device = resolve_device(args.device)
     precision = resolve_precision(args.precision, device)
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
@@ -235,8 +241,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from bigbatch.verify import check_equivalence
     from bigbatch.verify_cli import build_case
 
-    if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1 or args.nproc < 1:
-        raise BigBatchError("--k, --micro-batch, --seq-len and --nproc must be positive")
     if args.nproc > 1 and not launched_by_torchrun():
         return launch_torchrun(args.nproc, ["verify", *strip_nproc(args.argv)])
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -284,6 +288,14 @@ def _verify_distributed(args: argparse.Namespace) -> int:
     return 0 if report.equivalent else 1
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
+    ``--help``, and exit code 2 as for every user error."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        self.exit(EXIT_USER_ERROR, f"bigbatch: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bigbatch.config import add_config_arguments
     from bigbatch.data.tokenizers import TOKENIZER_NAMES
@@ -294,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on a machine that holds only a small one.",
     )
     parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     commands.required = True
 
     prepare = commands.add_parser("prepare", help="tokenize text into token shards")
@@ -303,9 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
-    prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
-    prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
-    prepare.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
+    prepare.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1, help="held-out share (default: 0.1)")
+    prepare.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0, help="tokens per shard (default: 100M)")
+    prepare.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0, help="tokenizer processes (default: one per core)")
     prepare.add_argument(
         "--mode", default="packed", choices=("packed", "documents"),
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
@@ -323,11 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="generate text from a saved run")
     sample.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint file")
     sample.add_argument("--prompt", default="\n", help="text to continue")
-    sample.add_argument("--max-new-tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
-    sample.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
-    sample.add_argument("--num-samples", type=int, default=1)
-    sample.add_argument("--seed", type=int, default=1337)
+    sample.add_argument("--max-new-tokens", type=POSITIVE_INT.argtype(), default=200)
+    sample.add_argument("--temperature", type=NON_NEGATIVE.argtype(), default=0.8, help="0 samples greedily")
+    sample.add_argument("--top-k", type=NON_NEGATIVE_INT.argtype(), default=50, help="0 disables top-k filtering")
+    sample.add_argument("--num-samples", type=POSITIVE_INT.argtype(), default=1)
+    sample.add_argument("--seed", type=SEED.argtype(), default=1337)
     sample.add_argument("--device", default="auto")
     sample.set_defaults(handler=_cmd_sample)
 
@@ -339,12 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step",
                       help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
-    plan.add_argument("--seq-len", type=int, required=True)
-    plan.add_argument("--micro-batch", type=int, help="sequences per micro-batch per device")
-    plan.add_argument("--k", type=int, help="accumulation steps")
-    plan.add_argument("--devices", "--world-size", dest="devices", type=int, help="world size")
+    plan.add_argument("--seq-len", type=POSITIVE_INT.argtype(), required=True)
+    plan.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
+    plan.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
+    plan.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
     plan.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
-    plan.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the preset's, 50257)")
+    plan.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0, help="vocabulary (default: the preset's, 50257)")
     plan.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     plan.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     plan.add_argument("--device", default="auto")
@@ -358,10 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and that the peak does not grow with K, and can write a PNG plot.",
     )
     memory.add_argument("--model", default="nano", help="preset (default: nano)")
-    memory.add_argument("--seq-len", type=int, default=256)
-    memory.add_argument("--max-micro-batch", type=int, default=16)
-    memory.add_argument("--k", type=int, default=8, help="K for the whole-step peak (default: 8)")
-    memory.add_argument("--vocab-size", type=int, default=256, help="default: 256 (byte tokens)")
+    memory.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=256)
+    memory.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
+    memory.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
+    memory.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens)")
     memory.add_argument("--activation-checkpointing", action="store_true")
     memory.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     memory.add_argument("--device", default="auto")
@@ -378,21 +390,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
     )
-    verify.add_argument("--k", type=int, default=4, help="micro-batches (default: 4)")
-    verify.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default: 2)")
-    verify.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
-    verify.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the model's)")
-    verify.add_argument("--dropout", type=float, default=0.0, help="preset dropout (disabled for the comparison)")
+    verify.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
+    verify.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2, help="sequences per micro-batch (default: 2)")
+    verify.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64, help="tokens per sequence (default: 64)")
+    verify.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0, help="vocabulary (default: the model's)")
+    verify.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0, help="preset dropout (disabled for the comparison)")
     verify.add_argument(
         "--ragged", action=argparse.BooleanOptionalAction, default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
     )
     verify.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
-    verify.add_argument("--tolerance", type=float, help="relative L2 tolerance (default: by precision)")
-    verify.add_argument("--top", type=int, default=5, help="parameters listed, worst first (default: 5)")
+    verify.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
+    verify.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5, help="parameters listed, worst first (default: 5)")
     verify.add_argument("--json", type=Path, help="also write the report as JSON")
-    verify.add_argument("--nproc", type=int, default=1, help="processes: >1 checks DDP across ranks via torchrun")
-    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun")
+    verify.add_argument("--seed", type=SEED.argtype(), default=0)
     verify.add_argument("--device", default="cpu")
     verify.set_defaults(handler=_cmd_verify)
 
@@ -428,10 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", required=True, help="prepared dataset directory or raw text (file, dir, glob, "
                           "'builtin'), prepared with the checkpoint's tokenizer")  # fmt: skip
     evaluate.add_argument("--split", default="val", choices=("val", "train"))
-    evaluate.add_argument("--batches", type=int, help="micro-batches to read (default: the run's eval_batches; "
+    evaluate.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(), help="micro-batches to read (default: the run's eval_batches; "
                           "0 reads the whole split)")  # fmt: skip
-    evaluate.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the run's)")
-    evaluate.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    evaluate.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch (default: the run's)")
+    evaluate.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
     evaluate.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
                           "if it exists, else the default cache)")  # fmt: skip
     evaluate.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
