@@ -7,8 +7,10 @@ The CLI only parses arguments and calls the library. User errors
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ from bigbatch.ranges import (
 )
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -159,8 +162,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import estimate_memory, measure, memory_report, plot_memory
     from bigbatch.model import preset
+    from bigbatch.outputs import require_new_file
     from bigbatch.progress import ProgressBar
 
+    if args.plot:
+        require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
     device = resolve_device(args.device)
     precision = resolve_precision(args.precision, device)
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
@@ -238,9 +244,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import json
 
     from bigbatch.distributed import launched_by_torchrun, resolve_device
+    from bigbatch.outputs import require_new_file
     from bigbatch.verify import check_equivalence
     from bigbatch.verify_cli import build_case
 
+    if args.json:
+        require_new_file(args.json, "--json", args.overwrite)
     if args.nproc > 1 and not launched_by_torchrun():
         return launch_torchrun(args.nproc, ["verify", *strip_nproc(args.argv)])
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -377,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--activation-checkpointing", action="store_true")
     memory.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     memory.add_argument("--device", default="auto")
-    memory.add_argument("--plot", type=Path, help="write a PNG plot here")
+    memory.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
+    memory.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
     memory.set_defaults(handler=_cmd_memory)
 
     verify = commands.add_parser(
@@ -402,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
     verify.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
     verify.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5, help="parameters listed, worst first (default: 5)")
-    verify.add_argument("--json", type=Path, help="also write the report as JSON")
+    verify.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
+    verify.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     verify.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun")
     verify.add_argument("--seed", type=SEED.argtype(), default=0)
     verify.add_argument("--device", default="cpu")
@@ -464,6 +475,30 @@ class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def stream(self, value: Any) -> None:
         pass
 
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        """A closed output pipe (``bigbatch train | head``) is not a logging error to report on every line.
+
+        The rest of the output goes nowhere; a run that listens for SIGTERM stops as politely as on SIGTERM
+        (the step ends and is saved), anything else ends at once, quietly (see :func:`main`)."""
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        silence_stdout()
+        if callable(signal.getsignal(signal.SIGTERM)):  # a polite-stop handler is installed (the training loop)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        raise BrokenPipeError(errno.EPIPE, "output pipe closed")
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so later writes (and the flush at exit) neither fail nor complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's StringIO): nothing to silence
+        pass
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
@@ -481,6 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BigBatchError as exc:
         print(f"bigbatch: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as exc:  # disk full, permissions, a file where a directory should be
         where = f": {exc.filename}" if exc.filename else ""
         print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
