@@ -18,6 +18,7 @@ from typing import Any
 
 from bigbatch import __version__
 from bigbatch.errors import BigBatchError
+from bigbatch.launch import peer_reported_error, record_user_error
 from bigbatch.ranges import (
     MEMORY_K,
     NON_NEGATIVE,
@@ -62,6 +63,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(config.to_toml(), end="")
         return 0
     if config.run.nproc > 1 and not launched_by_torchrun():
+        from bigbatch.preflight import check_before_launch
+
+        check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
         return launch_torchrun(config.run.nproc, ["train", *strip_nproc(args.argv)])
     with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
         result = Trainer(config, dist, device).train()
@@ -83,11 +87,12 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, worker_args: list[str]) -> int:
-    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code."""
+    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code
+    (through :mod:`bigbatch.launch`, which turns a worker's failure into one line)."""
     import subprocess
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "bigbatch.launch", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "bigbatch", *worker_args,
     ]  # fmt: skip
     return subprocess.call(command)
@@ -506,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(raw)
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     handler = CurrentStdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()
@@ -514,7 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except BigBatchError as exc:
-        print(f"bigbatch: error: {exc}", file=sys.stderr)
+        if rank == 0 and not (world > 1 and record_user_error(str(exc))):  # one line, from one process
+            print(f"bigbatch: error: {exc}", file=sys.stderr)
+        elif world > 1 and rank != 0:
+            record_user_error(str(exc))
         return EXIT_USER_ERROR
     except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
         silence_stdout()
@@ -527,3 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        if world > 1 and peer_reported_error():  # a broken collective after a peer's user error: not news
+            return EXIT_USER_ERROR
+        raise
