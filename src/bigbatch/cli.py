@@ -141,11 +141,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import measure
     from bigbatch.model import preset
-    from bigbatch.plan import parse_count, solve_plan
+    from bigbatch.plan import solve_plan
     from bigbatch.plan_report import format_plan
 
-    total = parse_count(args.tokens_per_step) if args.tokens_per_step else None
-    solved = solve_plan(args.seq_len, total, args.micro_batch, args.k, args.devices)
+    solved = solve_plan(args.seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     model_config = measured = None
     precision = "fp32"
     if args.model:
@@ -302,6 +301,16 @@ def _verify_distributed(args: argparse.Namespace) -> int:
     return 0 if report.equivalent else 1
 
 
+def _count(text: str) -> int:
+    """``--tokens-per-step``: a positive count such as 524288, 2M or 512Ki."""
+    from bigbatch.plan import parse_count
+
+    try:
+        return parse_count(text)
+    except BigBatchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
     ``--help``, and exit code 2 as for every user error."""
@@ -363,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Give the tokens per step, the sequence length and all but one of micro-batch, K and devices; "
         "the missing one is derived (devices default to 1).",
     )
-    plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step",
+    plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step", type=_count,
                       help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
     plan.add_argument("--seq-len", type=POSITIVE_INT.argtype(), required=True)
     plan.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
