@@ -311,12 +311,16 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class UsageError(BigBatchError):
+    """A command line that does not parse: reported like every user error (one line, exit 2)."""
+
+
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
     ``--help``, and exit code 2 as for every user error."""
 
     def error(self, message: str) -> Any:  # argparse's signature says NoReturn
-        self.exit(EXIT_USER_ERROR, f"bigbatch: error: {message} (see {self.prog} --help)\n")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -517,7 +521,11 @@ def silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(raw)
+    try:
+        args = parser.parse_args(raw)
+    except UsageError as exc:
+        print(f"bigbatch: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
     world = int(os.environ.get("WORLD_SIZE", "1"))
