@@ -342,9 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
-    prepare.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1, help="held-out share (default: 0.1)")
-    prepare.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0, help="tokens per shard (default: 100M)")
-    prepare.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0, help="tokenizer processes (default: one per core)")
+    prepare.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1,
+                         help="held-out share (default: 0.1)")
+    prepare.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0,
+                         help="tokens per shard (default: 100M)")
+    prepare.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0,
+                         help="tokenizer processes (default: one per core)")
     prepare.add_argument(
         "--mode", default="packed", choices=("packed", "documents"),
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
@@ -383,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
     plan.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
     plan.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
-    plan.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0, help="vocabulary (default: the preset's, 50257)")
+    plan.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
+                      help="vocabulary (default: the preset's, 50257)")
     plan.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     plan.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     plan.add_argument("--device", default="auto")
@@ -419,20 +423,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
     )
     verify.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
-    verify.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2, help="sequences per micro-batch (default: 2)")
+    verify.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2,
+                        help="sequences per micro-batch (default: 2)")
     verify.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64, help="tokens per sequence (default: 64)")
-    verify.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0, help="vocabulary (default: the model's)")
-    verify.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0, help="preset dropout (disabled for the comparison)")
+    verify.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
+                        help="vocabulary (default: the model's)")
+    verify.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0,
+                        help="preset dropout (disabled for the comparison)")
     verify.add_argument(
         "--ragged", action=argparse.BooleanOptionalAction, default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
     )
     verify.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
     verify.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
-    verify.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5, help="parameters listed, worst first (default: 5)")
+    verify.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5,
+                        help="parameters listed, worst first (default: 5)")
     verify.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
     verify.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
-    verify.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun")
+    verify.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1,
+                        help="processes: >1 checks DDP across ranks via torchrun")
     verify.add_argument("--seed", type=SEED.argtype(), default=0)
     verify.add_argument("--device", default="cpu")
     verify.set_defaults(handler=_cmd_verify)
@@ -469,9 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", required=True, help="prepared dataset directory or raw text (file, dir, glob, "
                           "'builtin'), prepared with the checkpoint's tokenizer")  # fmt: skip
     evaluate.add_argument("--split", default="val", choices=("val", "train"))
-    evaluate.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(), help="micro-batches to read (default: the run's eval_batches; "
+    evaluate.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
+                          help="micro-batches to read (default: the run's eval_batches; "
                           "0 reads the whole split)")  # fmt: skip
-    evaluate.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch (default: the run's)")
+    evaluate.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
+                          help="sequences per micro-batch (default: the run's)")
     evaluate.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
     evaluate.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
                           "if it exists, else the default cache)")  # fmt: skip

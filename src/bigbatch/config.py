@@ -338,7 +338,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 auto = f.metadata.get("auto", False)
                 declared: Range | None = f.metadata.get("range")
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, type=declared.argtype() if declared else kind, default=argparse.SUPPRESS,
+                    f"--{_flag(f)}", dest=dest, type=declared.argtype() if declared else kind,
+                    default=argparse.SUPPRESS,
                     metavar="INT|auto" if auto else kind.__name__.upper(), help=help_text,
                 )
 

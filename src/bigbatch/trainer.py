@@ -134,8 +134,8 @@ def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> No
         per_process = f" x {world_size} processes" if world_size > 1 else ""
         raise ConfigError(
             f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} sequences per micro-batch, "
-            f"but the training split holds only {n_docs} document{'s' if n_docs != 1 else ''}; use --micro-batch {max(1, n_docs // world_size)} "
-            "or less, or more data"
+            f"but the training split holds only {n_docs} document{'s' if n_docs != 1 else ''}; "
+            f"use --micro-batch {max(1, n_docs // world_size)} or less, or more data"
         )
 
 
