@@ -430,3 +430,18 @@ def test_a_bigbatch_run_directory_is_written_again(workspace: Path, monkeypatch:
         code, _, err = run_case(["report", str(run_dir)])
         assert code == 0, err
     assert (run_dir / ".bigbatch-run").is_file() and (run_dir / "report" / ".bigbatch-report").is_file()
+
+
+@pytest.mark.slow
+def test_nproc_train_piped_into_head_ends_quietly(workspace: Path, tmp_path: Path) -> None:
+    """Under ``--nproc 2`` rank 0's closed pipe ends every worker quietly: no gloo, torchrun or logging traces."""
+    argv = [*T("--nproc", "2", "--out", str(tmp_path / "piped2"), "--max-steps", "500")]
+    process = subprocess.Popen(_bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    for _ in range(3):
+        process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=300) in (141, 143), err  # ended in set-up (141) or stopped after a step, saved (143)
+    assert err == "", err

@@ -18,7 +18,7 @@ from typing import Any
 
 from bigbatch import __version__
 from bigbatch.errors import BigBatchError
-from bigbatch.launch import peer_reported_error, record_user_error
+from bigbatch.launch import peer_exit_code, record_quiet_exit, record_user_error
 from bigbatch.ranges import (
     MEMORY_K,
     NON_NEGATIVE,
@@ -555,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
         silence_stdout()
+        if world > 1:
+            record_quiet_exit(EXIT_BROKEN_PIPE)
         return EXIT_BROKEN_PIPE
     except OSError as exc:  # disk full, permissions, a file where a directory should be
         where = f": {exc.filename}" if exc.filename else ""
@@ -565,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
     except Exception:
-        if world > 1 and peer_reported_error():  # a broken collective after a peer's user error: not news
-            return EXIT_USER_ERROR
+        code = peer_exit_code() if world > 1 else None
+        if code is not None:  # a broken collective after a peer's user error or closed pipe: not news
+            return code
         raise

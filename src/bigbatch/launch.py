@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -20,6 +21,9 @@ from pathlib import Path
 
 ERROR_DIR_ENV = "BIGBATCH_ERROR_DIR"
 EXIT_USER_ERROR = 2
+# A worker that stopped as asked: SIGINT/SIGTERM (saved), or its output pipe closed. The agent kills the
+# others with a signal (a negative exit code) once one has exited.
+QUIET_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE}
 
 
 def record_user_error(message: str) -> bool:
@@ -35,10 +39,26 @@ def record_user_error(message: str) -> bool:
     return True
 
 
-def peer_reported_error() -> bool:
-    """Whether another worker of this launch has already recorded a user error."""
+def record_quiet_exit(code: int) -> None:
+    """Under this launcher, note that this worker ends on purpose and quietly (its output pipe closed)."""
     folder = os.environ.get(ERROR_DIR_ENV)
-    return bool(folder) and Path(folder).is_dir() and any(Path(folder).iterdir())
+    if folder:
+        try:
+            (Path(folder) / f"quiet_{int(os.environ.get('RANK', '0')):05d}").write_text(str(code))
+        except OSError:
+            pass
+
+
+def peer_exit_code() -> int | None:
+    """When another worker of this launch has ended with a recorded reason (a user error, or quietly), the
+    exit code this worker should end with instead of reporting its broken collective; else ``None``."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not Path(folder).is_dir():
+        return None
+    if any(Path(folder).glob("rank_*")):
+        return EXIT_USER_ERROR
+    quiet = sorted(Path(folder).glob("quiet_*"))
+    return int(quiet[0].read_text() or 1) if quiet else None
 
 
 def _first_user_error(folder: Path) -> str | None:
@@ -63,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bigbatch: error: {message}", file=sys.stderr)
             return EXIT_USER_ERROR
         rank, failure = exc.get_first_failure()
+        others = {f.exitcode for f in exc.failures.values()} - {failure.exitcode}
+        if failure.exitcode in QUIET_CODES and all(c in QUIET_CODES or c < 0 for c in others):
+            return failure.exitcode  # stopped by a signal or a closed pipe, as asked: nothing to add
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"bigbatch: error: worker rank {rank} failed ({how}); its own output above says why", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
