@@ -89,6 +89,7 @@ CASES = [
     Case("train-total-not-divisible", T("--total-batch-tokens", "100"), "total_batch_tokens"),
     Case("train-seq-len-over-block", T("--seq-len", "4096", "--total-batch-tokens", "16384"), "block_size"),
     Case("train-data-missing", T("--data", "no-such-corpus.txt"), "does not exist"),
+    Case("train-block-size-beyond-memory", T("--block-size", "1000000000000"), "out of memory"),
     # --- train: never write into a directory bigbatch did not make ---
     Case("train-out-foreign-dir", T("--out", "mine"), "was not made by bigbatch"),
     Case("train-out-is-a-file", T("--out", "corpus.txt"), "is a file"),
@@ -139,6 +140,8 @@ CASES = [
     Case("verify-nproc-zero", ("verify", "--nproc", "0"), "--nproc"),
     Case("verify-vocab-negative", ("verify", "--vocab-size", "-1"), "--vocab-size"),
     Case("verify-seed-negative", ("verify", "--seed", "-1"), "--seed"),
+    Case("verify-micro-batch-beyond-memory", ("verify", "--model", "pico", "--micro-batch", "1000000000"),
+         "out of memory"),  # fmt: skip
     Case("verify-json-exists", ("verify", "--model", "pico", "--json", "notes.txt"), "--overwrite"),
     # --- eval ---
     Case("eval-batches-negative", ("eval", "run", "--data", "corpus.txt", "--batches", "-1"), "--batches"),

@@ -10,6 +10,7 @@ import argparse
 import errno
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -519,6 +520,18 @@ class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
         raise BrokenPipeError(errno.EPIPE, "output pipe closed")
 
 
+def out_of_memory(exc: BaseException) -> str:
+    """What ran out, when ``exc`` is an allocation failure (CPU allocator, CUDA, Python); else ``""``."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return "Python could not allocate memory"
+    for pattern in (r"tried to allocate [\d.]+ ?[KMGT]?i?B", r"tried to allocate \d+ bytes"):
+        match = re.search(pattern, text)
+        if match and ("out of memory" in text.lower() or "can't allocate memory" in text):
+            return match.group(0)
+    return "the device is out of memory" if "out of memory" in text.lower() else ""
+
+
 def silence_stdout() -> None:
     """Point file descriptor 1 at /dev/null, so later writes (and the flush at exit) neither fail nor complain."""
     try:
@@ -545,14 +558,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+    def user_error(message: str) -> int:
+        """One line from one process: under bigbatch's launcher it prints the first rank's; else rank 0."""
+        recorded = world > 1 and record_user_error(message)
+        if rank == 0 and not recorded:
+            print(f"bigbatch: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
     try:
         return int(args.handler(args))
     except BigBatchError as exc:
-        if rank == 0 and not (world > 1 and record_user_error(str(exc))):  # one line, from one process
-            print(f"bigbatch: error: {exc}", file=sys.stderr)
-        elif world > 1 and rank != 0:
-            record_user_error(str(exc))
-        return EXIT_USER_ERROR
+        return user_error(str(exc))
     except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
         silence_stdout()
         if world > 1:
@@ -566,6 +583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
+    except (RuntimeError, MemoryError) as exc:
+        if not out_of_memory(exc):
+            raise
+        return user_error(f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size")
     except Exception:
         code = peer_exit_code() if world > 1 else None
         if code is not None:  # a broken collective after a peer's user error or closed pipe: not news

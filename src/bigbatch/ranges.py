@@ -91,7 +91,7 @@ class Range:
 
 
 def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 # The ranges that recur; a setting with an unusual range declares its own Range where it is defined.
