@@ -95,6 +95,14 @@ CASES = [
     Case("train-out-is-a-file", T("--out", "corpus.txt"), "is a file"),
     Case("train-micro-batch-over-documents", T("--data", "docs", "--data-mode", "documents", "--micro-batch", "8",
                                                "--total-batch-tokens", "256"), "documents"),  # fmt: skip
+    # --- train --nproc 2: refused before torchrun starts (so these run in-process, in one process) ---
+    Case("train-nproc2-unknown-device", T("--nproc", "2", "--device", "tpu"), "unknown device"),
+    Case("train-nproc2-not-divisible", T("--nproc", "2", "--total-batch-tokens", "192"), "world_size"),
+    Case("train-nproc2-out-foreign-dir", T("--nproc", "2", "--out", "mine"), "was not made by bigbatch"),
+    Case("train-nproc2-data-missing", T("--nproc", "2", "--data", "no-such-corpus.txt"), "does not exist"),
+    Case("train-nproc2-micro-batch-over-documents", T("--nproc", "2", "--data", "docs", "--data-mode", "documents",
+                                                      "--micro-batch", "2", "--total-batch-tokens", "128"),
+         "x 2 processes"),  # fmt: skip
     # --- prepare ---
     Case("prepare-val-fraction-above-1", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "1.5"), "--val-fraction"),
     Case("prepare-val-fraction-negative", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "-0.1"), "--val-fraction"),

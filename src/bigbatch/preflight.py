@@ -19,6 +19,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     from bigbatch.data.loader import loader_for
     from bigbatch.data.prepare import ensure_prepared
     from bigbatch.data.shards import open_dataset
+    from bigbatch.distributed import resolve_device
     from bigbatch.metrics import check_optional_loggers
     from bigbatch.model import preset
     from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
@@ -28,6 +29,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
 
     run, data, batch = config.run, config.data, config.batch
     check_optional_loggers(bool(run.tensorboard), str(run.wandb or ""))
+    resolve_device(run.device)  # e.g. cuda asked for where there is none
     if run.out:
         out = Path(run.out)
         require_own_dir(out, "run directory", "--out", RUN_MARKER, is_legacy_run)
