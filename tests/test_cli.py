@@ -356,7 +356,7 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
 def test_invalid_flag_value_is_reported(capsys: pytest.CaptureFixture) -> None:
     code = main(["train", "--print-config", "--max-steps", "0"])
     captured = capsys.readouterr()
-    assert "max_steps" in assert_one_line_error(code, captured.out, captured.err)
+    assert "--max-steps" in assert_one_line_error(code, captured.out, captured.err)
 
 
 # --------------------------------------------------------------------------------------------

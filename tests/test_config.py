@@ -42,13 +42,15 @@ def test_bad_mappings_name_the_problem(mapping: dict, pattern: str) -> None:
 @pytest.mark.parametrize(
     ("section", "key", "value", "pattern"),
     [
-        ("batch", "micro_batch", -1, "micro_batch must be a positive integer or auto"),
-        ("run", "max_steps", -1, "max_steps must be a positive integer"),
-        ("optim", "lr", 0.0, "lr must be positive"),
-        ("optim", "min_lr_ratio", 1.5, "min_lr_ratio must be in"),
-        ("data", "val_fraction", 1.0, "val_fraction must be in"),
+        ("batch", "micro_batch", -1, r"--micro-batch \(batch.micro_batch\) must be an integer >= 1 or auto, got -1"),
+        ("run", "max_steps", -1, r"--max-steps \(run.max_steps\) must be an integer >= 1"),
+        ("optim", "lr", 0.0, r"--lr \(optim.lr\) must be a number > 0"),
+        ("optim", "min_lr_ratio", 1.5, r"min_lr_ratio\) must be a number in \[0, 1\]"),
+        ("data", "val_fraction", 1.0, r"val_fraction\) must be a number in \[0, 1\)"),
         ("run", "precision", "fp8", "precision must be"),
-        ("run", "eval_every", -5, "eval_every must be >= 0"),
+        ("run", "eval_every", -5, "eval_every\\) must be an integer >= 0"),
+        ("optim", "beta1", 1.5, r"--beta1 \(optim.beta1\) must be a number in \[0, 1\), got 1.5"),
+        ("optim", "eps", float("nan"), r"--eps \(optim.eps\) must be a number > 0, got nan"),
     ],
 )
 def test_validation_rejects_out_of_range_values(section: str, key: str, value: object, pattern: str) -> None:

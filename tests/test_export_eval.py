@@ -152,7 +152,7 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [(["--seq-len", "128"], "block_size"), (["--micro-batch", "0"], "positive"), (["--batches", "-1"], "at least 0")],
+    [(["--seq-len", "128"], "block_size"), (["--micro-batch", "0"], "--micro-batch"), (["--batches", "-1"], "--batches")],
     ids=["seq-len-above-block", "zero-micro-batch", "negative-batches"],
 )
 def test_eval_bad_arguments_are_one_line_errors(run_dir: Path, workspace: Path, extra: list[str], needle: str) -> None:

@@ -72,18 +72,47 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class _RecordingWriter:
+    """A binary file that remembers the first OS error of a write: ``torch.save`` reports a full disk as a
+    RuntimeError ("unexpected pos ...") that hides the cause."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.handle.write(data))
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def fileno(self) -> int:
+        return int(self.handle.fileno())
+
+
 def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``."""
+    """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``.
+
+    A failed write (a full disk, a quota) raises the :class:`OSError` that caused it, whatever the writer
+    wrapped it in, and removes the temporary file; ``path`` and every other file stay as they were."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    recorder: _RecordingWriter | None = None
     try:
         apply_umask(fd)  # mkstemp makes 0600; the checkpoint gets the mode the user's umask gives
         with os.fdopen(fd, "wb") as handle:
-            write(handle)
+            recorder = _RecordingWriter(handle)
+            write(recorder)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp_name).unlink(missing_ok=True)
+        if recorder is not None and recorder.error is not None and recorder.error is not exc:
+            raise recorder.error from exc
         raise
     _fsync_dir(path.parent)
 
@@ -96,7 +125,11 @@ def save_checkpoint(payload: dict[str, Any], path: Path | str) -> Path:
     commit_path(path).unlink(missing_ok=True)  # a re-save of the same step is uncommitted until done
     _write_atomically(path, lambda handle: torch.save(document, handle))
     marker = {"step": int(payload.get("step", -1)), "size": path.stat().st_size, "sha256": sha256_of(path)}
-    _write_atomically(commit_path(path), lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
+    try:
+        _write_atomically(commit_path(path), lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
+    except OSError:
+        path.unlink(missing_ok=True)  # never committed: give the space back
+        raise
     return path
 
 

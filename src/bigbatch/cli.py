@@ -7,8 +7,11 @@ The CLI only parses arguments and calls the library. User errors
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +19,20 @@ from typing import Any
 
 from bigbatch import __version__
 from bigbatch.errors import BigBatchError
+from bigbatch.launch import peer_exit_code, record_quiet_exit, record_user_error
+from bigbatch.ranges import (
+    MEMORY_K,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    PROBABILITY,
+    SEED,
+    VOCAB_OR_DEFAULT,
+)
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -53,6 +68,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(config.to_toml(), end="")
         return 0
     if config.run.nproc > 1 and not launched_by_torchrun():
+        from bigbatch.preflight import check_before_launch
+
+        check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
         return launch_torchrun(config.run.nproc, ["train", *strip_nproc(args.argv)])
     with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
         result = Trainer(config, dist, device).train()
@@ -74,12 +92,13 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, worker_args: list[str]) -> int:
-    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code; the workers
-    die with this process (see :mod:`bigbatch.lifeline`)."""
+    """Run ``torchrun --standalone --nproc-per-node N -m bigbatch ...`` and return its exit code, through
+    :mod:`bigbatch.launch` (a worker's failure becomes one line); the workers die with this process (see
+    :mod:`bigbatch.lifeline`)."""
     from bigbatch.lifeline import run_supervised
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "bigbatch.launch", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "bigbatch", *worker_args,
     ]  # fmt: skip
     return run_supervised(command)
@@ -93,8 +112,6 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from bigbatch.sampling import decoded_pieces, generate, generate_stream
     from bigbatch.tokenizer_files import checkpoint_tokenizer
 
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        raise BigBatchError("--max-new-tokens and --num-samples must be positive")
     device = resolve_device(args.device)
     document = load_checkpoint(args.checkpoint)
     model = model_from_checkpoint(document).to(device)
@@ -129,11 +146,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import measure
     from bigbatch.model import preset
-    from bigbatch.plan import parse_count, solve_plan
+    from bigbatch.plan import solve_plan
     from bigbatch.plan_report import format_plan
 
-    total = parse_count(args.tokens_per_step) if args.tokens_per_step else None
-    solved = solve_plan(args.seq_len, total, args.micro_batch, args.k, args.devices)
+    solved = solve_plan(args.seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     model_config = measured = None
     precision = "fp32"
     if args.model:
@@ -155,10 +171,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import estimate_memory, measure, memory_report, plot_memory
     from bigbatch.model import preset
+    from bigbatch.outputs import require_new_file
     from bigbatch.progress import ProgressBar
 
-    if args.max_micro_batch < 1 or args.k < 2:
-        raise BigBatchError("--max-micro-batch must be positive and --k at least 2")
+    if args.plot:
+        require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
     device = resolve_device(args.device)
     precision = resolve_precision(args.precision, device)
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
@@ -239,11 +256,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import json
 
     from bigbatch.distributed import launched_by_torchrun, resolve_device
+    from bigbatch.outputs import require_new_file
     from bigbatch.verify import check_equivalence
     from bigbatch.verify_cli import build_case
 
-    if args.k < 1 or args.micro_batch < 1 or args.seq_len < 1 or args.nproc < 1:
-        raise BigBatchError("--k, --micro-batch, --seq-len and --nproc must be positive")
+    if args.json:
+        require_new_file(args.json, "--json", args.overwrite)
     if args.nproc > 1 and not launched_by_torchrun():
         return launch_torchrun(args.nproc, ["verify", *strip_nproc(args.argv)])
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -297,6 +315,28 @@ def _verify_distributed(args: argparse.Namespace) -> int:
     return 0 if report.equivalent else 1
 
 
+def _count(text: str) -> int:
+    """``--tokens-per-step``: a positive count such as 524288, 2M or 512Ki."""
+    from bigbatch.plan import parse_count
+
+    try:
+        return parse_count(text)
+    except BigBatchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class UsageError(BigBatchError):
+    """A command line that does not parse: reported like every user error (one line, exit 2)."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
+    ``--help``, and exit code 2 as for every user error."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bigbatch.config import add_config_arguments
     from bigbatch.data.tokenizers import TOKENIZER_NAMES
@@ -307,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on a machine that holds only a small one.",
     )
     parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     commands.required = True
 
     prepare = commands.add_parser("prepare", help="tokenize text into token shards")
@@ -316,9 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     prepare.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
-    prepare.add_argument("--val-fraction", type=float, default=0.1, help="held-out share (default: 0.1)")
-    prepare.add_argument("--shard-tokens", type=int, default=0, help="tokens per shard (default: 100M)")
-    prepare.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
+    prepare.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1,
+                         help="held-out share (default: 0.1)")
+    prepare.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0,
+                         help="tokens per shard (default: 100M)")
+    prepare.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0,
+                         help="tokenizer processes (default: one per core)")
     prepare.add_argument(
         "--mode", default="packed", choices=("packed", "documents"),
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
@@ -336,11 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="generate text from a saved run")
     sample.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint file")
     sample.add_argument("--prompt", default="\n", help="text to continue")
-    sample.add_argument("--max-new-tokens", type=int, default=200)
-    sample.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
-    sample.add_argument("--top-k", type=int, default=50, help="0 disables top-k filtering")
-    sample.add_argument("--num-samples", type=int, default=1)
-    sample.add_argument("--seed", type=int, default=1337)
+    sample.add_argument("--max-new-tokens", type=POSITIVE_INT.argtype(), default=200)
+    sample.add_argument("--temperature", type=NON_NEGATIVE.argtype(), default=0.8, help="0 samples greedily")
+    sample.add_argument("--top-k", type=NON_NEGATIVE_INT.argtype(), default=50, help="0 disables top-k filtering")
+    sample.add_argument("--num-samples", type=POSITIVE_INT.argtype(), default=1)
+    sample.add_argument("--seed", type=SEED.argtype(), default=1337)
     sample.add_argument("--device", default="auto")
     sample.set_defaults(handler=_cmd_sample)
 
@@ -350,14 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Give the tokens per step, the sequence length and all but one of micro-batch, K and devices; "
         "the missing one is derived (devices default to 1).",
     )
-    plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step",
+    plan.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step", type=_count,
                       help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
-    plan.add_argument("--seq-len", type=int, required=True)
-    plan.add_argument("--micro-batch", type=int, help="sequences per micro-batch per device")
-    plan.add_argument("--k", type=int, help="accumulation steps")
-    plan.add_argument("--devices", "--world-size", dest="devices", type=int, help="world size")
+    plan.add_argument("--seq-len", type=POSITIVE_INT.argtype(), required=True)
+    plan.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
+    plan.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
+    plan.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
     plan.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
-    plan.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the preset's, 50257)")
+    plan.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
+                      help="vocabulary (default: the preset's, 50257)")
     plan.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     plan.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     plan.add_argument("--device", default="auto")
@@ -371,14 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
         "and that the peak does not grow with K, and can write a PNG plot.",
     )
     memory.add_argument("--model", default="nano", help="preset (default: nano)")
-    memory.add_argument("--seq-len", type=int, default=256)
-    memory.add_argument("--max-micro-batch", type=int, default=16)
-    memory.add_argument("--k", type=int, default=8, help="K for the whole-step peak (default: 8)")
-    memory.add_argument("--vocab-size", type=int, default=256, help="default: 256 (byte tokens)")
+    memory.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=256)
+    memory.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
+    memory.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
+    memory.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens)")
     memory.add_argument("--activation-checkpointing", action="store_true")
     memory.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     memory.add_argument("--device", default="auto")
-    memory.add_argument("--plot", type=Path, help="write a PNG plot here")
+    memory.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
+    memory.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
     memory.set_defaults(handler=_cmd_memory)
 
     verify = commands.add_parser(
@@ -391,11 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
     )
-    verify.add_argument("--k", type=int, default=4, help="micro-batches (default: 4)")
-    verify.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default: 2)")
-    verify.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
-    verify.add_argument("--vocab-size", type=int, default=0, help="vocabulary (default: the model's)")
-    verify.add_argument("--dropout", type=float, default=0.0, help="preset dropout (disabled for the comparison)")
+    verify.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
+    verify.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2,
+                        help="sequences per micro-batch (default: 2)")
+    verify.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64, help="tokens per sequence (default: 64)")
+    verify.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
+                        help="vocabulary (default: the model's)")
+    verify.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0,
+                        help="preset dropout (disabled for the comparison)")
     verify.add_argument(
         "--ragged", action=argparse.BooleanOptionalAction, default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
@@ -406,11 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the batch is cut into micro-batches, comma-separated: equal (K pieces), unequal (sizes 1, 2, 3, "
         "... and the remainder), permuted (K pieces of the shuffled samples) (default: all three)",
     )
-    verify.add_argument("--tolerance", type=float, help="relative L2 tolerance (default: by precision)")
-    verify.add_argument("--top", type=int, default=5, help="parameters listed, worst first (default: 5)")
-    verify.add_argument("--json", type=Path, help="also write the report as JSON")
-    verify.add_argument("--nproc", type=int, default=1, help="processes: >1 checks DDP across ranks via torchrun")
-    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
+    verify.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5,
+                        help="parameters listed, worst first (default: 5)")
+    verify.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
+    verify.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
+    verify.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1,
+                        help="processes: >1 checks DDP across ranks via torchrun")
+    verify.add_argument("--seed", type=SEED.argtype(), default=0)
     verify.add_argument("--device", default="cpu")
     verify.set_defaults(handler=_cmd_verify)
 
@@ -446,10 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
                           "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
     evaluate.add_argument("--split", default="val", choices=("val", "train"))
-    evaluate.add_argument("--batches", type=int, help="micro-batches to read (default: the run's eval_batches; "
+    evaluate.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
+                          help="micro-batches to read (default: the run's eval_batches; "
                           "0 reads the whole split)")  # fmt: skip
-    evaluate.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: the run's)")
-    evaluate.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    evaluate.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
+                          help="sequences per micro-batch (default: the run's)")
+    evaluate.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
     evaluate.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
                           "if it exists, else the default cache)")  # fmt: skip
     evaluate.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16", "fp16"))
@@ -470,17 +523,58 @@ class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def stream(self, value: Any) -> None:
         pass
 
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        """A closed output pipe (``bigbatch train | head``) is not a logging error to report on every line.
+
+        The rest of the output goes nowhere; a run that listens for SIGTERM stops as politely as on SIGTERM
+        (the step ends and is saved), anything else ends at once, quietly (see :func:`main`)."""
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        silence_stdout()
+        if callable(signal.getsignal(signal.SIGTERM)):  # a polite-stop handler is installed (the training loop)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        raise BrokenPipeError(errno.EPIPE, "output pipe closed")
+
+
+def out_of_memory(exc: BaseException) -> str:
+    """What ran out, when ``exc`` is an allocation failure (CPU allocator, CUDA, Python); else ``""``."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return "Python could not allocate memory"
+    for pattern in (r"tried to allocate [\d.]+ ?[KMGT]?i?B", r"tried to allocate \d+ bytes"):
+        match = re.search(pattern, text)
+        if match and ("out of memory" in text.lower() or "can't allocate memory" in text):
+            return match.group(0)
+    return "the device is out of memory" if "out of memory" in text.lower() else ""
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so later writes (and the flush at exit) neither fail nor complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's StringIO): nothing to silence
+        pass
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(raw)
+    try:
+        args = parser.parse_args(raw)
+    except UsageError as exc:
+        print(f"bigbatch: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
     if "RANK" in os.environ:
         from bigbatch.lifeline import watch_parents
 
         watch_parents()  # a worker dies with its launcher and its torchrun agent
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     handler = CurrentStdoutHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger()
@@ -488,12 +582,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     from bigbatch.signals import Terminated, sigterm_unwinds
 
+    def user_error(message: str) -> int:
+        """One line from one process: under bigbatch's launcher it prints the first rank's; else rank 0."""
+        recorded = world > 1 and record_user_error(message)
+        if rank == 0 and not recorded:
+            print(f"bigbatch: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
     try:
         with sigterm_unwinds():
             return int(args.handler(args))
     except BigBatchError as exc:
-        print(f"bigbatch: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return user_error(str(exc))
+    except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
+        silence_stdout()
+        if world > 1:
+            record_quiet_exit(EXIT_BROKEN_PIPE)
+        return EXIT_BROKEN_PIPE
     except OSError as exc:  # disk full, permissions, a file where a directory should be
         where = f": {exc.filename}" if exc.filename else ""
         print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
@@ -505,3 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
+    except (RuntimeError, MemoryError) as exc:
+        if not out_of_memory(exc):
+            raise
+        return user_error(f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size")
+    except Exception:
+        code = peer_exit_code() if world > 1 else None
+        if code is not None:  # a broken collective after a peer's user error or closed pipe: not news
+            return code
+        raise

@@ -18,23 +18,39 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import ConfigError
+from bigbatch.ranges import (
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_AUTO,
+    PROBABILITY,
+    SEED,
+    Range,
+)
 
 SWITCH_VALUES = ("auto", "on", "off")
 
 
-def _opt(default: Any, help: str, flag: str | None = None) -> Any:
-    """A config field with its CLI help (and a flag name when it differs from the field name)."""
-    metadata = {"help": help}
+def _opt(default: Any, help: str, flag: str | None = None, range: Range | None = None) -> Any:
+    """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
+    field declares its allowed :class:`~bigbatch.ranges.Range`, checked for flags, TOML files and Python alike."""
+    metadata: dict[str, Any] = {"help": help}
     if flag:
         metadata["flag"] = flag
+    if range is not None:
+        metadata["range"] = range
     return field(default=default, metadata=metadata)
 
 
 @dataclass
 class ModelSection:
     preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-1b", flag="model")
-    block_size: int = _opt(0, "maximum context length; 0 keeps the preset's")
-    dropout: float = _opt(0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)")
+    block_size: int = _opt(0, "maximum context length; 0 keeps the preset's", range=NON_NEGATIVE_INT)
+    dropout: float = _opt(
+        0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)", range=PROBABILITY,
+    )
     activation_checkpointing: bool = _opt(
         False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
     )
@@ -56,7 +72,9 @@ class DataSection:
         "data, e.g. bpe:4096); auto: byte for raw text, the dataset's own for prepared or token-shard data (another "
         "name than the dataset's is an error)",
     )
-    val_fraction: float = _opt(0.1, "share of the token stream held out for validation when preparing raw text")
+    val_fraction: float = _opt(
+        0.1, "share of the token stream held out for validation when preparing raw text", range=PROBABILITY,
+    )
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
     data_mode: str = _opt(
         "packed",
@@ -72,17 +90,24 @@ class DataSection:
 
 @dataclass
 class BatchSection:
-    total_batch_tokens: int = _opt(16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size")
+    total_batch_tokens: int = _opt(
+        16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size", range=POSITIVE_INT,
+    )
     micro_batch: int = field(
         default=16,
-        metadata={"help": "sequences per micro-batch per device (B); 'auto' picks the largest that fits", "auto": True},
+        metadata={
+            "help": "sequences per micro-batch per device (B); 'auto' picks the largest that fits",
+            "auto": True,
+            "range": POSITIVE_INT_OR_AUTO,
+        },
     )
-    memory_budget: float = _opt(0.0, "MiB a training step may use on CPU, for --micro-batch auto")
-    seq_len: int = _opt(256, "tokens per sequence (T)")
+    memory_budget: float = _opt(0.0, "MiB a training step may use on CPU, for --micro-batch auto", range=NON_NEGATIVE)
+    seq_len: int = _opt(256, "tokens per sequence (T)", range=POSITIVE_INT)
     token_budget: int = _opt(
         0,
         "valid target tokens per step; when set, K varies per step (the micro-batch that reaches the budget is "
         "included whole) and total_batch_tokens is not used; 0 = fixed K",
+        range=NON_NEGATIVE_INT,
     )
     last_window: str = _opt(
         "partial",
@@ -92,54 +117,64 @@ class BatchSection:
 
 @dataclass
 class OptimSection:
-    lr: float = _opt(2e-3, "peak learning rate (after warmup)")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
-    warmup_steps: int = _opt(20, "linear warmup steps")
-    decay_steps: int = _opt(0, "step at which cosine decay reaches the minimum; 0 means max_steps")
-    weight_decay: float = _opt(0.1, "AdamW weight decay on matrices and embeddings")
-    beta1: float = _opt(0.9, "AdamW beta1")
-    beta2: float = _opt(0.95, "AdamW beta2")
-    eps: float = _opt(1e-8, "AdamW epsilon")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this after accumulation; 0 disables")
+    lr: float = _opt(2e-3, "peak learning rate (after warmup)", range=POSITIVE)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr", range=FRACTION)
+    warmup_steps: int = _opt(20, "linear warmup steps", range=NON_NEGATIVE_INT)
+    decay_steps: int = _opt(
+        0, "step at which cosine decay reaches the minimum; 0 means max_steps", range=NON_NEGATIVE_INT,
+    )
+    weight_decay: float = _opt(0.1, "AdamW weight decay on matrices and embeddings", range=NON_NEGATIVE)
+    beta1: float = _opt(0.9, "AdamW beta1", range=PROBABILITY)
+    beta2: float = _opt(0.95, "AdamW beta2", range=PROBABILITY)
+    eps: float = _opt(1e-8, "AdamW epsilon", range=POSITIVE)
+    grad_clip: float = _opt(
+        1.0, "clip the global gradient norm to this after accumulation; 0 disables", range=NON_NEGATIVE,
+    )
 
 
 @dataclass
 class RunSection:
-    max_steps: int = _opt(120, "optimizer steps to train")
+    max_steps: int = _opt(120, "optimizer steps to train", range=POSITIVE_INT)
     out: str = _opt(
         "",
         "run directory (default: runs/<model>-<hash of the run's settings>, so the same command continues the "
         "same run)",
     )
-    seed: int = _opt(1337, "random seed")
+    seed: int = _opt(1337, "random seed", range=SEED)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
     compile: str = field(
         default="auto",
         metadata={"help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off", "switch": True},
     )
-    nproc: int = _opt(1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you")
+    nproc: int = _opt(
+        1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you", range=POSITIVE_INT,
+    )
     parallel: str = _opt("auto", "auto (ddp when world_size > 1), ddp or fsdp (FSDP2 fully_shard per block and root)")
     sync_every_micro_step: bool = _opt(
         False, "reduce gradients after every micro-step instead of once per step (for comparison; costs K rounds)"
     )
-    collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error")
-    peak_flops: float = _opt(0.0, "peak FLOP/s per device for MFU; 0 looks the GPU up (A100, H100, H200)")
+    collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error", range=POSITIVE)
+    peak_flops: float = _opt(
+        0.0, "peak FLOP/s per device for MFU; 0 looks the GPU up (A100, H100, H200)", range=NON_NEGATIVE,
+    )
     tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
     wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
-    eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables")
-    eval_batches: int = _opt(8, "micro-batches per validation pass")
-    save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved")
-    keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all")
+    eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables", range=NON_NEGATIVE_INT)
+    eval_batches: int = _opt(8, "micro-batches per validation pass", range=POSITIVE_INT)
+    save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved", range=NON_NEGATIVE_INT)
+    keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
     resume: str = _opt(
         "auto",
         "auto: continue from the newest valid checkpoint in --out if there is one; "
         "never: refuse a run directory that holds checkpoints",
     )
     overwrite: bool = _opt(False, "with --resume never: delete the run directory's checkpoints and logs, start over")
-    max_consecutive_skips: int = _opt(5, "abort after this many consecutive steps with a non-finite gradient")
-    log_every: int = _opt(1, "print a step line every N steps")
-    sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables")
+    max_consecutive_skips: int = _opt(
+        5, "abort after this many consecutive steps with a non-finite gradient", range=POSITIVE_INT,
+    )
+    log_every: int = _opt(1, "print a step line every N steps", range=POSITIVE_INT)
+    sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables", range=NON_NEGATIVE_INT)
     sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
     extend_schedule: bool = _opt(
         False,
@@ -183,44 +218,18 @@ class TrainConfig:
         return "\n".join(lines)
 
     def validate(self) -> None:
-        if self.batch.micro_batch < 0:
-            raise ConfigError(f"micro_batch must be a positive integer or auto, got {self.batch.micro_batch}")
-        positive = {
-            "total_batch_tokens": self.batch.total_batch_tokens,
-            "seq_len": self.batch.seq_len,
-            "max_steps": self.run.max_steps,
-            "eval_batches": self.run.eval_batches,
-            "log_every": self.run.log_every,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value}")
-        non_negative = {
-            "block_size": self.model.block_size,
-            "warmup_steps": self.optim.warmup_steps,
-            "decay_steps": self.optim.decay_steps,
-            "eval_every": self.run.eval_every,
-            "save_every": self.run.save_every,
-            "sample_tokens": self.run.sample_tokens,
-            "grad_clip": self.optim.grad_clip,
-            "weight_decay": self.optim.weight_decay,
-        }
-        for name, value in non_negative.items():
-            if value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value}")
-        if self.optim.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.optim.lr}")
-        if not 0.0 <= self.optim.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.optim.min_lr_ratio}")
-        if not 0.0 <= self.data.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction must be in [0, 1), got {self.data.val_fraction}")
+        for section, section_cls in SECTIONS.items():
+            for f in fields(section_cls):
+                declared: Range | None = f.metadata.get("range")
+                value = getattr(getattr(self, section), f.name)
+                if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
+                    continue
+                declared.check(f"--{_flag(f)} ({section}.{f.name})", value)
         if self.optim.decay_steps and self.optim.decay_steps < self.optim.warmup_steps:
             raise ConfigError(
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
                 "raise decay_steps or set it to 0 (= max_steps)"
             )
-        if self.batch.token_budget < 0:
-            raise ConfigError(f"token_budget must be >= 0, got {self.batch.token_budget}")
         if self.batch.last_window not in ("partial", "drop"):
             raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
         if self.data.data_mode not in ("packed", "documents"):
@@ -229,14 +238,8 @@ class TrainConfig:
             raise ConfigError(f"long_documents must be split or truncate, got {self.data.long_documents!r}")
         if self.run.resume not in ("auto", "never"):
             raise ConfigError(f"resume must be auto or never, got {self.run.resume!r}")
-        if self.run.keep_checkpoints < 0 or self.run.max_consecutive_skips < 1:
-            raise ConfigError("keep_checkpoints must be >= 0 and max_consecutive_skips >= 1")
-        if self.run.nproc < 1:
-            raise ConfigError(f"nproc must be a positive integer, got {self.run.nproc}")
         if self.run.parallel not in ("auto", "none", "ddp", "fsdp"):
             raise ConfigError(f"parallel must be auto, none, ddp or fsdp, got {self.run.parallel!r}")
-        if self.run.collective_timeout <= 0:
-            raise ConfigError(f"collective_timeout must be positive, got {self.run.collective_timeout}")
         if self.run.compile not in SWITCH_VALUES:
             raise ConfigError(f"compile must be one of {', '.join(SWITCH_VALUES)}, got {self.run.compile!r}")
         if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
@@ -275,11 +278,11 @@ _SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str
 
 
 def _field_meta(section_cls: type, name: str) -> Any:
-    return {f.name: f.metadata for f in fields(section_cls)}[name]
+    return _field(section_cls, name).metadata
 
 
-def _int_or_auto(text: str) -> int | str:
-    return "auto" if text == "auto" else int(text)
+def _field(section_cls: type, name: str) -> Any:
+    return {f.name: f for f in fields(section_cls)}[name]
 
 
 def _field_type(section_cls: type, name: str) -> type:
@@ -288,8 +291,9 @@ def _field_type(section_cls: type, name: str) -> type:
     return _SCALAR_TYPES[annotation if isinstance(annotation, str) else annotation.__name__]
 
 
-def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> None:
-    """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys and wrong types."""
+def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, check_ranges: bool = True) -> None:
+    """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys, wrong types and, unless
+    ``check_ranges`` is off (a checkpoint's own stored config, where 0 means auto), values out of range."""
     for section, values in mapping.items():
         if section not in SECTIONS:
             raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
@@ -303,9 +307,14 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str) -> 
                 raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
             if value == "auto" and _field_meta(section_cls, key).get("auto"):
                 value = 0  # stored as 0, resolved by the trainer
-            if isinstance(value, bool) and _field_meta(section_cls, key).get("switch"):
+            elif isinstance(value, bool) and _field_meta(section_cls, key).get("switch"):
                 value = "on" if value else "off"
-            value = _check_type(f"{origin}: {section}.{key}", value, _field_type(section_cls, key))
+            else:
+                name = f"{origin}: {section}.{key}"
+                value = _check_type(name, value, _field_type(section_cls, key))
+                declared: Range | None = _field_meta(section_cls, key).get("range")
+                if check_ranges and declared is not None:
+                    declared.check(f"{name} (--{_flag(_field(section_cls, key))})", value)
             setattr(target, key, value)
 
 
@@ -347,8 +356,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 )
             else:
                 auto = f.metadata.get("auto", False)
+                declared: Range | None = f.metadata.get("range")
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, type=_int_or_auto if auto else kind, default=argparse.SUPPRESS,
+                    f"--{_flag(f)}", dest=dest, type=declared.argtype() if declared else kind,
+                    default=argparse.SUPPRESS,
                     metavar="INT|auto" if auto else kind.__name__.upper(), help=help_text,
                 )
 
@@ -370,5 +381,5 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
     config = TrainConfig()
-    apply_mapping(config, mapping, origin="checkpoint config")
+    apply_mapping(config, mapping, origin="checkpoint config", check_ranges=False)
     return config

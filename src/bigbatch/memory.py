@@ -268,6 +268,7 @@ def plot_memory(rows: list[MicroStepMeasurement], path: Path, title: str) -> Pat
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path

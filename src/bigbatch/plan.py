@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from bigbatch.errors import PlanError
@@ -94,7 +96,7 @@ def parse_count(text: str) -> int:
                 value = float(number) * _SUFFIXES[suffix]
             except ValueError:
                 break
-            if value != int(value) or value < 1:
+            if not math.isfinite(value) or value != int(value) or value < 1:
                 break
             return int(value)
     try:

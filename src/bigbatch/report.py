@@ -15,6 +15,7 @@ from typing import Any
 
 from bigbatch.errors import BigBatchError
 from bigbatch.metrics import METRICS_FILE
+from bigbatch.outputs import REPORT_MARKER, is_legacy_report, mark_own_dir, require_own_dir
 
 PLOTS = (
     "loss_vs_step.png",
@@ -254,9 +255,9 @@ def make_report(
     dirs = [Path(d) for d in run_dirs]
     runs = [read_metrics(d, label) for d, label in zip(dirs, run_labels(dirs))]
     out = Path(out_dir) if out_dir is not None else (dirs[0] / "report" if len(dirs) == 1 else Path("report"))
-    if out.exists() and not out.is_dir():
-        raise BigBatchError(f"report directory {out} is a file; choose another --out")
+    require_own_dir(out, "report directory", "--out", REPORT_MARKER, is_legacy_report)
     summaries = [summarize(run) for run in runs]
+    mark_own_dir(out, REPORT_MARKER, "report")
     plots = plot_runs(runs, out)
     text = "\n\n".join(s.format() for s in summaries) + "\n"
     (out / "summary.txt").write_text(text)

@@ -62,6 +62,7 @@ from bigbatch.metrics import (
 )
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
+from bigbatch.outputs import RUN_MARKER, is_legacy_run, mark_own_dir, require_own_dir
 from bigbatch.plan import BatchPlan, plan_batch
 from bigbatch.progress import ProgressBar
 from bigbatch.resume import (
@@ -163,6 +164,17 @@ class EmptyStepGuard:
                 "every step of a whole epoch held no valid targets (documents that are a single token or wholly "
                 "masked); fix the training data"
             )
+def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> None:
+    """Refuse a documents split smaller than one global micro-batch: every micro-batch would hold the whole
+    split plus rows of padding, so every step would repeat it K times."""
+    n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences
+    if n_seq is not None and micro_batch * world_size > n_seq:
+        per_process = f" x {world_size} processes" if world_size > 1 else ""
+        raise ConfigError(
+            f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} sequences per micro-batch, "
+            f"but the training split holds only {n_seq} sequence{'s' if n_seq != 1 else ''} (documents after the "
+            f"long-document policy); use --micro-batch {max(1, n_seq // world_size)} or less, or more data"
+        )
 
 
 class Trainer:
@@ -190,7 +202,7 @@ class Trainer:
 
         out = config.run.out or str(default_run_dir(config))  # the same settings find the same run again
         self.run_dir = Path(self.dist.broadcast_object(out))  # rank 0's choice of a default name
-        require_creatable_dir(self.run_dir, "run directory")
+        require_own_dir(self.run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
         resume_from = find_resume_checkpoint(self.run_dir, config.run.resume, config.run.overwrite, self.dist.is_main)
         self.dist.barrier()
         if config.data.cache_dir:
@@ -225,9 +237,15 @@ class Trainer:
             device_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
         self.train_loader = self._build_loader("train", "training")
+        check_micro_batch_fits(self.train_loader, self.plan.micro_batch, world)
         self.val_loader = self._build_val_loader()
 
         self.parallel = resolve_parallel(config.run.parallel, world)
+        if config.run.parallel in ("ddp", "fsdp") and world == 1:
+            self._say(
+                "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
+                "(start several processes with --nproc N or torchrun)", config.run.parallel, level=logging.WARNING,
+            )  # fmt: skip
         wrapped, grad_sync = wrap_model(
             self.model, self.parallel, self.dist, self.device, config.run.sync_every_micro_step, precision
         )
@@ -574,7 +592,7 @@ class Trainer:
     def _start_run_dir(self) -> None:
         """Rank 0: the run directory with its config and its own copy of the tokenizer; a fresh start (nothing
         to resume: a first run, or a crash before the first checkpoint) begins a clean metrics log."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mark_own_dir(self.run_dir, RUN_MARKER, "run")
         (self.run_dir / "config.toml").write_text(self.config.to_toml())
         if self.resumed_from is None:
             truncate_metrics(self.run_dir, 0)

@@ -1,0 +1,108 @@
+"""The allowed range of every numeric setting, declared once.
+
+A :class:`Range` is attached to a config field (``_opt(..., range=...)``) or to a
+plain command-line flag (``type=RANGE.argtype()``); the same object checks a
+value from the command line, from a TOML file and from Python, so a flag and its
+config key can never disagree. Floats must also be finite: ``nan`` and ``inf``
+are refused everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bigbatch.errors import ConfigError
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Range:
+    """``kind`` (int or float) between ``low`` and ``high``; ``*_open`` excludes the bound itself."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    auto: bool = False  # the word ``auto`` is accepted as well (and returned as "auto")
+
+    def describe(self) -> str:
+        noun = "an integer" if self.kind is int else "a number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"{noun} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{noun} {'>' if self.low_open else '>='} {_num(self.low)}"
+        elif self.high is not None:
+            text = f"{noun} {'<' if self.high_open else '<='} {_num(self.high)}"
+        else:
+            text = noun if self.kind is int else "a finite number"
+        return f"{text} or auto" if self.auto else text
+
+    def contains(self, value: Any) -> bool:
+        if self.auto and value == AUTO:
+            return True
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value`` if it lies in the range, else :class:`ConfigError` naming ``name``."""
+        if not self.contains(value):
+            raise ConfigError(f"{name} must be {self.describe()}, got {value!r}")
+        return value
+
+    def parse(self, text: str) -> Any:
+        """A command-line string as ``kind`` (or "auto"); ``ValueError`` with the reason when it does not fit."""
+        if self.auto and text.strip() == AUTO:
+            return AUTO
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise ValueError(f"must be {self.describe()}, got {text!r}") from None
+        if not self.contains(value):
+            raise ValueError(f"must be {self.describe()}, got {text}")
+        return value
+
+    def argtype(self) -> Callable[[str], Any]:
+        """An argparse ``type=``: argparse prefixes the message with the flag's name."""
+
+        def parse(text: str) -> Any:
+            try:
+                return self.parse(text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+
+        parse.__name__ = self.kind.__name__
+        return parse
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+# The ranges that recur; a setting with an unusual range declares its own Range where it is defined.
+ANY_INT = Range(int)
+SEED = Range(int, 0, 2**63 - 1)
+POSITIVE_INT = Range(int, 1)
+NON_NEGATIVE_INT = Range(int, 0)
+POSITIVE_INT_OR_AUTO = Range(int, 1, auto=True)
+POSITIVE = Range(float, 0, low_open=True)
+NON_NEGATIVE = Range(float, 0)
+FRACTION = Range(float, 0, 1)  # [0, 1]
+PROBABILITY = Range(float, 0, 1, high_open=True)  # [0, 1): dropout, held-out share, AdamW betas
+VOCAB_OR_DEFAULT = Range(int, 0)  # 0 keeps the model's own vocabulary
+MEMORY_K = Range(int, 2)  # bigbatch memory compares the peak of K micro-steps with one

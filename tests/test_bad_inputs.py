@@ -1,0 +1,458 @@
+"""The catalogue of bad inputs: every command refuses each one with exit code 2, a line or two on stderr
+that names the problem, no traceback, and no existing file changed.
+
+Each case runs ``main()`` in-process (a flag that does not parse included: it returns 2 too) inside
+one shared workspace holding a corpus, a prepared dataset, a finished run and files that belong to the
+user; the workspace's files (bytes and mtimes) are compared before and after every case. Cases that need
+other processes (``--nproc 2``, a closed output pipe) run as subprocesses below the table.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import corpus_bytes, run_main
+
+from bigbatch.data.prepare import ensure_prepared
+
+SRC_DIR = Path(__file__).resolve().parents[1] / "src"
+MAX_STDERR_LINES = 1  # "bigbatch: error: ...", also for a flag that does not parse
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]
+    says: str  # a fragment the error line must contain (usually the flag's name)
+    code: int = 2
+
+
+def T(*argv: str) -> tuple[str, ...]:  # noqa: N802 - a train command on the workspace's tiny setup
+    return (
+        "train", "--data", "corpus.txt", "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
+        "--total-batch-tokens", "256", "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0",
+        "--cache-dir", "cache", "--out", "new-run", *argv,
+    )  # fmt: skip
+
+
+CASES = [
+    # --- train: every numeric flag is range-checked with its name (argparse level) ---
+    Case("train-beta1-above-1", T("--beta1", "1.5"), "--beta1"),
+    Case("train-beta2-negative", T("--beta2", "-1"), "--beta2"),
+    Case("train-eps-negative", T("--eps", "-1"), "--eps"),
+    Case("train-eps-zero", T("--eps", "0"), "--eps"),
+    Case("train-lr-nan", T("--lr", "nan"), "--lr"),
+    Case("train-lr-inf", T("--lr", "inf"), "--lr"),
+    Case("train-lr-zero", T("--lr", "0"), "--lr"),
+    Case("train-micro-batch-zero", T("--micro-batch", "0"), "or auto"),
+    Case("train-micro-batch-negative", T("--micro-batch", "-3"), "--micro-batch"),
+    Case("train-micro-batch-word", T("--micro-batch", "big"), "--micro-batch"),
+    Case("train-max-steps-zero", T("--max-steps", "0"), "--max-steps"),
+    Case("train-max-steps-text", T("--max-steps", "abc"), "--max-steps"),
+    Case("train-seq-len-zero", T("--seq-len", "0"), "--seq-len"),
+    Case("train-total-negative", T("--total-batch-tokens", "-1"), "--total-batch-tokens"),
+    Case("train-dropout-one", T("--dropout", "1.0"), "--dropout"),
+    Case("train-val-fraction-one", T("--val-fraction", "1"), "--val-fraction"),
+    Case("train-min-lr-ratio-2", T("--min-lr-ratio", "2"), "--min-lr-ratio"),
+    Case("train-weight-decay-negative", T("--weight-decay", "-0.1"), "--weight-decay"),
+    Case("train-grad-clip-negative", T("--grad-clip", "-1"), "--grad-clip"),
+    Case("train-warmup-negative", T("--warmup-steps", "-1"), "--warmup-steps"),
+    Case("train-decay-negative", T("--decay-steps", "-2"), "--decay-steps"),
+    Case("train-eval-batches-zero", T("--eval-batches", "0"), "--eval-batches"),
+    Case("train-eval-every-negative", T("--eval-every", "-1"), "--eval-every"),
+    Case("train-save-every-negative", T("--save-every", "-1"), "--save-every"),
+    Case("train-log-every-zero", T("--log-every", "0"), "--log-every"),
+    Case("train-keep-negative", T("--keep-checkpoints", "-1"), "--keep-checkpoints"),
+    Case("train-skips-zero", T("--max-consecutive-skips", "0"), "--max-consecutive-skips"),
+    Case("train-timeout-zero", T("--collective-timeout", "0"), "--collective-timeout"),
+    Case("train-nproc-zero", T("--nproc", "0"), "--nproc"),
+    Case("train-seed-negative", T("--seed", "-1"), "--seed"),
+    Case("train-memory-budget-negative", T("--memory-budget", "-5"), "--memory-budget"),
+    Case("train-token-budget-negative", T("--token-budget", "-1"), "--token-budget"),
+    Case("train-peak-flops-negative", T("--peak-flops", "-1"), "--peak-flops"),
+    Case("train-block-size-negative", T("--block-size", "-1"), "--block-size"),
+    Case("train-sample-tokens-negative", T("--sample-tokens", "-1"), "--sample-tokens"),
+    # --- train: the same ranges from a TOML file, and settings that only fail together ---
+    Case("train-toml-beta1", T("--config", "bad-beta1.toml"), "optim.beta1"),
+    Case("train-toml-micro-batch-zero", T("--config", "bad-micro-batch.toml"), "batch.micro_batch"),
+    Case("train-decay-below-warmup", T("--decay-steps", "5", "--warmup-steps", "10"), "decay_steps"),
+    Case("train-total-not-divisible", T("--total-batch-tokens", "100"), "total_batch_tokens"),
+    Case("train-seq-len-over-block", T("--seq-len", "4096", "--total-batch-tokens", "16384"), "block_size"),
+    Case("train-data-missing", T("--data", "no-such-corpus.txt"), "does not exist"),
+    Case("train-block-size-beyond-memory", T("--block-size", "1000000000000"), "out of memory"),
+    # --- train: never write into a directory bigbatch did not make ---
+    Case("train-out-foreign-dir", T("--out", "mine"), "was not made by bigbatch"),
+    Case("train-out-is-a-file", T("--out", "corpus.txt"), "is a file"),
+    Case("train-micro-batch-over-documents", T("--data", "docs", "--data-mode", "documents", "--micro-batch", "8",
+                                               "--total-batch-tokens", "256"), "documents"),  # fmt: skip
+    # --- train --nproc 2: refused before torchrun starts (so these run in-process, in one process) ---
+    Case("train-nproc2-unknown-device", T("--nproc", "2", "--device", "tpu"), "unknown device"),
+    Case("train-nproc2-not-divisible", T("--nproc", "2", "--total-batch-tokens", "192"), "world_size"),
+    Case("train-nproc2-out-foreign-dir", T("--nproc", "2", "--out", "mine"), "was not made by bigbatch"),
+    Case("train-nproc2-data-missing", T("--nproc", "2", "--data", "no-such-corpus.txt"), "does not exist"),
+    Case("train-nproc2-micro-batch-over-documents", T("--nproc", "2", "--data", "docs", "--data-mode", "documents",
+                                                      "--micro-batch", "2", "--total-batch-tokens", "128"),
+         "x 2 processes"),  # fmt: skip
+    # --- prepare ---
+    Case("prepare-val-fraction-above-1", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "1.5"), "--val-fraction"),
+    Case("prepare-val-fraction-negative", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "-0.1"), "--val-fraction"),
+    Case("prepare-shard-tokens-negative", ("prepare", "corpus.txt", "--out", "ds2", "--shard-tokens", "-1"), "--shard-tokens"),
+    Case("prepare-workers-negative", ("prepare", "corpus.txt", "--out", "ds2", "--workers", "-2"), "--workers"),
+    Case("prepare-out-foreign-dir", ("prepare", "corpus.txt", "--out", "mine"), "not empty"),
+    Case("prepare-out-is-a-file", ("prepare", "corpus.txt", "--out", "notes.txt"), "notes.txt"),
+    Case("prepare-source-missing", ("prepare", "no-such.txt", "--out", "ds2"), "does not exist"),
+    # --- sample ---
+    Case("sample-max-new-tokens-zero", ("sample", "--checkpoint", "run", "--max-new-tokens", "0"), "--max-new-tokens"),
+    Case("sample-temperature-negative", ("sample", "--checkpoint", "run", "--temperature", "-1"), "--temperature"),
+    Case("sample-top-k-negative", ("sample", "--checkpoint", "run", "--top-k", "-1"), "--top-k"),
+    Case("sample-num-samples-zero", ("sample", "--checkpoint", "run", "--num-samples", "0"), "--num-samples"),
+    Case("sample-seed-negative", ("sample", "--checkpoint", "run", "--seed", "-5"), "--seed"),
+    Case("sample-checkpoint-missing", ("sample", "--checkpoint", "no-run"), "does not exist"),
+    Case("sample-checkpoint-foreign", ("sample", "--checkpoint", "notes.txt"), "notes.txt"),
+    # --- plan ---
+    Case("plan-seq-len-zero", ("plan", "--seq-len", "0", "--tokens-per-step", "1024", "--micro-batch", "2"), "--seq-len"),
+    Case("plan-micro-batch-zero", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "0"), "--micro-batch"),
+    Case("plan-k-negative", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--k", "-1"), "--k"),
+    Case("plan-devices-zero", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "2",
+                               "--devices", "0"), "--devices"),  # fmt: skip
+    Case("plan-vocab-negative", ("plan", "--seq-len", "64", "--micro-batch", "2", "--k", "2", "--vocab-size", "-1"),
+         "--vocab-size"),  # fmt: skip
+    Case("plan-tokens-negative", ("plan", "--seq-len", "64", "--tokens-per-step", "-5", "--micro-batch", "2"),
+         "--tokens-per-step"),  # fmt: skip
+    Case("plan-tokens-infinite", ("plan", "--seq-len", "64", "--tokens-per-step", "infM", "--micro-batch", "2"),
+         "--tokens-per-step"),  # fmt: skip
+    # --- memory (refused before any measuring) ---
+    Case("memory-k-one", ("memory", "--k", "1"), "--k"),
+    Case("memory-max-micro-batch-zero", ("memory", "--max-micro-batch", "0"), "--max-micro-batch"),
+    Case("memory-seq-len-negative", ("memory", "--seq-len", "-1"), "--seq-len"),
+    Case("memory-vocab-zero", ("memory", "--vocab-size", "0"), "--vocab-size"),
+    Case("memory-plot-exists", ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "plot.png"), "--overwrite"),
+    Case("memory-plot-is-a-dir", ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "mine"), "directory"),
+    # --- verify ---
+    Case("verify-k-zero", ("verify", "--k", "0"), "--k"),
+    Case("verify-micro-batch-zero", ("verify", "--micro-batch", "0"), "--micro-batch"),
+    Case("verify-seq-len-zero", ("verify", "--seq-len", "0"), "--seq-len"),
+    Case("verify-dropout-above-1", ("verify", "--dropout", "1.5"), "--dropout"),
+    Case("verify-tolerance-negative", ("verify", "--tolerance", "-1"), "--tolerance"),
+    Case("verify-top-negative", ("verify", "--top", "-1"), "--top"),
+    Case("verify-nproc-zero", ("verify", "--nproc", "0"), "--nproc"),
+    Case("verify-vocab-negative", ("verify", "--vocab-size", "-1"), "--vocab-size"),
+    Case("verify-seed-negative", ("verify", "--seed", "-1"), "--seed"),
+    Case("verify-micro-batch-beyond-memory", ("verify", "--model", "pico", "--micro-batch", "1000000000"),
+         "out of memory"),  # fmt: skip
+    Case("verify-json-exists", ("verify", "--model", "pico", "--json", "notes.txt"), "--overwrite"),
+    # --- eval ---
+    Case("eval-batches-negative", ("eval", "run", "--data", "corpus.txt", "--batches", "-1"), "--batches"),
+    Case("eval-micro-batch-zero", ("eval", "run", "--data", "corpus.txt", "--micro-batch", "0"), "--micro-batch"),
+    Case("eval-seq-len-zero", ("eval", "run", "--data", "corpus.txt", "--seq-len", "0"), "--seq-len"),
+    Case("eval-run-missing", ("eval", "no-run", "--data", "corpus.txt"), "does not exist"),
+    # --- report ---
+    Case("report-out-foreign-dir", ("report", "run", "--out", "mine"), "was not made by bigbatch"),
+    Case("report-out-is-a-file", ("report", "run", "--out", "notes.txt"), "is a file"),
+    Case("report-run-missing", ("report", "no-run"), "does not exist"),
+    # --- export ---
+    Case("export-out-not-empty", ("export", "run", "mine"), "not empty"),
+    Case("export-out-is-a-file", ("export", "run", "notes.txt"), "notes.txt"),
+    Case("export-run-missing", ("export", "no-run", "new-export"), "does not exist"),
+]
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``root``: its SHA-256 and mtime (ns)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            found[str(path.relative_to(root))] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A corpus, a prepared cache, a documents corpus of 3 files, a finished run, and the user's own files."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    (root / "corpus.txt").write_bytes(corpus_bytes(30_000))
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"doc{i}.txt").write_text(f"document {i}: " + "to be or not to be. " * 20)
+    mine = root / "mine"
+    mine.mkdir()
+    (mine / "config.toml").write_text("# the user's own file\n")
+    (root / "notes.txt").write_text("the user's notes\n")
+    (root / "plot.png").write_bytes(b"not really a png, but the user's\n")
+    (root / "bad-beta1.toml").write_text("[optim]\nbeta1 = 1.5\n")
+    (root / "bad-micro-batch.toml").write_text("[batch]\nmicro_batch = 0\n")
+    old = Path.cwd()
+    os.chdir(root)
+    try:
+        code, _, err = run_main(list(T("--out", "run", "--save-every", "1")))
+        assert code == 0, err
+        ensure_prepared("docs", "byte", 0.1, "cache", mode="documents")  # as train would, before the case
+        yield root
+    finally:
+        os.chdir(old)
+
+
+def run_case(argv: list[str]) -> tuple[int, str, str]:
+    """``main()`` in-process; a usage error returns 2 like every user error (a SystemExit would fail here)."""
+    return run_main(argv, stderr=io.StringIO())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_in_one_line_and_changes_nothing(
+    case: Case, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(workspace / "env-cache"))
+    before = snapshot(workspace)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code, out, err = run_case(list(case.argv))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    lines = err.strip("\n").splitlines()
+    assert code == case.code, (out, err)
+    assert 1 <= len(lines) <= MAX_STDERR_LINES, err
+    assert lines[-1].startswith("bigbatch: error: "), err
+    assert case.says in err, err
+    assert "Traceback" not in out + err
+    after = snapshot(workspace)
+    changed = sorted(k for k in before if before[k] != after.get(k))
+    created = sorted(set(after) - set(before))
+    assert not changed, f"changed or removed: {changed}"
+    assert not created, f"created: {created}"
+
+
+def test_the_catalogue_is_large_and_covers_every_command() -> None:
+    assert len(CASES) >= 50
+    commands = {c.argv[0] for c in CASES}
+    assert commands == {"train", "prepare", "sample", "plan", "memory", "verify", "eval", "report", "export"}
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+# ------------------------------------------------------------------------------------------------
+# declared once: every numeric setting has a range, every numeric flag is range-checked
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_numeric_config_field_declares_a_range() -> None:
+    from dataclasses import fields
+
+    from bigbatch.config import SECTIONS
+
+    missing = [
+        f"{section}.{f.name}"
+        for section, cls in SECTIONS.items()
+        for f in fields(cls)
+        if str(f.type) in ("int", "float") and "range" not in f.metadata
+    ]
+    assert not missing, f"numeric settings without a declared range: {missing}"
+
+
+def test_no_command_has_an_unchecked_numeric_flag() -> None:
+    import argparse
+
+    from bigbatch.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    unchecked = [
+        f"{name} {'/'.join(action.option_strings)}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if action.type in (int, float)
+    ]
+    assert not unchecked, f"numeric flags parsed without a range: {unchecked}"
+
+
+def test_a_checkpoints_own_config_may_store_auto_as_zero() -> None:
+    from bigbatch.config import config_from_dict
+
+    assert config_from_dict({"batch": {"micro_batch": 0}}).batch.micro_batch == 0  # what to_dict() writes for auto
+
+
+# ------------------------------------------------------------------------------------------------
+# the cases that need more than one process
+# ------------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC_DIR), OMP_NUM_THREADS="1")
+    env.pop("BIGBATCH_FAULT", None)
+    return env
+
+
+def _bigbatch(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "bigbatch", *argv]
+
+
+@pytest.mark.slow
+def test_nproc_user_error_found_before_torchrun_is_one_line(workspace: Path) -> None:
+    before = snapshot(workspace)
+    result = subprocess.run(
+        _bigbatch(*T("--nproc", "2", "--total-batch-tokens", "100")), cwd=workspace, env=_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert result.stderr.startswith("bigbatch: error: total_batch_tokens=100")
+    assert snapshot(workspace) == before
+
+
+@pytest.mark.slow
+def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces(workspace: Path) -> None:
+    """``--init-from`` is only read by the workers: the error comes from inside torchrun's world."""
+    before = snapshot(workspace)
+    result = subprocess.run(
+        _bigbatch(*T("--nproc", "2", "--init-from", "no-such-hf-dir")), cwd=workspace, env=_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == ["bigbatch: error: no-such-hf-dir is not a directory; give a "
+                                                  "Hugging Face GPT-2 directory"], result.stderr  # fmt: skip
+    assert "Traceback" not in result.stdout + result.stderr
+    assert snapshot(workspace) == before
+
+
+def test_a_closed_output_pipe_ends_quietly(workspace: Path, tmp_path: Path) -> None:
+    """``bigbatch plan ... | true``: every write after the reader left fails; nothing is reported."""
+    process = subprocess.Popen(
+        _bigbatch("plan", "--seq-len", "64", "--tokens-per-step", "4096", "--micro-batch", "2"), cwd=tmp_path,
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the reader is gone before the first line
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141, err
+    assert err == ""
+
+
+@pytest.mark.slow
+def test_train_piped_into_head_stops_politely_without_logging_errors(workspace: Path, tmp_path: Path) -> None:
+    """``bigbatch train ... | head -3``: the run ends at the next step, saved, with no 'Logging error' or
+    BrokenPipeError trace."""
+    argv = [*T("--out", str(tmp_path / "piped"), "--max-steps", "500")]
+    process = subprocess.Popen(_bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    lines = [process.stdout.readline() for _ in range(6)]  # into the step lines (head -3 after the header)
+    assert lines[-1].startswith(b"step "), lines
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    code = process.wait(timeout=120)
+    assert code == 143, err  # stopped as on SIGTERM: 128 + 15
+    assert err == "", err
+    checkpoints = list((tmp_path / "piped" / "checkpoints").glob("step_*.pt"))
+    assert len(checkpoints) == 1 and int(checkpoints[0].stem.split("_")[1]) < 500
+
+
+# ------------------------------------------------------------------------------------------------
+# a full disk while saving a checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_earlier_checkpoints(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second checkpoint's file stops growing after 4 KiB with ENOSPC, as on a full disk: torch.save
+    turns that into a RuntimeError ('unexpected pos') that hid the cause in a 35-line trace."""
+    import tempfile as tempfile_module
+
+    from bigbatch import checkpoint
+
+    real_mkstemp, real_fdopen = tempfile_module.mkstemp, os.fdopen
+    names: dict[int, str] = {}
+
+    def mkstemp(*args: object, **kwargs: object) -> tuple[int, str]:
+        fd, name = real_mkstemp(*args, **kwargs)  # type: ignore[arg-type]
+        names[fd] = name
+        return fd, name
+
+    class FullDisk:
+        def __init__(self, handle: object) -> None:
+            self.handle, self.written = handle, 0
+
+        def write(self, data: bytes) -> int:
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.handle.write(data)  # type: ignore[attr-defined, no-any-return]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.handle, name)
+
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.close()  # type: ignore[attr-defined]
+
+    def fdopen(fd: int, *args: object, **kwargs: object) -> object:
+        handle = real_fdopen(fd, *args, **kwargs)  # type: ignore[arg-type]
+        return FullDisk(handle) if "step_0000002.pt" in names.get(fd, "") else handle
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(checkpoint.os, "fdopen", fdopen)
+    monkeypatch.chdir(workspace)
+    run_dir = tmp_path / "full"
+    code, out, err = run_case(list(T("--out", str(run_dir), "--save-every", "1", "--max-steps", "3")))
+    assert code == 2, err
+    assert err.strip().splitlines() == [err.strip()], err
+    assert "No space left on device" in err and "earlier checkpoints are intact" in err, err
+    assert "Traceback" not in out + err
+    files = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert files == ["step_0000001.commit", "step_0000001.pt"], files  # no half-written file left behind
+    assert checkpoint.verify_checkpoint(run_dir / "checkpoints" / "step_0000001.pt") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# said, not refused
+# ------------------------------------------------------------------------------------------------
+
+
+def test_parallel_fsdp_in_one_process_is_said(workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(workspace)
+    code, out, err = run_case(list(T("--out", str(tmp_path / "fsdp1"), "--parallel", "fsdp", "--max-steps", "1")))
+    assert code == 0, err
+    assert "--parallel fsdp has no effect in a single process" in out
+
+
+def test_a_bigbatch_run_directory_is_written_again(workspace: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    """The guard refuses foreign directories only: a run bigbatch made continues, and a report is redone."""
+    monkeypatch.chdir(workspace)
+    run_dir = tmp_path / "again"
+    for steps in ("1", "2"):
+        code, _, err = run_case(list(T("--out", str(run_dir), "--max-steps", steps)))
+        assert code == 0, err
+    for _ in range(2):
+        code, _, err = run_case(["report", str(run_dir)])
+        assert code == 0, err
+    assert (run_dir / ".bigbatch-run").is_file() and (run_dir / "report" / ".bigbatch-report").is_file()
+
+
+@pytest.mark.slow
+def test_nproc_train_piped_into_head_ends_quietly(workspace: Path, tmp_path: Path) -> None:
+    """Under ``--nproc 2`` rank 0's closed pipe ends every worker quietly: no gloo, torchrun or logging traces."""
+    argv = [*T("--nproc", "2", "--out", str(tmp_path / "piped2"), "--max-steps", "500")]
+    process = subprocess.Popen(_bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    for _ in range(3):
+        process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=300) in (141, 143), err  # ended in set-up (141) or stopped after a step, saved (143)
+    assert err == "", err
