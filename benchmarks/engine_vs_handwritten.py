@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 
@@ -44,7 +45,8 @@ def handwritten_step(
         group["lr"] = schedule(step)
     optimizer.zero_grad(set_to_none=True)
     for mb in batches:
-        _, loss = model(mb.inputs, mb.targets)  # mean over the micro-batch's tokens
+        logits = model(mb.inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), mb.targets.flatten())  # mean over the micro-batch's tokens
         (loss / len(batches)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
     optimizer.step()

@@ -22,7 +22,7 @@ import time
 import torch
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.metrics import device_peak_flops, mfu
 from bigbatch.model import GPT, preset
 from bigbatch.optim import build_adamw, constant_schedule

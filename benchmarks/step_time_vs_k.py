@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.model import GPT, preset
 from bigbatch.optim import build_adamw, constant_schedule
 

@@ -23,7 +23,7 @@ def worker() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from bigbatch.accumulate import AccumulationEngine
-    from bigbatch.data.loader import MicroBatch
+    from bigbatch.batch import MicroBatch
     from bigbatch.distributed import distributed_session, wrap_model
     from bigbatch.model import GPT, preset
     from bigbatch.optim import build_adamw, constant_schedule

@@ -32,7 +32,8 @@ import torch
 
 from bigbatch.accumulate import AccumulationEngine, StepRecord
 from bigbatch.config import TrainConfig
-from bigbatch.data.loader import MicroBatch, PackedLoader
+from bigbatch.batch import MicroBatch
+from bigbatch.data.loader import PackedLoader
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import TokenDataset
 from bigbatch.model import GPT, preset

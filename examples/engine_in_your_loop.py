@@ -12,7 +12,7 @@ import torch
 
 from bigbatch import GPT, preset
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.optim import CosineSchedule, build_adamw
 
 

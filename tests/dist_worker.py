@@ -16,7 +16,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.distributed import distributed_session, wrap_model
 from bigbatch.model import GPT, GPTConfig
 from bigbatch.optim import build_adamw, constant_schedule

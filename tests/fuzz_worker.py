@@ -8,7 +8,7 @@ In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many 
 
 Rank 0 writes ``OUT_DIR/seed_<seed>.pt`` per setting (or ``seed_<seed>.error`` with the traceback) as
 soon as it is done. Recorded per setting: the initial and final full model state, and per call of the
-trainer's ``next_step_batches`` every rank's micro-batches, the valid-target count the trainer derived,
+trainer's ``next_step`` every rank's micro-batches, the valid-target count the trainer derived,
 the loader's epoch before and after, and the engine's :class:`StepRecord` when a step was taken.
 """
 
@@ -41,7 +41,8 @@ def run_bigbatch(
     setting: Setting, workdir: Path, dist: Any = None, device: Any = None, sabotage: str = ""
 ) -> dict | None:
     """Train ``setting`` with bigbatch; the record on rank 0 (``None`` on other ranks)."""
-    from bigbatch.accumulate import count_valid_targets, token_loss_sum
+    from bigbatch.accumulate import token_loss_sum
+    from bigbatch.batch import StepBatch, count_valid_targets
     from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
     from bigbatch.cli import build_parser
     from bigbatch.config import config_from_args
@@ -60,12 +61,13 @@ def run_bigbatch(
     initial = full_state(trainer.model)
 
     calls: list[dict[str, Any]] = []
-    next_step_batches = trainer.next_step_batches
+    next_step = trainer.next_step
     engine_step = trainer.engine.step
 
-    def recording_next_step_batches() -> tuple[list, int]:
+    def recording_next_step() -> StepBatch:
         epoch = trainer.train_loader.epoch
-        batches, n_valid = next_step_batches()
+        step = next_step()
+        batches, n_valid = step.micro_batches, step.n_valid
         if sabotage == "drop_last_micro_batch" and len(batches) > 1:  # a step assembled wrongly, counted right
             batches = batches[:-1]
             n_valid = dist.sum_int(sum(count_valid_targets(mb) for mb in batches), device)
@@ -73,7 +75,7 @@ def run_bigbatch(
             "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
             "n_valid": n_valid, "epoch_before": epoch, "epoch_after": trainer.train_loader.epoch, "record": None,
         })  # fmt: skip
-        return batches, n_valid
+        return StepBatch(batches, n_valid)
 
     def recording_step(micro_batches: list, n_valid: int | None = None) -> Any:
         record = engine_step(micro_batches, n_valid)
@@ -83,7 +85,7 @@ def run_bigbatch(
         }  # fmt: skip
         return record
 
-    trainer.next_step_batches = recording_next_step_batches  # type: ignore[method-assign]
+    trainer.next_step = recording_next_step  # type: ignore[method-assign]
     trainer.engine.step = recording_step  # type: ignore[method-assign]
     if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
         def mean_over_k(model: torch.nn.Module, mb: Any) -> torch.Tensor:  # the engine then scales by 1/N

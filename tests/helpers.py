@@ -7,6 +7,10 @@ import io
 import logging
 from pathlib import Path
 
+import torch
+
+from bigbatch.accumulate import token_loss_sum
+from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.cli import main
 
 
@@ -46,3 +50,8 @@ def corpus_bytes(limit: int = 60_000) -> bytes:
         return SHAKESPEARE.read_bytes()[:limit]
     lines = "".join(f"line {i}: to be or not to be, {i * i % 97} is it.\n" for i in range(limit // 30 + 1))
     return lines.encode()[:limit]
+
+
+def mean_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss over valid targets, from bigbatch's one loss definition (a sum)."""
+    return token_loss_sum(model, MicroBatch(inputs, targets)) / (targets != IGNORE_INDEX).sum()

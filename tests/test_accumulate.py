@@ -7,12 +7,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from helpers import mean_loss
 import torch
 import torch.nn as nn
 from conftest import random_batch
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import MicroBatch
 from bigbatch.model import GPT
 from bigbatch.optim import CosineSchedule, build_adamw, constant_schedule
 
@@ -30,7 +31,7 @@ def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[MicroBatch]:
 
 def full_batch_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    _, loss = model(x, y)
+    loss = mean_loss(model, x, y)
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -60,7 +61,7 @@ def test_three_adamw_steps_match_full_batch_training(tiny_model: GPT, k: int) ->
         x, y = random_batch(2 * k, SEQ, seed=step)
         # Reference: one big batch, clip, step.
         ref_opt.zero_grad(set_to_none=True)
-        _, loss = reference(x, y)
+        loss = mean_loss(reference, x, y)
         loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         ref_opt.step()
@@ -112,7 +113,7 @@ def test_classic_mistake_of_summing_means_gives_k_times_the_gradient(tiny_model:
     naive = copy.deepcopy(tiny_model)
     naive.zero_grad(set_to_none=True)
     for mb in split(x, y, k):
-        _, loss = naive(mb.inputs, mb.targets)
+        loss = mean_loss(naive, mb.inputs, mb.targets)
         loss.backward()  # no 1/K: the classic mistake
     engine = make_engine(tiny_model)
     tiny_model.zero_grad(set_to_none=True)
@@ -195,7 +196,7 @@ def test_gradients_are_zeroed_once_per_step(tiny_model: GPT) -> None:
 
 def test_non_finite_gradient_skips_the_update(tiny_model: GPT) -> None:
     def nan_loss(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        logits, _ = model(batch.inputs)
+        logits = model(batch.inputs)
         return logits.sum() * float("nan")
 
     before = copy.deepcopy(tiny_model.state_dict())

@@ -16,11 +16,12 @@ import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.config import TrainConfig
-from bigbatch.data.loader import DocumentLoader, MicroBatch
+from bigbatch.batch import MicroBatch, StepBatch
+from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset, utf8_replacements
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
 from bigbatch.errors import DataError
-from bigbatch.model import IGNORE_INDEX
+from bigbatch.batch import IGNORE_INDEX
 from bigbatch.trainer import EmptyStepGuard, Trainer
 
 
@@ -133,7 +134,7 @@ def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path) -> None:
     trainer = Trainer(small_config(tmp_path, documents_data(tmp_path)))
     calls = 0
 
-    def empty_step() -> tuple[list[MicroBatch], int]:
+    def empty_step() -> StepBatch:
         nonlocal calls
         calls += 1
         if calls == 3:
@@ -141,9 +142,9 @@ def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path) -> None:
         if calls > 50:
             raise AssertionError("SIGTERM was ignored by the loop that skips empty steps")
         batch = MicroBatch(torch.zeros(2, 16, dtype=torch.long), torch.full((2, 16), IGNORE_INDEX))
-        return [batch], 0
+        return StepBatch([batch], 0)
 
-    trainer.next_step_batches = empty_step  # type: ignore[method-assign]
+    trainer.next_step = empty_step  # type: ignore[method-assign]
     result = trainer.train()
     assert result.stopped_by == signal.SIGTERM and calls == 3
 

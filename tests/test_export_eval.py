@@ -70,7 +70,7 @@ def test_export_loads_in_transformers_with_identical_logits(run_dir: Path, tmp_p
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(out), local_files_only=True).eval()
     x = torch.randint(0, ours.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = ours(x)[0][..., : ours.config.vocab_size]
+        expected = ours(x)[..., : ours.config.vocab_size]
         actual = theirs(x).logits
     assert actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)

@@ -38,7 +38,7 @@ def hf_dir(tmp_path: Path) -> tuple[transformers.GPT2LMHeadModel, Path]:
 def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(x)
-    return out.logits if hasattr(out, "logits") else out[0]
+    return out.logits if hasattr(out, "logits") else out
 
 
 def test_logits_match_transformers_from_safetensors(hf_dir: tuple) -> None:

@@ -8,19 +8,35 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import mean_loss
 import torch
 
-from bigbatch.accumulate import AccumulationEngine, count_valid_targets
-from bigbatch.data.loader import DocumentLoader, MicroBatch
+from bigbatch.accumulate import AccumulationEngine
+from bigbatch.batch import count_valid_targets
+from bigbatch.batch import MicroBatch
+from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import DocumentShard, TokenDataset
-from bigbatch.data.steps import budget_micro_batches, step_micro_batches
+from bigbatch.batch import StepBatch, StepPolicy, next_step
+from bigbatch.distributed import DistContext
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.model import GPT, GPTConfig
 from bigbatch.optim import build_adamw, constant_schedule
 
 TOL = 1e-5
 VOCAB = 97
+
+
+def budget_step(loader: DocumentLoader, budget: int, last_window: str = "partial") -> StepBatch:
+    return next_step(loader, StepPolicy(token_budget=budget, last_window=last_window), DistContext(), torch.device("cpu"))
+
+
+def budget_micro_batches(loader: DocumentLoader, budget: int, last_window: str = "partial") -> list[MicroBatch]:
+    return budget_step(loader, budget, last_window).micro_batches
+
+
+def step_micro_batches(loader: DocumentLoader, k: int, last_window: str = "partial") -> list[MicroBatch]:
+    return next_step(loader, StepPolicy(k=k, last_window=last_window), DistContext(), torch.device("cpu")).micro_batches
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,7 +53,7 @@ def full_batch_grads(net: GPT, batches: list[MicroBatch]) -> list[torch.Tensor]:
     net = copy.deepcopy(net)
     x = torch.cat([b.inputs for b in batches])
     y = torch.cat([b.targets for b in batches])
-    _, loss = net(x, y)
+    loss = mean_loss(net, x, y)
     loss.backward()
     return [p.grad for p in net.parameters()]
 
@@ -53,7 +69,7 @@ def mean_over_k_grads(net: GPT, batches: list[MicroBatch]) -> list[torch.Tensor]
     """The classic idiom: each micro-batch's mean loss divided by K."""
     net = copy.deepcopy(net)
     for b in batches:
-        _, loss = net(b.inputs, b.targets)
+        loss = mean_loss(net, b.inputs, b.targets)
         (loss / len(batches)).backward()
     return [p.grad for p in net.parameters()]
 
@@ -141,7 +157,9 @@ def test_token_budget_takes_micro_batches_until_reached_and_is_exact() -> None:
     valid = [min(n, 33) - 1 for n in lengths]  # targets per document after truncation to T + 1
     per_micro = [valid[i] + valid[i + 1] for i in range(0, len(valid), 2)]
     assert per_micro == [34, 40, 17, 36, 42, 30]
-    batches = budget_micro_batches(loader, budget=70)
+    step = budget_step(loader, budget=70)
+    batches = step.micro_batches
+    assert step.n_valid == 74  # counted once, while the step was assembled
     assert len(batches) == 2  # 34 < 70, 34 + 40 = 74 >= 70: the crossing micro-batch is included whole
     total = sum(count_valid_targets(b) for b in batches)
     assert total == 74

@@ -26,18 +26,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.data.loader import MicroBatch
+from bigbatch.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.choices import RESOLVED_PRECISIONS
 from bigbatch.distributed import DistContext, GradSync, LocalGradSync
-from bigbatch.model import IGNORE_INDEX
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
 
 CountFn = Callable[[Any], int]
 """``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Sum of next-token cross-entropies over valid targets, for a model returning ``(logits, ...)``."""
@@ -53,19 +50,14 @@ def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     )
 
 
-def count_valid_targets(batch: MicroBatch) -> int:
-    """Targets that are not ``IGNORE_INDEX`` (-100)."""
-    return int((batch.targets != IGNORE_INDEX).sum())
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
     """``auto`` means bf16 on a CUDA device that supports it, else fp32."""
     if precision == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return "bf16"
         return "fp32"
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose auto, {', '.join(PRECISIONS)}")
+    if precision not in RESOLVED_PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose auto, {', '.join(RESOLVED_PRECISIONS)}")
     return precision
 
 
@@ -176,12 +168,9 @@ class AccumulationEngine:
             group["lr"] = lr
 
     def global_valid_targets(self, micro_batches: Sequence[Any]) -> int:
-        """Valid targets over all micro-batches on all ranks, known before the first backward."""
-        local = sum(self.count_fn(mb) for mb in micro_batches)
-        if self.dist.world_size == 1:
-            return local
-        total = torch.tensor([local], dtype=torch.int64, device=self.device)
-        return int(self.dist.all_reduce_sum(total).item())
+        """Valid targets over all micro-batches on all ranks, known before the first backward (for callers that
+        do not bring ``n_valid``, e.g. a :class:`~bigbatch.batch.StepBatch`'s)."""
+        return global_valid_targets(micro_batches, self.dist, self.device, self.count_fn)
 
     def accumulate(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> tuple[torch.Tensor, int]:
         """Forward and backward over the micro-batches, adding into ``.grad``.

@@ -113,7 +113,7 @@ def measure_in_process(
     It seeds and draws (model, tokens), so it runs under :func:`~bigbatch.rng.preserved_rng`: the caller's
     generators (e.g. a trainer's, for ``--micro-batch auto`` on CUDA) are left exactly as they were."""
     from bigbatch.accumulate import AccumulationEngine
-    from bigbatch.data.loader import MicroBatch
+    from bigbatch.batch import MicroBatch
     from bigbatch.optim import build_adamw, constant_schedule
 
     peak_meter = _CudaPeak if device.type == "cuda" else _CpuPeak

@@ -17,9 +17,6 @@ from torch.utils.checkpoint import checkpoint
 
 from bigbatch.errors import ConfigError
 
-IGNORE_INDEX = -100
-"""Target value that contributes no loss (padding, masked prompt tokens)."""
-
 
 def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
     """Round the vocabulary up to a multiple of ``multiple`` (50257 -> 50304) for faster matmuls."""
@@ -135,12 +132,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2. ``forward(idx, targets=None)`` returns ``(logits, loss)``.
+    """GPT-2. ``forward(idx)`` returns the logits, shape (B, T, vocab_size).
 
-    ``logits`` has shape (B, T, vocab_size): the embedding table is padded to a
-    multiple of 64 for speed, but the padded columns are cut off so they never
-    enter a softmax. ``loss`` is the mean cross-entropy over targets that are not
-    ``IGNORE_INDEX`` (-100), or ``None`` without targets.
+    The embedding table is padded to a multiple of 64 for speed, but the padded
+    columns are cut off so they never enter a softmax. The model knows nothing of
+    losses or batches: the one loss definition is
+    :func:`bigbatch.accumulate.token_loss_sum`.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -178,10 +175,8 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T = idx.shape
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)  # (T,)
@@ -196,12 +191,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, padded_vocab)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().reshape(B * T, -1), targets.reshape(B * T), ignore_index=IGNORE_INDEX
-            )
-        return logits, loss
+        return logits
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops the position table."""

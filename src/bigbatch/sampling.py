@@ -19,8 +19,7 @@ def _next_token(
 ) -> torch.Tensor:
     """The next token (B, 1) after ``idx`` (B, T); greedy when ``temperature`` is 0."""
     context = idx[:, -model.config.block_size :]  # (B, <= block_size)
-    logits, _ = model(context)
-    logits = logits[:, -1, :].float()  # (B, vocab)
+    logits = model(context)[:, -1, :].float()  # (B, vocab)
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

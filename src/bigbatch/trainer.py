@@ -18,7 +18,6 @@ from bigbatch import __version__
 from bigbatch.accumulate import (
     AccumulationEngine,
     StepRecord,
-    count_valid_targets,
     resolve_precision,
     summed_loss,
 )
@@ -31,10 +30,10 @@ from bigbatch.checkpoint import (
 )
 from bigbatch.config import TrainConfig
 from bigbatch.data.fingerprint import dataset_fingerprints
-from bigbatch.data.loader import DocumentLoader, MicroBatch, PackedLoader, loader_for
+from bigbatch.batch import StepBatch, StepPolicy, next_step
+from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import check_requested_tokenizer, open_dataset
-from bigbatch.data.steps import budget_micro_batches, step_micro_batches
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import (
     DistContext,
@@ -229,6 +228,9 @@ class Trainer:
             self.plan = BatchPlan(micro_batch, batch.seq_len, accumulation_steps=1, world_size=world)
         else:
             self.plan = plan_batch(batch.total_batch_tokens, micro_batch, batch.seq_len, world_size=world)
+        self.policy = StepPolicy(
+            k=self.plan.accumulation_steps, token_budget=self.token_budget, last_window=batch.last_window
+        )
         self.documents = self.dataset.meta.mode == "documents"
         self.k_varies = bool(self.token_budget) or self.documents
         self.tokens_seen = 0  # valid target tokens trained on, all ranks
@@ -436,19 +438,9 @@ class Trainer:
             )
         return p.describe()
 
-    def next_step_batches(self) -> tuple[list[MicroBatch], int]:
+    def next_step(self) -> StepBatch:
         """This rank's micro-batches for the next step and the step's global valid-target count."""
-        last_window = self.config.batch.last_window
-        if self.token_budget:
-            count = lambda mb: self.dist.sum_int(count_valid_targets(mb), self.device)  # noqa: E731
-            batches = budget_micro_batches(self.train_loader, self.token_budget, last_window, count)
-        else:
-            batches = step_micro_batches(self.train_loader, self.plan.accumulation_steps, last_window)
-        if self.documents:
-            n_valid = self.dist.sum_int(sum(count_valid_targets(mb) for mb in batches), self.device)
-        else:  # packed: every target is valid, so the count is known without an all-reduce
-            n_valid = len(batches) * self.plan.tokens_per_micro_batch * self.dist.world_size
-        return batches, n_valid
+        return next_step(self.train_loader, self.policy, self.dist, self.device)
 
     @torch.no_grad()
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
@@ -631,7 +623,8 @@ class Trainer:
         try:
             stop.__enter__()
             while self.engine.step_count < run.max_steps:
-                micro_batches, n_valid = self.next_step_batches()
+                step = self.next_step()
+                micro_batches, n_valid = step.micro_batches, step.n_valid
                 if n_valid == 0:
                     self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
                     empty_steps.skipped(self.train_loader)

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.accumulate import AccumulationEngine, resolve_precision, token_loss_sum
-from bigbatch.model import IGNORE_INDEX
+from bigbatch.batch import IGNORE_INDEX
 from bigbatch.optim import constant_schedule
 from bigbatch.rng import preserved_rng
 
@@ -74,7 +74,7 @@ class TensorBatch:
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss for a model returning logits: (sum over valid targets, count of valid targets)."""
-    from bigbatch.data.loader import MicroBatch
+    from bigbatch.batch import MicroBatch
 
     return token_loss_sum(model, MicroBatch(inputs, targets)), (targets != IGNORE_INDEX).sum()
 

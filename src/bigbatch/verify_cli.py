@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from bigbatch.errors import BigBatchError
-from bigbatch.model import GPT, IGNORE_INDEX, preset
+from bigbatch.batch import IGNORE_INDEX
+from bigbatch.model import GPT, preset
 from bigbatch.verify import VerifyLossFn
 
 

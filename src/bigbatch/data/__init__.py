@@ -1,6 +1,7 @@
 """Data: tokenizers, corpus preparation, token shards and the rank-aware loader."""
 
-from bigbatch.data.loader import MicroBatch, PackedLoader
+from bigbatch.batch import MicroBatch
+from bigbatch.data.loader import PackedLoader
 from bigbatch.data.prepare import ensure_prepared, prepare_dataset
 from bigbatch.data.shards import DatasetMeta, TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer

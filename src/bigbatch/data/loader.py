@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.data.shards import DocumentShard
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.model import IGNORE_INDEX
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch: ``targets`` are ``inputs`` shifted by one token; ``-100`` marks no loss."""
-
-    inputs: torch.Tensor  # (B, T) int64
-    targets: torch.Tensor  # (B, T) int64
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        return MicroBatch(
-            self.inputs.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking)
-        )
-
-    def pin_memory(self) -> MicroBatch:
-        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory())
 
 
 class PackedLoader:
@@ -76,6 +59,23 @@ class PackedLoader:
 
     def reset(self) -> None:
         self._slot, self.offset, self.epoch = 0, 0, 0
+
+    # The step assembler's view (bigbatch.batch.MicroBatchSource): an endless stream of full micro-batches.
+    def sequences_left(self) -> int | None:
+        return None
+
+    def sequences_per_micro_batch(self) -> int:
+        return self.micro_batch * self.world_size
+
+    def sequences_per_epoch(self) -> int | None:
+        return None
+
+    def skip_rest_of_epoch(self) -> None:
+        self._slot, self.offset = 0, 0
+        self.epoch += 1
+
+    def known_valid_targets(self) -> int | None:
+        return self.window  # packed: every target of the B x T window is valid
 
     def next_micro_batch(self) -> MicroBatch:
         shard = self.shards[self.shard_index]
@@ -267,6 +267,19 @@ class DocumentLoader:
 
     def reset(self) -> None:
         self.position, self.epoch = 0, 0
+
+    # The step assembler's view (bigbatch.batch.MicroBatchSource): a finite epoch of padded sequences.
+    def sequences_left(self) -> int | None:
+        return self.docs_left()
+
+    def sequences_per_micro_batch(self) -> int:
+        return self.global_window
+
+    def sequences_per_epoch(self) -> int | None:
+        return self.n_sequences
+
+    def known_valid_targets(self) -> int | None:
+        return None  # padding and masks: counted per micro-batch
 
     def skip_rest_of_epoch(self) -> None:
         if self.position:

@@ -1,0 +1,46 @@
+"""Every closed set of choices, declared once: config fields, validation, CLI flags and docs use these.
+
+This module imports nothing heavy (no torch), so the command line can build its parser from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigbatch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The allowed values of one setting, in the order the help lists them."""
+
+    setting: str  # the name used in messages, e.g. "precision"
+    values: tuple[str, ...]
+
+    def check(self, value: object) -> str:
+        """``value`` when allowed; else a one-line error naming the setting and the choices."""
+        if value not in self.values:
+            raise ConfigError(f"{self.setting} must be one of {', '.join(self.values)}, got {value!r}")
+        return str(value)
+
+    def __iter__(self):  # noqa: ANN204 - lets argparse's ``choices=`` and ``in`` use the values directly
+        return iter(self.values)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.values
+
+    def listed(self) -> str:
+        """``a, b or c``, for help text."""
+        return ", ".join(self.values[:-1]) + f" or {self.values[-1]}" if len(self.values) > 1 else self.values[0]
+
+
+RESOLVED_PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISION = Choices("precision", ("auto", *RESOLVED_PRECISIONS))
+PARALLEL = Choices("parallel", ("auto", "none", "ddp", "fsdp"))
+LAST_WINDOW = Choices("last_window", ("partial", "drop"))
+DATA_MODE = Choices("data_mode", ("packed", "documents"))
+LONG_DOCUMENTS = Choices("long_documents", ("split", "truncate"))
+RESUME = Choices("resume", ("auto", "never"))
+SWITCH = Choices("compile", ("auto", "on", "off"))
+
+LAST_WINDOW_POLICIES = LAST_WINDOW.values
