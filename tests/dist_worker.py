@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.batch import MicroBatch
 from bigbatch.distributed import distributed_session, wrap_model
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.model import GPT, GPTConfig, fsdp_units
 from bigbatch.optim import build_adamw, constant_schedule
 
 K, B, T, VOCAB, STEPS = 3, 2, 16, 61, 3
@@ -43,7 +43,9 @@ def make_model() -> GPT:
 
 def train(parallel: str, ragged: bool, dist_ctx, device, sync_every: bool = False) -> tuple[GPT, list, int]:
     model = make_model()
-    wrapped, grad_sync = wrap_model(model, parallel, dist_ctx, device, sync_every_micro_step=sync_every)
+    wrapped, grad_sync = wrap_model(
+        model, parallel, dist_ctx, device, sync_every_micro_step=sync_every, units=fsdp_units(model)
+    )
     rounds = [0]
     if parallel == "ddp":
 

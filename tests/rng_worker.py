@@ -26,7 +26,7 @@ def main() -> None:
             config = make_config(corpus, out / parallel, parallel=parallel, max_steps=1, eval_every=0)
             trainer = Trainer(config, dist_ctx, device)
             rng = capture_rng_state()
-            full, _ = trainer._full_state()  # collective: every rank takes part
+            full = trainer.state.state_dict()["model"]  # collective: every rank takes part
             model_state = {name: value.detach().clone() for name, value in full.items()}  # may alias parameters
             masks: list[torch.Tensor] = []
 

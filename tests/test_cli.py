@@ -172,7 +172,7 @@ def test_sample_streams_the_same_text_as_a_batch(
 ) -> None:
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.data.tokenizers import get_tokenizer
-    from bigbatch.sampling import generate
+    from bigbatch.model.sampling import generate
 
     _, _, _, run_dir = trained_run
     for temperature in ("0", "0.8"):

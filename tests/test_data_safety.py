@@ -337,7 +337,7 @@ def test_prepare_reports_invalid_utf8_under_a_text_tokenizer(tmp_path: Path) -> 
 
 
 def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bigbatch.sampling as sampling
+    import bigbatch.model.sampling as sampling
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
     code, out, err = run_main(["train", "--data", str(tmp_path / "c.txt"), "--out", "run", *TRAIN, "--max-steps", "1"])

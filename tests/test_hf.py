@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from bigbatch.cli import main  # noqa: E402
 from bigbatch.errors import CheckpointError  # noqa: E402
-from bigbatch.hf import load_hf_gpt2, save_hf_gpt2  # noqa: E402
+from bigbatch.model.hf import load_hf_gpt2, save_hf_gpt2  # noqa: E402
 from bigbatch.verify import check_equivalence  # noqa: E402
 from bigbatch.verify_cli import token_batch  # noqa: E402
 

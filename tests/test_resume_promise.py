@@ -355,7 +355,7 @@ def test_gpt2_tokenizer_files_give_tiktokens_ids(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: int, dir_mode: int) -> None:
     from bigbatch.data.prepare import prepare_dataset
-    from bigbatch.hf import save_hf_gpt2
+    from bigbatch.model.hf import save_hf_gpt2
     from bigbatch.model import GPT, GPTConfig
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(5_000))

@@ -176,7 +176,7 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
         document = real_load(path)
         return {**document, "world_size": 2, "rng": document["rng"] * 2}
 
-    monkeypatch.setattr("bigbatch.trainer.load_checkpoint", saved_by_two_ranks)
+    monkeypatch.setattr("bigbatch.train_state.load_checkpoint", saved_by_two_ranks)
     resumed = Trainer(make_config(corpus, out, max_steps=4, save_every=2, eval_every=0))
     assert resumed.resumed_from is not None and resumed.engine.step_count == 2
     state = capture_rng_state()

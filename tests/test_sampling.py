@@ -7,7 +7,7 @@ import torch
 
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.model import GPT, GPTConfig
-from bigbatch.sampling import decoded_pieces, generate, generate_stream
+from bigbatch.model.sampling import decoded_pieces, generate, generate_stream
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ import torch
 
 from bigbatch.errors import CheckpointError
 from bigbatch.fileperm import apply_umask
+from bigbatch.model.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +217,8 @@ def load_checkpoint(location: Path | str, map_location: str | torch.device = "cp
     return document
 
 
-def model_from_checkpoint(document: dict[str, Any]) -> Any:
+def model_from_checkpoint(document: dict[str, Any]) -> GPT:
     """Rebuild the :class:`~bigbatch.model.GPT` stored in a loaded checkpoint."""
-    from bigbatch.model import GPT, GPTConfig
-
     try:
         model = GPT(GPTConfig(**document["model_config"]))
         model.load_state_dict(document["model"])

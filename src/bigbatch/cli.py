@@ -109,7 +109,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.distributed import resolve_device
-    from bigbatch.sampling import decoded_pieces, generate, generate_stream
+    from bigbatch.model.sampling import decoded_pieces, generate, generate_stream
     from bigbatch.tokenizer_files import checkpoint_tokenizer
 
     device = resolve_device(args.device)
@@ -219,7 +219,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         model_from_checkpoint,
         resolve_checkpoint,
     )
-    from bigbatch.hf import save_hf_gpt2
+    from bigbatch.model.hf import save_hf_gpt2
     from bigbatch.tokenizer_files import export_tokenizer
 
     out = args.out_dir

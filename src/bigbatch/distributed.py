@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,6 +101,26 @@ class DistContext:
         if self.world_size == 1:
             return value
         return int(self.all_reduce_sum(torch.tensor([value], dtype=torch.int64, device=device)).item())
+
+    def max_int(self, value: int, device: torch.device) -> int:
+        """The largest of every rank's ``value`` (e.g. a stop signal any rank received); itself for one process."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        flags = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return int(flags.item())
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on every rank), in rank order (``[tensor]`` for one process)."""
+        if self.world_size == 1:
+            return [tensor]
+        import torch.distributed as dist
+
+        gathered = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return gathered
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (identity for one process)."""
@@ -202,8 +222,12 @@ def wrap_model(
     device: torch.device,
     sync_every_micro_step: bool = False,
     precision: str = "fp32",
+    units: Sequence[nn.Module] = (),
 ) -> tuple[nn.Module, GradSync]:
-    """Wrap ``model`` for ``parallel`` (none, ddp, fsdp) and return it with its :class:`GradSync`."""
+    """Wrap ``model`` for ``parallel`` (none, ddp, fsdp) and return it with its :class:`GradSync`.
+
+    Under FSDP2 each of ``units`` is sharded on its own, then the root (the model decides its units: see
+    :func:`bigbatch.model.fsdp_units`)."""
     if parallel == "none":
         return model, LocalGradSync()
     if parallel == "ddp":
@@ -219,8 +243,8 @@ def wrap_model(
         kwargs: dict[str, Any] = {"mesh": mesh}
         if precision == "bf16" and device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.transformer.h:  # type: ignore[union-attr]
-            fully_shard(block, **kwargs)
+        for unit in units:
+            fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         return model, LocalGradSync() if sync_every_micro_step else FSDPGradSync(model)
     raise ConfigError(f"unknown parallel mode {parallel!r}")
@@ -231,3 +255,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     inner = getattr(model, "_orig_mod", model)
     inner = getattr(inner, "module", inner) if isinstance(inner, nn.parallel.DistributedDataParallel) else inner
     return getattr(inner, "_orig_mod", inner)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free parameters that FSDP2 left gathered: it keeps the root's after a forward without backward (an
+    evaluation), and the next training step's gradients would then be wrong. No-op for other wrappings."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()

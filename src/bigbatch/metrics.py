@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -194,3 +195,26 @@ def open_metrics(
         MetricsFanout(sinks).close()
         raise
     return MetricsFanout(sinks)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop records after ``step`` (written before a crash, about to be replayed) from the metrics log."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = []
+    lines = path.read_text().splitlines()
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the crash
+        recorded = int(record.get("step", 0))
+        # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint.
+        if recorded < step or (recorded == step and not record.get("skipped")):
+            kept.append(line)
+    if len(kept) == len(lines):
+        return  # nothing to drop: the file stays untouched
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

@@ -55,6 +55,20 @@ class CosineSchedule:
         if self.warmup_steps < 0 or self.decay_steps < self.warmup_steps:
             raise ValueError(f"need 0 <= warmup_steps <= decay_steps, got {self.warmup_steps}, {self.decay_steps}")
 
+    def state_dict(self) -> dict[str, float | int]:
+        """The schedule's parameters (it has no other state: a pure function of the step)."""
+        return {
+            "max_lr": self.max_lr, "min_lr": self.min_lr,
+            "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+        }  # fmt: skip
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, float | int]) -> CosineSchedule:
+        return cls(
+            max_lr=float(state["max_lr"]), min_lr=float(state["min_lr"]),
+            warmup_steps=int(state["warmup_steps"]), decay_steps=int(state["decay_steps"]),
+        )  # fmt: skip
+
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.max_lr * (step + 1) / self.warmup_steps

@@ -25,7 +25,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
     from bigbatch.plan import plan_batch
     from bigbatch.resume import find_resume_checkpoint
-    from bigbatch.trainer import check_micro_batch_fits
+    from bigbatch.build import check_micro_batch_fits
 
     run, data, batch = config.run, config.data, config.batch
     check_optional_loggers(bool(run.tensorboard), str(run.wandb or ""))
@@ -51,5 +51,6 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
                 "lower --seq-len or raise --block-size"
             )
     if batch.micro_batch:
-        train = loader_for(dataset, "train", batch.micro_batch, batch.seq_len, 0, world_size, name="training")
+        train = loader_for(dataset, "train", batch.micro_batch, batch.seq_len, 0, world_size, name="training",
+                           long_documents=data.long_documents)
         check_micro_batch_fits(train, batch.micro_batch, world_size)

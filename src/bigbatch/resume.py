@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -68,29 +66,6 @@ def check_compatible(document: dict[str, Any], model_config: dict[str, Any], tok
             )
 
 
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop records after ``step`` (written before a crash, about to be replayed) from the metrics log."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return
-    kept = []
-    lines = path.read_text().splitlines()
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the crash
-        recorded = int(record.get("step", 0))
-        # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint.
-        if recorded < step or (recorded == step and not record.get("skipped")):
-            kept.append(line)
-    if len(kept) == len(lines):
-        return  # nothing to drop: the file stays untouched
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
 def check_settings(document: dict[str, Any], config: Any, run_dir: Path) -> None:
     """Refuse to continue a run whose defining settings (see :mod:`bigbatch.run_identity`) differ from this one's."""
     from bigbatch.run_identity import settings_diff
@@ -132,10 +107,7 @@ def saved_schedule(document: dict[str, Any]) -> CosineSchedule:
     """The learning-rate schedule the checkpoint's run used (derived from its config when not stored)."""
     stored = document.get("schedule")
     if isinstance(stored, dict):
-        return CosineSchedule(
-            max_lr=float(stored["max_lr"]), min_lr=float(stored["min_lr"]),
-            warmup_steps=int(stored["warmup_steps"]), decay_steps=int(stored["decay_steps"]),
-        )  # fmt: skip
+        return CosineSchedule.from_state_dict(stored)
     config = document.get("config", {})
     optim, run = config.get("optim", {}), config.get("run", {})
     return initial_schedule(

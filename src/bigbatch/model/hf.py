@@ -21,7 +21,7 @@ import torch
 
 from bigbatch.errors import CheckpointError
 from bigbatch.fileperm import apply_umask
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.model.gpt import GPT, GPTConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older checkpoints

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from bigbatch.model import GPT
+from bigbatch.model.gpt import GPT
 
 
 def _next_token(

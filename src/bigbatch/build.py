@@ -1,0 +1,270 @@
+"""Every part of a training run, built from a :class:`~bigbatch.config.TrainConfig`, in the order data flows:
+
+config -> run directory -> data -> model -> plan and step policy -> loaders -> parallel wrapping -> optimizer,
+schedule and engine. :func:`build_run` returns them as one frozen :class:`RunParts`; the trainer runs them
+and :class:`~bigbatch.train_state.TrainState` saves and restores their state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from bigbatch.accumulate import AccumulationEngine, resolve_precision
+from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
+from bigbatch.batch import StepPolicy
+from bigbatch.config import TrainConfig
+from bigbatch.data.fingerprint import dataset_fingerprints
+from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
+from bigbatch.data.prepare import ensure_prepared
+from bigbatch.data.shards import check_requested_tokenizer, open_dataset
+from bigbatch.data.tokenizers import get_tokenizer, is_bpe
+from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
+from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.faults import fault_from_env, with_fault
+from bigbatch.metrics import device_peak_flops
+from bigbatch.model import GPT, fsdp_units, load_hf_gpt2, preset
+from bigbatch.optim import build_adamw
+from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
+from bigbatch.plan import BatchPlan, plan_batch
+from bigbatch.resume import find_resume_checkpoint, initial_schedule
+from bigbatch.rng import seed_rank_generators
+from bigbatch.run_identity import default_run_dir
+
+Loader = PackedLoader | DocumentLoader
+Say = Callable[..., None]
+"""``say(message, *args, level=logging.INFO)``: a log line from rank 0."""
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The built run. ``model`` is the user's module (FSDP2 shards its parameters in place); ``train_model`` is
+    what the engine runs (DDP-wrapped and/or compiled)."""
+
+    config: TrainConfig
+    dist: DistContext
+    device: torch.device
+    run_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
+    dataset: Any  # a prepared or foreign token dataset (bigbatch.data.shards.open_dataset)
+    fingerprints: dict[str, str]  # of the dataset's tokenizer and tokens
+    bpe_json: str | None  # a bpe:VOCAB tokenizer travels inside each checkpoint (it is small)
+    model: GPT
+    train_model: nn.Module
+    parallel: str
+    optimizer: torch.optim.Optimizer
+    engine: AccumulationEngine  # holds the learning-rate schedule
+    plan: BatchPlan
+    policy: StepPolicy
+    train_loader: Loader
+    val_loader: Loader | None
+    peak_flops: float | None  # per device, for MFU; None when unknown
+
+    @property
+    def documents(self) -> bool:
+        return bool(self.dataset.meta.mode == "documents")
+
+    @property
+    def k_varies(self) -> bool:
+        return bool(self.policy.token_budget) or self.documents
+
+
+def seed_everything(seed: int) -> None:
+    """The same state on every rank: for building the model (identical parameters on every rank). Training
+    itself draws from each rank's own streams (:func:`~bigbatch.rng.seed_rank_generators`)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say: Say) -> RunParts:
+    """Every part of the run, on every rank alike (rank 0 prepares data; the others wait and find it)."""
+    config.validate()
+    seed_everything(config.run.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    run_dir, resume_from = _run_dir(config, dist)
+    dataset = open_dataset(_prepared_data(config, dist))
+    check_requested_tokenizer(dataset.meta, config.data.tokenizer, dataset.directory)
+    bpe_json = None
+    if is_bpe(dataset.meta.tokenizer):
+        bpe_json = get_tokenizer(dataset.meta.tokenizer, dataset.directory).to_str()  # type: ignore[attr-defined]
+
+    model = build_model(config, dataset.vocab_size).to(device)
+    model.activation_checkpointing = config.model.activation_checkpointing
+    dataset.check_token_ids(model.config.vocab_size)
+    precision = resolve_precision(config.run.precision, device)
+    plan = _plan(config, model, dist, device, precision, say)
+    policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
+    train_loader = build_loader(config, dataset, plan, dist, "train", "training")
+    check_micro_batch_fits(train_loader, plan.micro_batch, dist.world_size)
+    val_loader = _val_loader(config, dataset, plan, dist)
+
+    parallel = resolve_parallel(config.run.parallel, dist.world_size)
+    if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
+        say(
+            "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
+            "(start several processes with --nproc N or torchrun)", config.run.parallel, level=logging.WARNING,
+        )  # fmt: skip
+    wrapped, grad_sync = wrap_model(
+        model, parallel, dist, device, config.run.sync_every_micro_step, precision, units=fsdp_units(model)
+    )
+    compile_model = config.run.compile == "on" or (config.run.compile == "auto" and device.type == "cuda")
+    train_model: nn.Module = torch.compile(wrapped) if compile_model else wrapped  # type: ignore[assignment]
+    opt = config.optim
+    optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
+        model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
+    )
+    schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)
+    if opt.warmup_steps > schedule.warmup_steps and resume_from is None:
+        say(
+            "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
+            schedule.decay_steps, schedule.warmup_steps, level=logging.WARNING,
+        )  # fmt: skip
+    engine = AccumulationEngine(
+        train_model, optimizer, schedule, grad_clip=opt.grad_clip, precision=precision, device=device,
+        grad_sync=grad_sync, dist=dist,
+    )  # fmt: skip
+    fault = fault_from_env()
+    if fault:
+        engine.loss_fn = with_fault(engine.loss_fn, fault, dist.rank, lambda: engine.step_count + 1)
+    # Every part is built (the model from the shared seed above; probes leave the generators as they found
+    # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.
+    seed_rank_generators(config.run.seed, dist.rank)
+    peak_flops = config.run.peak_flops or (
+        device_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    )
+    return RunParts(
+        config=config, dist=dist, device=device, run_dir=run_dir, resume_from=resume_from, dataset=dataset,
+        fingerprints=dataset_fingerprints(dataset), bpe_json=bpe_json, model=model, train_model=train_model,
+        parallel=parallel, optimizer=optimizer, engine=engine, plan=plan, policy=policy,
+        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops,
+    )  # fmt: skip
+
+
+def _run_dir(config: TrainConfig, dist: DistContext) -> tuple[Path, Path | None]:
+    """The run directory (rank 0's choice when defaulted) and the checkpoint to resume from, if any."""
+    out = config.run.out or str(default_run_dir(config))  # the same settings find the same run again
+    run_dir = Path(dist.broadcast_object(out))
+    require_own_dir(run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
+    resume_from = find_resume_checkpoint(run_dir, config.run.resume, config.run.overwrite, dist.is_main)
+    dist.barrier()
+    if config.data.cache_dir:
+        require_creatable_dir(Path(config.data.cache_dir), "cache directory")
+    return run_dir, resume_from
+
+
+def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
+    """Rank 0 prepares raw text into the cache while the others wait, then every rank finds it there."""
+    data = config.data
+
+    def prepare() -> Path:
+        return ensure_prepared(data.data, data.tokenizer, data.val_fraction, data.cache_dir or None, mode=data.data_mode)
+
+    path = prepare() if dist.is_main else None
+    dist.barrier()
+    return path if path is not None else prepare()
+
+
+def build_model(config: TrainConfig, vocab_size: int) -> GPT:
+    """The preset with the data's vocabulary, or the pretrained GPT-2 of ``--init-from``."""
+    if config.model.init_from:
+        model = load_hf_gpt2(config.model.init_from)
+        if model.config.vocab_size != vocab_size:
+            raise ConfigError(
+                f"--init-from {config.model.init_from} has vocabulary {model.config.vocab_size} but the data's "
+                f"tokenizer has {vocab_size}; prepare the data with the matching tokenizer (e.g. --tokenizer gpt2)"
+            )
+        if config.model.dropout:
+            raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
+        name = f"init from {config.model.init_from}"
+    else:
+        overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
+        if config.model.block_size:
+            overrides["block_size"] = config.model.block_size
+        model = GPT(preset(config.model.preset, **overrides))
+        name = f"the {config.model.preset} model"
+    if config.batch.seq_len > model.config.block_size:
+        raise ConfigError(
+            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={model.config.block_size}; "
+            "lower --seq-len or raise --block-size"
+        )
+    return model
+
+
+def _plan(
+    config: TrainConfig, model: GPT, dist: DistContext, device: torch.device, precision: str, say: Say
+) -> BatchPlan:
+    """K and the micro-batch (measured with ``--micro-batch auto``); one micro-batch per step's unit with a budget."""
+    batch = config.batch
+    micro_batch = batch.micro_batch or _auto_micro_batch(config, model, dist, device, precision, say)
+    if batch.token_budget:
+        return BatchPlan(micro_batch, batch.seq_len, accumulation_steps=1, world_size=dist.world_size)
+    return plan_batch(batch.total_batch_tokens, micro_batch, batch.seq_len, world_size=dist.world_size)
+
+
+def _auto_micro_batch(
+    config: TrainConfig, model: GPT, dist: DistContext, device: torch.device, precision: str, say: Say
+) -> int:
+    """Rank 0 finds the largest micro-batch that fits and keeps tokens per step exact; every rank uses it."""
+    batch = config.batch
+    choice = 0
+    if dist.is_main:
+        if batch.token_budget:
+            candidates = [2**i for i in range(11)]
+        else:
+            candidates = candidate_micro_batches(batch.total_batch_tokens, batch.seq_len, dist.world_size)
+        choice = choose_micro_batch(
+            model.config, candidates, batch.seq_len, k=2, device=device, precision=precision,
+            memory_budget_mib=batch.memory_budget, activation_checkpointing=model.activation_checkpointing,
+        )  # fmt: skip
+        say("auto micro-batch: %d (largest that fits among %s)", choice, candidates)
+    return int(dist.broadcast_object(choice))
+
+
+def build_loader(config: TrainConfig, dataset: Any, plan: BatchPlan, dist: DistContext, split: str, name: str) -> Loader:
+    """This rank's reader of ``split``; a documents split without a single valid target is refused."""
+    loader = loader_for(
+        dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
+        long_documents=config.data.long_documents,
+    )  # fmt: skip
+    if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
+        raise DataError(
+            f"the {name} split of {dataset.directory} holds no valid targets: each of its "
+            f"{loader.n_docs:,} documents is a single token or wholly masked (e.g. a prompt with an empty "
+            "completion), so there is nothing to train on or score; fix the data"
+        )
+    return loader
+
+
+def _val_loader(config: TrainConfig, dataset: Any, plan: BatchPlan, dist: DistContext) -> Loader | None:
+    if config.run.eval_every == 0:
+        return None
+    if not dataset.meta.shards.get("val"):
+        raise DataError("the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0")
+    try:
+        return build_loader(config, dataset, plan, dist, "val", "validation")
+    except DataError as exc:
+        raise DataError(f"{exc}, raise --val-fraction, or set --eval-every 0") from exc
+
+
+def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> None:
+    """Refuse a documents split smaller than one global micro-batch: every micro-batch would hold the whole
+    split plus rows of padding, so every step would repeat it K times."""
+    n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences
+    if n_seq is not None and micro_batch * world_size > n_seq:
+        per_process = f" x {world_size} processes" if world_size > 1 else ""
+        raise ConfigError(
+            f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} sequences per micro-batch, "
+            f"but the training split holds only {n_seq} sequence{'s' if n_seq != 1 else ''} (documents after the "
+            f"long-document policy); use --micro-batch {max(1, n_seq // world_size)} or less, or more data"
+        )

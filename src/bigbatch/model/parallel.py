@@ -1,0 +1,16 @@
+"""How the GPT is sharded: FSDP2 wraps each transformer block, then the root (see
+:func:`bigbatch.distributed.wrap_model`, which knows nothing of the model's layout)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from bigbatch.model.gpt import GPT
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that FSDP2 shards as units before the root: a GPT's transformer blocks (its
+    embeddings, final norm and tied head stay with the root). Another model gives none: only the root."""
+    if isinstance(model, GPT):
+        return list(model.transformer.h)
+    return []

@@ -1,0 +1,56 @@
+"""The lines a run prints before its first step: version and devices, data, model, plan, long documents."""
+
+from __future__ import annotations
+
+from bigbatch import __version__
+from bigbatch.build import RunParts
+from bigbatch.data.loader import DocumentLoader
+
+
+def header_lines(parts: RunParts) -> list[str]:
+    meta, cfg = parts.dataset.meta, parts.model.config
+    lines = [
+        f"bigbatch {__version__} | device {parts.device} | precision {parts.engine.precision} | parallel "
+        f"{parts.parallel} | run {parts.run_dir}",
+        f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train {meta.tokens.get('train', 0):,} tokens "
+        f"| val {meta.tokens.get('val', 0):,} tokens",
+        f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
+        f"parameters | {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide | vocab {cfg.vocab_size} | "
+        f"block {cfg.block_size}",
+        f"plan | {describe_plan(parts)}",
+    ]
+    if isinstance(parts.train_loader, DocumentLoader):
+        lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
+    return lines
+
+
+def describe_plan(parts: RunParts) -> str:
+    p, last_window = parts.plan, parts.policy.last_window
+    if parts.policy.token_budget:
+        return (
+            f"token budget {parts.policy.token_budget:,} valid targets/step | micro_batch {p.micro_batch} x seq_len "
+            f"{p.seq_len} x world {p.world_size} per micro-batch | K varies (the micro-batch that reaches the "
+            f"budget is included whole) | last window: {last_window}"
+        )
+    if parts.documents:
+        return (
+            f"{p.describe()} (positions; one document, or one window of a long one, per sequence, normalized by "
+            f"the valid targets of each step) | last window: {last_window}"
+        )
+    return p.describe()
+
+
+def describe_long_documents(loader: DocumentLoader) -> str:
+    """The long-document policy of a documents-mode training split and what it costs."""
+    total = loader.valid_targets + loader.dropped_targets
+    longer = f"{loader.long_document_count:,} of {loader.n_docs:,} documents longer than seq_len+1={loader.seq_len + 1}"
+    if loader.long_documents == "split":
+        return (
+            f"split into seq_len windows ({loader.n_sequences:,} sequences; {longer}) | "
+            f"0 of {total:,} target tokens dropped"
+        )
+    share = loader.dropped_targets / total if total else 0.0
+    return (
+        f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {total:,} target tokens dropped "
+        f"({share:.1%}); --long-documents split trains on every one"
+    )
