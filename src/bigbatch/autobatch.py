@@ -10,6 +10,7 @@ import torch
 from bigbatch.errors import ConfigError
 from bigbatch.memory import MiB, measure
 from bigbatch.model import GPTConfig
+from bigbatch.plan import exact_micro_batches
 from bigbatch.rng import preserved_rng
 
 log = logging.getLogger(__name__)
@@ -17,13 +18,13 @@ log = logging.getLogger(__name__)
 
 def candidate_micro_batches(total_tokens: int, seq_len: int, world_size: int, limit: int = 1024) -> list[int]:
     """Micro-batch sizes, ascending, for which ``total`` is a whole number of micro-batches on every rank."""
-    sequences, remainder = divmod(total_tokens, seq_len * world_size)
-    if remainder or sequences == 0:
+    candidates = exact_micro_batches(total_tokens, seq_len, world_size)
+    if not candidates:
         raise ConfigError(
             f"total_batch_tokens={total_tokens:,} is not a whole number of sequences on {world_size} device(s) "
             f"of seq_len {seq_len}; --micro-batch auto needs a total divisible by seq_len x world_size"
         )
-    return [b for b in range(1, min(sequences, limit) + 1) if sequences % b == 0]
+    return [b for b in candidates if b <= limit]
 
 
 def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:

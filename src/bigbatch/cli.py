@@ -109,20 +109,16 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
     from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.distributed import resolve_device
-    from bigbatch.model.sampling import decoded_pieces, generate, generate_stream
+    from bigbatch.model.sampling import decoded_pieces, generate, generate_stream, prompt_ids
     from bigbatch.tokenizer_files import checkpoint_tokenizer
 
     device = resolve_device(args.device)
     document = load_checkpoint(args.checkpoint)
     model = model_from_checkpoint(document).to(device)
     tokenizer = checkpoint_tokenizer(document, args.checkpoint)  # the run's own copy first: the cache may move
-    prompt_ids = tokenizer.encode(args.prompt.encode("utf-8"))
-    if not prompt_ids:
-        prompt_ids = [tokenizer.eot_token if tokenizer.eot_token is not None else 10]
-    if max(prompt_ids) >= model.config.vocab_size:
-        raise BigBatchError("the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?")
+    ids = prompt_ids(tokenizer, args.prompt, model.config.vocab_size)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     if args.num_samples == 1:  # stream: each piece of text as soon as it is sampled
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
@@ -137,7 +133,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
-        print(args.prompt + tokenizer.decode(out[i, len(prompt_ids) :].tolist()))
+        print(args.prompt + tokenizer.decode(out[i, len(ids) :].tolist()))
     return 0
 
 
@@ -278,20 +274,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise BigBatchError(str(exc)) from exc
     print(report.format(top=args.top))
     if args.json:
-        payload = {
-            "equivalent": report.equivalent, "k": report.k, "valid_counts": report.valid_counts,
-            "precision": report.precision, "tolerance": report.tolerance,
-            "total_rel_diff": report.total_rel_diff, "total_cosine": report.total_cosine,
-            "update_rel_diff": report.update_rel_diff, "seconds": report.seconds,
-            "mistakes": {m.name: m.rel_diff for m in report.mistakes},
-            "findings": [f.__dict__ for f in report.findings], "dropout_disabled": report.dropout_disabled,
-            "params": [p.__dict__ for p in report.params], "reasons": report.reasons,
-            "splits": [
-                {**{k: v for k, v in s.__dict__.items() if k not in ("params", "buffers")},
-                 "buffers": [b.__dict__ for b in s.buffers]}
-                for s in report.splits
-            ],
-        }
+        payload = report.to_dict()
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     return 0 if report.equivalent else 1
 

@@ -43,17 +43,24 @@ def _require_positive(**values: int) -> None:
             raise PlanError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 
-def suggest_micro_batches(total_tokens: int, seq_len: int, world_size: int, near: int, count: int = 4) -> list[int]:
-    """Micro-batch sizes that divide the total exactly, closest to ``near`` first."""
+def exact_micro_batches(total_tokens: int, seq_len: int, world_size: int) -> list[int]:
+    """Micro-batch sizes, ascending, for which the total is a whole number of micro-batches on every rank
+    (none when the total is not a whole number of sequences per rank)."""
     per_rank_sequences, remainder = divmod(total_tokens, seq_len * world_size)
     if remainder or per_rank_sequences == 0:
         return []
-    candidates = _divisors(per_rank_sequences)
+    return divisors(per_rank_sequences)
+
+
+def suggest_micro_batches(total_tokens: int, seq_len: int, world_size: int, near: int, count: int = 4) -> list[int]:
+    """Micro-batch sizes that divide the total exactly, closest to ``near`` first."""
+    candidates = exact_micro_batches(total_tokens, seq_len, world_size)
     return sorted(sorted(candidates, key=lambda b: (abs(b - near), -b))[:count])
 
 

@@ -25,7 +25,7 @@ from bigbatch.distributed import DistContext, reshard, resolve_device, unwrap
 from bigbatch.errors import BigBatchError, DataError, TrainingError
 from bigbatch.metrics import MetricsSink, check_optional_loggers, format_step, mfu, open_metrics, truncate_metrics
 from bigbatch.model import GPT, GPTConfig
-from bigbatch.model.sampling import generate
+from bigbatch.model.sampling import generate, prompt_ids
 from bigbatch.outputs import RUN_MARKER, mark_own_dir
 from bigbatch.plan import BatchPlan
 from bigbatch.progress import ProgressBar
@@ -290,7 +290,7 @@ class Trainer:
         """Every rank generates the same text (FSDP needs all ranks in each forward); rank 0 reports it."""
         p = self.parts
         tokenizer = get_tokenizer(p.dataset.meta.tokenizer, p.dataset.directory)
-        ids = tokenizer.encode(prompt.encode("utf-8")) or [0]
+        ids = prompt_ids(tokenizer, prompt, p.model.config.vocab_size)
         idx = torch.tensor([ids], dtype=torch.long, device=p.device)
         generator = torch.Generator(device=p.device).manual_seed(self.config.run.seed)
         model = p.model if p.parallel == "fsdp" else unwrap(p.model)

@@ -36,14 +36,14 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from bigbatch.accumulate import AccumulationEngine, resolve_precision, token_loss_sum
-from bigbatch.batch import IGNORE_INDEX
+from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.optim import constant_schedule
 from bigbatch.rng import preserved_rng
 
@@ -186,6 +186,23 @@ class EquivalenceReport:
         if self.splits:
             return not self.reasons
         return self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params) and not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain values (``bigbatch verify --json``)."""
+        return {
+            "equivalent": self.equivalent, "k": self.k, "valid_counts": self.valid_counts,
+            "precision": self.precision, "tolerance": self.tolerance,
+            "total_rel_diff": self.total_rel_diff, "total_cosine": self.total_cosine,
+            "update_rel_diff": self.update_rel_diff, "seconds": self.seconds,
+            "mistakes": {m.name: m.rel_diff for m in self.mistakes},
+            "findings": [asdict(f) for f in self.findings], "dropout_disabled": self.dropout_disabled,
+            "params": [asdict(p) for p in self.params], "reasons": self.reasons,
+            "splits": [
+                {**{k: v for k, v in asdict(s).items() if k not in ("params", "buffers")},
+                 "buffers": [asdict(b) for b in s.buffers]}
+                for s in self.splits
+            ],
+        }  # fmt: skip
 
     def format(self, top: int = 5) -> str:
         lines = [
@@ -740,8 +757,6 @@ def check_distributed_equivalence(
     only on the last). Then every rank's gradient is compared with rank 0's and
     with the gradient of one process over the whole batch.
     """
-    import torch.distributed as torch_dist
-
     from bigbatch.distributed import DDPGradSync
 
     started = time.perf_counter()
@@ -763,9 +778,7 @@ def check_distributed_equivalence(
         local = {id(p): int(loss_fn(counter, *p.to(device).tensors)[1]) for p in parts}
     del counter
     n_valid = dist_ctx.sum_int(sum(local.values()), device)
-    counts = torch.tensor([sum(local.values())], device=device)
-    gathered_counts = [torch.zeros_like(counts) for _ in range(world)]
-    torch_dist.all_gather(gathered_counts, counts)
+    gathered_counts = dist_ctx.all_gather(torch.tensor([sum(local.values())], device=device))
 
     replica = copy.deepcopy(base)
     ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[device.index] if device.type == "cuda" else None)
@@ -777,8 +790,7 @@ def check_distributed_equivalence(
     replica.zero_grad(set_to_none=True)
     engine.accumulate(parts, n_valid=n_valid)
     flat = _flat(list(_grads(replica).values())).to(device)
-    everyone = [torch.zeros_like(flat) for _ in range(world)]
-    torch_dist.all_gather(everyone, flat)
+    everyone = dist_ctx.all_gather(flat)
     rank_diff = max((g - everyone[0]).abs().max().item() for g in everyone)
 
     reference = copy.deepcopy(base)

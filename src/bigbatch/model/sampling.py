@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from bigbatch.errors import BigBatchError
 from bigbatch.model.gpt import GPT
+
+NEWLINE = 10  # the start token of an empty prompt when the vocabulary has no end-of-text token (bytes, GPT-2)
+
+
+class PromptTokenizer(Protocol):
+    eot_token: int | None
+
+    def encode(self, data: bytes) -> list[int]: ...
+
+
+def prompt_ids(tokenizer: PromptTokenizer, prompt: str, vocab_size: int) -> list[int]:
+    """The prompt's token ids; an empty prompt starts from the end-of-text token (a newline without one)."""
+    ids = list(tokenizer.encode(prompt.encode("utf-8")))
+    if not ids:
+        ids = [tokenizer.eot_token if tokenizer.eot_token is not None else NEWLINE]
+    if max(ids) >= vocab_size:
+        raise BigBatchError("the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?")
+    return ids
 
 
 def _next_token(
