@@ -152,8 +152,8 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "
         f"token budget {count(lambda s: s.k == 0)} | partial {count(lambda s: s.last_window == 'partial')}, "
         f"drop {count(lambda s: s.last_window == 'drop')} | clip tight {count(lambda s: s.clip == 'tight')}, "
-        f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | documents with "
-        f"long documents split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
+        f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | long documents:"
+        f" split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
         f"truncate {count(lambda s: s.mode == 'documents' and s.long_documents == 'truncate')}",
         f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
         f"tolerance {TOL:g}",
