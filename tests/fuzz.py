@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from fuzz_reference import TOL, Outcome, compare
+from fuzz_reference import TOL, Outcome, compare, expected_steps
 from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
@@ -145,6 +145,12 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
 
     tensor = max(measured, key=lambda o: o.worst_tensor[1], default=None)
     count = lambda pred: sum(1 for s in settings.values() if pred(s))  # noqa: E731
+    read: dict[int, set[str]] = {}  # what the documents of each setting's first max_steps steps exercised
+    for seed, s in settings.items():
+        read[seed] = set()
+        if s.mode == "documents":
+            expected_steps(s, s.max_steps, read[seed])
+    reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
     return "\n".join([
         f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
         f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
@@ -155,6 +161,11 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | long documents:"
         f" split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
         f"truncate {count(lambda s: s.mode == 'documents' and s.long_documents == 'truncate')}",
+        f"settings that read a document longer than seq_len + 1: split {reading('split: long document')} "
+        f"(with a masked prompt {reading('split: long document with a masked prompt')}, a later window starting "
+        f"inside the prompt {reading('split: a later window starts inside the prompt')}), truncate "
+        f"{reading('truncate: long document')} (with a masked prompt "
+        f"{reading('truncate: long document with a masked prompt')})",
         f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
         f"tolerance {TOL:g}",
         f"worst single tensor: {tensor.worst_tensor[1]:.2e} ({tensor.worst_tensor[0]}, seed {tensor.seed})"
