@@ -28,14 +28,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from fuzz_reference import TOL, Outcome, compare
+from fuzz_reference import TOL, Outcome, compare, expected_steps
 from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (4, 2, 190, 453, 6, 19, 99, 145, 236, 105, 45, 226)
+FIXED_SEEDS = (4, 2, 190, 453, 6, 19, 99, 145, 236, 105, 3971, 226)
 """What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
-event (short last window, partial budget step, dropped remainder, step without valid targets) occurs;
+event (short last window, partial budget step, dropped remainder, step without valid targets) occurs, and
+documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies;
 tests/test_fuzz.py checks that."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
@@ -144,6 +145,12 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
 
     tensor = max(measured, key=lambda o: o.worst_tensor[1], default=None)
     count = lambda pred: sum(1 for s in settings.values() if pred(s))  # noqa: E731
+    read: dict[int, set[str]] = {}  # what the documents of each setting's first max_steps steps exercised
+    for seed, s in settings.items():
+        read[seed] = set()
+        if s.mode == "documents":
+            expected_steps(s, s.max_steps, read[seed])
+    reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
     return "\n".join([
         f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
         f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
@@ -151,7 +158,14 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "
         f"token budget {count(lambda s: s.k == 0)} | partial {count(lambda s: s.last_window == 'partial')}, "
         f"drop {count(lambda s: s.last_window == 'drop')} | clip tight {count(lambda s: s.clip == 'tight')}, "
-        f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')}",
+        f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | long documents:"
+        f" split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
+        f"truncate {count(lambda s: s.mode == 'documents' and s.long_documents == 'truncate')}",
+        f"settings that read a document longer than seq_len + 1: split {reading('split: long document')} "
+        f"(with a masked prompt {reading('split: long document with a masked prompt')}, a later window starting "
+        f"inside the prompt {reading('split: a later window starts inside the prompt')}), truncate "
+        f"{reading('truncate: long document')} (with a masked prompt "
+        f"{reading('truncate: long document with a masked prompt')})",
         f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
         f"tolerance {TOL:g}",
         f"worst single tensor: {tensor.worst_tensor[1]:.2e} ({tensor.worst_tensor[0]}, seed {tensor.seed})"

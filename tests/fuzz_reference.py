@@ -1,11 +1,11 @@
 """The naive reference of the differential fuzzer, written without bigbatch's training code.
 
 For a :class:`~fuzz_settings.Setting` the reference works out on its own, from the raw data and the
-rules the README states, which samples form each global step (documents one per row, cut to T + 1
-and padded, prompt targets masked; packed windows strided over ranks; fixed K, the last window of a
-document epoch partial or dropped; a token budget reached by the micro-batch that crosses it, which is
-included whole). It checks that bigbatch consumed exactly those samples, then trains a float64 copy
-of the initial model the plain way: **one** forward/backward over every sample of the global step
+rules the README states, which samples form each global step (documents one per row, padded, prompt
+targets masked, a document longer than T + 1 tokens split into windows of T targets or cut to T + 1;
+packed windows strided over ranks; fixed K, the last window of a document epoch partial or dropped; a
+token budget reached by the micro-batch that crosses it, which is included whole). It checks that
+bigbatch consumed exactly those samples, then trains a float64 copy of the initial model the plain way: **one** forward/backward over every sample of the global step
 concatenated, loss = (sum of per-token cross-entropy over valid targets) / (number of valid targets),
 global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim >= 2), learning rate
 from a hand-written warmup + cosine formula. The GPT forward is written out here too (explicit causal
@@ -85,15 +85,54 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------------
 # Which samples form each step, from the raw data and the README's rules.
 
+Row = tuple[torch.Tensor, torch.Tensor, frozenset[str]]  # inputs (T,), targets (T,), what the row exercises
+
+
+def document_rows(prompt: bytes, tokens: bytes, T: int, policy: str) -> list[Row]:
+    """The sequences one document becomes (README, "Ragged data"). Its targets are its tokens 1 .. L-1, each
+    predicted from the token before it and trained on unless it lies inside the prompt (token j of the
+    document is masked when j < len(prompt)). ``truncate``: one row, the first T targets (the document's first
+    T + 1 tokens). ``split``: the targets in consecutive runs of T, one row each, so each row starts where
+    the previous one's targets stopped and only the last is padded; every target is in exactly one row. A
+    document without targets (a single token) is one empty row either way. Padding: input 0, target -100."""
+    targets = list(range(1, len(tokens)))  # document positions that are targets
+    if policy == "truncate":
+        runs = [targets[:T]]
+    else:
+        assert policy == "split", policy
+        runs = [targets[first : first + T] for first in range(0, len(targets), T)] or [[]]
+    long = len(tokens) > T + 1
+    masks_some = len(prompt) >= 2  # token 0 is never a target: a 1-token prompt masks nothing
+    rows: list[Row] = []
+    for w, run in enumerate(runs):
+        inputs = torch.zeros(T, dtype=torch.int64)  # byte tokenizer: no end-of-text, padding is 0
+        targets_row = torch.full((T,), IGNORE, dtype=torch.int64)
+        for i, j in enumerate(run):
+            inputs[i] = tokens[j - 1]
+            if j >= len(prompt):
+                targets_row[i] = tokens[j]
+        events: set[str] = set()
+        if long and (policy == "truncate" or w >= 1):  # a long document's truncated row, or a later window
+            events.add(f"{policy}: long document")
+            if masks_some:
+                events.add(f"{policy}: long document with a masked prompt")
+            if policy == "split" and run and run[0] < len(prompt):
+                events.add("split: a later window starts inside the prompt")
+        rows.append((inputs, targets_row, frozenset(events)))
+    return rows
+
+
 
 @dataclass
 class _Stream:
     """Global micro-batches of the data in order: ``next()`` is every rank's (inputs, targets) and
-    whether this global micro-batch ended a pass over the data."""
+    whether this global micro-batch ended a pass over the data. Documents mode reads sequences (a
+    document's rows, in document order); ``events`` collects what the rows read exercised."""
 
     setting: Setting
     position: int = 0
     epoch: int = 0
+    events: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         s = self.setting
@@ -102,23 +141,22 @@ class _Stream:
             self.tokens = torch.tensor(list(s.corpus.encode()), dtype=torch.int64)
             self.size = len(self.tokens)
         else:
-            self.docs = [((p or "").encode(), (p or "").encode() + t.encode()) for p, t in non_empty(s.documents)]
-            self.size = len(self.docs)
+            self.rows = [
+                row
+                for p, t in non_empty(s.documents)
+                for row in document_rows((p or "").encode(), (p or "").encode() + t.encode(), self.T, s.long_documents)
+            ]
+            self.size = len(self.rows)
 
     def docs_left(self) -> int:
         return self.size - self.position
 
     def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = torch.zeros(self.T, dtype=torch.int64)  # byte tokenizer: no end-of-text, padding is 0
-        targets = torch.full((self.T,), IGNORE, dtype=torch.int64)
-        if index < self.size:
-            prompt, tokens = self.docs[index]
-            n = min(len(tokens), self.T + 1) - 1
-            for i in range(n):
-                inputs[i] = tokens[i]
-                if i + 1 >= len(prompt):  # target i is token i + 1; prompt tokens are not trained on
-                    targets[i] = tokens[i + 1]
-        return inputs, targets
+        if index >= self.size:  # past the epoch's last sequence: a row of padding
+            return torch.zeros(self.T, dtype=torch.int64), torch.full((self.T,), IGNORE, dtype=torch.int64)
+        inputs, targets, events = self.rows[index]
+        self.events |= events
+        return inputs.clone(), targets.clone()
 
     def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         B, T, world = self.B, self.T, self.world
@@ -150,9 +188,10 @@ def expected_steps(
     setting: Setting, calls: int, events: set[str] | None = None
 ) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets). ``events``
-    collects ``dropped`` when an incomplete last window was skipped."""
+    collects ``dropped`` when an incomplete last window was skipped, and what the documents read exercised
+    (see :func:`document_rows`)."""
     events = set() if events is None else events
-    stream = _Stream(setting)
+    stream = _Stream(setting, events=events)
     steps = []
     for _ in range(calls):
         step: list[list[tuple[torch.Tensor, torch.Tensor]]] = []

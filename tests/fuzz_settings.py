@@ -1,7 +1,7 @@
 """Random settings for the differential fuzzer (``tests/test_fuzz.py``, ``make fuzz``).
 
 One integer seed gives one :class:`Setting`: the batch arithmetic (data mode,
-micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy),
+micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy),
 the optimizer (clipping that bites or not, schedule, AdamW hyper-parameters) and
 the training data itself (a packed text or a ``.jsonl`` of ragged documents with
 masked prompts), all drawn so that the configuration is valid for bigbatch.
@@ -22,6 +22,7 @@ MODES = ("packed", "documents")
 PARALLELS = ("none", "ddp", "fsdp")
 LAST_WINDOWS = ("partial", "drop")
 CLIPS = ("off", "loose", "tight")
+LONG_DOCUMENTS = ("split", "truncate")  # documents mode: a document longer than T + 1 tokens (inert when packed)
 PRESET = "pico"  # 2 layers, 2 heads, 32 wide, block 64: the fuzzer's model
 MAX_SEQ_LEN = 32
 # Printable ASCII without the NUL byte: one byte = one token with the byte tokenizer, and token 0 (the
@@ -54,12 +55,16 @@ class Setting:
     init_seed: int  # --seed: the model's initialisation
     sync_every_micro_step: bool  # two ranks: reduce after every micro-step instead of once per step
     activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
+    long_documents: str  # split (T-target windows) | truncate (first T + 1 tokens): --long-documents
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
     def describe(self) -> str:
         sizing = f"K {self.k}" if self.k else f"budget {self.token_budget}"
         data = f"{len(self.corpus)} bytes" if self.mode == "packed" else f"{len(self.documents)} docs"
+        if self.mode == "documents":
+            longest = max(len((p or "").encode()) + len(t.encode()) for p, t in self.documents)
+            data += f", longest {longest} tokens, long documents {self.long_documents}"
         return (
             f"seed {self.seed}: {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
             f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
@@ -96,7 +101,8 @@ class Setting:
             "--model", PRESET, "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
             "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
-            "--last-window", self.last_window, "--grad-clip", repr(self.grad_clip),
+            "--last-window", self.last_window, "--long-documents", self.long_documents,
+            "--grad-clip", repr(self.grad_clip),
             "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
             "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps),
             "--weight-decay", repr(self.weight_decay), "--beta1", repr(self.beta1), "--beta2", repr(self.beta2),
@@ -118,7 +124,8 @@ class Setting:
 
 
 def document_valid_targets(prompt: str | None, text: str, seq_len: int) -> int:
-    """Valid targets of one document as one row: tokens cut to T + 1, targets inside the prompt masked."""
+    """Valid targets of one document as one row: tokens cut to T + 1, targets inside the prompt masked (the
+    ``truncate`` policy; ``split`` trains on more, never fewer, so a budget drawn from this fits either way)."""
     p = len((prompt or "").encode())
     n = p + len(text.encode())
     return max(0, min(n, seq_len + 1) - max(p, 1))
@@ -170,9 +177,10 @@ def draw(seed: int) -> Setting:
             token_budget = rng.randint(1, high)
     else:
         docs = _documents(rng, T)
-        if k and last_window == "drop":  # one whole step must fit in an epoch
-            while len(non_empty(tuple(docs))) < k * B * world:
-                docs.extend(_documents(rng, T))
+        # At least one global micro-batch of documents (bigbatch refuses fewer sequences; a document is one
+        # sequence or more, whichever the long-document policy); one whole step under K and drop.
+        while len(non_empty(tuple(docs))) < B * world * (k if k and last_window == "drop" else 1):
+            docs.extend(_documents(rng, T))
         if sum(document_valid_targets(p, t, T) for p, t in docs) == 0:
             docs.append((_text(rng, 2), _text(rng, rng.randint(1, T))))
         documents = tuple(docs)
@@ -198,4 +206,5 @@ def draw(seed: int) -> Setting:
         init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
         # drawn last, so that adding them left every earlier choice of a seed as it was
         sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
+        long_documents=rng.choice(LONG_DOCUMENTS),
     )  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from fuzz_settings import Setting
 
-SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch")
+SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents")
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
 
@@ -56,6 +56,9 @@ def run_bigbatch(
     data = setting.write_data(workdir) if dist.is_main else setting.data_path(workdir)
     dist.barrier()
     flags = setting.train_flags(data, workdir / "cache", workdir / "run")
+    if sabotage == "other_long_documents":  # bigbatch reads long documents by the policy the setting did not draw
+        at = flags.index("--long-documents") + 1
+        flags[at] = {"split": "truncate", "truncate": "split"}[flags[at]]
     args = build_parser().parse_args(["train", *flags])
     trainer = Trainer(config_from_args(args), dist, device)
     initial = full_state(trainer.model)

@@ -184,7 +184,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     docs = root / "docs"
     docs.mkdir()
     for i in range(3):
-        (docs / f"doc{i}.txt").write_text(f"document {i}: " + "to be or not to be. " * 20)
+        (docs / f"doc{i}.txt").write_text(f"document {i}: to be.")  # shorter than seq_len: one sequence each
     mine = root / "mine"
     mine.mkdir()
     (mine / "config.toml").write_text("# the user's own file\n")

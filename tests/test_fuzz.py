@@ -12,8 +12,8 @@ from pathlib import Path
 
 import fuzz
 import pytest
-from fuzz_reference import Outcome, _valid, expected_steps
-from fuzz_settings import CLIPS, LAST_WINDOWS, MODES, PARALLELS, draw
+from fuzz_reference import IGNORE, Outcome, _valid, document_rows, expected_steps
+from fuzz_settings import CLIPS, LAST_WINDOWS, LONG_DOCUMENTS, MODES, PARALLELS, draw
 
 ONE_RANK = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 1]
 TWO_RANKS = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 2]
@@ -41,6 +41,15 @@ def step_events(seed: int) -> set[str]:
     return events
 
 
+LONG_DOCUMENT_EVENTS = {
+    "split: long document",  # a second or later window of a document longer than seq_len + 1 tokens
+    "split: long document with a masked prompt",
+    "split: a later window starts inside the prompt",  # the prompt's mask carries over a window boundary
+    "truncate: long document",  # the cut row of a document longer than seq_len + 1 tokens
+    "truncate: long document with a masked prompt",
+}
+
+
 def test_fixed_seeds_cover_every_drawn_choice() -> None:
     settings = [draw(seed) for seed in fuzz.FIXED_SEEDS]
     for world in (1, 2):
@@ -49,10 +58,36 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
         assert {bool(s.k) for s in mine} == {True, False}
         assert {s.last_window for s in mine} == set(LAST_WINDOWS)
         assert {s.clip for s in mine} == set(CLIPS)
+        assert {s.long_documents for s in mine if s.mode == "documents"} == set(LONG_DOCUMENTS)
+        # documents longer than seq_len + 1 are actually read under split on one and two ranks
+        assert "split: long document" in set().union(*(step_events(s.seed) for s in mine))
     assert {s.parallel for s in settings} == set(PARALLELS)
     assert any(s.sync_every_micro_step for s in settings) and any(s.activation_checkpointing for s in settings)
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
     assert events >= {"no valid target", "short last window", "partial budget step", "K varies", "dropped"}
+    assert events >= LONG_DOCUMENT_EVENTS
+
+
+def test_the_reference_reads_long_documents_as_the_readme_says() -> None:
+    """The reference's own rows for one 8-token document with T = 3, worked out by hand."""
+    def rows(prompt: str, policy: str) -> list[tuple[list[int], list[int]]]:
+        return [(x.tolist(), y.tolist()) for x, y, _ in document_rows(prompt.encode(), b"abcdefgh", 3, policy)]
+
+    def row(inputs: str, targets: str) -> tuple[list[int], list[int]]:  # "_": padding, or a masked target
+        pad = lambda text, fill: [fill if c == "_" else ord(c) for c in text]  # noqa: E731
+        return pad(inputs, 0), pad(targets, IGNORE)
+
+    # split: targets 1..7 in runs of 3; each row's inputs are the tokens just before its targets
+    assert rows("ab", "split") == [row("abc", "_cd"), row("def", "efg"), row("g__", "h__")]
+    assert rows("abcde", "split") == [row("abc", "___"), row("def", "_fg"), row("g__", "h__")]  # mask crosses a window
+    assert rows("", "split") == [row("abc", "bcd"), row("def", "efg"), row("g__", "h__")]
+    # truncate: the first T + 1 tokens only
+    assert rows("ab", "truncate") == [row("abc", "_cd")]
+    assert rows("abcdefgh", "truncate") == [row("abc", "___")]
+    # a single token has no target: one empty row either way; T + 1 tokens are one full row either way
+    for policy in ("split", "truncate"):
+        assert [(x.tolist(), y.tolist()) for x, y, _ in document_rows(b"", b"a", 3, policy)] == [row("___", "___")]
+        assert [(x.tolist(), y.tolist()) for x, y, _ in document_rows(b"", b"abcd", 3, policy)] == [row("abc", "bcd")]
 
 
 @pytest.mark.parametrize("seed", ONE_RANK)
@@ -83,6 +118,7 @@ def test_two_ranks_match_the_naive_giant_batch(seed: int, two_rank_outcomes: dic
         ("schedule_off_by_one", "learning rate"),
         ("no_clip", "the parameters:"),
         ("drop_last_micro_batch", "K=3 per rank, expected 4"),
+        ("other_long_documents", "bigbatch's samples differ from the reference's assembly"),
     ],
 )
 def test_the_fuzzer_catches_a_planted_bug(sabotage: str, caught: str, tmp_path: Path) -> None:

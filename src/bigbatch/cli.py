@@ -593,12 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
-    except (RuntimeError, MemoryError) as exc:
-        if not out_of_memory(exc):
-            raise
-        return user_error(f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size")
-    except Exception:
+    except Exception as exc:
         code = peer_exit_code() if world > 1 else None
         if code is not None:  # a broken collective after a peer's user error or closed pipe: not news
             return code
+        if out_of_memory(exc):  # the settings asked for more than there is
+            return user_error(
+                f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size"
+            )
         raise
