@@ -29,6 +29,7 @@ class TrainState:
     def __init__(self, parts: RunParts) -> None:
         self.parts = parts
         self.tokens_seen = 0  # valid target tokens trained on, all ranks
+        self.schedule: CosineSchedule = parts.engine.schedule  # type: ignore[assignment]  # the engine follows it
 
     @property
     def step(self) -> int:
@@ -47,7 +48,7 @@ class TrainState:
             "model": model_state,
             "optimizer": optimizer_state,
             "engine": p.engine.state_dict(),
-            "schedule": p.engine.schedule.state_dict(),  # type: ignore[attr-defined]
+            "schedule": self.schedule.state_dict(),
             "loader": p.train_loader.state_dict(),
             "tokens_seen": self.tokens_seen,
             "rng": p.dist.all_gather_object(capture_rng_state()),  # every rank's generators
@@ -64,7 +65,7 @@ class TrainState:
             p.model, p.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )  # fmt: skip
-        p.engine.schedule = schedule
+        self.schedule = p.engine.schedule = schedule
         p.engine.load_state_dict(state["engine"])  # also sets the learning rate of the next step
         try:
             p.train_loader.load_state_dict(state["loader"])
