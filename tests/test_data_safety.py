@@ -22,7 +22,8 @@ from bigbatch.data.prepare import prepare_dataset, utf8_replacements
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
 from bigbatch.errors import DataError
 from bigbatch.batch import IGNORE_INDEX
-from bigbatch.trainer import EmptyStepGuard, Trainer
+from bigbatch.batch import EmptyStepGuard
+from bigbatch.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

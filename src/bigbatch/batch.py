@@ -201,3 +201,23 @@ def _budget_step(
                 )
             batches, total = [], 0  # drop: the epoch's incomplete remainder is skipped
     return StepBatch(batches, total)
+
+
+class EmptyStepGuard:
+    """Bounds the steps skipped in a row because they hold no valid target: a training split with valid
+    targets yields one within an epoch, so two epochs of empty steps mean none will come."""
+
+    def __init__(self) -> None:
+        self.first_epoch: int | None = None
+
+    def reset(self) -> None:
+        self.first_epoch = None
+
+    def skipped(self, loader: MicroBatchSource) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = loader.epoch
+        elif loader.epoch - self.first_epoch >= 2:
+            raise DataError(
+                "every step of a whole epoch held no valid targets (documents that are a single token or wholly "
+                "masked); fix the training data"
+            )

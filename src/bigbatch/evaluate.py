@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,9 +23,13 @@ from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import ensure_prepared
 from bigbatch.data.shards import open_dataset
 from bigbatch.data.tokenizers import is_bpe
+from bigbatch.distributed import reshard
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.resume import check_tokenizer
 from bigbatch.tokenizer_files import checkpoint_tokenizer
+
+if TYPE_CHECKING:
+    from bigbatch.build import RunParts
 
 
 @dataclass(frozen=True)
@@ -147,3 +152,28 @@ def evaluate_checkpoint(
         whole_split=bool(loader.epoch),
     )  # fmt: skip
 
+
+@torch.no_grad()
+def validation_loss(parts: RunParts, should_stop: Callable[[], bool] | None = None) -> float | None:
+    """A training run's mean validation loss over ``eval_batches`` micro-batches per rank from the start of the
+    split (the same windows every time), summed over ranks; ``None`` when those micro-batches hold no valid
+    target (no number is made up) or ``should_stop`` (asked before each micro-batch) ended the pass early."""
+    assert parts.val_loader is not None
+    parts.val_loader.reset()
+    stopped = False
+
+    def stop_now() -> bool:
+        nonlocal stopped
+        stopped = stopped or bool(should_stop is not None and should_stop())
+        return stopped
+
+    parts.train_model.eval()
+    totals, _ = summed_loss(
+        parts.train_model, parts.val_loader, parts.config.run.eval_batches, parts.device, parts.engine.precision,
+        parts.engine.loss_fn, should_stop=stop_now if should_stop is not None else None,
+    )  # (loss sum, valid targets) on this rank
+    parts.train_model.train()
+    if parts.parallel == "fsdp":
+        reshard(parts.model)
+    parts.dist.all_reduce_sum(totals)
+    return None if stopped or totals[1] == 0 else float(totals[0] / totals[1])

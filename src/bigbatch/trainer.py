@@ -16,22 +16,22 @@ from typing import Any
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine, StepRecord, summed_loss
-from bigbatch.batch import StepBatch, next_step
+from bigbatch.accumulate import AccumulationEngine, StepRecord
+from bigbatch.batch import EmptyStepGuard, StepBatch, next_step
 from bigbatch.build import Loader, RunParts, build_run
 from bigbatch.config import TrainConfig
 from bigbatch.data.tokenizers import get_tokenizer
-from bigbatch.distributed import DistContext, reshard, resolve_device, unwrap
-from bigbatch.errors import BigBatchError, DataError, TrainingError
-from bigbatch.metrics import MetricsSink, check_optional_loggers, format_step, mfu, open_metrics, truncate_metrics
+from bigbatch.distributed import DistContext, resolve_device, unwrap
+from bigbatch.errors import BigBatchError, TrainingError
+from bigbatch.evaluate import validation_loss
+from bigbatch.metrics import MetricsSink, check_optional_loggers, format_step, mfu, open_metrics
 from bigbatch.model import GPT, GPTConfig
-from bigbatch.model.sampling import generate, prompt_ids
-from bigbatch.outputs import RUN_MARKER, mark_own_dir
+from bigbatch.model.sampling import sample_text
 from bigbatch.plan import BatchPlan
 from bigbatch.progress import ProgressBar
+from bigbatch.run_files import copy_run_tokenizer, start_run_dir
 from bigbatch.run_header import header_lines
 from bigbatch.signals import StopRequest
-from bigbatch.tokenizer_files import save_run_tokenizer
 from bigbatch.train_state import TrainState, resume_run
 
 log = logging.getLogger(__name__)
@@ -47,26 +47,6 @@ class TrainResult:
     tokens_per_s: float  # mean over steps after the first (which includes warm-up)
     sample: str | None
     stopped_by: int = 0  # the signal that stopped the run early, or 0
-
-
-class EmptyStepGuard:
-    """Bounds the steps skipped in a row because they hold no valid target: a training split with valid
-    targets yields one within an epoch, so two epochs of empty steps mean none will come."""
-
-    def __init__(self) -> None:
-        self.first_epoch: int | None = None
-
-    def reset(self) -> None:
-        self.first_epoch = None
-
-    def skipped(self, loader: Loader) -> None:
-        if self.first_epoch is None:
-            self.first_epoch = loader.epoch
-        elif loader.epoch - self.first_epoch >= 2:
-            raise DataError(
-                "every step of a whole epoch held no valid targets (documents that are a single token or wholly "
-                "masked); fix the training data"
-            )
 
 
 @dataclass
@@ -143,7 +123,7 @@ class Trainer:
             )  # fmt: skip
             return self._result(_Progress(), sample=None)  # a requeueing scheduler needs exit 0
         if self.dist.is_main:
-            self._start_run_dir()
+            start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
         for line in header_lines(self.parts):
             self._say("%s", line)
         metrics = open_metrics(self.run_dir, run.tensorboard, run.wandb, self.config.to_dict()) if self.dist.is_main else None
@@ -220,30 +200,11 @@ class Trainer:
                 "--eval-batches", step, self.config.run.eval_batches, level=logging.WARNING,
             )  # fmt: skip
 
-    @torch.no_grad()
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
-        """Mean validation loss over ``eval_batches`` micro-batches per rank from the start of the split; ``None``
-        when those micro-batches hold no valid target (no number is made up) or a stop signal cut the pass short."""
-        p = self.parts
-        assert p.val_loader is not None
-        p.val_loader.reset()
-        stopped = False
-
-        def should_stop() -> bool:
-            nonlocal stopped
-            stopped = stopped or bool(stop is not None and self.dist.max_int(stop.signum, p.device))
-            return stopped
-
-        p.train_model.eval()
-        totals, _ = summed_loss(
-            p.train_model, p.val_loader, self.config.run.eval_batches, p.device, self.engine.precision,
-            self.engine.loss_fn, should_stop=should_stop if stop is not None else None,
-        )  # (loss sum, valid targets) on this rank
-        p.train_model.train()
-        if p.parallel == "fsdp":
-            reshard(p.model)
-        self.dist.all_reduce_sum(totals)
-        return None if stopped or totals[1] == 0 else float(totals[0] / totals[1])
+        """Mean validation loss (see :func:`bigbatch.evaluate.validation_loss`); a stop signal on any rank cuts
+        the pass short, and then there is no number."""
+        agreed = (lambda: bool(self.dist.max_int(stop.signum, self.parts.device))) if stop is not None else None
+        return validation_loss(self.parts, agreed)
 
     def _check_stop(self, seen: _Progress, stop: StopRequest, saved: bool) -> None:
         """Stop at this step boundary if any rank received SIGTERM/SIGINT (all ranks agree), after a save."""
@@ -266,7 +227,7 @@ class Trainer:
                 sample = self.sample(run.sample_tokens, run.sample_prompt)
                 self._say("sample:\n%s", sample)
                 if self.dist.is_main and self.parts.dataset.meta.tokenizer == "gpt2":
-                    self._copy_tokenizer()  # the sample has loaded the GPT-2 encoding
+                    copy_run_tokenizer(self.parts, self._say)  # the sample has loaded the GPT-2 encoding
             except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: the run itself is done
                 self._say("no sample: %s", exc, level=logging.WARNING)
         assert seen.record is not None
@@ -289,13 +250,9 @@ class Trainer:
     def sample(self, max_new_tokens: int, prompt: str) -> str:
         """Every rank generates the same text (FSDP needs all ranks in each forward); rank 0 reports it."""
         p = self.parts
-        tokenizer = get_tokenizer(p.dataset.meta.tokenizer, p.dataset.directory)
-        ids = prompt_ids(tokenizer, prompt, p.model.config.vocab_size)
-        idx = torch.tensor([ids], dtype=torch.long, device=p.device)
-        generator = torch.Generator(device=p.device).manual_seed(self.config.run.seed)
         model = p.model if p.parallel == "fsdp" else unwrap(p.model)
-        out = generate(model, idx, max_new_tokens, temperature=0.8, top_k=50, generator=generator)  # type: ignore[arg-type]
-        return tokenizer.decode(out[0, len(ids) :].tolist())
+        tokenizer = get_tokenizer(p.dataset.meta.tokenizer, p.dataset.directory)
+        return sample_text(model, tokenizer, prompt, max_new_tokens, self.config.run.seed, p.device)  # type: ignore[arg-type]
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilization of all devices, when their peak is known (GPU table or --peak-flops)."""
@@ -303,24 +260,6 @@ class Trainer:
             return None
         flops_per_token = self.parts.model.flops_per_token(self.config.batch.seq_len)
         return mfu(flops_per_token, tokens_per_s, self.parts.peak_flops, self.dist.world_size)
-
-    def _start_run_dir(self) -> None:
-        """Rank 0: the run directory with its config and its own copy of the tokenizer; a fresh start (nothing
-        to resume: a first run, or a crash before the first checkpoint) begins a clean metrics log."""
-        mark_own_dir(self.run_dir, RUN_MARKER, "run")
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
-        if self.resumed_from is None:
-            truncate_metrics(self.run_dir, 0)
-        if self.parts.dataset.meta.tokenizer != "gpt2":  # gpt2 may need a download: copied after the sample
-            self._copy_tokenizer()
-
-    def _copy_tokenizer(self) -> None:
-        """Rank 0: the run's own copy of its tokenizer in RUN_DIR/tokenizer/ (see bigbatch/tokenizer_files.py)."""
-        try:
-            tokenizer = get_tokenizer(self.parts.dataset.meta.tokenizer, self.parts.dataset.directory)
-            save_run_tokenizer(self.run_dir, tokenizer, self.model_config.block_size)
-        except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: training does not need it
-            self._say("the tokenizer could not be copied into the run directory: %s", exc, level=logging.WARNING)
 
     def _say(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         """Log on rank 0 only (above the progress bar, which the next update redraws)."""

@@ -117,3 +117,19 @@ def decoded_pieces(tokens: Iterable[int], decode: Callable[[list[int]], str]) ->
         shown = text
     if len(text) > len(shown):
         yield text[len(shown) :]
+
+
+class TextTokenizer(PromptTokenizer, Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def sample_text(
+    model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int, seed: int, device: torch.device,
+    temperature: float = 0.8, top_k: int = 50,
+) -> str:
+    """The text ``model`` writes after ``prompt`` (the prompt itself not included), reproducibly from ``seed``."""
+    ids = prompt_ids(tokenizer, prompt, model.config.vocab_size)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return tokenizer.decode(out[0, len(ids) :].tolist())
