@@ -32,8 +32,9 @@ from bigbatch.config import TrainConfig
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.batch import StepBatch, StepPolicy, next_step
 from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
-from bigbatch.data.prepare import ensure_prepared
-from bigbatch.data.shards import check_requested_tokenizer, open_dataset
+from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.dataset import open_dataset
+from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import (
     DistContext,
