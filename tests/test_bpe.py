@@ -112,6 +112,15 @@ def test_cutting_text_into_pieces_changes_no_token(bpe) -> None:
     assert [t for piece in pieces for t in bpe.encode(piece)] == whole
 
 
+def test_the_piece_size_is_read_when_text_is_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests below shrink ``PIECE_BYTES`` to cut documents into many pieces; that only works when
+    ``split_text`` reads it when called (a default argument bound at import would ignore the patch)."""
+    text = corpus_text(30_000).encode()
+    assert len(split_text(text)) == 1
+    monkeypatch.setattr(text_module, "PIECE_BYTES", 1_000)
+    assert len(split_text(text)) > 10
+
+
 # --------------------------------------------------------------------------------------------
 # prepare --tokenizer bpe:VOCAB
 # --------------------------------------------------------------------------------------------

@@ -120,29 +120,10 @@ def prepare_dataset(
             staging, stream_path, dtype, mode, masked, found, val_fraction, shard_tokens
         )
         stream_path.unlink()
-        meta = DatasetMeta(
-            tokenizer=tokenizer.name,
-            vocab_size=tokenizer.vocab_size,
-            dtype=dtype.name,
-            shards=shard_names,
-            tokens=token_counts,
-            source=source,
-            documents=len(found.lengths),
-            eot_token=tokenizer.eot_token,
-            mode=mode,
-            masked=masked,
-            fingerprints={
-                "tokenizer": tokenizer_fingerprint(tokenizer.name, staging),
-                "data": prepared_data_fingerprint(staging, shard_names, mode, masked),
-            },
+        replaced = invalid.replacements if checked is not None else None
+        meta = _dataset_meta(
+            staging, source, tokenizer, dtype, mode, masked, shard_names, token_counts, found, replaced
         )
-        if checked is not None:
-            meta.extra["utf8_replacements"] = invalid.replacements
-        if mode == "documents":
-            meta.extra["longest_document"] = max(found.lengths)
-            # targets are positions 1.. of a document; a prompt masks the first prompt-length of them
-            untrained = sum(1 for n, p in zip(found.lengths, found.prompt_lengths) if n - max(p, 1) <= 0)
-            meta.extra["documents_without_targets"] = untrained
         write_meta(staging, meta)
     elapsed = time.perf_counter() - started
     n_bytes = found.n_bytes
@@ -213,6 +194,46 @@ def _write_shards(
         return write_documents(staging, stream, found.lengths, prompt_lengths, splits, shard_tokens)
     finally:
         del stream
+
+
+def _dataset_meta(
+    staging: Path,
+    source: str,
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    mode: str,
+    masked: bool,
+    shard_names: ShardNames,
+    token_counts: TokenCounts,
+    found: _Tokenized,
+    utf8_replacements: int | None,
+) -> DatasetMeta:
+    """The ``meta.json`` of the shards written in ``staging``, with their fingerprints and what the notes of
+    :func:`prepared_notes` need (``utf8_replacements``: ``None`` for the byte tokenizer, which replaces none)."""
+    meta = DatasetMeta(
+        tokenizer=tokenizer.name,
+        vocab_size=tokenizer.vocab_size,
+        dtype=dtype.name,
+        shards=shard_names,
+        tokens=token_counts,
+        source=source,
+        documents=len(found.lengths),
+        eot_token=tokenizer.eot_token,
+        mode=mode,
+        masked=masked,
+        fingerprints={
+            "tokenizer": tokenizer_fingerprint(tokenizer.name, staging),
+            "data": prepared_data_fingerprint(staging, shard_names, mode, masked),
+        },
+    )
+    if utf8_replacements is not None:
+        meta.extra["utf8_replacements"] = utf8_replacements
+    if mode == "documents":
+        meta.extra["longest_document"] = max(found.lengths)
+        # targets are positions 1.. of a document; a prompt masks the first prompt-length of them
+        untrained = sum(1 for n, p in zip(found.lengths, found.prompt_lengths) if n - max(p, 1) <= 0)
+        meta.extra["documents_without_targets"] = untrained
+    return meta
 
 
 def prepared_notes(meta: DatasetMeta) -> list[str]:
