@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import bigbatch.data
@@ -50,3 +52,20 @@ def test_no_import_cycle_inside_data() -> None:
 
     for module in sorted(edges):
         visit(module, ())
+
+
+def test_preparing_data_does_not_import_torch() -> None:
+    """Only the loader needs torch: the command line's parser (tokenizer names) and ``bigbatch prepare`` read the
+    data package without it. ``bigbatch/__init__.py`` is bypassed here: it is not part of the data package."""
+    code = (
+        "import importlib.util, sys\n"
+        f"package = importlib.util.spec_from_file_location('bigbatch', {str(DATA.parent / '__init__.py')!r},\n"
+        f"    submodule_search_locations=[{str(DATA.parent)!r}])\n"
+        "sys.modules['bigbatch'] = importlib.util.module_from_spec(package)\n"
+        "import bigbatch.data.tokenizers, bigbatch.data.prepare, bigbatch.data.cache, bigbatch.data.dataset\n"
+        "from bigbatch.data import prepare_dataset, ensure_prepared, get_tokenizer\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
