@@ -34,7 +34,7 @@ from bigbatch.accumulate import AccumulationEngine, StepRecord
 from bigbatch.config import TrainConfig
 from bigbatch.batch import MicroBatch
 from bigbatch.data.loader import PackedLoader
-from bigbatch.data.prepare import ensure_prepared
+from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.shards import TokenDataset
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw

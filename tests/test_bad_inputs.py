@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from helpers import corpus_bytes, run_main
 
-from bigbatch.data.prepare import ensure_prepared
+from bigbatch.data.cache import ensure_prepared
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
 MAX_STDERR_LINES = 1  # "bigbatch: error: ...", also for a flag that does not parse

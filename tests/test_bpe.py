@@ -9,11 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bigbatch.data.prepare as prepare_module
+import bigbatch.data.encode as encode_module
+import bigbatch.data.text as text_module
 from bigbatch.cli import main
 from bigbatch.config import TrainConfig
-from bigbatch.data.prepare import ensure_prepared, prepare_dataset, split_text
+from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, TokenDataset
+from bigbatch.data.text import split_text
 from bigbatch.data.tokenizers import BPE_FILE, get_tokenizer, train_bpe
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.trainer import Trainer
@@ -109,6 +112,15 @@ def test_cutting_text_into_pieces_changes_no_token(bpe) -> None:
     assert [t for piece in pieces for t in bpe.encode(piece)] == whole
 
 
+def test_the_piece_size_is_read_when_text_is_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests below shrink ``PIECE_BYTES`` to cut documents into many pieces; that only works when
+    ``split_text`` reads it when called (a default argument bound at import would ignore the patch)."""
+    text = corpus_text(30_000).encode()
+    assert len(split_text(text)) == 1
+    monkeypatch.setattr(text_module, "PIECE_BYTES", 1_000)
+    assert len(split_text(text)) > 10
+
+
 # --------------------------------------------------------------------------------------------
 # prepare --tokenizer bpe:VOCAB
 # --------------------------------------------------------------------------------------------
@@ -182,8 +194,8 @@ def test_parallel_prepare_is_byte_identical_to_serial(
             {"prompt": f"Q{i}: {TRICKY[i % len(TRICKY)]}", "completion": corpus_text(3_000)[i * 50 :]} for i in range(20)
         ]
         (mixed_corpus / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 1_000)  # many pieces and tasks, documents spanning tasks
-    monkeypatch.setattr(prepare_module, "TASK_BYTES", 3_000)
+    monkeypatch.setattr(text_module, "PIECE_BYTES", 1_000)  # many pieces and tasks, documents spanning tasks
+    monkeypatch.setattr(encode_module, "TASK_BYTES", 3_000)
     serial = tmp_path / "serial"
     parallel = tmp_path / "parallel"
     prepare_dataset(str(mixed_corpus), serial, tokenizer_name=tokenizer, mode=mode, shard_tokens=20_000, workers=1)
@@ -200,7 +212,7 @@ def test_parallel_prepare_is_byte_identical_to_serial(
 def test_pieces_give_the_tokens_of_whole_documents(
     mixed_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(prepare_module, "PIECE_BYTES", 1_000)
+    monkeypatch.setattr(text_module, "PIECE_BYTES", 1_000)
     whole = tmp_path / "whole"
     prepare_dataset(str(mixed_corpus), whole, tokenizer_name="bpe:350", workers=1)
     tokenizer = get_tokenizer("bpe:350", whole)

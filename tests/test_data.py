@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import bigbatch.data.prepare as prepare_module
+import bigbatch.data.cache as cache_module
+from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.loader import PackedLoader
-from bigbatch.data.prepare import ensure_prepared, prepare_dataset
+from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, TokenDataset
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError, ConfigError, DataError
@@ -402,7 +403,7 @@ def test_ensure_prepared_caches_and_reuses(tmp_path: Path, monkeypatch: pytest.M
     def no_second_prepare(*args, **kwargs):
         raise AssertionError("ensure_prepared re-prepared a cached dataset")
 
-    monkeypatch.setattr(prepare_module, "prepare_dataset", no_second_prepare)
+    monkeypatch.setattr(cache_module, "prepare_dataset", no_second_prepare)
     second = ensure_prepared(str(source), "byte", 0.1, cache_dir=cache)
     assert second == first
     assert (first / META_FILE).stat().st_mtime_ns == mtime

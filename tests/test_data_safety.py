@@ -18,7 +18,8 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 from bigbatch.config import TrainConfig
 from bigbatch.batch import MicroBatch, StepBatch
 from bigbatch.data.loader import DocumentLoader
-from bigbatch.data.prepare import prepare_dataset, utf8_replacements
+from bigbatch.data.prepare import prepare_dataset
+from bigbatch.data.text import utf8_replacements
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
 from bigbatch.errors import DataError
 from bigbatch.batch import IGNORE_INDEX
@@ -172,16 +173,16 @@ def test_sigterm_is_honoured_inside_an_eval(tmp_path: Path) -> None:
 
 
 def test_sigterm_during_prepare_exits_143_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bigbatch.data.prepare as prepare
+    import bigbatch.data.encode as encode
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
-    real = prepare._encode_piece
+    real = encode._encode_piece
 
     def interrupted(*args: object) -> np.ndarray:
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(prepare, "_encode_piece", interrupted)
+    monkeypatch.setattr(encode, "_encode_piece", interrupted)
     code, out, err = run_main(["prepare", str(tmp_path / "c.txt"), "--out", str(tmp_path / "ds")])
     assert code == 143 and err.strip() == "bigbatch: terminated"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]  # no dataset, no staging directory

@@ -10,9 +10,11 @@ import pytest
 
 from bigbatch.cli import main
 from bigbatch.config import TrainConfig
+from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.dataset import open_dataset
 from bigbatch.data.foreign import BIN_MAGIC, ForeignDataset, foreign_files
-from bigbatch.data.prepare import ensure_prepared, prepare_dataset
-from bigbatch.data.shards import TokenDataset, open_dataset
+from bigbatch.data.prepare import prepare_dataset
+from bigbatch.data.shards import TokenDataset
 from bigbatch.errors import DataError
 from bigbatch.trainer import Trainer
 

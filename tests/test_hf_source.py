@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.corpus import parse_hf_source
-from bigbatch.data.prepare import ensure_prepared, prepare_dataset
+from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.data import prepare
+from bigbatch.data import prepare, progress
 
 
 class FakeTTY(io.StringIO):
@@ -31,8 +31,8 @@ def test_no_bar_without_a_terminal(
 ) -> None:
     stderr = io.StringIO()  # not a TTY
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)  # a log line per document
-    with caplog.at_level(logging.INFO, logger="bigbatch.data.prepare"):
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)  # a log line per document
+    with caplog.at_level(logging.INFO, logger="bigbatch.data"):
         prepare.prepare_dataset(str(corpus), tmp_path / "out", workers=1)
     assert stderr.getvalue() == ""
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenized ")]
@@ -44,8 +44,8 @@ def test_bar_on_a_terminal(
 ) -> None:
     stderr = FakeTTY()
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)
-    with caplog.at_level(logging.INFO, logger="bigbatch.data.prepare"):
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="bigbatch.data"):
         meta = prepare.prepare_dataset(str(corpus), tmp_path / "out", workers=1)
     drawn = stderr.getvalue()
     assert "\rtokenized MB 0.0/0.0 [####....." in drawn and " 20% | 1 documents" in drawn

@@ -24,8 +24,9 @@ from bigbatch.batch import StepPolicy
 from bigbatch.config import TrainConfig
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
-from bigbatch.data.prepare import ensure_prepared
-from bigbatch.data.shards import check_requested_tokenizer, open_dataset
+from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.dataset import Dataset, open_dataset
+from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
@@ -54,7 +55,7 @@ class RunParts:
     device: torch.device
     run_dir: Path
     resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
-    dataset: Any  # a prepared or foreign token dataset (bigbatch.data.shards.open_dataset)
+    dataset: Dataset  # a prepared or foreign token dataset
     fingerprints: dict[str, str]  # of the dataset's tokenizer and tokens
     bpe_json: str | None  # a bpe:VOCAB tokenizer travels inside each checkpoint (it is small)
     model: GPT
@@ -231,7 +232,7 @@ def _auto_micro_batch(
     return int(dist.broadcast_object(choice))
 
 
-def build_loader(config: TrainConfig, dataset: Any, plan: BatchPlan, dist: DistContext, split: str, name: str) -> Loader:
+def build_loader(config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str) -> Loader:
     """This rank's reader of ``split``; a documents split without a single valid target is refused."""
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
@@ -246,7 +247,7 @@ def build_loader(config: TrainConfig, dataset: Any, plan: BatchPlan, dist: DistC
     return loader
 
 
-def _val_loader(config: TrainConfig, dataset: Any, plan: BatchPlan, dist: DistContext) -> Loader | None:
+def _val_loader(config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext) -> Loader | None:
     if config.run.eval_every == 0:
         return None
     if not dataset.meta.shards.get("val"):

@@ -20,8 +20,8 @@ from bigbatch.accumulate import resolve_precision, summed_loss
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import loader_for
-from bigbatch.data.prepare import ensure_prepared
-from bigbatch.data.shards import open_dataset
+from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.dataset import open_dataset
 from bigbatch.data.tokenizers import is_bpe
 from bigbatch.distributed import reshard
 from bigbatch.errors import ConfigError, DataError

@@ -17,8 +17,8 @@ from bigbatch.errors import require_creatable_dir
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
     from bigbatch.data.loader import loader_for
-    from bigbatch.data.prepare import ensure_prepared
-    from bigbatch.data.shards import open_dataset
+    from bigbatch.data.cache import ensure_prepared
+    from bigbatch.data.dataset import open_dataset
     from bigbatch.distributed import resolve_device
     from bigbatch.metrics import check_optional_loggers
     from bigbatch.model import preset

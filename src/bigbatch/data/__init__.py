@@ -1,10 +1,31 @@
-"""Data: tokenizers, corpus preparation, token shards and the rank-aware loader."""
+"""Data: tokenizers, corpus preparation, token shards and the rank-aware loader.
 
-from bigbatch.batch import MicroBatch
-from bigbatch.data.loader import PackedLoader
-from bigbatch.data.prepare import ensure_prepared, prepare_dataset
-from bigbatch.data.shards import DatasetMeta, TokenDataset
-from bigbatch.data.tokenizers import get_tokenizer
+The names below are imported when first used, so importing a light module of this package (the tokenizer
+names for the command line's parser, ``prepare``) does not import torch, which only the loader needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bigbatch.batch import MicroBatch
+    from bigbatch.data.cache import ensure_prepared
+    from bigbatch.data.loader import PackedLoader
+    from bigbatch.data.prepare import prepare_dataset
+    from bigbatch.data.shards import DatasetMeta, TokenDataset
+    from bigbatch.data.tokenizers import get_tokenizer
+
+_HOMES = {
+    "DatasetMeta": "bigbatch.data.shards",
+    "MicroBatch": "bigbatch.batch",
+    "PackedLoader": "bigbatch.data.loader",
+    "TokenDataset": "bigbatch.data.shards",
+    "ensure_prepared": "bigbatch.data.cache",
+    "get_tokenizer": "bigbatch.data.tokenizers",
+    "prepare_dataset": "bigbatch.data.prepare",
+}
 
 __all__ = [
     "DatasetMeta",
@@ -15,3 +36,10 @@ __all__ = [
     "get_tokenizer",
     "prepare_dataset",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
+from bigbatch.data.dataset import Dataset
 from bigbatch.data.shards import SPLITS, document_mask_name, document_offsets_name
 from bigbatch.data.tokenizers import BPE_FILE, is_bpe
 from bigbatch.errors import DataError
@@ -82,7 +82,7 @@ def sampled_files_fingerprint(directory: Path, files: dict[str, list[Path]]) -> 
     return digest.hexdigest()[:LENGTH]
 
 
-def dataset_fingerprints(dataset: Any) -> dict[str, str]:
+def dataset_fingerprints(dataset: Dataset) -> dict[str, str]:
     """``{"tokenizer": ..., "data": ...}`` of an open dataset; empty values where they cannot be known (a
     dataset prepared by an older bigbatch)."""
     meta = dataset.meta

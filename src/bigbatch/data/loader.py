@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from bigbatch.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.choices import LONG_DOCUMENTS
+from bigbatch.data.dataset import Dataset
 from bigbatch.data.shards import DocumentShard
-from bigbatch.errors import ConfigError, DataError
+from bigbatch.errors import DataError
 
 
 class PackedLoader:
@@ -129,19 +131,18 @@ class PackedLoader:
             self._advance(len(self.shards[shard]))
 
 
-LONG_DOCUMENT_POLICIES = ("split", "truncate")
+LONG_DOCUMENT_POLICIES = LONG_DOCUMENTS.values
 """What a documents-mode sequence does with a document longer than ``seq_len + 1`` tokens: ``split`` it into
 windows of ``seq_len`` targets (every target trained on once; only a document's last window is padded), or
 ``truncate`` it to its first ``seq_len + 1`` tokens (the rest is never trained on)."""
 
 
 def check_long_documents(policy: str) -> None:
-    if policy not in LONG_DOCUMENT_POLICIES:
-        raise ConfigError(f"long_documents must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {policy!r}")
+    LONG_DOCUMENTS.check(policy)
 
 
 def loader_for(
-    dataset: Any,
+    dataset: Dataset,
     split: str,
     micro_batch: int,
     seq_len: int,

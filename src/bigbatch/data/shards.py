@@ -16,14 +16,11 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bigbatch.choices import DATA_MODE
 from bigbatch.errors import DataError
-
-if TYPE_CHECKING:
-    from bigbatch.data.foreign import ForeignDataset
 
 META_FILE = "meta.json"
 FORMAT_NAME = "bigbatch-tokens"
@@ -89,7 +86,7 @@ class DatasetMeta:
             for names in self.shards.values()
         ):
             return "shards must map each split to a list of file names"
-        if self.mode not in ("packed", "documents"):
+        if self.mode not in DATA_MODE:
             return f"mode {self.mode!r} is not packed or documents"
         if not isinstance(self.tokens, dict) or not all(isinstance(n, int) for n in self.tokens.values()):
             return "tokens must map each split to a token count"
@@ -199,15 +196,3 @@ class TokenDataset:
                 "re-run bigbatch prepare"
             )
         return array
-
-
-def open_dataset(directory: Path | str) -> TokenDataset | ForeignDataset:
-    """The dataset ``directory`` names: a directory prepared by bigbatch, or foreign token shards read as they
-    are (build-nanogpt ``.npy`` or llm.c ``.bin``: a directory without ``meta.json``, a file or a glob)."""
-    from bigbatch.data.foreign import ForeignDataset, foreign_files
-
-    if not is_prepared_dataset(Path(directory)):
-        files = foreign_files(directory)
-        if files:
-            return ForeignDataset(directory, files)
-    return TokenDataset(directory)

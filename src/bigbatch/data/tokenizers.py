@@ -13,7 +13,11 @@ from bigbatch.errors import BigBatchError, ConfigError, DataError
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    eot_token: int | None  # separator appended after each document, if the vocabulary has one
+
+    @property
+    def eot_token(self) -> int | None:  # read-only: a tokenizer may declare it as None or as an int
+        """The separator appended after each document, if the vocabulary has one."""
+        ...
 
     def encode(self, data: bytes) -> list[int]: ...
 

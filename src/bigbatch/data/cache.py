@@ -1,0 +1,85 @@
+"""The cache of prepared raw text: where it lives, the key of a source, and :func:`ensure_prepared`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
+from bigbatch.data.fingerprint import tokenizer_json_fingerprint
+from bigbatch.data.foreign import foreign_files
+from bigbatch.data.prepare import prepare_dataset
+from bigbatch.data.shards import is_prepared_dataset
+from bigbatch.data.tokenizers import is_bpe
+from bigbatch.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def _source_fingerprint(source: str, tokenizer_name: str, val_fraction: float, mode: str) -> str:
+    entries: list[Any] = []
+    if is_hf_source(source):
+        entries.append(source)  # a remote stream: no files to stat; the source names it
+    else:
+        for path in resolve_source(source):
+            stat = path.stat()
+            entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    payload = json.dumps({"files": entries, "tokenizer": tokenizer_name, "val_fraction": val_fraction, "mode": mode})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("BIGBATCH_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bigbatch"
+
+
+def ensure_prepared(
+    data: str,
+    tokenizer_name: str,
+    val_fraction: float,
+    cache_dir: Path | str | None = None,
+    mode: str = "packed",
+    bpe_json: str | None = None,
+) -> Path:
+    """A prepared dataset directory for ``data``.
+
+    ``data`` is either a prepared directory or foreign token shards (build-nanogpt ``.npy``, llm.c ``.bin``:
+    a directory, file or glob), used as they are, or raw text (``builtin``, a file, a directory or a glob),
+    prepared once into the cache and reused while the files are unchanged. ``bpe_json``: see
+    :func:`~bigbatch.data.prepare.prepare_dataset` (its fingerprint becomes part of the cache key).
+    """
+    path = Path(data).expanduser()
+    if tokenizer_name in ("", "auto"):  # raw text's default; prepared or token-shard data keeps its own
+        tokenizer_name = "byte"
+    raw = data == BUILTIN or is_hf_source(data)
+    if not raw and is_prepared_dataset(path):
+        return path
+    if not raw and foreign_files(data):
+        return path  # token shards from build-nanogpt or llm.c: read as they are
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    key = _source_fingerprint(data, tokenizer_name, val_fraction, mode)
+    if bpe_json and is_bpe(tokenizer_name):
+        key = hashlib.sha256(f"{key}:{tokenizer_json_fingerprint(bpe_json)}".encode()).hexdigest()[:16]
+    if is_hf_source(data):
+        label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
+    else:
+        label = "builtin" if data == BUILTIN else Path(data).name.replace("*", "_") or "data"
+    target = cache / f"{label}-{tokenizer_name.replace(':', '')}-{mode}-{key}"
+    if is_prepared_dataset(target):
+        return target
+    log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
+    try:
+        prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode,
+                        bpe_json=bpe_json if is_bpe(tokenizer_name) else None)  # fmt: skip
+    except (DataError, OSError):
+        if is_prepared_dataset(target):  # another process prepared the same source at the same time
+            return target
+        raise
+    return target
