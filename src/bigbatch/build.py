@@ -22,10 +22,10 @@ from bigbatch.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.batch import StepPolicy
 from bigbatch.config import TrainConfig
-from bigbatch.data.fingerprint import dataset_fingerprints
-from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import Dataset, open_dataset
+from bigbatch.data.fingerprint import dataset_fingerprints
+from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
 from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
@@ -169,7 +169,8 @@ def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
     data = config.data
 
     def prepare() -> Path:
-        return ensure_prepared(data.data, data.tokenizer, data.val_fraction, data.cache_dir or None, mode=data.data_mode)
+        cache = data.cache_dir or None
+        return ensure_prepared(data.data, data.tokenizer, data.val_fraction, cache, mode=data.data_mode)
 
     path = prepare() if dist.is_main else None
     dist.barrier()
@@ -232,7 +233,9 @@ def _auto_micro_batch(
     return int(dist.broadcast_object(choice))
 
 
-def build_loader(config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str) -> Loader:
+def build_loader(
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str
+) -> Loader:
     """This rank's reader of ``split``; a documents split without a single valid target is refused."""
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,

@@ -176,7 +176,8 @@ def distributed_session(device_name: str, timeout_s: float = 600.0) -> Iterator[
         return
     import torch.distributed as dist
 
-    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(device_name, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -261,5 +262,6 @@ def reshard(model: nn.Module) -> None:
     """Free parameters that FSDP2 left gathered: it keeps the root's after a forward without backward (an
     evaluation), and the next training step's gradients would then be wrong. No-op for other wrappings."""
     for module in model.modules():
-        if hasattr(module, "reshard"):
-            module.reshard()
+        reshard_module = getattr(module, "reshard", None)
+        if callable(reshard_module):
+            reshard_module()

@@ -9,19 +9,19 @@ length and ``eval_batches`` it reproduces the run's last logged validation loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bigbatch.accumulate import resolve_precision, summed_loss
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
-from bigbatch.data.fingerprint import dataset_fingerprints
-from bigbatch.data.loader import loader_for
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import open_dataset
+from bigbatch.data.fingerprint import dataset_fingerprints
+from bigbatch.data.loader import loader_for
 from bigbatch.data.tokenizers import is_bpe
 from bigbatch.distributed import reshard
 from bigbatch.errors import ConfigError, DataError

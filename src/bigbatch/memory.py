@@ -126,7 +126,9 @@ def measure_in_process(
     optimizer.step()
     model.zero_grad(set_to_none=True)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     fixed = param_bytes + state_bytes  # resident before every step; gradients appear during backward
     engine = AccumulationEngine(model, optimizer, constant_schedule(1e-4), device=device, precision=precision)
     tokens = torch.randint(0, config.vocab_size, (max(k, 2), micro_batch, seq_len + 1))
@@ -203,9 +205,9 @@ def linear_fit(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     var = sum((x - mean_x) ** 2 for x in xs)
-    a = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    a = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=False)) / var if var else 0.0
     b = mean_y - a * mean_x
-    worst = max(abs(y - (a * x + b)) / max(abs(y), 1) for x, y in zip(xs, ys))
+    worst = max(abs(y - (a * x + b)) / max(abs(y), 1) for x, y in zip(xs, ys, strict=False))
     return a, b, worst
 
 

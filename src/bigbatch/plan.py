@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from bigbatch.errors import PlanError
@@ -65,7 +64,8 @@ def suggest_micro_batches(total_tokens: int, seq_len: int, world_size: int, near
 
 
 def plan_batch(total_tokens: int, micro_batch: int, seq_len: int, world_size: int = 1) -> BatchPlan:
-    """Derive K from a token budget per optimizer step; raise :class:`PlanError` with suggestions if it does not divide."""
+    """Derive K from a token budget per optimizer step; raise :class:`PlanError` with suggestions if it does not
+    divide."""
     _require_positive(
         total_batch_tokens=total_tokens, micro_batch=micro_batch, seq_len=seq_len, world_size=world_size
     )
@@ -158,7 +158,7 @@ def solve_plan(
     if len(missing) > 1:
         raise PlanError(f"give all but one of micro-batch, K and devices (missing: {', '.join(missing)})")
     target = missing[0] if missing else "accumulation_steps"
-    others = [v for n, v in given.items() if n != target]
+    others = [int(v) for n, v in given.items() if n != target and v is not None]  # the two given quantities
     granularity = others[0] * others[1]  # sequences per unit of the solved quantity
     sequences = total_tokens / seq_len
     units = max(1, round(sequences / granularity))

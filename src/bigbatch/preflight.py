@@ -16,16 +16,16 @@ from bigbatch.errors import require_creatable_dir
 
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
-    from bigbatch.data.loader import loader_for
+    from bigbatch.build import check_micro_batch_fits
     from bigbatch.data.cache import ensure_prepared
     from bigbatch.data.dataset import open_dataset
+    from bigbatch.data.loader import loader_for
     from bigbatch.distributed import resolve_device
     from bigbatch.metrics import check_optional_loggers
     from bigbatch.model import preset
     from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
     from bigbatch.plan import plan_batch
     from bigbatch.resume import find_resume_checkpoint
-    from bigbatch.build import check_micro_batch_fits
 
     run, data, batch = config.run, config.data, config.batch
     check_optional_loggers(bool(run.tensorboard), str(run.wandb or ""))

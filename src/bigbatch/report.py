@@ -253,7 +253,7 @@ def make_report(
     if not run_dirs:
         raise BigBatchError("give at least one run directory")
     dirs = [Path(d) for d in run_dirs]
-    runs = [read_metrics(d, label) for d, label in zip(dirs, run_labels(dirs))]
+    runs = [read_metrics(d, label) for d, label in zip(dirs, run_labels(dirs), strict=False)]
     out = Path(out_dir) if out_dir is not None else (dirs[0] / "report" if len(dirs) == 1 else Path("report"))
     require_own_dir(out, "report directory", "--out", REPORT_MARKER, is_legacy_report)
     summaries = [summarize(run) for run in runs]

@@ -39,7 +39,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate((state["python_version"], tuple(int(x) for x in state["python_state"].tolist()), state["python_gauss"]))
+    python_state = tuple(int(x) for x in state["python_state"].tolist())
+    random.setstate((state["python_version"], python_state, state["python_gauss"]))
     keys = state["numpy_keys"].numpy().astype(np.uint32)
     np.random.set_state(("MT19937", keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"]))
     torch.set_rng_state(state["torch"])

@@ -112,7 +112,8 @@ class TrainState:
             except OSError as exc:
                 error = f"could not save checkpoint {path}: {exc.strerror or exc}; earlier checkpoints are intact"
             else:
-                say("saved checkpoint %s (%.1f MB, %.2fs)", path, path.stat().st_size / 1e6, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                say("saved checkpoint %s (%.1f MB, %.2fs)", path, path.stat().st_size / 1e6, seconds)
                 prune_checkpoints(p.run_dir, p.config.run.keep_checkpoints)
         error = p.dist.broadcast_object(error)
         if error:

@@ -76,7 +76,9 @@ class Trainer:
     of the data and makes the same decisions; only rank 0 prints and writes files.
     """
 
-    def __init__(self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None
+    ) -> None:
         check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))  # before any work
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
         self.config, self.dist = config, dist or DistContext()
@@ -126,7 +128,9 @@ class Trainer:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
         for line in header_lines(self.parts):
             self._say("%s", line)
-        metrics = open_metrics(self.run_dir, run.tensorboard, run.wandb, self.config.to_dict()) if self.dist.is_main else None
+        metrics = None
+        if self.dist.is_main:
+            metrics = open_metrics(self.run_dir, run.tensorboard, run.wandb, self.config.to_dict())
         self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
         self.progress.update(self.state.step)
         seen = _Progress()

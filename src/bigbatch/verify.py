@@ -74,7 +74,6 @@ class TensorBatch:
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss for a model returning logits: (sum over valid targets, count of valid targets)."""
-    from bigbatch.batch import MicroBatch
 
     return token_loss_sum(model, MicroBatch(inputs, targets)), (targets != IGNORE_INDEX).sum()
 
@@ -131,7 +130,8 @@ class SplitResult:
 
     @property
     def gradient_matches(self) -> bool:
-        return self.error is None and self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params)
+        within = self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params)
+        return self.error is None and within
 
 
 @dataclass
@@ -162,8 +162,8 @@ class EquivalenceReport:
         out = [
             f"the model fails on the micro-batches of the {s.name} split {s.sizes}: {s.error}"
             if s.error is not None
-            else f"the gradient differs under the {s.name} split {s.sizes} (relative L2 difference {s.total_rel_diff:.2e} "
-            f"> tolerance {s.tolerance:.0e})"
+            else f"the gradient differs under the {s.name} split {s.sizes} (relative L2 difference "
+            f"{s.total_rel_diff:.2e} > tolerance {s.tolerance:.0e})"
             if s.total_rel_diff > s.tolerance
             else f"parameters over tolerance under the {s.name} split {s.sizes}: "
             + ", ".join(p.name for p in s.params if not p.within_tolerance)
@@ -185,7 +185,8 @@ class EquivalenceReport:
     def equivalent(self) -> bool:
         if self.splits:
             return not self.reasons
-        return self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params) and not self.findings
+        within = self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params)
+        return within and not self.findings
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain values (``bigbatch verify --json``)."""
@@ -250,7 +251,9 @@ class EquivalenceReport:
             "(informational: AdamW divides by |g| + eps, so coordinates whose exact gradient is zero move by rounding)"
         )
         for m in self.mistakes:
-            lines.append(f"classic mistake '{m.name}': relative difference {m.rel_diff:.2e}, norm ratio {m.norm_ratio:.3f}")
+            lines.append(
+                f"classic mistake '{m.name}': relative difference {m.rel_diff:.2e}, norm ratio {m.norm_ratio:.3f}"
+            )
         for f in self.findings:
             measured = f" (output differs by {f.output_rel_diff:.2e})" if f.output_rel_diff is not None else ""
             exposed = f" [{f.split} split]" if f.split else ""
@@ -289,9 +292,14 @@ def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             findings.append(
-                Finding(name or ROOT, type(module).__name__, "normalizes with statistics of the whole batch in training mode")
+                Finding(
+                    name or ROOT, type(module).__name__,
+                    "normalizes with statistics of the whole batch in training mode",
+                )
             )
-        elif isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats and module.training:
+        elif (
+            isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats and module.training
+        ):
             findings.append(
                 Finding(
                     name or ROOT, type(module).__name__,
@@ -374,7 +382,9 @@ class _CallRecorder:
             handle.remove()
 
 
-def _split_difference(full: torch.Tensor, parts: list[torch.Tensor], sizes: list[int], order: torch.Tensor) -> float | None:
+def _split_difference(
+    full: torch.Tensor, parts: list[torch.Tensor], sizes: list[int], order: torch.Tensor
+) -> float | None:
     """Relative difference between ``full`` and the micro-batch tensors joined along the sample dimension,
     or None when the shapes show no sample dimension to join along (a tensor shared by all samples, a scalar).
 
@@ -389,7 +399,7 @@ def _split_difference(full: torch.Tensor, parts: list[torch.Tensor], sizes: list
         if any(p.shape[d] != full.shape[d] for p in parts for d in others):
             continue
         rows, leftover = divmod(full.shape[dim], samples)
-        if leftover or any(p.shape[dim] != size * rows for p, size in zip(parts, sizes)):
+        if leftover or any(p.shape[dim] != size * rows for p, size in zip(parts, sizes, strict=False)):
             continue
         joined = torch.cat(parts, dim=dim).double()
         reference = full.double().unflatten(dim, (samples, rows)).index_select(dim, order).flatten(dim, dim + 1)
@@ -474,7 +484,9 @@ def _render(t: torch.Tensor) -> str:
     return f"{t.item():g}" if t.numel() == 1 else f"norm {t.double().norm().item():.4g}"
 
 
-def _compare_buffers(full: dict[str, torch.Tensor], acc: dict[str, torch.Tensor], tolerance: float) -> list[BufferComparison]:
+def _compare_buffers(
+    full: dict[str, torch.Tensor], acc: dict[str, torch.Tensor], tolerance: float
+) -> list[BufferComparison]:
     """Buffers that differ after the step: integers exactly, floats beyond ``tolerance`` (relative L2)."""
     differing = []
     for name, fb in full.items():
@@ -501,7 +513,9 @@ def _unscale(engine: AccumulationEngine) -> None:
         engine.scaler.unscale_(engine.optimizer)
 
 
-def _param_comparisons(g_full: dict[str, torch.Tensor], g_acc: dict[str, torch.Tensor], tolerance: float) -> list[ParamComparison]:
+def _param_comparisons(
+    g_full: dict[str, torch.Tensor], g_acc: dict[str, torch.Tensor], tolerance: float
+) -> list[ParamComparison]:
     params = []
     for name, gf in g_full.items():
         gf64, ga64 = gf.double().flatten(), g_acc[name].double().flatten()
@@ -586,8 +600,9 @@ def check_equivalence(
             loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0], count_fn=count_of,
         )
         # The optimizer's own learning rate applies: the engine's schedule must not override it.
-        engine.schedule = lambda _step, lrs=[g["lr"] for g in engine.optimizer.param_groups]: lrs[0]
-        engine._set_lr(engine.schedule(0))
+        lr = float(engine.optimizer.param_groups[0]["lr"])
+        engine.schedule = constant_schedule(lr)
+        engine._set_lr(lr)
         return replica, engine
 
     def run(parts: list[TensorBatch]) -> tuple[nn.Module, AccumulationEngine, _CallRecorder, float]:

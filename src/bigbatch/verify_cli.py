@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from bigbatch.errors import BigBatchError
 from bigbatch.batch import IGNORE_INDEX
+from bigbatch.errors import BigBatchError
 from bigbatch.model import GPT, preset
 from bigbatch.verify import VerifyLossFn
 

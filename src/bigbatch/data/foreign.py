@@ -169,7 +169,11 @@ class ForeignDataset:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Refuse shards holding ids at or above ``vocab_size`` (they would index past the embedding)."""
-        shards = ((path, array) for split in SPLITS for path, array in zip(self._files[split], self.shard_arrays(split)))
+        shards = (
+            (path, array)
+            for split in SPLITS
+            for path, array in zip(self._files[split], self.shard_arrays(split), strict=True)
+        )
         check_token_range(shards, vocab_size, "these are not GPT-2 tokens, or the model's vocabulary is too small")
 
     def document_shards(self, split: str) -> list[DocumentShard]:

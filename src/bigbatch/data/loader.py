@@ -118,7 +118,9 @@ class PackedLoader:
         shard = int(state["shard"])
         offset = int(state["offset"])
         if shard not in self.usable:
-            raise DataError(f"loader state names shard {shard}, which this dataset does not have; was the data changed?")
+            raise DataError(
+                f"loader state names shard {shard}, which this dataset does not have; was the data changed?"
+            )
         if offset < 0 or offset > len(self.shards[shard]):
             raise DataError(f"loader state offset {offset} lies beyond shard {shard}; was the data changed?")
         self._slot = self.usable.index(shard)

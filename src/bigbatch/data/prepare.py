@@ -231,7 +231,7 @@ def _dataset_meta(
     if mode == "documents":
         meta.extra["longest_document"] = max(found.lengths)
         # targets are positions 1.. of a document; a prompt masks the first prompt-length of them
-        untrained = sum(1 for n, p in zip(found.lengths, found.prompt_lengths) if n - max(p, 1) <= 0)
+        untrained = sum(1 for n, p in zip(found.lengths, found.prompt_lengths, strict=False) if n - max(p, 1) <= 0)
         meta.extra["documents_without_targets"] = untrained
     return meta
 

@@ -162,7 +162,7 @@ class TokenDataset:
         shards = (
             (self.directory / name, array)
             for split in SPLITS
-            for name, array in zip(self.meta.shards.get(split, []), self.shard_arrays(split))
+            for name, array in zip(self.meta.shards.get(split, []), self.shard_arrays(split), strict=False)
         )
         check_token_range(shards, vocab_size, "re-prepare it with the right tokenizer")
 
@@ -171,13 +171,17 @@ class TokenDataset:
         if self.meta.mode != "documents":
             raise DataError(f"{self.directory} was prepared in {self.meta.mode} mode, not documents")
         shards = []
-        for name, tokens in zip(self.meta.shards.get(split, []), self.shard_arrays(split)):
+        for name, tokens in zip(self.meta.shards.get(split, []), self.shard_arrays(split), strict=False):
             offsets = self._open_shard(document_offsets_name(name), dtype=np.dtype(np.int64))
             if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) <= 0):
-                raise DataError(f"document offsets of {self.directory / name} are inconsistent; re-run bigbatch prepare")
+                raise DataError(
+                    f"document offsets of {self.directory / name} are inconsistent; re-run bigbatch prepare"
+                )
             mask = self._open_shard(document_mask_name(name), dtype=np.dtype(np.uint8)) if self.meta.masked else None
             if mask is not None and len(mask) != len(tokens):
-                raise DataError(f"the mask of {self.directory / name} does not match its tokens; re-run bigbatch prepare")
+                raise DataError(
+                    f"the mask of {self.directory / name} does not match its tokens; re-run bigbatch prepare"
+                )
             shards.append(DocumentShard(tokens, offsets, mask))
         return shards
 

@@ -131,7 +131,7 @@ class BPETokenizer:
         return str(self._tokenizer.decode([t for t in tokens if 0 <= t < self.vocab_size], skip_special_tokens=False))
 
 
-def _hf_tokenizers():  # type: ignore[no-untyped-def]
+def _hf_tokenizers():
     try:
         import tokenizers
     except ImportError as exc:  # pragma: no cover - tokenizers is a pinned dependency

@@ -105,7 +105,7 @@ def _save_document_shard(
     np.save(staging / document_offsets_name(name), offsets)
     if prompt_lengths is not None:
         mask = np.ones(int(offsets[-1]), dtype=np.uint8)  # 1 = trained on as a target
-        for start, i in zip(offsets[:-1], range(first, stop)):
+        for start, i in zip(offsets[:-1], range(first, stop), strict=False):
             mask[start : start + prompt_lengths[i]] = 0
         np.save(staging / document_mask_name(name), mask)
     names[split].append(name)

@@ -9,6 +9,7 @@ batches, accumulation, devices or files.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -72,7 +73,7 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def preset(name: str, **overrides: int | float) -> GPTConfig:
+def preset(name: str, **overrides: Any) -> GPTConfig:
     """A named model shape, optionally with fields replaced (e.g. ``vocab_size=256``)."""
     if name not in MODEL_PRESETS:
         known = ", ".join(MODEL_PRESETS)
@@ -131,6 +132,18 @@ class Block(nn.Module):
         return x
 
 
+class Transformer(nn.Module):
+    """The embeddings, blocks and final norm (parameter names ``transformer.wte.weight``, ... as in GPT-2)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+
+
 class GPT(nn.Module):
     """GPT-2. ``forward(idx)`` returns the logits, shape (B, T, vocab_size).
 
@@ -143,15 +156,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd),
-            )
-        )
+        self.transformer = Transformer(config)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         # Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute).

@@ -12,5 +12,5 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The submodules that FSDP2 shards as units before the root: a GPT's transformer blocks (its
     embeddings, final norm and tied head stay with the root). Another model gives none: only the root."""
     if isinstance(model, GPT):
-        return list(model.transformer.h)
+        return list(model.transformer.h)  # the blocks
     return []

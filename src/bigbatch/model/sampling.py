@@ -26,7 +26,9 @@ def prompt_ids(tokenizer: PromptTokenizer, prompt: str, vocab_size: int) -> list
     if not ids:
         ids = [tokenizer.eot_token if tokenizer.eot_token is not None else NEWLINE]
     if max(ids) >= vocab_size:
-        raise BigBatchError("the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?")
+        raise BigBatchError(
+            "the prompt holds tokens outside the model's vocabulary; was it trained with this tokenizer?"
+        )
     return ids
 
 
