@@ -1,0 +1,236 @@
+"""One process: the full-batch pass against the engine's accumulated passes over every split of the batch."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from bigbatch.accumulate import AccumulationEngine, resolve_precision
+from bigbatch.optim import constant_schedule
+from bigbatch.rng import preserved_rng
+from bigbatch.verify.attribution import CallRecorder, ModuleComparison, attribute, compare_calls
+from bigbatch.verify.compare import (
+    buffer_owner,
+    buffers_of,
+    compare_buffers,
+    compare_params,
+    cosine,
+    flat,
+    gradients,
+    rel_diff,
+)
+from bigbatch.verify.inputs import (
+    DEFAULT_TOLERANCE,
+    SPLITS,
+    OptimizerFactory,
+    TensorBatch,
+    VerifyLossFn,
+    disable_dropout,
+    lm_loss,
+    scan_cross_sample_modules,
+    split_indices,
+)
+from bigbatch.verify.report import LOSS, EquivalenceReport, Finding, Mistake, SplitResult
+
+
+@dataclass
+class _Pass:
+    """One forward/backward through the engine (the full batch as one part, or a split's micro-batches)."""
+
+    model: nn.Module
+    engine: AccumulationEngine
+    calls: CallRecorder
+    loss_sum: float
+    grads: dict[str, torch.Tensor]
+    flat: torch.Tensor  # every gradient, flattened, float64
+
+
+class _Runner:
+    """Runs passes on fresh copies of the model, counting each part's valid items once."""
+
+    def __init__(
+        self, base: nn.Module, loss_fn: VerifyLossFn, precision: str, device: torch.device, seed: int,
+        make_optimizer: OptimizerFactory,
+    ) -> None:  # fmt: skip
+        self.base, self.loss_fn, self.precision, self.device, self.seed = base, loss_fn, precision, device, seed
+        self.make_optimizer = make_optimizer
+        self._counter = copy.deepcopy(base)  # a forward in training mode may update buffers: never count on base
+        self._counts: dict[int, tuple[TensorBatch, int]] = {}  # id -> (the part, kept alive so its id stays; count)
+
+    def count(self, part: TensorBatch) -> int:
+        if id(part) not in self._counts:
+            with torch.no_grad():
+                items = int(self.loss_fn(self._counter, *part.to(self.device).tensors)[1])
+            self._counts[id(part)] = (part, items)
+        return self._counts[id(part)][1]
+
+    def run(self, parts: list[TensorBatch], n_valid: int) -> _Pass:
+        """Forward and backward over ``parts`` through the engine, gradients in true units (fp16 unscaled)."""
+        replica = copy.deepcopy(self.base)
+        engine = AccumulationEngine(
+            replica, self.make_optimizer(replica.parameters()), constant_schedule(1.0), grad_clip=0.0,
+            precision=self.precision, device=self.device,
+            loss_fn=lambda m, b: self.loss_fn(m, *b.tensors)[0], count_fn=self.count,
+        )  # fmt: skip
+        lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
+        engine.schedule = constant_schedule(lr)
+        engine._set_lr(lr)
+        torch.manual_seed(self.seed)
+        recorder = CallRecorder(replica)
+        replica.zero_grad(set_to_none=True)
+        loss_sum, _ = engine.accumulate(parts, n_valid=n_valid)
+        if engine.scaler.is_enabled():  # fp16: divide the GradScaler's scale out of the gradients
+            engine.scaler.unscale_(engine.optimizer)
+        recorder.remove()
+        grads = gradients(replica)
+        return _Pass(replica, engine, recorder, float(loss_sum), grads, flat(list(grads.values())))
+
+
+@preserved_rng()  # it seeds every pass alike: the caller's generators are left as they were
+def check_equivalence(
+    model: nn.Module,
+    batch: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: VerifyLossFn | None = None,
+    k: int = 4,
+    precision: str = "fp32",
+    tolerance: float | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    splits: Sequence[str] = SPLITS,
+) -> EquivalenceReport:
+    """Compare the full-batch gradient with the engine's accumulated gradient (see :mod:`bigbatch.verify`).
+
+    ``batch`` is a tensor or a sequence of tensors that all share the first
+    (sample) dimension. It is cut into micro-batches by each of ``splits``
+    (see :data:`SPLITS`; ``equal`` uses ``k`` pieces, as does ``permuted``).
+    ``loss_fn`` defaults to :func:`lm_loss` (a model returning logits, batch =
+    (inputs, targets) with -100 for no loss). The model is not modified: every
+    pass runs on a copy.
+    """
+    started = time.perf_counter()
+    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    samples = tensors[0].shape[0]
+    if any(t.shape[0] != samples for t in tensors):
+        raise ValueError("every tensor of the batch must share its first (sample) dimension")
+    if not 1 <= k <= samples:
+        raise ValueError(f"k must be between 1 and the number of samples ({samples}), got {k}")
+    splits = list(dict.fromkeys(splits))
+    if not splits or any(s not in SPLITS for s in splits):
+        raise ValueError(f"splits must be one or more of {', '.join(SPLITS)}, got {', '.join(splits) or 'none'}")
+    device = torch.device(device)
+    precision = resolve_precision(precision, device)
+    tolerance = DEFAULT_TOLERANCE[precision] if tolerance is None else tolerance
+
+    base = copy.deepcopy(model).to(device)
+    base.train()
+    dropout_disabled = disable_dropout(base)
+    runner = _Runner(
+        base, loss_fn or lm_loss, precision, device, seed,
+        optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)),
+    )  # fmt: skip
+    full_batch = TensorBatch(tensors)
+    n_total = runner.count(full_batch)
+    if n_total == 0:
+        raise ValueError("the batch holds no valid items to average over")
+
+    full = runner.run([full_batch], n_total)
+    before = flat([p.detach() for p in base.parameters()])
+    full.engine.optimizer.step()
+    update_full = flat([p.detach() for p in full.model.parameters()]) - before
+    buffers_full = buffers_of(full.model)
+
+    findings = scan_cross_sample_modules(base)
+    results: list[SplitResult] = []
+    update_rel_diff = 0.0
+    for split in splits:
+        indices = split_indices(samples, k, split, seed)
+        parts = [TensorBatch(tuple(t[idx] for t in tensors)) for idx in indices]
+        sizes = [int(idx.numel()) for idx in indices]
+        try:
+            acc = runner.run(parts, n_total)
+        except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refuses a micro-batch of one sample
+            if split == splits[0]:
+                raise
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            results.append(SplitResult(split, sizes, [], [], math.inf, 0.0, math.inf, [], tolerance, message))
+            continue
+        acc.engine.optimizer.step()
+        if split == splits[0]:
+            update_rel_diff = rel_diff(flat([p.detach() for p in acc.model.parameters()]) - before, update_full)
+        result = SplitResult(
+            name=split, sizes=sizes, valid_counts=[runner.count(p) for p in parts],
+            params=compare_params(full.grads, acc.grads, tolerance),
+            total_rel_diff=rel_diff(acc.flat, full.flat), total_cosine=cosine(acc.flat, full.flat),
+            max_abs_diff=(acc.flat - full.flat).abs().max().item(),
+            buffers=compare_buffers(buffers_full, buffers_of(acc.model), tolerance), tolerance=tolerance,
+        )  # fmt: skip
+        results.append(result)
+        comparisons = compare_calls(full.calls, acc.calls, sizes, torch.cat(indices))
+        findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
+
+    return EquivalenceReport(
+        k=len(results[0].sizes), samples=samples, valid_counts=results[0].valid_counts, precision=precision,
+        tolerance=tolerance, params=results[0].params, total_rel_diff=results[0].total_rel_diff,
+        total_cosine=results[0].total_cosine, max_abs_diff=results[0].max_abs_diff,
+        mistakes=_classic_mistakes(runner, tensors, split_indices(samples, k, splits[0], seed), full),
+        update_rel_diff=update_rel_diff, findings=findings, dropout_disabled=dropout_disabled,
+        seconds=time.perf_counter() - started, splits=results, buffers_compared=len(buffers_full),
+    )  # fmt: skip
+
+
+def _split_findings(
+    result: SplitResult, comparisons: dict[str, ModuleComparison], known: list[Finding], full_loss: float,
+    split_loss: float, tolerance: float,
+) -> list[Finding]:  # fmt: skip
+    """What a split exposed that the findings so far do not name: the module where mixing starts, the owner
+    of a differing buffer, or the loss function (every module's output matches, yet losses or gradients do not)."""
+    named = {f.module for f in known}
+    found = [f for f in attribute(comparisons, tolerance, result.name) if f.module not in named]
+    for b in result.buffers:
+        owner = buffer_owner(b.name)
+        if owner not in named and all((f.module, f.kind) != (owner, "buffer") for f in found):
+            found.append(Finding(owner, "buffer", f"buffer {b.name} differs after the step", b.rel_diff, result.name))
+    root = comparisons.get("")
+    model_matches = root is not None and root.output_diff is not None and root.output_diff <= tolerance
+    loss_diff = abs(split_loss - full_loss) / max(abs(full_loss), 1e-30)
+    if model_matches and LOSS not in named and (loss_diff > tolerance or not result.gradient_matches):
+        found.append(
+            Finding(
+                LOSS, "loss",
+                "the loss function couples samples: the model's outputs match across the split but the "
+                f"per-micro-batch loss sums add up to a different total (relative difference {loss_diff:.2e}) "
+                "or give a different gradient",
+                split=result.name,
+            )
+        )  # fmt: skip
+    return found
+
+
+def _classic_mistakes(
+    runner: _Runner, tensors: tuple[torch.Tensor, ...], indices: list[torch.Tensor], full: _Pass
+) -> list[Mistake]:
+    """The two classic mistakes on one split's micro-batches: each micro-batch's mean back-propagated as is
+    (K times too large), and ``mean / K`` (wrong whenever micro-batches hold different valid counts)."""
+    parts = [TensorBatch(tuple(t[idx] for t in tensors)) for idx in indices]
+    total_norm = full.flat.norm().item()
+    mistakes = []
+    for name, divide_by_k in (("no normalization (sum of micro-batch means)", False), ("mean / K", True)):
+        wrong = copy.deepcopy(runner.base)
+        wrong.zero_grad(set_to_none=True)
+        torch.manual_seed(runner.seed)
+        for part in parts:
+            with full.engine.autocast():
+                loss_sum, count = runner.loss_fn(wrong, *part.to(runner.device).tensors)
+            mean = loss_sum / max(int(count), 1)
+            (mean / len(parts) if divide_by_k else mean).backward()
+        flat_wrong = flat(list(gradients(wrong).values()))
+        ratio = flat_wrong.norm().item() / max(total_norm, 1e-300)
+        mistakes.append(Mistake(name, rel_diff(flat_wrong, full.flat), ratio))
+    return mistakes

@@ -1,0 +1,101 @@
+"""What the verifier works on: the batch and its splits, the default loss, dropout switched off, and the
+module types known to couple samples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from bigbatch.accumulate import token_loss_sum
+from bigbatch.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.verify.report import ROOT, Finding
+
+VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
+"""Relative L2 tolerance on the gradient by precision. fp32 differs only by summation order; under
+autocast the full batch and the micro-batches round activations differently, so the bounds are looser."""
+
+SPLITS = ("equal", "unequal", "permuted")
+"""How the batch is cut into micro-batches: ``equal`` (``torch.tensor_split`` into K), ``unequal`` (sizes
+1, 2, 3, ... and the remainder), ``permuted`` (the samples in a seeded random order, then K equal pieces)."""
+
+
+@dataclass
+class TensorBatch:
+    """A tuple of tensors that moves to a device together (the engine's micro-batch for verification)."""
+
+    tensors: tuple[torch.Tensor, ...]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TensorBatch:
+        return TensorBatch(tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors))
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss for a model returning logits: (sum over valid targets, count of valid targets)."""
+
+    return token_loss_sum(model, MicroBatch(inputs, targets)), (targets != IGNORE_INDEX).sum()
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout probability in ``model`` to zero; return the module paths that had one.
+
+    Probabilities are zeroed rather than modules put in eval mode, because some
+    attention implementations read ``dropout.p`` guarded by their *own* training
+    flag (Hugging Face's GPT-2 does). Call this on a copy.
+    """
+    disabled = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0.0:
+                module.p = 0.0
+                disabled.append(name or "<root>")
+        elif isinstance(getattr(module, "dropout", None), float) and module.dropout > 0.0:
+            module.dropout = 0.0  # e.g. nn.MultiheadAttention, bigbatch's attention
+            disabled.append(name or "<root>")
+    return disabled
+
+
+def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:
+    """Modules whose training-mode behaviour mixes samples or counts forwards, found by type."""
+    findings = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            findings.append(
+                Finding(
+                    name or ROOT, type(module).__name__,
+                    "normalizes with statistics of the whole batch in training mode",
+                )
+            )
+        elif (
+            isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats and module.training
+        ):
+            findings.append(
+                Finding(
+                    name or ROOT, type(module).__name__,
+                    "running statistics are updated K times instead of once (gradients are per sample)",
+                )
+            )
+    return findings
+
+
+def split_indices(samples: int, k: int, name: str, seed: int = 0) -> list[torch.Tensor]:
+    """Sample indices of each micro-batch for one of :data:`SPLITS`."""
+    order = torch.arange(samples)
+    if name == "equal":
+        return list(torch.tensor_split(order, k))
+    if name == "permuted":
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + 1))
+        return list(torch.tensor_split(order, k))
+    if name == "unequal":
+        pieces, start, size = [], 0, 1
+        while start < samples:
+            pieces.append(order[start : start + size])
+            start += size
+            size += 1
+        return pieces
+    raise ValueError(f"unknown split {name!r}; choose from {', '.join(SPLITS)}")
