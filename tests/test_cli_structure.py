@@ -23,7 +23,8 @@ def imported_modules(*argv: str) -> set[str]:
     """The modules ``python -X importtime -m bigbatch ARGV`` imports (a fresh interpreter)."""
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "bigbatch", *argv],
-        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+        check=False, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: bigbatch" in done.stdout
@@ -123,3 +124,10 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
         "-m", "bigbatch.launch", "--standalone", "--nproc-per-node=3", "-m", "bigbatch", "verify",
         "--k", "2", "--seed", "1",
     ]  # fmt: skip
+
+
+def test_default_tolerances_cover_the_resolved_precisions() -> None:
+    from bigbatch.verify import DEFAULT_TOLERANCE
+
+    assert set(DEFAULT_TOLERANCE) == set(choices.RESOLVED_PRECISIONS)
+    assert set(PRECISION) == {"auto", *choices.RESOLVED_PRECISIONS}
