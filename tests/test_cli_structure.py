@@ -77,13 +77,17 @@ def choice_fields() -> list[tuple[str, str, Choices, str]]:
     ]
 
 
+def choice_params() -> list[object]:
+    return [pytest.param(*row, id=f"{row[0]}.{row[1]}") for row in choice_fields()]
+
+
 def test_every_closed_config_field_declares_its_choices() -> None:
     declared = {c.setting for _, _, c, _ in choice_fields()}
     everything = {v.setting for v in vars(choices).values() if isinstance(v, Choices)}
     assert declared == everything  # no choice set left unused by the config, none duplicated outside it
 
 
-@pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_fields())
+@pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_params())
 def test_config_help_validation_and_choices_agree(section: str, name: str, allowed: Choices, help_text: str) -> None:
     for value in allowed:  # the help names every value, and every value validates
         assert value in help_text, (name, value)
@@ -131,3 +135,17 @@ def test_default_tolerances_cover_the_resolved_precisions() -> None:
 
     assert set(DEFAULT_TOLERANCE) == set(choices.RESOLVED_PRECISIONS)
     assert set(PRECISION) == {"auto", *choices.RESOLVED_PRECISIONS}
+
+
+@pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_params())
+def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
+    import re
+
+    from bigbatch.config import _flag
+
+    field = next(f for f in fields(SECTIONS[section]) if f.name == name)
+    readme = (SRC.parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]]
+    assert rows, f"README's flag table has no row for --{_flag(field)}"
+    for value in allowed:
+        assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)
