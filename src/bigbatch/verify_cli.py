@@ -118,6 +118,7 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
 
     s = settings
     case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged)
+    assert case.batch is not None  # build_case gives every case a batch
     try:
         return check_equivalence(
             case.model, case.batch, loss_fn=case.loss_fn, k=s.k, precision=s.precision, tolerance=s.tolerance,
@@ -137,6 +138,7 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
     with distributed_session(s.device) as (dist, device):
         case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed,
                           s.k * s.micro_batch * dist.world_size, s.seq_len, s.ragged)  # fmt: skip
+        assert case.batch is not None  # build_case gives every case a batch
         report = check_distributed_equivalence(
             case.model, case.batch, dist, loss_fn=case.loss_fn, k=s.k, device=device, tolerance=s.tolerance or 1e-5,
         )
