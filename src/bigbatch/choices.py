@@ -20,7 +20,8 @@ class Choices:
     def check(self, value: object) -> str:
         """``value`` when allowed; else a one-line error naming the setting and the choices."""
         if value not in self.values:
-            raise ConfigError(f"{self.setting} must be one of {', '.join(self.values)}, got {value!r}")
+            allowed = self.listed() if len(self.values) <= 2 else f"one of {', '.join(self.values)}"
+            raise ConfigError(f"{self.setting} must be {allowed}, got {value!r}")
         return str(value)
 
     def __iter__(self):  # noqa: ANN204 - lets argparse's ``choices=`` and ``in`` use the values directly
@@ -44,3 +45,8 @@ RESUME = Choices("resume", ("auto", "never"))
 SWITCH = Choices("compile", ("auto", "on", "off"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
+
+# Open sets, named here so that the command line's help needs neither torch nor the data package:
+# tests/test_choices.py checks that they match the tokenizers and the model presets they describe.
+TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB")
+MODEL_PRESET_NAMES = ("pico", "nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt-1b")

@@ -17,6 +17,17 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bigbatch.choices import (
+    DATA_MODE,
+    LAST_WINDOW,
+    LONG_DOCUMENTS,
+    MODEL_PRESET_NAMES,
+    PARALLEL,
+    PRECISION,
+    RESUME,
+    SWITCH,
+    Choices,
+)
 from bigbatch.errors import ConfigError
 from bigbatch.ranges import (
     FRACTION,
@@ -30,23 +41,28 @@ from bigbatch.ranges import (
     Range,
 )
 
-SWITCH_VALUES = ("auto", "on", "off")
+SWITCH_VALUES = SWITCH.values
 
 
-def _opt(default: Any, help: str, flag: str | None = None, range: Range | None = None) -> Any:
+def _opt(
+    default: Any, help: str, flag: str | None = None, range: Range | None = None, choices: Choices | None = None
+) -> Any:
     """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
-    field declares its allowed :class:`~bigbatch.ranges.Range`, checked for flags, TOML files and Python alike."""
+    field declares its allowed :class:`~bigbatch.ranges.Range`, a closed choice its
+    :class:`~bigbatch.choices.Choices`: both are checked for flags, TOML files and Python alike."""
     metadata: dict[str, Any] = {"help": help}
     if flag:
         metadata["flag"] = flag
     if range is not None:
         metadata["range"] = range
+    if choices is not None:
+        metadata["choices"] = choices
     return field(default=default, metadata=metadata)
 
 
 @dataclass
 class ModelSection:
-    preset: str = _opt("nano", "model preset: pico, nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-1b", flag="model")
+    preset: str = _opt("nano", f"model preset: {', '.join(MODEL_PRESET_NAMES)}", flag="model")
     block_size: int = _opt(0, "maximum context length; 0 keeps the preset's", range=NON_NEGATIVE_INT)
     dropout: float = _opt(
         0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)", range=PROBABILITY,
@@ -80,11 +96,13 @@ class DataSection:
         "packed",
         "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
         ".jsonl prompt/completion records mask the prompt)",
+        choices=DATA_MODE,
     )
     long_documents: str = _opt(
         "split",
         "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
         "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
+        choices=LONG_DOCUMENTS,
     )
 
 
@@ -112,6 +130,7 @@ class BatchSection:
     last_window: str = _opt(
         "partial",
         "last incomplete window of a document epoch: partial (train on it, exactly normalized) or drop (skip it)",
+        choices=LAST_WINDOW,
     )
 
 
@@ -142,15 +161,22 @@ class RunSection:
     )
     seed: int = _opt(1337, "random seed", range=SEED)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
-    precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16")
+    precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16", choices=PRECISION)
     compile: str = field(
         default="auto",
-        metadata={"help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off", "switch": True},
+        metadata={
+            "help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off",
+            "switch": True,
+            "choices": SWITCH,
+        },
     )
     nproc: int = _opt(
         1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you", range=POSITIVE_INT,
     )
-    parallel: str = _opt("auto", "auto (ddp when world_size > 1), ddp or fsdp (FSDP2 fully_shard per block and root)")
+    parallel: str = _opt(
+        "auto", "auto (ddp when world_size > 1), none, ddp or fsdp (FSDP2 fully_shard per block and root)",
+        choices=PARALLEL,
+    )
     sync_every_micro_step: bool = _opt(
         False, "reduce gradients after every micro-step instead of once per step (for comparison; costs K rounds)"
     )
@@ -168,6 +194,7 @@ class RunSection:
         "auto",
         "auto: continue from the newest valid checkpoint in --out if there is one; "
         "never: refuse a run directory that holds checkpoints",
+        choices=RESUME,
     )
     overwrite: bool = _opt(False, "with --resume never: delete the run directory's checkpoints and logs, start over")
     max_consecutive_skips: int = _opt(
@@ -220,8 +247,11 @@ class TrainConfig:
     def validate(self) -> None:
         for section, section_cls in SECTIONS.items():
             for f in fields(section_cls):
-                declared: Range | None = f.metadata.get("range")
                 value = getattr(getattr(self, section), f.name)
+                allowed: Choices | None = f.metadata.get("choices")
+                if allowed is not None:
+                    allowed.check(value)
+                declared: Range | None = f.metadata.get("range")
                 if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
                     continue
                 declared.check(f"--{_flag(f)} ({section}.{f.name})", value)
@@ -230,20 +260,6 @@ class TrainConfig:
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
                 "raise decay_steps or set it to 0 (= max_steps)"
             )
-        if self.batch.last_window not in ("partial", "drop"):
-            raise ConfigError(f"last_window must be partial or drop, got {self.batch.last_window!r}")
-        if self.data.data_mode not in ("packed", "documents"):
-            raise ConfigError(f"data_mode must be packed or documents, got {self.data.data_mode!r}")
-        if self.data.long_documents not in ("split", "truncate"):
-            raise ConfigError(f"long_documents must be split or truncate, got {self.data.long_documents!r}")
-        if self.run.resume not in ("auto", "never"):
-            raise ConfigError(f"resume must be auto or never, got {self.run.resume!r}")
-        if self.run.parallel not in ("auto", "none", "ddp", "fsdp"):
-            raise ConfigError(f"parallel must be auto, none, ddp or fsdp, got {self.run.parallel!r}")
-        if self.run.compile not in SWITCH_VALUES:
-            raise ConfigError(f"compile must be one of {', '.join(SWITCH_VALUES)}, got {self.run.compile!r}")
-        if self.run.precision not in ("auto", "fp32", "bf16", "fp16"):
-            raise ConfigError(f"precision must be auto, fp32, bf16 or fp16, got {self.run.precision!r}")
 
 
 def _toml_value(value: Any) -> str:
@@ -342,7 +358,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             dest = f"{section}.{f.name}"
             if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, nargs="?", const="on", choices=SWITCH_VALUES,
+                    f"--{_flag(f)}", dest=dest, nargs="?", const="on", choices=f.metadata["choices"],
                     default=argparse.SUPPRESS, help=help_text,
                 )
                 group.add_argument(

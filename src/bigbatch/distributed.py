@@ -24,9 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from bigbatch.choices import PARALLEL
 from bigbatch.errors import ConfigError
-
-PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
 
 
 class GradSync(Protocol):
@@ -205,8 +204,7 @@ def distributed_session(device_name: str, timeout_s: float = 600.0) -> Iterator[
 
 
 def resolve_parallel(mode: str, world_size: int) -> str:
-    if mode not in PARALLEL_MODES:
-        raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {mode!r}")
+    PARALLEL.check(mode)
     if mode == "auto":
         return "ddp" if world_size > 1 else "none"
     if mode != "none" and world_size == 1:

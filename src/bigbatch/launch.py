@@ -97,5 +97,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def strip_nproc(argv: Sequence[str]) -> list[str]:
+    """The command line without ``--nproc N`` / ``--nproc=N``, for the workers."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) -> int:
+    """Run ``bigbatch SUBCOMMAND ARGV`` (less ``--nproc``) in ``nproc`` workers and return the exit code.
+
+    The workers run under ``python -m bigbatch.launch --standalone --nproc-per-node N`` (this module's
+    :func:`main`: a worker's failure becomes one line) and die with this process (see :mod:`bigbatch.lifeline`)."""
+    from bigbatch.lifeline import run_supervised
+
+    command = [
+        sys.executable, "-m", "bigbatch.launch", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "bigbatch", subcommand, *strip_nproc(argv),
+    ]  # fmt: skip
+    return run_supervised(command)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,10 +23,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.errors import BigBatchError
+from bigbatch.model import GPT, GPTConfig, preset
+from bigbatch.progress import ProgressBar
 from bigbatch.rng import preserved_rng
 
 MiB = 2**20
@@ -274,3 +277,54 @@ def plot_memory(rows: list[MicroStepMeasurement], path: Path, title: str) -> Pat
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def micro_batch_sizes(largest: int) -> list[int]:
+    """``1, 2, 4, ...`` up to ``largest``: the sizes ``bigbatch memory`` measures."""
+    return [2**i for i in range(largest.bit_length()) if 2**i <= largest]
+
+
+@dataclass(frozen=True)
+class MemorySweep:
+    """Measured micro-steps of one model for micro-batch sizes 1, 2, 4, ..., with the activation estimates."""
+
+    model: str
+    seq_len: int
+    precision: str
+    device: torch.device
+    activation_checkpointing: bool
+    rows: list[MicroStepMeasurement]
+    estimates: dict[int, int]
+
+    def format(self) -> str:
+        """The header line and the table of ``bigbatch memory``."""
+        how = "allocator peaks" if self.device.type == "cuda" else "peak resident memory of a fresh process per size"
+        checkpointing = " | activation checkpointing" if self.activation_checkpointing else ""
+        header = f"{self.model} | seq_len {self.seq_len} | {self.precision} | {self.device} ({how}){checkpointing}"
+        return header + "\n" + memory_report(self.rows, self.estimates)
+
+
+def sweep_memory(
+    model: str, seq_len: int, max_micro_batch: int, *, k: int, vocab_size: int, device: torch.device, precision: str,
+    activation_checkpointing: bool = False, stream: TextIO | None = None,
+) -> MemorySweep:
+    """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
+
+    Progress goes to ``stream`` (default: stderr): a redrawn bar on a terminal, else a line per size."""
+    stream = sys.stderr if stream is None else stream
+    config = preset(model, **({"vocab_size": vocab_size} if vocab_size else {}))
+    if seq_len > config.block_size:
+        raise BigBatchError(f"--seq-len {seq_len} exceeds the {model} block size {config.block_size}")
+    sizes = micro_batch_sizes(max_micro_batch)
+    rows = []
+    with ProgressBar(len(sizes), label="measured", stream=stream, min_interval=0) as bar:  # only on a TTY
+        for i, size in enumerate(sizes):
+            bar.update(i, extra=f"measuring micro-batch {size}")
+            rows.append(measure(config, size, seq_len, k=k, device=device, precision=precision,
+                                activation_checkpointing=activation_checkpointing))  # fmt: skip
+            if bar.enabled:
+                bar.update(i + 1, extra=f"measured micro-batch {size}")
+            else:
+                print(f"measured micro-batch {size}", file=stream)
+    estimates = {s: estimate_memory(config, s, seq_len, precision).activations for s in sizes}
+    return MemorySweep(model, seq_len, precision, device, activation_checkpointing, rows, estimates)

@@ -61,3 +61,29 @@ def format_plan(
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def report_plan(
+    solved: SolvedPlan, model_name: str | None = None, vocab_size: int = 0, precision: str = "auto",
+    device_name: str = "auto", measure_step: bool = False,
+) -> str:
+    """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
+    ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
+    from bigbatch.accumulate import resolve_precision
+    from bigbatch.distributed import resolve_device
+    from bigbatch.memory import measure
+    from bigbatch.model import preset
+
+    if not model_name:
+        return format_plan(solved, model_name, None, "fp32", None)
+    device = resolve_device(device_name)
+    resolved = resolve_precision(precision, device)
+    overrides = {"vocab_size": vocab_size} if vocab_size else {}
+    model_config = preset(model_name, **overrides)
+    if solved.plan.seq_len > model_config.block_size:
+        model_config = preset(model_name, block_size=solved.plan.seq_len, **overrides)
+    measured = None
+    if measure_step:
+        measured = measure(model_config, solved.plan.micro_batch, solved.plan.seq_len,
+                           k=min(solved.plan.accumulation_steps, 4), device=device, precision=resolved)  # fmt: skip
+    return format_plan(solved, model_name, model_config, resolved, measured)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from bigbatch.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError
 from bigbatch.model import GPT, preset
-from bigbatch.verify import VerifyLossFn
+from bigbatch.verify import DistributedReport, EquivalenceReport, VerifyLossFn
 
 
 @dataclass
@@ -90,3 +90,56 @@ def build_case(
         generator = torch.Generator().manual_seed(seed)
         case.batch = token_batch(samples, seq_len, vocab, ragged, generator)
     return case
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    """What ``bigbatch verify`` compares: the model (a preset or ``factory``), its batch and how it is cut."""
+
+    model: str = "nano"
+    factory: str | None = None
+    k: int = 4
+    micro_batch: int = 2
+    seq_len: int = 64
+    vocab_size: int = 0
+    dropout: float = 0.0
+    ragged: bool = True
+    precision: str = "fp32"
+    splits: tuple[str, ...] = ("equal", "unequal", "permuted")
+    tolerance: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+
+
+def verify_here(settings: VerifySettings) -> EquivalenceReport:
+    """The single-process check: the full-batch gradient against the one accumulated over K micro-batches."""
+    from bigbatch.distributed import resolve_device
+    from bigbatch.verify import check_equivalence
+
+    s = settings
+    case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged)
+    assert case.batch is not None  # build_case gives every case a batch
+    try:
+        return check_equivalence(
+            case.model, case.batch, loss_fn=case.loss_fn, k=s.k, precision=s.precision, tolerance=s.tolerance,
+            device=resolve_device(s.device), seed=s.seed, splits=list(s.splits),
+        )
+    except ValueError as exc:
+        raise BigBatchError(str(exc)) from exc
+
+
+def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bool]:
+    """Under torchrun: every rank's gradient after the one sync equals the single-process gradient. Returns the
+    report and whether this process is the main rank (the one that reports)."""
+    from bigbatch.distributed import distributed_session
+    from bigbatch.verify import check_distributed_equivalence
+
+    s = settings
+    with distributed_session(s.device) as (dist, device):
+        case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed,
+                          s.k * s.micro_batch * dist.world_size, s.seq_len, s.ragged)  # fmt: skip
+        assert case.batch is not None  # build_case gives every case a batch
+        report = check_distributed_equivalence(
+            case.model, case.batch, dist, loss_fn=case.loss_fn, k=s.k, device=device, tolerance=s.tolerance or 1e-5,
+        )
+        return report, dist.is_main

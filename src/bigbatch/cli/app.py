@@ -1,0 +1,125 @@
+"""The command table, the parser built from it, and :func:`main`: how every command's result, user error,
+closed pipe, signal or exhausted memory becomes an exit code (and at most one line on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from bigbatch import __version__
+from bigbatch.cli import evaluate, export, memory, plan, prepare, report, sample, train, verify
+from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, silence_stdout
+from bigbatch.errors import BigBatchError
+from bigbatch.launch import peer_exit_code, record_quiet_exit, record_user_error
+
+EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
+
+COMMANDS: dict[str, ModuleType] = {
+    "prepare": prepare,
+    "train": train,
+    "sample": sample,
+    "plan": plan,
+    "memory": memory,
+    "verify": verify,
+    "report": report,
+    "export": export,
+    "eval": evaluate,
+}
+"""Each command's module: ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> exit code``.
+A module imports only what its parser needs; ``run`` imports the library (torch) when it runs."""
+
+
+class UsageError(BigBatchError):
+    """A command line that does not parse: reported like every user error (one line, exit 2)."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
+    ``--help``, and exit code 2 as for every user error."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bigbatch",
+        description="Train GPT-style models with exact gradient accumulation: the update of a huge batch "
+        "on a machine that holds only a small one.",
+    )
+    parser.add_argument("--version", action="version", version=f"bigbatch {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
+    commands.required = True
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION or None)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(raw)
+    except UsageError as exc:
+        print(f"bigbatch: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    args.argv = raw[1:]  # after the subcommand
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
+    if "RANK" in os.environ:
+        from bigbatch.lifeline import watch_parents
+
+        watch_parents()  # a worker dies with its launcher and its torchrun agent
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handler = CurrentStdoutHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    from bigbatch.signals import Terminated, sigterm_unwinds
+
+    def user_error(message: str) -> int:
+        """One line from one process: under bigbatch's launcher it prints the first rank's; else rank 0."""
+        recorded = world > 1 and record_user_error(message)
+        if rank == 0 and not recorded:
+            print(f"bigbatch: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+    try:
+        with sigterm_unwinds():
+            return int(args.handler(args))
+    except BigBatchError as exc:
+        return user_error(str(exc))
+    except BrokenPipeError:  # the reader of our output went away (| head): end quietly, as a pipe's writer does
+        silence_stdout()
+        if world > 1:
+            record_quiet_exit(EXIT_BROKEN_PIPE)
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:  # disk full, permissions, a file where a directory should be
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Terminated:
+        print("bigbatch: terminated", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("bigbatch: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = peer_exit_code() if world > 1 else None
+        if code is not None:  # a broken collective after a peer's user error or closed pipe: not news
+            return code
+        if out_of_memory(exc):  # the settings asked for more than there is
+            return user_error(
+                f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size"
+            )
+        raise

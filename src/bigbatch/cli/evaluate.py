@@ -1,0 +1,44 @@
+"""``bigbatch eval``: loss and perplexity of a saved run's model on a token set."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.cli.common import add_precision
+from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE_INT
+
+HELP = "loss and perplexity of a saved run's model on a token set"
+DESCRIPTION = (
+    "Token-weighted mean loss over valid targets, read from the start of the split as training's "
+    "validation pass reads it. Defaults come from the run: micro-batch, seq_len, eval_batches."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    parser.add_argument("--data", help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
+                        "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
+    parser.add_argument("--split", default="val", choices=("val", "train"))
+    parser.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
+                        help="micro-batches to read (default: the run's eval_batches; "
+                        "0 reads the whole split)")  # fmt: skip
+    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
+                        help="sequences per micro-batch (default: the run's)")  # fmt: skip
+    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
+    parser.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
+                        "if it exists, else the default cache)")  # fmt: skip
+    add_precision(parser, default="fp32")
+    parser.add_argument("--device", default="auto")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.distributed import resolve_device
+    from bigbatch.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        args.run, args.data, split=args.split, batches=args.batches, micro_batch=args.micro_batch,
+        seq_len=args.seq_len, device=resolve_device(args.device), precision=args.precision, cache_dir=args.cache_dir,
+    )  # fmt: skip
+    print(result.format())
+    return 0

@@ -1,0 +1,25 @@
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "write a run's newest valid checkpoint as a Hugging Face GPT-2 model"
+DESCRIPTION = (
+    "Write the model of the newest valid checkpoint (config.json + model.safetensors), loadable "
+    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    parser.add_argument("--format", default="hf", choices=("hf",), help="hf: Hugging Face GPT-2 layout (default)")
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) output directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.export import export_hf
+
+    print(export_hf(args.run, args.out_dir))
+    return 0

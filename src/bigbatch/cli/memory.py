@@ -1,0 +1,49 @@
+"""``bigbatch memory``: measured peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.cli.common import add_precision
+from bigbatch.ranges import MEMORY_K, POSITIVE_INT
+
+HELP = "measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."
+DESCRIPTION = (
+    "Measured, not estimated: CUDA allocator peaks, or on CPU the peak resident memory of a fresh "
+    "process per size (see bigbatch/memory.py). Prints fixed and activation parts, checks linear growth "
+    "and that the peak does not grow with K, and can write a PNG plot."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="nano", help="preset (default: nano)")
+    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=256)
+    parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
+    parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
+    parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    add_precision(parser, default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.accumulate import resolve_precision
+    from bigbatch.distributed import resolve_device
+    from bigbatch.memory import plot_memory, sweep_memory
+    from bigbatch.outputs import require_new_file
+
+    if args.plot:
+        require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
+    device = resolve_device(args.device)
+    sweep = sweep_memory(
+        args.model, args.seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,
+        precision=resolve_precision(args.precision, device), activation_checkpointing=args.activation_checkpointing,
+    )
+    print(sweep.format())
+    if args.plot:
+        plot_memory(sweep.rows, args.plot, f"{args.model}, seq_len {args.seq_len}, {device.type}")
+        print(f"plot: {args.plot}")
+    return 0

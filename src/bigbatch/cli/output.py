@@ -1,0 +1,60 @@
+"""What the command line does with its output: log lines to the current stdout, a closed pipe, out of memory."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+
+class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines to whatever ``sys.stdout`` is when they are written, not the stream it was when logging
+    was set up (a redirected or replaced stdout would otherwise receive, or fail on, later lines)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        """A closed output pipe (``bigbatch train | head``) is not a logging error to report on every line.
+
+        The rest of the output goes nowhere; a run that listens for SIGTERM stops as politely as on SIGTERM
+        (the step ends and is saved), anything else ends at once, quietly (see :func:`main`)."""
+        if not isinstance(sys.exc_info()[1], BrokenPipeError):
+            super().handleError(record)
+            return
+        silence_stdout()
+        if callable(signal.getsignal(signal.SIGTERM)):  # a polite-stop handler is installed (the training loop)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        raise BrokenPipeError(errno.EPIPE, "output pipe closed")
+
+
+def out_of_memory(exc: BaseException) -> str:
+    """What ran out, when ``exc`` is an allocation failure (CPU allocator, CUDA, Python); else ``""``."""
+    text = str(exc)
+    if isinstance(exc, MemoryError):
+        return "Python could not allocate memory"
+    for pattern in (r"tried to allocate [\d.]+ ?[KMGT]?i?B", r"tried to allocate \d+ bytes"):
+        match = re.search(pattern, text)
+        if match and ("out of memory" in text.lower() or "can't allocate memory" in text):
+            return match.group(0)
+    return "the device is out of memory" if "out of memory" in text.lower() else ""
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so later writes (and the flush at exit) neither fail nor complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's StringIO): nothing to silence
+        pass

@@ -1,0 +1,51 @@
+"""``bigbatch prepare``: tokenize text into token shards."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.choices import DATA_MODE, TOKENIZER_NAMES
+from bigbatch.ranges import NON_NEGATIVE_INT, PROBABILITY
+
+HELP = "tokenize text into token shards"
+DESCRIPTION = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", help="a text file, a directory, a glob, 'builtin', or hf:NAME[:CONFIG][:SPLIT] (needs datasets)"
+    )
+    parser.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
+    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
+    parser.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1,
+                        help="held-out share (default: 0.1)")  # fmt: skip
+    parser.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0,
+                        help="tokens per shard (default: 100M)")  # fmt: skip
+    parser.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0,
+                        help="tokenizer processes (default: one per core)")  # fmt: skip
+    parser.add_argument(
+        "--mode", default="packed", choices=DATA_MODE,
+        help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.data.prepare import DEFAULT_SHARD_TOKENS, prepare_dataset, prepared_notes
+
+    meta = prepare_dataset(
+        args.source,
+        args.out,
+        tokenizer_name=args.tokenizer,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        mode=args.mode,
+        workers=args.workers or None,
+    )
+    print(
+        f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
+        f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
+    )
+    for note in prepared_notes(meta):
+        print(f"{args.out}: {note}")
+    return 0

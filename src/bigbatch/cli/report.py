@@ -1,0 +1,27 @@
+"""``bigbatch report``: plots and a summary of runs' metrics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "plot loss, learning rate, gradient norm and throughput of runs; print a summary"
+DESCRIPTION = (
+    "Read each run's metrics.jsonl and write PNG plots (runs overlaid, labelled by directory name) "
+    "and summary.txt: steps, tokens, best validation loss, final train loss, mean tokens/s and MFU, skipped steps."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
+    parser.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
+                        "./report for several)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.report import make_report
+
+    out, summaries, plots = make_report(args.runs, args.out)
+    print("\n\n".join(s.format() for s in summaries))
+    print(f"\nreport: {out} ({', '.join(p.name for p in plots)}, summary.txt)")
+    return 0

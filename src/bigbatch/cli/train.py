@@ -1,0 +1,37 @@
+"""``bigbatch train``: train a GPT; every config field is a flag."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigbatch.config import add_config_arguments
+
+HELP = "train a GPT"
+DESCRIPTION = "Train a GPT. With no flags, trains the nano demo on the built-in corpus."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file; flags override it")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.config import config_from_args
+    from bigbatch.distributed import distributed_session, launched_by_torchrun
+    from bigbatch.launch import relaunch_under_torchrun
+    from bigbatch.trainer import Trainer
+
+    config = config_from_args(args)
+    if args.print_config:
+        print(config.to_toml(), end="")
+        return 0
+    if config.run.nproc > 1 and not launched_by_torchrun():
+        from bigbatch.preflight import check_before_launch
+
+        check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
+        return relaunch_under_torchrun(config.run.nproc, "train", args.argv)
+    with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
+        result = Trainer(config, dist, device).train()
+    return 128 + result.stopped_by if result.stopped_by else 0  # the shell's convention for a signal

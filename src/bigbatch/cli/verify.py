@@ -1,0 +1,79 @@
+"""``bigbatch verify``: prove that the accumulated gradient equals the full-batch gradient."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from bigbatch.cli.common import add_precision
+from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, PROBABILITY, SEED, VOCAB_OR_DEFAULT
+
+HELP = "prove that the accumulated gradient equals the full-batch gradient"
+DESCRIPTION = (
+    "Compare the full-batch gradient with the gradient accumulated over K micro-batches, show the "
+    "classic mistakes next to it, and name modules that break equivalence. Exit 0 when equivalent, 1 when not."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="nano", help="model preset (default: nano)")
+    parser.add_argument(
+        "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
+    )
+    parser.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
+    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2,
+                        help="sequences per micro-batch (default: 2)")  # fmt: skip
+    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64, help="tokens per sequence (default: 64)")
+    parser.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
+                        help="vocabulary (default: the model's)")  # fmt: skip
+    parser.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0,
+                        help="preset dropout (disabled for the comparison)")  # fmt: skip
+    parser.add_argument(
+        "--ragged", action=argparse.BooleanOptionalAction, default=True,
+        help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
+    )
+    add_precision(parser, default="fp32")
+    parser.add_argument(
+        "--splits", default="equal,unequal,permuted",
+        help="how the batch is cut into micro-batches, comma-separated: equal (K pieces), unequal (sizes 1, 2, 3, "
+        "... and the remainder), permuted (K pieces of the shuffled samples) (default: all three)",
+    )
+    parser.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
+    parser.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5,
+                        help="parameters listed, worst first (default: 5)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
+    parser.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1,
+                        help="processes: >1 checks DDP across ranks via torchrun")  # fmt: skip
+    parser.add_argument("--seed", type=SEED.argtype(), default=0)
+    parser.add_argument("--device", default="cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.distributed import launched_by_torchrun
+    from bigbatch.launch import relaunch_under_torchrun
+    from bigbatch.outputs import require_new_file
+    from bigbatch.verify_cli import VerifySettings, verify_across_ranks, verify_here
+
+    if args.json:
+        require_new_file(args.json, "--json", args.overwrite)
+    if args.nproc > 1 and not launched_by_torchrun():
+        return relaunch_under_torchrun(args.nproc, "verify", args.argv)
+    settings = VerifySettings(
+        model=args.model, factory=args.factory, k=args.k, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        vocab_size=args.vocab_size, dropout=args.dropout, ragged=args.ragged, precision=args.precision,
+        splits=tuple(name.strip() for name in args.splits.split(",") if name.strip()), tolerance=args.tolerance,
+        seed=args.seed, device=args.device,
+    )
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        distributed, is_main = verify_across_ranks(settings)
+        if is_main:
+            print(distributed.format())
+        return 0 if distributed.equivalent else 1
+    report = verify_here(settings)
+    print(report.format(top=args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0 if report.equivalent else 1

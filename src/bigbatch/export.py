@@ -1,0 +1,29 @@
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from bigbatch.errors import BigBatchError
+from bigbatch.model.hf import save_hf_gpt2
+from bigbatch.tokenizer_files import export_tokenizer
+
+
+def export_hf(run: Path, out: Path) -> str:
+    """Write the model (and its tokenizer) of ``run``'s newest valid checkpoint to the new or empty directory
+    ``out``; return the line that says what was written and how to load it."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
+        raise BigBatchError(f"{out} already exists and is not empty; choose a new output directory")
+    path = resolve_checkpoint(run)
+    document = load_checkpoint(path)
+    model = model_from_checkpoint(document)
+    save_hf_gpt2(model, out)
+    tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
+    cfg = model.config
+    return (
+        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face GPT-2 layout: config.json + "
+        f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+        f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
+        "transformers.GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained"
+    )

@@ -1,0 +1,151 @@
+"""The command line's shape: a table of commands, help without torch, and every closed choice from one place."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from bigbatch import choices
+from bigbatch.choices import DATA_MODE, PRECISION, SWITCH, Choices
+from bigbatch.cli import COMMANDS, build_parser
+from bigbatch.config import SECTIONS, TrainConfig
+from bigbatch.errors import ConfigError
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def imported_modules(*argv: str) -> set[str]:
+    """The modules ``python -X importtime -m bigbatch ARGV`` imports (a fresh interpreter)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "bigbatch", *argv],
+        check=False, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: bigbatch" in done.stdout
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["verify", "--help"], ["memory", "--help"]])
+def test_help_does_not_import_torch(argv: list[str]) -> None:
+    modules = imported_modules(*argv)
+    assert "bigbatch.cli.app" in modules  # the measurement saw the CLI
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "numpy") or m.startswith("bigbatch.data"))
+    assert not heavy, heavy
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+def test_every_command_is_one_module_with_its_arguments_and_run() -> None:
+    parsers = subparsers()
+    assert list(parsers) == list(COMMANDS) == [
+        "prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval",
+    ]  # fmt: skip
+    for name, module in COMMANDS.items():
+        assert callable(module.add_arguments) and callable(module.run), name
+        assert parsers[name].get_default("handler") is module.run
+
+
+def test_cli_choices_come_from_bigbatch_choices() -> None:
+    parsers = subparsers()
+    for name in ("plan", "memory", "verify", "eval"):
+        assert option(parsers[name], "--precision").choices is PRECISION, name
+    assert option(parsers["prepare"], "--mode").choices is DATA_MODE
+    assert option(parsers["train"], "--compile").choices is SWITCH
+    assert ", ".join(choices.TOKENIZER_NAMES) in option(parsers["prepare"], "--tokenizer").help
+
+
+def choice_fields() -> list[tuple[str, str, Choices, str]]:
+    return [
+        (section, f.name, f.metadata["choices"], f.metadata["help"])
+        for section, cls in SECTIONS.items()
+        for f in fields(cls)
+        if "choices" in f.metadata
+    ]
+
+
+def choice_params() -> list[object]:
+    return [pytest.param(*row, id=f"{row[0]}.{row[1]}") for row in choice_fields()]
+
+
+def test_every_closed_config_field_declares_its_choices() -> None:
+    declared = {c.setting for _, _, c, _ in choice_fields()}
+    everything = {v.setting for v in vars(choices).values() if isinstance(v, Choices)}
+    assert declared == everything  # no choice set left unused by the config, none duplicated outside it
+
+
+@pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_params())
+def test_config_help_validation_and_choices_agree(section: str, name: str, allowed: Choices, help_text: str) -> None:
+    for value in allowed:  # the help names every value, and every value validates
+        assert value in help_text, (name, value)
+        config = TrainConfig()
+        setattr(getattr(config, section), name, value)
+        config.validate()
+    config = TrainConfig()
+    setattr(getattr(config, section), name, "bogus")
+    with pytest.raises(ConfigError, match=rf"^{allowed.setting} must be .*, got 'bogus'$"):
+        config.validate()
+
+
+def test_choice_messages_keep_their_wording() -> None:
+    with pytest.raises(ConfigError, match="^long_documents must be split or truncate, got 'cut'$"):
+        choices.LONG_DOCUMENTS.check("cut")
+    with pytest.raises(ConfigError, match="^parallel must be one of auto, none, ddp, fsdp, got 'tp'$"):
+        choices.PARALLEL.check("tp")
+
+
+def test_names_the_parser_lists_match_the_library() -> None:
+    """The torch-free copies the help uses: the tokenizers and model presets they describe."""
+    from bigbatch.data.tokenizers import TOKENIZER_NAMES
+    from bigbatch.model import MODEL_PRESETS
+
+    assert choices.TOKENIZER_NAMES == TOKENIZER_NAMES
+    assert sorted(choices.MODEL_PRESET_NAMES) == sorted(MODEL_PRESETS)
+
+
+def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bigbatch import launch, lifeline
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(lifeline, "run_supervised", lambda command: seen.append(command) or 7)
+    code = launch.relaunch_under_torchrun(3, "verify", ["--k", "2", "--nproc", "3", "--nproc=3", "--seed", "1"])
+    assert code == 7
+    (command,) = seen
+    assert command[1:] == [
+        "-m", "bigbatch.launch", "--standalone", "--nproc-per-node=3", "-m", "bigbatch", "verify",
+        "--k", "2", "--seed", "1",
+    ]  # fmt: skip
+
+
+def test_default_tolerances_cover_the_resolved_precisions() -> None:
+    from bigbatch.verify import DEFAULT_TOLERANCE
+
+    assert set(DEFAULT_TOLERANCE) == set(choices.RESOLVED_PRECISIONS)
+    assert set(PRECISION) == {"auto", *choices.RESOLVED_PRECISIONS}
+
+
+@pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_params())
+def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
+    import re
+
+    from bigbatch.config import _flag
+
+    field = next(f for f in fields(SECTIONS[section]) if f.name == name)
+    readme = (SRC.parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]]
+    assert rows, f"README's flag table has no row for --{_flag(field)}"
+    for value in allowed:
+        assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)
