@@ -37,6 +37,12 @@ class StopRequest:
         self._previous.clear()
 
 
+def polite_stop_listening() -> bool:
+    """Whether a :class:`StopRequest` (the training loop) is what SIGTERM reaches now; outside the loop SIGTERM
+    unwinds (:func:`sigterm_unwinds`) or kills."""
+    return isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), StopRequest)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM outside the training loop (prepare, eval, sample, memory sweeps, start-up): it unwinds the stack
     as Ctrl-C does, so clean-ups run (a half-prepared dataset is removed), and the CLI exits 143."""

@@ -10,12 +10,14 @@ import signal
 import sys
 from typing import Any
 
+from bigbatch.signals import polite_stop_listening
 
-class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
+
+class CurrentStdoutHandler(logging.StreamHandler):
     """Log lines to whatever ``sys.stdout`` is when they are written, not the stream it was when logging
     was set up (a redirected or replaced stdout would otherwise receive, or fail on, later lines)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stdout
 
@@ -32,7 +34,7 @@ class CurrentStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
             super().handleError(record)
             return
         silence_stdout()
-        if callable(signal.getsignal(signal.SIGTERM)):  # a polite-stop handler is installed (the training loop)
+        if polite_stop_listening():  # inside the training loop: finish the step, save, stop
             signal.raise_signal(signal.SIGTERM)
             return
         raise BrokenPipeError(errno.EPIPE, "output pipe closed")

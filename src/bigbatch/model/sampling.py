@@ -15,7 +15,8 @@ NEWLINE = 10  # the start token of an empty prompt when the vocabulary has no en
 
 
 class PromptTokenizer(Protocol):
-    eot_token: int | None
+    @property
+    def eot_token(self) -> int | None: ...
 
     def encode(self, data: bytes) -> list[int]: ...
 
