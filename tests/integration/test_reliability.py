@@ -245,6 +245,7 @@ def test_consecutive_non_finite_steps_abort_with_a_clear_error(corpus: Path, tmp
 # ---- faults in real processes --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = run_cli(cli_args(corpus, out), fault="sigterm:step=3,micro=1")

@@ -131,6 +131,7 @@ def test_probes_leave_every_generator_as_they_found_it(probe: str, monkeypatch: 
     assert_same_state(capture_rng_state(), before)
 
 
+@pytest.mark.slow
 def test_rng_after_start_up_depends_on_the_seed_not_on_micro_batch_auto(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
