@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench fuzz venv clean
+.PHONY: demo test test-fast bench fuzz venv clean
 
 venv: $(STAMP)
 
@@ -21,13 +21,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The inner loop: every test not marked slow, unit and integration (under 2 minutes on 2 CPU cores).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-# Differential fuzzer (tests/fuzz.py): bigbatch's training step against one naive giant batch.
+# Differential fuzzer (tests/support/fuzz.py): bigbatch's training step against one naive giant batch.
 # `make fuzz` runs CI's fixed seeds, `make fuzz N=200` 200 random seeds, `make fuzz SEED=1234` one seed.
 fuzz: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python tests/fuzz.py $(if $(SEED),--seed $(SEED) --verbose,$(if $(N),--n $(N)))
+	OMP_NUM_THREADS=1 $(BIN)/python tests/support/fuzz.py $(if $(SEED),--seed $(SEED) --verbose,$(if $(N),--n $(N)))
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import VOCAB
 
 from bigbatch.model import GPT, GPTConfig
-
-VOCAB = 61  # not a multiple of 64, so vocabulary padding is exercised
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +22,3 @@ def tiny_config() -> GPTConfig:
 @pytest.fixture
 def tiny_model(tiny_config: GPTConfig) -> GPT:
     return GPT(tiny_config)
-
-
-def random_batch(n_seq: int, seq_len: int, vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (n_seq, seq_len + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

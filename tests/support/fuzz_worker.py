@@ -4,7 +4,7 @@
 In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many settings in one job
 (amortising torchrun's start-up)::
 
-    torchrun --nproc-per-node 2 tests/fuzz_worker.py SETTINGS.json OUT_DIR
+    torchrun --nproc-per-node 2 tests/support/fuzz_worker.py SETTINGS.json OUT_DIR
 
 Rank 0 writes ``OUT_DIR/seed_<seed>.pt`` per setting (or ``seed_<seed>.error`` with the traceback) as
 soon as it is done. Recorded per setting: the initial and final full model state, and per call of the

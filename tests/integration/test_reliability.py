@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,15 +11,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import corpus_bytes
+from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli, step_losses, torchrun_cli
 
 from bigbatch import checkpoint as ckpt
 from bigbatch.cli import main
-from bigbatch.config import TrainConfig
 from bigbatch.errors import CheckpointError
 from bigbatch.rng import capture_rng_state, restore_rng_state
 from bigbatch.trainer import Trainer
-
-STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -31,34 +26,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = corpus_bytes(60_000)
     path.write_bytes(text)
     return path
-
-
-def make_config(corpus: Path, out: Path, **run: object) -> TrainConfig:
-    config = TrainConfig()
-    config.model.preset = "pico"
-    config.model.dropout = 0.1  # makes the RNG state matter for exactness
-    config.data.data = str(corpus)
-    config.data.cache_dir = str(out.parent / "cache")
-    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = 2, 32, 256  # K = 4
-    config.run.max_steps = STEPS
-    config.run.eval_every = 3
-    config.run.eval_batches = 2
-    config.run.sample_tokens = 0
-    config.run.out = str(out)
-    for key, value in run.items():
-        setattr(config.run, key, value)
-    return config
-
-
-def step_losses(run_dir: Path) -> list[float]:
-    import json
-
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r["kind"] == "step"]
-
-
-def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load_checkpoint(run_dir)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -278,34 +245,7 @@ def test_consecutive_non_finite_steps_abort_with_a_clear_error(corpus: Path, tmp
 # ---- faults in real processes --------------------------------------------------------------------------
 
 
-def cli_args(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2",
-        "--sample-tokens", "0", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
-    ]  # fmt: skip
-
-
-def run_cli(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("BIGBATCH_FAULT", None)
-    if fault:
-        env["BIGBATCH_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def torchrun_cli(args: list[str], fault: str | None, max_restarts: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("BIGBATCH_FAULT", None)
-    if fault:
-        env["BIGBATCH_FAULT"] = fault
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", "-m", "bigbatch", *args]  # fmt: skip
-    if "--collective-timeout" not in args:
-        command += ["--collective-timeout", "60"]  # a stuck rendezvous fails within a minute, not ten
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-
-
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = run_cli(cli_args(corpus, out), fault="sigterm:step=3,micro=1")

@@ -278,9 +278,9 @@ def test_distributed_verify_scans_modules_and_buffers() -> None:
     import subprocess
     import sys
 
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    from launch import support_pythonpath
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": support_pythonpath()}
     command = [sys.executable, "-m", "bigbatch", "verify", "--nproc", "2", "--factory", "verify_factories:tracked_lm",
                "--vocab-size", "50", "--k", "2", "--seq-len", "8"]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

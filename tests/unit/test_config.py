@@ -65,7 +65,7 @@ def test_demo_config_file_equals_the_defaults() -> None:
 
     from bigbatch.config import load_toml
 
-    path = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
     assert config_from_dict(load_toml(path)) == TrainConfig()
 
 
@@ -96,7 +96,7 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     from bigbatch.model import preset
     from bigbatch.plan import plan_batch
 
-    folder = Path(__file__).resolve().parents[1] / "configs"
+    folder = Path(__file__).resolve().parents[2] / "configs"
     worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8}
     names = sorted(p.name for p in folder.glob("*.toml"))
     assert names == ["demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml"]

@@ -1,4 +1,4 @@
-"""Worker for the multi-process tests: ``torchrun --nproc-per-node 2 tests/dist_worker.py MODE OUT``.
+"""Worker for the multi-process tests: ``torchrun --nproc-per-node 2 tests/support/dist_worker.py MODE OUT``.
 
 Trains a tiny GPT for 3 steps on globally seeded data, each rank taking its
 K of the step's ``world x K`` micro-batches, and writes (rank 0) the final

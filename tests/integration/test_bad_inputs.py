@@ -25,7 +25,7 @@ from helpers import corpus_bytes, run_main
 
 from bigbatch.data.cache import ensure_prepared
 
-SRC_DIR = Path(__file__).resolve().parents[1] / "src"
+SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 MAX_STDERR_LINES = 1  # "bigbatch: error: ...", also for a flag that does not parse
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import mean_loss
 import torch.nn.functional as F
-from conftest import VOCAB, random_batch
+from tiny import VOCAB, random_batch
 
 from bigbatch.errors import ConfigError
 from bigbatch.model import GPT, GPTConfig, pad_vocab, preset

@@ -1,9 +1,9 @@
 """Differential fuzzer: bigbatch's whole training step against one naive giant batch.
 
-    make fuzz                  # the fixed seeds that CI runs (tests/test_fuzz.py)
+    make fuzz                  # the fixed seeds that CI runs (tests/integration/test_fuzz.py)
     make fuzz N=200            # 200 random seeds
     make fuzz SEED=1234        # one seed, e.g. a counterexample
-    OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seed 1234 --seed 99 --verbose
+    OMP_NUM_THREADS=1 .venv/bin/python tests/support/fuzz.py --seed 1234 --seed 99 --verbose
 
 Each seed draws a setting (``fuzz_settings.draw``); bigbatch trains it through ``bigbatch train``'s code
 path (one-rank settings in this process, two-rank settings in one torchrun job per batch of settings);
@@ -37,12 +37,12 @@ FIXED_SEEDS = (4, 2, 190, 453, 6, 19, 99, 145, 236, 105, 3971, 226)
 """What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
 event (short last window, partial budget step, dropped remainder, step without valid targets) occurs, and
 documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies;
-tests/test_fuzz.py checks that."""
+tests/integration/test_fuzz.py checks that."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
 
 def repro(seed: int) -> str:
-    return f"make fuzz SEED={seed}   (or: OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz.py --seed {seed} --verbose)"
+    return f"make fuzz SEED={seed}   (or: OMP_NUM_THREADS=1 .venv/bin/python tests/support/fuzz.py --seed {seed} --verbose)"
 
 
 def failed(seed: int, why: str) -> Outcome:

@@ -1,8 +1,8 @@
-"""The differential fuzzer (tests/fuzz.py) on its fixed seeds, and proof that it catches planted bugs.
+"""The differential fuzzer (tests/support/fuzz.py) on its fixed seeds, and proof that it catches planted bugs.
 
 Each seed is a random setting trained through ``bigbatch train``'s code path and replayed by a naive
 float64 reference (one forward/backward over every sample of the global step, clip, AdamW, schedule);
-see tests/fuzz_reference.py for what is compared and how exactly-zero gradients are handled.
+see tests/support/fuzz_reference.py for what is compared and how exactly-zero gradients are handled.
 ``make fuzz N=200`` runs random seeds.
 """
 

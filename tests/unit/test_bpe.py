@@ -21,7 +21,7 @@ from bigbatch.data.tokenizers import BPE_FILE, get_tokenizer, train_bpe
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 
 TRICKY = [
     "héllo wörld, naïve café — “quotes” and ‘apostrophes’\n",

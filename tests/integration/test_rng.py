@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import corpus_bytes, run_main
-from test_distributed import torchrun
-from test_reliability import STEPS, cli_args, final_model, make_config, step_losses, torchrun_cli
+from launch import SUPPORT, torchrun
+from reliability_runs import STEPS, cli_args, final_model, make_config, step_losses, torchrun_cli
 
 import bigbatch.autobatch
 import bigbatch.memory
@@ -22,8 +22,6 @@ from bigbatch.memory import measure_in_process
 from bigbatch.model import preset
 from bigbatch.rng import capture_rng_state, derive_rank_seeds, preserved_rng, seed_rank_generators
 from bigbatch.trainer import Trainer
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +131,7 @@ def test_probes_leave_every_generator_as_they_found_it(probe: str, monkeypatch: 
     assert_same_state(capture_rng_state(), before)
 
 
+@pytest.mark.slow
 def test_rng_after_start_up_depends_on_the_seed_not_on_micro_batch_auto(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,7 +189,7 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
 @pytest.fixture(scope="module")
 def two_rank_start(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("ranks")
-    torchrun(str(HERE / "rng_worker.py"), str(corpus), str(out))
+    torchrun(str(SUPPORT / "rng_worker.py"), str(corpus), str(out))
     return torch.load(out / "result.pt", weights_only=True)
 
 

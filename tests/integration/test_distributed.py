@@ -12,20 +12,13 @@ import dist_worker
 import pytest
 import torch
 from helpers import corpus_bytes
-from test_accumulate import assert_parameters_match
+from exactness import assert_parameters_match
+from launch import SUPPORT, torchrun
 
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.optim import build_adamw, constant_schedule
 
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).resolve().parent
-
-
-def torchrun(*args: str, nproc: int = 2, extra: tuple[str, ...] = ("--standalone",), cwd: Path | None = None) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-    command = [sys.executable, "-m", "torch.distributed.run", *extra, f"--nproc-per-node={nproc}", *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def reference(ragged: bool) -> tuple[torch.nn.Module, list]:
@@ -44,7 +37,7 @@ def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     class Results(dict):
         def __missing__(self, parallel: str) -> dict:
             out = tmp_path_factory.mktemp(parallel) / "result.pt"
-            torchrun(str(HERE / "dist_worker.py"), parallel, str(out))
+            torchrun(str(SUPPORT / "dist_worker.py"), parallel, str(out))
             self[parallel] = torch.load(out, weights_only=True)
             return self[parallel]
 

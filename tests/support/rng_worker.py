@@ -1,4 +1,4 @@
-"""Worker for tests/test_rng.py: ``torchrun --nproc-per-node 2 tests/rng_worker.py CORPUS OUT``.
+"""Worker for tests/integration/test_rng.py: ``torchrun --nproc-per-node 2 tests/support/rng_worker.py CORPUS OUT``.
 
 For DDP and FSDP, builds a :class:`Trainer` with dropout on each rank, records each rank's generator state
 right after start-up, the full model state at start (under FSDP gathered from each rank's own shards), and
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from test_reliability import make_config
+from reliability_runs import make_config
 
 from bigbatch.distributed import distributed_session
 from bigbatch.rng import capture_rng_state

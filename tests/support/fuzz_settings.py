@@ -1,4 +1,4 @@
-"""Random settings for the differential fuzzer (``tests/test_fuzz.py``, ``make fuzz``).
+"""Random settings for the differential fuzzer (``tests/integration/test_fuzz.py``, ``make fuzz``).
 
 One integer seed gives one :class:`Setting`: the batch arithmetic (data mode,
 micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "engine_in_your_loop.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "engine_in_your_loop.py"
 
 
 def test_engine_example_runs_its_steps() -> None:

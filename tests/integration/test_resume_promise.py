@@ -93,6 +93,7 @@ def cli(corpus: Path, *extra: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_same_command_without_out_continues_the_run(corpus: Path, tmp_path: Path) -> None:
     """Stopped by SIGTERM after step 3, the identical command (no --out) continues at step 4 in the same run
     directory; run once more, it says the run is complete and exits 0."""

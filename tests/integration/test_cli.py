@@ -18,9 +18,9 @@ from helpers import assert_one_line_error, run_main
 
 from bigbatch.cli import main
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 CORPUS_BYTES = 60_000
-SRC_DIR = Path(__file__).resolve().parents[1] / "src"
+SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(autouse=True)

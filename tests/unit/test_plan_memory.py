@@ -78,6 +78,7 @@ def measured_rows() -> list:
     return [measure(config, b, 128, k=8) for b in (1, 2, 4)]
 
 
+@pytest.mark.slow
 def test_measured_memory_is_monotone_linear_and_flat_in_k(measured_rows: list) -> None:
     forward = [r.forward_peak for r in measured_rows]
     assert forward[0] < forward[1] < forward[2]
@@ -90,6 +91,7 @@ def test_measured_memory_is_monotone_linear_and_flat_in_k(measured_rows: list) -
     assert 0.7 < measured_rows[2].forward_peak / estimate < 1.3
 
 
+@pytest.mark.slow
 def test_memory_cli_writes_a_plot(tmp_path: object, capsys: pytest.CaptureFixture) -> None:
     from pathlib import Path
 
@@ -118,6 +120,7 @@ def test_auto_micro_batch_candidates_divide_and_search_finds_the_largest() -> No
         candidate_micro_batches(1000, 128, 1)
 
 
+@pytest.mark.slow
 def test_auto_micro_batch_respects_a_cpu_memory_budget(measured_rows: list) -> None:
     config = preset("nano", vocab_size=256)
     need = {r.micro_batch: (r.fixed + max(r.backward_peak, r.step_peak_k2)) / 2**20 for r in measured_rows}
@@ -142,6 +145,7 @@ def test_activation_checkpointing_leaves_gradients_unchanged() -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_saves_measured_memory() -> None:
     config = preset("nano", vocab_size=256)
     plain = measure(config, 4, 128, k=2)

@@ -40,7 +40,7 @@ def assert_one_line_error(code: int, out: str, err: str) -> str:
     return lines[0]
 
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def corpus_bytes(limit: int = 60_000) -> bytes:
