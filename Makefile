@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench fuzz venv clean
+.PHONY: demo test test-fast lint bench fuzz venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,11 @@ test: $(STAMP)
 # The inner loop: every test not marked slow, unit and integration (under 2 minutes on 2 CPU cores).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# Lint and type checks (pinned in requirements-dev.txt, configured in pyproject.toml); CI runs them too.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -83,8 +83,10 @@ def main() -> None:
         tokens = torch.randint(0, 256, (K, B, T + 1), generator=gen)
         batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
         runs: dict[str, Callable[[], object]] = {
-            "engine": lambda: engine.step(batches),
-            "hand-written": lambda: handwritten_step(hand_model, hand_optimizer, schedule, step, batches),
+            "engine": lambda batches=batches: engine.step(batches),
+            "hand-written": lambda step=step, batches=batches: handwritten_step(
+                hand_model, hand_optimizer, schedule, step, batches
+            ),
         }
         order = list(runs) if step % 2 == 0 else list(reversed(runs))  # cancels any first/second bias
         for name in order:

@@ -63,7 +63,7 @@ def main() -> None:
             break
         shift = r % len(KS)
         for k in KS[shift:] + KS[:shift]:
-            t = timed(lambda: engine.step(batches[:k], n_valid=k * B * T))
+            t = timed(lambda k=k: engine.step(batches[:k], n_valid=k * B * T))
             if r:
                 times[f"K={k}"].append(t)
         t_micro = timed(micro_step)

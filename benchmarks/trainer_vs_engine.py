@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from bigbatch.accumulate import AccumulationEngine, StepRecord
-from bigbatch.config import TrainConfig
 from bigbatch.batch import MicroBatch
-from bigbatch.data.loader import PackedLoader
+from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.loader import PackedLoader
 from bigbatch.data.shards import TokenDataset
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
@@ -149,7 +149,7 @@ def main() -> None:
             if r >= MIN_ROUNDS and time.perf_counter() > deadline:
                 break
             runs: dict[str, Callable[[], float]] = {
-                "trainer": lambda: trainer_round(dataset, root / f"run-{r}", extra),
+                "trainer": lambda r=r: trainer_round(dataset, root / f"run-{r}", extra),
                 "engine alone": lambda: engine_round(config, batches),
             }
             for name in runs if r % 2 == 0 else reversed(list(runs)):  # swap who goes first every round

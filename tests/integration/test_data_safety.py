@@ -15,15 +15,13 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
+from bigbatch.batch import IGNORE_INDEX, EmptyStepGuard, MicroBatch, StepBatch
 from bigbatch.config import TrainConfig
-from bigbatch.batch import MicroBatch, StepBatch
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
-from bigbatch.data.text import utf8_replacements
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
+from bigbatch.data.text import utf8_replacements
 from bigbatch.errors import DataError
-from bigbatch.batch import IGNORE_INDEX
-from bigbatch.batch import EmptyStepGuard
 from bigbatch.trainer import Trainer
 
 
@@ -251,7 +249,7 @@ def test_split_trains_on_every_target_once_and_pads_only_the_end(masked_prefix: 
     seen: list[int] = []  # stream positions of every target trained on
     while True:
         batch = loader.next_micro_batch()
-        for row_inputs, row_targets in zip(batch.inputs, batch.targets):
+        for _row_inputs, row_targets in zip(batch.inputs, batch.targets, strict=True):
             valid = (row_targets != IGNORE_INDEX).nonzero().flatten().tolist()
             if valid:  # padding only after the last target position of the window
                 assert row_targets[valid[-1] + 1 :].eq(IGNORE_INDEX).all()
@@ -259,7 +257,7 @@ def test_split_trains_on_every_target_once_and_pads_only_the_end(masked_prefix: 
         if loader.epoch:
             break
     expected = []
-    for start, end in zip(shard.offsets[:-1], shard.offsets[1:]):
+    for start, end in zip(shard.offsets[:-1], shard.offsets[1:], strict=True):
         for position in range(start + 1, end):
             if shard.mask is None or shard.mask[position]:
                 expected.append(int(shard.tokens[position]))

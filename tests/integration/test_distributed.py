@@ -11,8 +11,8 @@ from pathlib import Path
 import dist_worker
 import pytest
 import torch
-from helpers import corpus_bytes
 from exactness import assert_parameters_match
+from helpers import corpus_bytes
 from launch import SUPPORT, torchrun
 
 from bigbatch.accumulate import AccumulationEngine

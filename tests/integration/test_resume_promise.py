@@ -20,7 +20,7 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch import checkpoint as ckpt
 from bigbatch.config import TrainConfig
-from bigbatch.errors import CheckpointError, ConfigError
+from bigbatch.errors import ConfigError
 from bigbatch.optim import CosineSchedule
 from bigbatch.run_identity import MAY_CHANGE, default_run_dir, identity_settings
 from bigbatch.trainer import Trainer
@@ -356,8 +356,8 @@ def test_gpt2_tokenizer_files_give_tiktokens_ids(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: int, dir_mode: int) -> None:
     from bigbatch.data.prepare import prepare_dataset
-    from bigbatch.model.hf import save_hf_gpt2
     from bigbatch.model import GPT, GPTConfig
+    from bigbatch.model.hf import save_hf_gpt2
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(5_000))
     old = os.umask(umask)

@@ -36,7 +36,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
     for key in a:
         if key == "cuda":
-            assert len(a[key]) == len(b[key]) and all(torch.equal(x, y) for x, y in zip(a[key], b[key])), key
+            assert len(a[key]) == len(b[key]) and all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True)), key
         elif torch.is_tensor(a[key]):
             assert torch.equal(a[key], b[key]), key
         else:

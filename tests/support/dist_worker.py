@@ -33,7 +33,7 @@ def global_step_batches(step: int, world: int, ragged: bool) -> list[MicroBatch]
         lengths = torch.randint(1, T + 1, (world * K * B,), generator=gen)
         y[torch.arange(T).unsqueeze(0) >= lengths.unsqueeze(1)] = -100
         y[: K * B, 2:] = -100  # rank 0's share is nearly empty: the split is very uneven
-    return [MicroBatch(a, b) for a, b in zip(x.chunk(world * K), y.chunk(world * K))]
+    return [MicroBatch(a, b) for a, b in zip(x.chunk(world * K), y.chunk(world * K), strict=True)]
 
 
 def make_model() -> GPT:

@@ -23,7 +23,7 @@ def assert_parameters_match(model: GPT, reference: GPT) -> None:
     to a small absolute bound instead; the query and value slices to ``TOL``.
     """
     c = model.config.n_embd
-    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         p, p_ref = p.detach(), p_ref.detach()
         if name.endswith("attn.c_attn.bias"):
             q, k, v = p.split(c)

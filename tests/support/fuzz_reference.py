@@ -258,7 +258,7 @@ def check_composition(setting: Setting, steps: list[dict[str, Any]]) -> list[str
         if (record is None) != (total == 0):
             problems.append(f"call {s}: {total} valid targets but {'no ' if record is None else ''}optimizer step")
     expected = expected_steps(setting, len(steps))
-    for s, (step, want) in enumerate(zip(steps, expected)):
+    for s, (step, want) in enumerate(zip(steps, expected, strict=True)):
         got = step["ranks"]
         if len(got[0]) != len(want):
             problems.append(f"call {s}: {len(got[0])} micro-batches per rank, the reference assembles {len(want)}")
@@ -372,7 +372,7 @@ def replay(
     parameter the elements whose gradient was zero (to rounding) on every step."""
     params = {name: value.detach().to(dtype).clone().requires_grad_(True) for name, value in initial.items()}
     names = list(params)
-    c = params["transformer.wte.weight"].shape[1]
+    params["transformer.wte.weight"].shape[1]
     m = {name: torch.zeros_like(v) for name, v in params.items()}
     v2 = {name: torch.zeros_like(v) for name, v in params.items()}
     logs = []
@@ -380,7 +380,7 @@ def replay(
     for t, (x, y) in enumerate(steps, start=1):
         lr = learning_rate(setting, t - 1)
         loss, n = mean_token_loss(gpt_logits(params, x, n_head, vocab), y)  # ONE forward over the whole step
-        grads = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names])))
+        grads = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names]), strict=True))
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
         for name, g in grads.items():
             null[name] &= g.abs() <= NULL_GRAD * norm
@@ -405,7 +405,7 @@ def adam_step_bound(beta1: float, beta2: float, t: int) -> float:
     far one AdamW step can move an element, in units of the learning rate (1 at t = 1)."""
     a = [(1 - beta1) * beta1 ** (t - i) / (1 - beta1**t) for i in range(1, t + 1)]
     b = [(1 - beta2) * beta2 ** (t - i) / (1 - beta2**t) for i in range(1, t + 1)]
-    return math.sqrt(sum(ai * ai / bi for ai, bi in zip(a, b)))
+    return math.sqrt(sum(ai * ai / bi for ai, bi in zip(a, b, strict=True)))
 
 
 def param_difference(
@@ -456,7 +456,7 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
         return out
 
     batches, records = [], []
-    for call, want in zip(calls, expected_steps(setting, len(calls))):
+    for call, want in zip(calls, expected_steps(setting, len(calls)), strict=True):
         x = torch.cat([xr for micro in want for xr, _ in micro])  # every sample of the global step
         y = torch.cat([yr for micro in want for _, yr in micro])
         if int((y != IGNORE).sum()) == 0:
@@ -468,10 +468,10 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
     # The same replay in float32: how far plain fp32 arithmetic lands from float64 on this setting.
     reference32, logs32, _ = replay(setting, initial, batches, n_head, vocab, dtype=torch.float32)
     out.steps = len(logs)
-    cond_loss = max((abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(logs32, logs)), default=0.0)
-    cond_norm = max((abs(a.norm - b.norm) / b.norm for a, b in zip(logs32, logs)), default=0.0)
+    cond_loss = max((abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(logs32, logs, strict=True)), default=0.0)
+    cond_norm = max((abs(a.norm - b.norm) / b.norm for a, b in zip(logs32, logs, strict=True)), default=0.0)
     out.ref32_rel = param_difference(reference32, reference, initial, null)[0]
-    for t, (log, record) in enumerate(zip(logs, records), start=1):
+    for t, (log, record) in enumerate(zip(logs, records, strict=True), start=1):
         out.clipped_steps += setting.grad_clip > 0 and log.norm > setting.grad_clip
         out.loss_rel = max(out.loss_rel, abs(record["loss"] - log.loss) / abs(log.loss))
         out.step_norm_rel.append(abs(record["grad_norm"] - log.norm) / log.norm)

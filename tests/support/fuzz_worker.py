@@ -64,11 +64,12 @@ def run_bigbatch(
     initial = full_state(trainer.model)
 
     calls: list[dict[str, Any]] = []
+    loader = trainer.train_loader  # the closures below outlive ``del trainer``
     next_step = trainer.next_step
     engine_step = trainer.engine.step
 
     def recording_next_step() -> StepBatch:
-        epoch = trainer.train_loader.epoch
+        epoch = loader.epoch
         step = next_step()
         batches, n_valid = step.micro_batches, step.n_valid
         if sabotage == "drop_last_micro_batch" and len(batches) > 1:  # a step assembled wrongly, counted right
@@ -76,7 +77,7 @@ def run_bigbatch(
             n_valid = dist.sum_int(sum(count_valid_targets(mb) for mb in batches), device)
         calls.append({
             "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
-            "n_valid": n_valid, "epoch_before": epoch, "epoch_after": trainer.train_loader.epoch, "record": None,
+            "n_valid": n_valid, "epoch_before": epoch, "epoch_after": loader.epoch, "record": None,
         })  # fmt: skip
         return StepBatch(batches, n_valid)
 
@@ -112,7 +113,7 @@ def run_bigbatch(
     if not dist.is_main:
         return None
     steps = []
-    for per_rank in zip(*gathered):  # the same calls on every rank, in order
+    for per_rank in zip(*gathered, strict=True):  # the same calls on every rank, in order
         first = per_rank[0]
         steps.append({
             "ranks": [call["batches"] for call in per_rank], "n_valid": [call["n_valid"] for call in per_rank],

@@ -30,7 +30,9 @@ def main() -> None:
             model_state = {name: value.detach().clone() for name, value in full.items()}  # may alias parameters
             masks: list[torch.Tensor] = []
 
-            def record(module: torch.nn.Module, inputs: object, output: torch.Tensor) -> None:
+            def record(
+                module: torch.nn.Module, inputs: object, output: torch.Tensor, masks: list[torch.Tensor] = masks
+            ) -> None:
                 if module.training and not masks:
                     masks.append((output == 0).clone())
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from helpers import mean_loss
 import torch
 import torch.nn as nn
 from exactness import TOL, assert_parameters_match, rel_diff
+from helpers import mean_loss
 from tiny import random_batch
 
 from bigbatch.accumulate import AccumulationEngine
@@ -22,7 +22,7 @@ SEQ = 16
 
 
 def split(x: torch.Tensor, y: torch.Tensor, k: int) -> list[MicroBatch]:
-    return [MicroBatch(a, b) for a, b in zip(x.chunk(k), y.chunk(k))]
+    return [MicroBatch(a, b) for a, b in zip(x.chunk(k), y.chunk(k), strict=True)]
 
 
 def full_batch_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -44,7 +44,7 @@ def test_accumulated_gradient_equals_full_batch_gradient(tiny_model: GPT, k: int
     tiny_model.zero_grad(set_to_none=True)
     loss_sum, n_valid = engine.accumulate(split(x, y, k))
     assert n_valid == x.numel()
-    for (name, p), g_full in zip(tiny_model.named_parameters(), reference):
+    for (name, p), g_full in zip(tiny_model.named_parameters(), reference, strict=True):
         assert rel_diff(p.grad, g_full) <= TOL, name
 
 
@@ -72,7 +72,7 @@ def test_three_adamw_steps_match_full_batch_training(tiny_model: GPT, k: int) ->
 def test_attention_key_bias_has_zero_gradient(tiny_model: GPT) -> None:
     """The premise of the exception above, checked rather than assumed."""
     x, y = random_batch(4, SEQ)
-    grads = dict(zip([n for n, _ in tiny_model.named_parameters()], full_batch_grads(tiny_model, x, y)))
+    grads = dict(zip([n for n, _ in tiny_model.named_parameters()], full_batch_grads(tiny_model, x, y), strict=True))
     c = tiny_model.config.n_embd
     for name, g in grads.items():
         if name.endswith("attn.c_attn.bias"):
@@ -93,7 +93,7 @@ def test_classic_mistake_of_summing_means_gives_k_times_the_gradient(tiny_model:
     engine = make_engine(tiny_model)
     tiny_model.zero_grad(set_to_none=True)
     engine.accumulate(split(x, y, k))
-    for p_engine, p_naive, g_full in zip(tiny_model.parameters(), naive.parameters(), reference):
+    for p_engine, p_naive, g_full in zip(tiny_model.parameters(), naive.parameters(), reference, strict=True):
         assert rel_diff(p_naive.grad, k * g_full) <= TOL
         assert rel_diff(p_engine.grad, g_full) <= TOL
         assert rel_diff(p_naive.grad, g_full) == pytest.approx(k - 1, rel=1e-4)
@@ -109,7 +109,7 @@ def test_masked_targets_are_weighted_by_valid_token_count(tiny_model: GPT) -> No
     tiny_model.zero_grad(set_to_none=True)
     _, n_valid = engine.accumulate(split(x, y, 2))
     assert n_valid == 1 + 2 * SEQ
-    for p, g_full in zip(tiny_model.parameters(), reference):
+    for p, g_full in zip(tiny_model.parameters(), reference, strict=True):
         assert rel_diff(p.grad, g_full) <= TOL
 
 

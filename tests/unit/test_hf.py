@@ -64,7 +64,7 @@ def test_save_then_load_is_bit_exact(hf_dir: tuple, tmp_path: Path) -> None:
     _, directory = hf_dir
     ours = load_hf_gpt2(directory)
     load_back = load_hf_gpt2(save_hf_gpt2(ours, tmp_path / "export"))
-    for (name, a), b in zip(ours.state_dict().items(), load_back.state_dict().values()):
+    for (name, a), b in zip(ours.state_dict().items(), load_back.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -51,7 +51,7 @@ def test_prepare_from_a_dataset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     tokens = np.load(tmp_path / "out" / meta.shards["train"][0])
     offsets = np.load(tmp_path / "out" / meta.shards["train"][0].replace(".npy", ".offsets.npy"))
     tokenizer = get_tokenizer("byte")
-    decoded = [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    decoded = [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     assert decoded == [t for t in TEXTS if t]
 
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from helpers import mean_loss
 import torch.nn.functional as F
+from helpers import mean_loss
 from tiny import VOCAB, random_batch
 
 from bigbatch.errors import ConfigError

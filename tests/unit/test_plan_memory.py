@@ -141,7 +141,7 @@ def test_activation_checkpointing_leaves_gradients_unchanged() -> None:
     for model in (plain, recomputed):
         loss = mean_loss(model, x, x)
         loss.backward()
-    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
+    for (name, a), b in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9, msg=name)
 
 

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import mean_loss
 import torch
+from helpers import mean_loss
 
 from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import count_valid_targets
-from bigbatch.batch import MicroBatch
+from bigbatch.batch import MicroBatch, StepBatch, StepPolicy, count_valid_targets, next_step
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import DocumentShard, TokenDataset
-from bigbatch.batch import StepBatch, StepPolicy, next_step
 from bigbatch.distributed import DistContext
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.model import GPT, GPTConfig
@@ -81,7 +79,7 @@ def documents(lengths: list[int], prompt: list[int] | None = None, seed: int = 0
     mask = None
     if prompt is not None:
         mask = np.ones(len(tokens), dtype=np.uint8)
-        for start, p in zip(offsets[:-1], prompt):
+        for start, p in zip(offsets[:-1], prompt, strict=True):
             mask[start : start + p] = 0
     return DocumentShard(tokens, offsets, mask)
 
@@ -100,7 +98,7 @@ def test_one_valid_token_versus_a_thousand_is_exact_and_mean_over_k_is_not() -> 
     exact = engine_grads(net, batches)
     classic = mean_over_k_grads(net, batches)
     flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
-    for g_exact, g_full in zip(exact, full):
+    for g_exact, g_full in zip(exact, full, strict=True):
         assert rel_diff(g_exact, g_full) <= TOL
     assert rel_diff(flat(classic), flat(full)) > 0.1  # measurably wrong: the lone token weighs half the step
 
@@ -144,7 +142,7 @@ def test_document_loader_state_round_trips() -> None:
     expected = [loader.next_micro_batch() for _ in range(5)]
     resumed = DocumentLoader([shard], micro_batch=2, seq_len=6)
     resumed.load_state_dict(state)
-    for a, b in zip(expected, [resumed.next_micro_batch() for _ in range(5)]):
+    for a, b in zip(expected, [resumed.next_micro_batch() for _ in range(5)], strict=True):
         assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
     assert resumed.n_sequences == 10  # documents of 8, 9 and 12 tokens are two windows of seq_len 6 each
     with pytest.raises(DataError, match="outside the 10 sequences"):
@@ -167,7 +165,7 @@ def test_token_budget_takes_micro_batches_until_reached_and_is_exact() -> None:
     next_step = budget_micro_batches(loader, budget=70)
     assert [count_valid_targets(b) for b in next_step] == [17, 36, 42]  # 53 < 70 <= 95: K = 3
     net = model()
-    for g_exact, g_full in zip(engine_grads(net, next_step), full_batch_grads(net, next_step)):
+    for g_exact, g_full in zip(engine_grads(net, next_step), full_batch_grads(net, next_step), strict=True):
         assert rel_diff(g_exact, g_full) <= TOL
 
 
@@ -198,7 +196,7 @@ def test_fixed_k_last_window_partial_matches_the_remaining_full_batch() -> None:
     # The partial step's accumulated gradient equals the full-batch gradient over just those 3 documents.
     assert loader.epoch == 1
     x, y = torch.cat([b.inputs for b in last])[:3], torch.cat([b.targets for b in last])[:3]
-    for g_exact, g_full in zip(engine_grads(net, last), full_batch_grads(net, [MicroBatch(x, y)])):
+    for g_exact, g_full in zip(engine_grads(net, last), full_batch_grads(net, [MicroBatch(x, y)]), strict=True):
         assert rel_diff(g_exact, g_full) <= TOL
 
 
@@ -208,7 +206,7 @@ def test_fixed_k_last_window_drop_skips_to_the_next_epoch() -> None:
     step_micro_batches(loader, k=2)
     step = step_micro_batches(loader, k=2, last_window="drop")
     fresh = step_micro_batches(DocumentLoader([shard], micro_batch=2, seq_len=16), k=2)
-    for a, b in zip(step, fresh):
+    for a, b in zip(step, fresh, strict=True):
         assert torch.equal(a.inputs, b.inputs)  # documents 4-6 were dropped; epoch 2 starts from document 0
     assert loader.epoch == 1
     with pytest.raises(DataError, match="fewer than one step"):

@@ -16,7 +16,7 @@ from bigbatch.cli import COMMANDS, build_parser
 from bigbatch.config import SECTIONS, TrainConfig
 from bigbatch.errors import ConfigError
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def imported_modules(*argv: str) -> set[str]:
