@@ -325,6 +325,6 @@ def sweep_memory(
             if bar.enabled:
                 bar.update(i + 1, extra=f"measured micro-batch {size}")
             else:
-                print(f"measured micro-batch {size}", file=stream)
+                stream.write(f"measured micro-batch {size}\n")
     estimates = {s: estimate_memory(config, s, seq_len, precision).activations for s in sizes}
     return MemorySweep(model, seq_len, precision, device, activation_checkpointing, rows, estimates)

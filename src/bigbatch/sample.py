@@ -38,5 +38,5 @@ def sample_checkpoint(
         return
     generated = generate(model, idx, max_new_tokens, temperature, top_k, generator=generator)
     for i in range(num_samples):
-        print(f"--- sample {i + 1}", file=out)
-        print(prompt + tokenizer.decode(generated[i, len(ids) :].tolist()), file=out)
+        out.write(f"--- sample {i + 1}\n")
+        out.write(prompt + tokenizer.decode(generated[i, len(ids) :].tolist()) + "\n")
