@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -19,7 +20,7 @@ def test_schedule_warmup_peak_midpoint_and_floor() -> None:
     assert s(110) == pytest.approx(6e-5)
     assert s(10_000) == pytest.approx(6e-5)  # floor after decay
     values = [s(i) for i in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:], strict=True))  # monotone decay
+    assert all(a >= b for a, b in itertools.pairwise(values))  # monotone decay
 
 
 def test_schedule_is_a_pure_function_of_the_step() -> None:
