@@ -52,8 +52,10 @@ def test_the_engine_measures_the_closed_form_noise_scale(k: int) -> None:
     assert noise.last.noise_scale == pytest.approx(want["noise_scale"], rel=0.1)
 
 
-def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units() -> None:
-    """|G_small|^2 is that of the first micro-batch's own mean loss, whatever N and the other micro-batches are."""
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units(precision: str) -> None:
+    """|G_small|^2 is that of the first micro-batch's own mean loss, whatever N and the other micro-batches are,
+    and whatever the fp16 loss scale (65,536 here: the gradients in .grad carry it until unscaled)."""
     model = problem.make_model()
     generator = torch.Generator().manual_seed(3)
     batches = [problem.draw(n, generator) for n in (5, 11, 7)]  # uneven sizes: N = 23
@@ -63,8 +65,9 @@ def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units
     noise = problem.run_engine(3, steps=0, seed=0)  # a fresh meter
     engine = AccumulationEngine(
         model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=noise,
+        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=noise, precision=precision,
     )  # fmt: skip
+    assert engine.scaler.is_enabled() == (precision == "fp16")
     record = engine.step(batches)
     assert record.noise is not None
     assert record.noise.small_sq == pytest.approx(want_small, rel=1e-9)
