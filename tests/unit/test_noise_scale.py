@@ -62,7 +62,7 @@ def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units
     reference = copy.deepcopy(model)
     (problem.loss_sum(reference, batches[0]) / 5).backward()
     want_small = float(reference.weight.grad.pow(2).sum())
-    noise = problem.run_engine(3, steps=0, seed=0)  # a fresh meter
+    noise = NoiseScale(every=1)
     engine = AccumulationEngine(
         model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
         loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=noise, precision=precision,
