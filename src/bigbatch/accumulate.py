@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from bigbatch.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.choices import RESOLVED_PRECISIONS
 from bigbatch.distributed import DistContext, GradSync, LocalGradSync
+from bigbatch.noise_scale import NoiseSample, NoiseScale, grad_sq_norm
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
@@ -111,6 +112,7 @@ class StepRecord:
     micro_batches: int  # K on this rank
     dt: float  # seconds
     skipped: bool = False  # non-finite gradient: no update was applied
+    noise: NoiseSample | None = None  # the gradient noise scale, on the steps that measure it
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,6 +146,7 @@ class AccumulationEngine:
         count_fn: CountFn = count_valid_targets,
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
+        noise_scale: NoiseScale | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -158,6 +161,10 @@ class AccumulationEngine:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step_count = 0  # optimizer steps applied
         self.skipped_steps = 0  # steps dropped for a non-finite gradient
+        # Measures the gradient noise scale on its due steps (None: off). Only reads gradients: the trajectory is
+        # the same with it or without. The caller checks the run can measure it (noise_scale.unavailable_reason).
+        self.noise_scale = noise_scale
+        self._small: tuple[torch.Tensor, int, float] | None = None  # first micro-batch: raw |g|^2, tokens, loss scale
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -190,6 +197,10 @@ class AccumulationEngine:
         scale = self.dist.world_size / n_valid  # the one place the loss is scaled
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
+        measure = (
+            self.noise_scale is not None and last >= 1 and self.noise_scale.due(self.step_count + 1)
+        )  # fmt: skip
+        self._small = None
         for i, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
@@ -198,6 +209,9 @@ class AccumulationEngine:
                     loss_sum = self.loss_fn(self.model, micro_batch)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()
+            if measure and i == 0:  # .grad holds this micro-batch's gradient alone, before any sync
+                loss_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+                self._small = (grad_sq_norm(self.model.parameters()), int(self.count_fn(micro_batch)), loss_scale)
         return loss_total, n_valid
 
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
@@ -226,6 +240,7 @@ class AccumulationEngine:
             self.scaler.update()
             self.step_count += 1
             self._set_lr(self.schedule(self.step_count))  # ready for the next step
+        noise = None if skipped else self._measure_noise(grad_norm, n_valid)
         loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,
@@ -236,13 +251,32 @@ class AccumulationEngine:
             micro_batches=len(micro_batches),
             dt=time.perf_counter() - started,
             skipped=skipped,
+            noise=noise,
         )
+
+    def _measure_noise(self, grad_norm: float, n_valid: int) -> NoiseSample | None:
+        """Fold this step's two squared norms into the noise scale (steps that read a small gradient only).
+
+        The first micro-batch's raw gradient is ``loss_scale * world_size / N`` times that of its loss *sum*;
+        its own mean-loss gradient is the raw one times ``N / (world_size * loss_scale * n_0)``. Ranks average
+        ``|G_small|^2`` and ``1 / n_0`` (one small all-reduce); ``|G_big|^2`` is the pre-clip norm squared.
+        """
+        if self._small is None or self.noise_scale is None:
+            return None
+        raw_sq, n_small, loss_scale = self._small
+        self._small = None
+        factor = n_valid / (self.dist.world_size * loss_scale * n_small)
+        pair = torch.stack([raw_sq.to(self.device, torch.float64) * factor**2,
+                            torch.tensor(1.0 / n_small, dtype=torch.float64, device=self.device)])  # fmt: skip
+        small_sq, inv_b_small = (self.dist.all_reduce_sum(pair) / self.dist.world_size).tolist()
+        return self.noise_scale.update(small_sq, grad_norm**2, 1.0 / inv_b_small, n_valid)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            **({"noise_scale": self.noise_scale.state_dict()} if self.noise_scale is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -250,4 +284,6 @@ class AccumulationEngine:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.noise_scale is not None and state.get("noise_scale"):
+            self.noise_scale.load_state_dict(state["noise_scale"])
         self._set_lr(self.schedule(self.step_count))

@@ -33,6 +33,7 @@ from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
 from bigbatch.model import GPT, fsdp_units, load_hf_gpt2, preset
+from bigbatch.noise_scale import NoiseScale, unavailable_reason
 from bigbatch.optim import build_adamw
 from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
 from bigbatch.plan import BatchPlan, plan_batch
@@ -133,7 +134,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
         )  # fmt: skip
     engine = AccumulationEngine(
         train_model, optimizer, schedule, grad_clip=opt.grad_clip, precision=precision, device=device,
-        grad_sync=grad_sync, dist=dist,
+        grad_sync=grad_sync, dist=dist, noise_scale=_noise_scale(config, plan, parallel, say),
     )  # fmt: skip
     fault = fault_from_env()
     if fault:
@@ -272,3 +273,16 @@ def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> No
             f"but the training split holds only {n_seq} sequence{'s' if n_seq != 1 else ''} (documents after the "
             f"long-document policy); use --micro-batch {max(1, n_seq // world_size)} or less, or more data"
         )
+
+
+def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) -> NoiseScale | None:
+    """The engine's noise-scale meter (``--noise-scale-every``), or ``None``: off, or (said once) not measurable."""
+    if not config.run.noise_scale_every:
+        return None
+    reason = unavailable_reason(
+        plan.accumulation_steps, plan.world_size, parallel, config.run.sync_every_micro_step
+    )  # fmt: skip
+    if reason:
+        say("the gradient noise scale is not measured in this run: %s", reason)
+        return None
+    return NoiseScale(config.run.noise_scale_every)

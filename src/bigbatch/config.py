@@ -201,6 +201,12 @@ class RunSection:
         5, "abort after this many consecutive steps with a non-finite gradient", range=POSITIVE_INT,
     )
     log_every: int = _opt(1, "print a step line every N steps", range=POSITIVE_INT)
+    noise_scale_every: int = _opt(
+        10,
+        "measure the gradient noise scale (critical batch, in tokens) at step 1 and every N steps from the "
+        "accumulation's own gradients, without changing training; 0 disables",
+        range=NON_NEGATIVE_INT,
+    )
     sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables", range=NON_NEGATIVE_INT)
     sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
     extend_schedule: bool = _opt(

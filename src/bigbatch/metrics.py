@@ -31,11 +31,14 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: floa
     return flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)
 
 
-def format_step(record: StepRecord, show_k: bool = False, mfu_value: float | None = None) -> str:
+def format_step(
+    record: StepRecord, show_k: bool = False, mfu_value: float | None = None, noise_scale: float | None = None
+) -> str:
     """``step 12 | loss 2.413 | norm 0.84 | lr 6.0e-04 | dt 812 ms | tok/s 20,171``
 
     ``tok/s`` counts valid target tokens. With ``show_k`` (K varies from step to
-    step) the line also gives K and the step's valid tokens.
+    step) the line also gives K and the step's valid tokens. ``noise_scale`` (the smoothed gradient noise
+    scale, in tokens) is shown when given.
     """
     line = (
         f"step {record.step} | loss {record.loss:.4f} | norm {record.grad_norm:.2f} | lr {record.lr:.1e} | "
@@ -45,9 +48,16 @@ def format_step(record: StepRecord, show_k: bool = False, mfu_value: float | Non
         line += f" | mfu {mfu_value:.1%}"
     if show_k:
         line += f" | K {record.micro_batches} | tokens {record.tokens:,}"
+    if noise_scale is not None:
+        line += f" | noise scale {format_noise_scale(noise_scale)} tok"
     if record.skipped:
         line += " | SKIPPED (non-finite gradient)"
     return line
+
+
+def format_noise_scale(tokens: float) -> str:
+    """``12,345``; a non-positive or NaN estimate (the smoothed |G|^2 or tr(Sigma) is still noise) as ``n/a``."""
+    return f"{tokens:,.0f}" if tokens > 0 else "n/a"
 
 
 class JsonlLog:
@@ -64,7 +74,11 @@ class JsonlLog:
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         extra = {"mfu": mfu} if mfu is not None else {}
-        self.write("step", **asdict(record), tokens_per_s=record.tokens_per_s, **extra)
+        values = asdict(record)
+        del values["noise"]  # flattened below, on the steps that measure it
+        if record.noise is not None:
+            extra.update(record.noise.as_dict())
+        self.write("step", **values, tokens_per_s=record.tokens_per_s, **extra)
 
     def write_eval(self, step: int, val_loss: float) -> None:
         self.write("eval", step=step, val_loss=val_loss)
@@ -96,6 +110,8 @@ def _step_scalars(record: StepRecord, mfu: float | None) -> dict[str, float]:
     }  # fmt: skip
     if mfu is not None:
         scalars["train/mfu"] = mfu
+    if record.noise is not None:
+        scalars.update({f"train/{key}": value for key, value in record.noise.as_dict().items()})
     return scalars
 
 

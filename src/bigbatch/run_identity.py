@@ -52,6 +52,7 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.overwrite",
         "run.max_consecutive_skips",
         "run.log_every",
+        "run.noise_scale_every",
         "run.sample_tokens",
         "run.sample_prompt",
         "run.extend_schedule",

@@ -24,7 +24,7 @@ from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.distributed import DistContext, resolve_device, unwrap
 from bigbatch.errors import BigBatchError, TrainingError
 from bigbatch.evaluate import validation_loss
-from bigbatch.metrics import MetricsSink, check_optional_loggers, format_step, mfu, open_metrics
+from bigbatch.metrics import MetricsSink, check_optional_loggers, format_noise_scale, format_step, mfu, open_metrics
 from bigbatch.model import GPT, GPTConfig
 from bigbatch.model.sampling import sample_text
 from bigbatch.plan import BatchPlan
@@ -179,9 +179,11 @@ class Trainer:
         if record.step > 1:
             seen.rates.append(record.tokens_per_s)
         last = record.step == run.max_steps
+        at_eval = self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last)
         if record.step % run.log_every == 0 or last:
-            self._say(format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu))
-        if self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last):
+            noise = self.engine.noise_scale.estimate if self.engine.noise_scale and (at_eval or last) else None
+            self._say(format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu, noise_scale=noise))
+        if at_eval:
             self._evaluate(seen, stop, metrics)
         saved = last or bool(run.save_every and record.step % run.save_every == 0)
         if saved:
@@ -242,7 +244,19 @@ class Trainer:
             f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "", seen.record.loss,
             f" | val loss {seen.val_loss:.4f}" if seen.val_loss is not None else "",
         )  # fmt: skip
+        self._say_noise_scale()
         return self._result(seen, sample)
+
+    def _say_noise_scale(self) -> None:
+        """The measured critical batch (the smoothed gradient noise scale) against this run's tokens per step."""
+        noise = self.engine.noise_scale
+        if noise is None or noise.estimate is None or not self.state.step:
+            return
+        used = round(self.state.tokens_seen / self.state.step)
+        self._say(
+            "measured critical batch about %s tokens; this run used %s tokens per step",
+            format_noise_scale(noise.estimate), f"{used:,}",
+        )  # fmt: skip
 
     def _result(self, seen: _Progress, sample: str | None) -> TrainResult:
         return TrainResult(

@@ -1,0 +1,92 @@
+"""What measuring the gradient noise scale costs: step time with it on versus off, side by side, on CPU.
+
+    python benchmarks/noise_scale_overhead.py [--every N] [--device cpu|cuda]
+
+Two engines drive two identical nano models on the same micro-batches (K = 4), one measuring the noise scale
+every N steps (the default of ``--noise-scale-every``), the other not. They run in rounds of N steps each (so every
+round holds exactly one measured step), alternately, the order swapping every round; the first round is warm-up.
+The script prints the median over rounds of (time with it on) / (time with it off) against the goal (at most 2%
+more), and, as a check that machine drift does not hide, the extra time of a measured step over the median
+unmeasured step of the same engine (of the other engine with ``--every 1``), spread over N steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from bigbatch.accumulate import AccumulationEngine
+from bigbatch.batch import MicroBatch
+from bigbatch.model import GPT, preset
+from bigbatch.noise_scale import NoiseScale
+from bigbatch.optim import build_adamw, constant_schedule
+
+PRESET, B, T, K = "nano", 8, 128, 4
+ROUNDS, BUDGET_S = 9, 90.0
+GOAL = 1.02
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    config = preset(PRESET, vocab_size=256)
+    base = GPT(config).to(device)
+    engines = {}
+    for name, noise in (("off", None), ("on", NoiseScale(every=args.every))):
+        model = copy.deepcopy(base)
+        engines[name] = AccumulationEngine(
+            model, build_adamw(model, 3e-4), constant_schedule(3e-4), device=device, noise_scale=noise
+        )
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (K * B, T + 1), generator=generator)
+    batches = [MicroBatch(x, y) for x, y in zip(tokens[:, :-1].chunk(K), tokens[:, 1:].chunk(K), strict=True)]
+    batches = [mb.to(device) for mb in batches]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    totals: dict[str, list[float]] = {"on": [], "off": []}
+    measured_dt: list[float] = []
+    plain_dt: list[float] = []  # the measuring engine's unmeasured steps
+    off_dt: list[float] = []
+    started = time.perf_counter()
+    for round_ in range(ROUNDS + 1):
+        order = ("on", "off") if round_ % 2 == 0 else ("off", "on")
+        for name in order:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.every):
+                record = engines[name].step(batches)
+                sync()
+                if round_ and name == "on":
+                    (measured_dt if record.noise is not None else plain_dt).append(record.dt)
+                elif round_:
+                    off_dt.append(record.dt)
+            if round_:
+                totals[name].append(time.perf_counter() - t0)
+        if round_ >= 3 and time.perf_counter() - started > BUDGET_S:
+            break
+    ratios = [on / off for on, off in zip(totals["on"], totals["off"], strict=True)]
+    ratio = statistics.median(ratios)
+    step_s = statistics.median(plain_dt or off_dt)  # with --every 1 every step measures: compare with off
+    extra = (statistics.median(measured_dt) - step_s) / (args.every * step_s) if measured_dt else 0.0
+    on = engines["on"].noise_scale
+    print(f"noise scale every {args.every} steps | {PRESET} x{B}x{T} K {K} on {device} | {len(ratios)} rounds")
+    print(f"step time, measuring on / off: median ratio {ratio:.4f} (rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"a measured step's extra time over a plain one ({step_s * 1000:.0f} ms), spread over {args.every} steps: "
+          f"{extra:+.2%}")  # fmt: skip
+    print(f"estimate after {on.measurements if on else 0} measurements: {on.estimate if on else None}")
+    print(f"goal: ratio <= {GOAL:.2f}: {'met' if ratio <= GOAL else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The gradient noise scale, measured from the accumulation itself.
+
+McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch Training" (2018), appendix A: with
+``|G_small|^2`` the squared norm of a gradient averaged over ``B_small`` samples and ``|G_big|^2`` that over
+``B_big`` samples of the same distribution, ``E|G_B|^2 = |G|^2 + tr(Sigma) / B``, so
+
+    |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+are unbiased. Each is smoothed with an exponential moving average (not their ratio, which would be biased) and
+the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` is in the same unit as B: here, valid target tokens.
+
+In the engine, ``B_small`` is one micro-batch (this rank's first of the step, its gradient read after the first
+backward, before any cross-rank sync) and ``B_big`` the whole global step (the synced gradient before clipping,
+unscaled). Under DDP each rank's small norm is averaged over ranks; then ``B_small`` is the harmonic mean of the
+ranks' first micro-batch sizes, which keeps the estimate unbiased when their sizes differ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def unbiased_estimates(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
+    """``(|G|^2, tr(Sigma))`` from one pair of squared norms at two batch sizes (``b_small < b_big``)."""
+    if not b_small < b_big:
+        raise ValueError(f"the noise scale needs b_small < b_big, got {b_small} and {b_big}")
+    g_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g_sq, trace
+
+
+def unavailable_reason(k: int, world_size: int, parallel: str, sync_every_micro_step: bool) -> str | None:
+    """Why this run cannot measure the noise scale, or ``None`` when it can.
+
+    The small gradient is one micro-batch's, read after the first backward while the sync is deferred: that needs
+    a second micro-batch (K >= 2) whenever there is more than one batch size to compare or a sync to defer.
+    """
+    if k < 2:
+        if world_size == 1:
+            return "it needs two batch sizes, and with K = 1 in one process the micro-batch is the whole step"
+        return "it reads one micro-batch's gradient before the cross-rank sync, which needs K >= 2 per rank"
+    if parallel == "fsdp":
+        return "under FSDP the unsynced gradient of one micro-batch is not held in .grad (use DDP to measure it)"
+    if sync_every_micro_step and world_size > 1:
+        return "--sync-every-micro-step reduces every micro-batch's gradient over ranks before it can be read"
+    return None
+
+
+def grad_sq_norm(parameters: Any) -> torch.Tensor:
+    """The squared global 2-norm of the parameters' gradients, as a float64 tensor on their device (no sync)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).double().pow(2)
+
+
+@dataclass(frozen=True)
+class NoiseSample:
+    """One measured step: the raw squared norms and batch sizes, and the smoothed estimates after it."""
+
+    small_sq: float  # |G_small|^2 of one micro-batch's mean-loss gradient (averaged over ranks)
+    big_sq: float  # |G_big|^2 of the global step's gradient
+    b_small: float  # tokens behind G_small (harmonic mean over ranks)
+    b_big: int  # tokens behind G_big
+    g_sq: float  # smoothed |G|^2
+    trace: float  # smoothed tr(Sigma)
+
+    @property
+    def noise_scale(self) -> float:
+        """``B_simple = tr(Sigma) / |G|^2`` in tokens; NaN while the smoothed ``|G|^2`` is not positive."""
+        return self.trace / self.g_sq if self.g_sq > 0 else math.nan
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "noise_small_sq": self.small_sq, "noise_big_sq": self.big_sq, "noise_b_small": self.b_small,
+            "noise_b_big": float(self.b_big), "noise_g_sq": self.g_sq, "noise_trace": self.trace,
+            "noise_scale": self.noise_scale,
+        }  # fmt: skip
+
+
+class NoiseScale:
+    """Exponential moving averages of the unbiased ``|G|^2`` and ``tr(Sigma)``, with Adam-style bias correction
+    so that the first measurements are not pulled toward zero. Measured at step 1 and every ``every`` steps."""
+
+    def __init__(self, every: int, decay: float = 0.9) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.every = every
+        self.decay = decay
+        self.measurements = 0
+        self._g_sq = 0.0
+        self._trace = 0.0
+        self.last: NoiseSample | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) is measured."""
+        return step == 1 or step % self.every == 0
+
+    def update(self, small_sq: float, big_sq: float, b_small: float, b_big: int) -> NoiseSample | None:
+        """Fold in one measurement; ``None`` (and no change) when a norm is not finite or the sizes coincide."""
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not b_small < b_big:
+            return None
+        g_sq, trace = unbiased_estimates(small_sq, big_sq, b_small, b_big)
+        self.measurements += 1
+        self._g_sq = self.decay * self._g_sq + (1.0 - self.decay) * g_sq
+        self._trace = self.decay * self._trace + (1.0 - self.decay) * trace
+        correction = 1.0 - self.decay**self.measurements
+        self.last = NoiseSample(small_sq, big_sq, b_small, b_big, self._g_sq / correction, self._trace / correction)
+        return self.last
+
+    @property
+    def estimate(self) -> float | None:
+        """The smoothed noise scale in tokens, or ``None`` before the first measurement."""
+        return self.last.noise_scale if self.last is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"measurements": self.measurements, "g_sq": self._g_sq, "trace": self._trace,
+                "last": None if self.last is None else self.last.__dict__.copy()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.measurements = int(state.get("measurements", 0))
+        self._g_sq = float(state.get("g_sq", 0.0))
+        self._trace = float(state.get("trace", 0.0))
+        last = state.get("last")
+        self.last = NoiseSample(**last) if last else None

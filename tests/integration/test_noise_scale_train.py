@@ -1,0 +1,70 @@
+"""``bigbatch train`` measures the gradient noise scale: metrics.jsonl, the step line at eval time, the summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import corpus_bytes, run_main
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def train(tmp_path: Path, tokens_per_step: int, *extra: str) -> tuple[str, list[dict]]:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(corpus_bytes(30_000))
+    run_dir = tmp_path / "run"
+    code, out, err = run_main([
+        "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
+        "--total-batch-tokens", str(tokens_per_step), "--eval-every", "2", "--eval-batches", "1",
+        "--sample-tokens", "0", "--max-steps", "4", "--cache-dir", str(tmp_path / "cache"), "--out", str(run_dir),
+        *extra,
+    ])  # fmt: skip
+    assert code == 0, out + err
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    return out, steps
+
+
+def test_a_run_logs_and_summarises_the_noise_scale(tmp_path: Path) -> None:
+    out, steps = train(tmp_path, 512, "--noise-scale-every", "2")  # K = 4
+    measured = [r["step"] for r in steps if "noise_scale" in r]
+    assert measured == [1, 2, 4]
+    for r in steps:
+        if "noise_scale" in r:
+            assert r["noise_b_small"] == 128 and r["noise_b_big"] == 512
+            assert r["noise_big_sq"] == pytest.approx(r["grad_norm"] ** 2, rel=1e-5)
+            assert r["noise_small_sq"] > r["noise_big_sq"] > 0  # one micro-batch is noisier than four
+    assert "noise" not in json.dumps([r for r in steps if r["step"] == 3])
+    # the step line carries it at eval time only
+    assert re.search(r"^step 2 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
+    assert re.search(r"^step 4 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
+    assert not re.search(r"^step [13] \|.*noise scale", out, re.MULTILINE), out
+    assert re.search(r"^measured critical batch about (n/a|[\d,]+) tokens; this run used 512 tokens per step$", out,
+                     re.MULTILINE), out  # fmt: skip
+
+
+def test_k_1_in_one_process_says_so_once_and_stays_off(tmp_path: Path) -> None:
+    out, steps = train(tmp_path, 128)  # K = 1, the default --noise-scale-every
+    assert out.count("the gradient noise scale is not measured in this run") == 1
+    assert "K = 1" in out
+    assert not any("noise_scale" in r for r in steps)
+    assert "| noise scale" not in out and "critical batch" not in out
+
+
+def test_noise_scale_every_0_turns_it_off(tmp_path: Path) -> None:
+    out, steps = train(tmp_path, 256, "--noise-scale-every", "0")
+    assert not any("noise_scale" in r for r in steps)
+    assert "| noise scale" not in out and "critical batch" not in out
