@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny deterministic models and batches on CPU in fp32."""
+"""Shared fixtures: tiny deterministic models and batches on CPU in fp32; an isolated working directory."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,3 +26,16 @@ def tiny_config() -> GPTConfig:
 @pytest.fixture
 def tiny_model(tiny_config: GPTConfig) -> GPT:
     return GPT(tiny_config)
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test that runs commands: its own working directory and data cache, and the root logger restored
+    afterwards (``main()`` points it at the current stdout). Use with ``pytest.mark.usefixtures("isolated")``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -32,7 +32,7 @@ from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
-from bigbatch.model import GPT, fsdp_units, load_hf_gpt2, preset
+from bigbatch.model import GPT, GPTConfig, fsdp_units, load_hf_gpt2, preset
 from bigbatch.noise_scale import NoiseScale, unavailable_reason
 from bigbatch.optim import build_adamw
 from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
@@ -165,17 +165,17 @@ def _run_dir(config: TrainConfig, dist: DistContext) -> tuple[Path, Path | None]
     return run_dir, resume_from
 
 
+def prepare_data(config: TrainConfig) -> Path:
+    """The run's prepared dataset: raw text prepared into the cache once, or a dataset directory as it is."""
+    data = config.data
+    return ensure_prepared(data.data, data.tokenizer, data.val_fraction, data.cache_dir or None, mode=data.data_mode)
+
+
 def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
     """Rank 0 prepares raw text into the cache while the others wait, then every rank finds it there."""
-    data = config.data
-
-    def prepare() -> Path:
-        cache = data.cache_dir or None
-        return ensure_prepared(data.data, data.tokenizer, data.val_fraction, cache, mode=data.data_mode)
-
-    path = prepare() if dist.is_main else None
+    path = prepare_data(config) if dist.is_main else None
     dist.barrier()
-    return path if path is not None else prepare()
+    return path if path is not None else prepare_data(config)
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> GPT:
@@ -189,19 +189,27 @@ def build_model(config: TrainConfig, vocab_size: int) -> GPT:
             )
         if config.model.dropout:
             raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
-        name = f"init from {config.model.init_from}"
-    else:
-        overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
-        if config.model.block_size:
-            overrides["block_size"] = config.model.block_size
-        model = GPT(preset(config.model.preset, **overrides))
-        name = f"the {config.model.preset} model"
-    if config.batch.seq_len > model.config.block_size:
+        check_seq_len(config, model.config.block_size, f"init from {config.model.init_from}")
+        return model
+    return GPT(preset_shape(config, vocab_size))
+
+
+def preset_shape(config: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The preset's shape with the data's vocabulary, ``--block-size`` and dropout; ``seq_len`` must fit it."""
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
+    if config.model.block_size:
+        overrides["block_size"] = config.model.block_size
+    shape = preset(config.model.preset, **overrides)
+    check_seq_len(config, shape.block_size, f"the {config.model.preset} model")
+    return shape
+
+
+def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:
+    if config.batch.seq_len > block_size:
         raise ConfigError(
-            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={model.config.block_size}; "
+            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={block_size}; "
             "lower --seq-len or raise --block-size"
         )
-    return model
 
 
 def _plan(

@@ -16,15 +16,12 @@ from bigbatch.errors import require_creatable_dir
 
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
-    from bigbatch.build import check_micro_batch_fits
-    from bigbatch.data.cache import ensure_prepared
+    from bigbatch.build import build_loader, check_micro_batch_fits, prepare_data, preset_shape
     from bigbatch.data.dataset import open_dataset
-    from bigbatch.data.loader import loader_for
-    from bigbatch.distributed import resolve_device
+    from bigbatch.distributed import DistContext, resolve_device
     from bigbatch.metrics import check_optional_loggers
-    from bigbatch.model import preset
     from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
-    from bigbatch.plan import plan_batch
+    from bigbatch.plan import BatchPlan, plan_batch
     from bigbatch.resume import find_resume_checkpoint
 
     run, data, batch = config.run, config.data, config.batch
@@ -38,19 +35,10 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
         require_creatable_dir(Path(data.cache_dir), "cache directory")
     if batch.micro_batch and not batch.token_budget:
         plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
-    dataset = open_dataset(ensure_prepared(data.data, data.tokenizer, data.val_fraction, data.cache_dir or None,
-                                           mode=data.data_mode))  # fmt: skip
+    dataset = open_dataset(prepare_data(config))
     if not config.model.init_from:
-        overrides = {"block_size": config.model.block_size} if config.model.block_size else {}
-        shape = preset(config.model.preset, vocab_size=dataset.vocab_size, **overrides)
-        if batch.seq_len > shape.block_size:
-            from bigbatch.errors import ConfigError
-
-            raise ConfigError(
-                f"seq_len={batch.seq_len} exceeds the {config.model.preset} model's block_size={shape.block_size}; "
-                "lower --seq-len or raise --block-size"
-            )
+        preset_shape(config, dataset.vocab_size)  # the shape only: no weights are allocated here
     if batch.micro_batch:
-        train = loader_for(dataset, "train", batch.micro_batch, batch.seq_len, 0, world_size, name="training",
-                           long_documents=data.long_documents)
+        plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=world_size)
+        train = build_loader(config, dataset, plan, DistContext(0, world_size), "train", "training")
         check_micro_batch_fits(train, batch.micro_batch, world_size)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +15,9 @@ from bigbatch.evaluate import evaluate_checkpoint
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+def _offline(isolated: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import corpus_bytes, run_main
 
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def train(tmp_path: Path, tokens_per_step: int, *extra: str) -> tuple[str, list[dict]]:

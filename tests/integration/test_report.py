@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import math
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +31,7 @@ class FakeTTY(io.StringIO):
         return True
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 @pytest.fixture(scope="module")
