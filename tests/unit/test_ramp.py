@@ -85,8 +85,10 @@ def test_start_not_a_multiple_rounds_down_and_equal_to_target_is_constant() -> N
     assert {constant.k(s) for s in range(0, 3000, 13)} == {8}
 
 
-@pytest.mark.parametrize(("start", "ramp_tokens", "micro_batch", "k"), [(128, 2000, 2, 8), (64, 100_000, 1, 50),
-                                                                       (4096, 10**6, 16, 4), (40, 7, 1, 3)])
+@pytest.mark.parametrize(
+    ("start", "ramp_tokens", "micro_batch", "k"),
+    [(128, 2000, 2, 8), (64, 100_000, 1, 50), (4096, 10**6, 16, 4), (40, 7, 1, 3)],
+)
 def test_the_table_is_what_the_steps_take(start: int, ramp_tokens: int, micro_batch: int, k: int) -> None:
     """Each row is the first step at its K, with the tokens seen after it, as step-by-step training gives."""
     ramp = BatchRamp(RampSpec(start, ramp_tokens), BatchPlan(micro_batch, 32, k))
@@ -106,7 +108,7 @@ def test_the_plan_command_prints_the_table() -> None:
     code, out, err = run_main(["plan", "--tokens-per-step", "512", "--seq-len", "32", "--micro-batch", "2",
                                "--batch-ramp", "128:2000"])  # fmt: skip
     assert code == 0, err
-    table = out[out.index("batch ramp:"):].splitlines()
+    table = out[out.index("batch ramp:") :].splitlines()
     assert "128 -> 512 tokens/step over the first 2,000 tokens seen (K 2 -> 8" in table[0]
     assert table[1].split() == ["step", "K", "tokens/step", "cumulative", "tokens"]
     rows = [line.split() for line in table[2:-1]]
