@@ -215,3 +215,24 @@ def test_auto_grows_toward_the_noise_scale_and_resumes_exactly(
     resumed.train()
     assert [r["micro_batches"] for r in records(out)] == ks
     assert step_losses(out) == step_losses(golden)
+
+
+@pytest.mark.slow
+def test_a_ramp_across_two_processes_matches_one_process(corpus: Path, tmp_path: Path) -> None:
+    """`--nproc 2` with micro-batch 1 (the same 64 tokens per K as one process with micro-batch 2): every rank
+    takes the same K from the global tokens seen, and the run ends with one process's parameters."""
+    ramped = ["--batch-ramp", RAMP]
+    one = run_cli(cli_args(corpus, tmp_path / "one", *ramped))
+    assert one.returncode == 0, one.stderr[-2000:]
+    args = cli_args(corpus, tmp_path / "two", *ramped, "--nproc", "2")
+    args[args.index("--micro-batch") + 1] = "1"
+    two = run_cli(args)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "x world 2" in two.stdout and two.stdout.count("step 3 | loss") == 1
+    k_one, k_two = (
+        [r["micro_batches"] for r in records(tmp_path / name)] for name in ("one", "two")
+    )  # fmt: skip
+    assert k_one == k_two == [2, 2, 3, 3, 4, 4]
+    for name, value in final_model(tmp_path / "one").items():
+        if not name.endswith("attn.c_attn.bias"):  # key-bias rounding, see exactness.assert_parameters_match
+            torch.testing.assert_close(final_model(tmp_path / "two")[name], value, rtol=1e-4, atol=1e-6)
