@@ -55,15 +55,8 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if r["kind"] == "step"]
 
 
-def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
-    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """K and tokens per step follow the ramp at the tokens seen; each step's update is that of one forward and
-    backward over all its sequences (loss = sum / that step's valid targets), clipped, one AdamW step; the
-    learning rate is the per-step schedule, as without a ramp."""
-    caplog.set_level("INFO")
-    out = tmp_path / "run"
-    config = make_config(corpus, out, steps=7)
+def train_and_capture(config: TrainConfig) -> tuple[Trainer, torch.nn.Module, list[list[Any]], list[dict[str, Any]]]:
+    """Train ``config``; the trainer, a copy of its initial model, every step's micro-batches and metrics records."""
     trainer = Trainer(config)
     initial = copy.deepcopy(trainer.model)
     steps: list[list[Any]] = []
@@ -74,24 +67,15 @@ def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
         return inner(micro_batches, n_valid)
 
     trainer.engine.step = spy  # type: ignore[method-assign]
-    result = trainer.train()
+    trainer.train()
+    return trainer, initial, steps, records(trainer.run_dir)
 
-    ramp = BatchRamp(RampSpec(128, 512), trainer.plan)
-    seen, expected_k = 0, []
-    for _ in range(7):
-        expected_k.append(ramp.k(seen))
-        seen += expected_k[-1] * UNIT
-    assert expected_k == [2, 2, 3, 3, 4, 4, 4]
-    logged = records(out)
-    assert [r["micro_batches"] for r in logged] == expected_k == [len(s) for s in steps]
-    assert [r["tokens"] for r in logged] == [k * UNIT for k in expected_k]
-    assert result.tokens_seen == seen
-    schedule = CosineSchedule(2e-3, 2e-4, 2, 7)
-    assert [r["lr"] for r in logged] == pytest.approx([schedule(s) for s in range(7)], rel=1e-12)
-    assert "step 3 | loss" in caplog.text and "| K 3 | tokens 192" in caplog.text
-    assert "batch ramp | 128 -> 256 tokens/step over the first 512 tokens seen (K 2 -> 4" in caplog.text
 
-    reference = initial
+def assert_big_batch_updates(
+    trainer: Trainer, reference: torch.nn.Module, steps: list[list[Any]], logged: list[dict[str, Any]]
+) -> None:
+    """Replay every step as one forward and backward over all its sequences (loss = sum of per-token losses / that
+    step's valid targets), clipped, one AdamW step at the logged learning rate: the same parameters."""
     optimizer = build_adamw(reference, lr=1.0, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     for s, micro_batches in enumerate(steps):
         inputs = torch.cat([mb.inputs for mb in micro_batches])
@@ -102,9 +86,55 @@ def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         for group in optimizer.param_groups:
-            group["lr"] = schedule(s)
+            group["lr"] = logged[s]["lr"]
         optimizer.step()
-    assert_parameters_match(trainer.model, reference)
+    assert_parameters_match(trainer.model, reference)  # type: ignore[arg-type]
+
+
+def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
+    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """K and tokens per step follow the ramp at the tokens seen; each step's update is the big batch's; the
+    learning rate is the per-step schedule, as without a ramp."""
+    caplog.set_level("INFO")
+    trainer, initial, steps, logged = train_and_capture(make_config(corpus, tmp_path / "run", steps=7))
+    ramp = BatchRamp(RampSpec(128, 512), trainer.plan)
+    seen, expected_k = 0, []
+    for _ in range(7):
+        expected_k.append(ramp.k(seen))
+        seen += expected_k[-1] * UNIT
+    assert expected_k == [2, 2, 3, 3, 4, 4, 4]
+    assert [r["micro_batches"] for r in logged] == expected_k == [len(s) for s in steps]
+    assert [r["tokens"] for r in logged] == [k * UNIT for k in expected_k]
+    assert trainer.state.tokens_seen == seen
+    schedule = CosineSchedule(2e-3, 2e-4, 2, 7)
+    assert [r["lr"] for r in logged] == pytest.approx([schedule(s) for s in range(7)], rel=1e-12)
+    assert "step 3 | loss" in caplog.text and "| K 3 | tokens 192" in caplog.text
+    assert "batch ramp | 128 -> 256 tokens/step over the first 512 tokens seen (K 2 -> 4" in caplog.text
+    assert_big_batch_updates(trainer, initial, steps, logged)
+
+
+def test_a_ramp_over_ragged_documents_counts_valid_targets_and_stays_exact(tmp_path: Path) -> None:
+    """Documents (padding, masked prompts): the ramp's clock is the valid targets seen, and each step of its own
+    K is normalized by its own valid targets (``mean / K`` would fail the comparison)."""
+    import json as json_module
+
+    source = tmp_path / "qa.jsonl"
+    rows = [{"prompt": f"Q{i}: " + "why? " * (i % 5), "completion": " because" * (1 + i % 3)} for i in range(400)]
+    source.write_text("\n".join(json_module.dumps(r) for r in rows) + "\n")
+    config = make_config(source, tmp_path / "run", ramp="128:200", steps=6)
+    config.data.data_mode = "documents"
+    trainer, initial, steps, logged = train_and_capture(config)
+    assert trainer.parts.documents
+    ramp = BatchRamp(RampSpec(128, 200), trainer.plan)
+    seen = 0
+    for record in logged:
+        assert record["micro_batches"] == ramp.k(seen)
+        assert record["tokens"] < record["micro_batches"] * UNIT  # padding and prompts do not count
+        seen += record["tokens"]
+    assert [r["micro_batches"] for r in logged] == sorted(r["micro_batches"] for r in logged)
+    assert logged[0]["micro_batches"] == 2 and logged[-1]["micro_batches"] > 2
+    assert_big_batch_updates(trainer, initial, steps, logged)
 
 
 @pytest.mark.slow
@@ -236,3 +266,21 @@ def test_a_ramp_across_two_processes_matches_one_process(corpus: Path, tmp_path:
     for name, value in final_model(tmp_path / "one").items():
         if not name.endswith("attn.c_attn.bias"):  # key-bias rounding, see exactness.assert_parameters_match
             torch.testing.assert_close(final_model(tmp_path / "two")[name], value, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.usefixtures("isolated")
+def test_the_ramp_is_part_of_the_default_run_directory(corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another ramp is another run (its own default directory); --allow-ramp-change on a fresh start says it has
+    no effect rather than silently starting a new run."""
+    from bigbatch.run_identity import default_run_dir
+
+    plain = make_config(corpus, Path(""), ramp="")
+    plain.run.out = ""
+    ramped, other = copy.deepcopy(plain), copy.deepcopy(plain)
+    ramped.batch.batch_ramp, other.batch.batch_ramp = RAMP, "auto"
+    assert len({default_run_dir(c) for c in (plain, ramped, other)}) == 3
+    assert default_run_dir(copy.deepcopy(ramped)) == default_run_dir(ramped)
+    caplog.set_level("INFO")
+    ramped.run.allow_ramp_change = True
+    trainer = Trainer(ramped)
+    assert trainer.resumed_from is None and "--allow-ramp-change has no effect" in caplog.text
