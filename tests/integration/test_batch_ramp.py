@@ -188,6 +188,7 @@ def test_another_ramp_on_resume_is_refused_unless_allowed(corpus: Path, tmp_path
     ("extra", "expected"),
     [
         (["--batch-ramp", "32:512"], "START_TOKENS 32 is below one micro-batch per process"),
+        (["--batch-ramp", "64:512", "--nproc", "2"], "(micro_batch 2 x seq_len 32 x world 2 = 128 tokens)"),
         (["--batch-ramp", "1K:512"], "START_TOKENS 1,000 is above the tokens per step 256"),
         (["--batch-ramp", "128"], "must be START_TOKENS:RAMP_TOKENS"),
         (["--batch-ramp", "128:512", "--token-budget", "200"], "use one of them"),
