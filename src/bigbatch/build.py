@@ -37,6 +37,7 @@ from bigbatch.noise_scale import NoiseScale, unavailable_reason
 from bigbatch.optim import build_adamw
 from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
 from bigbatch.plan import BatchPlan, plan_batch
+from bigbatch.ramp import BatchRamp, parse_ramp
 from bigbatch.resume import find_resume_checkpoint, initial_schedule
 from bigbatch.rng import seed_rank_generators
 from bigbatch.run_identity import default_run_dir
@@ -69,6 +70,7 @@ class RunParts:
     train_loader: Loader
     val_loader: Loader | None
     peak_flops: float | None  # per device, for MFU; None when unknown
+    ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.ramp)
 
     @property
     def documents(self) -> bool:
@@ -76,7 +78,7 @@ class RunParts:
 
     @property
     def k_varies(self) -> bool:
-        return bool(self.policy.token_budget) or self.documents
+        return bool(self.policy.token_budget) or self.documents or self.ramp is not None
 
 
 def seed_everything(seed: int) -> None:
@@ -112,6 +114,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     val_loader = _val_loader(config, dataset, plan, dist)
 
     parallel = resolve_parallel(config.run.parallel, dist.world_size)
+    ramp = build_ramp(config, plan, parallel)
     if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
         say(
             "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
@@ -149,7 +152,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
         config=config, dist=dist, device=device, run_dir=run_dir, resume_from=resume_from, dataset=dataset,
         fingerprints=dataset_fingerprints(dataset), bpe_json=bpe_json, model=model, train_model=train_model,
         parallel=parallel, optimizer=optimizer, engine=engine, plan=plan, policy=policy,
-        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops,
+        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops, ramp=ramp,
     )  # fmt: skip
 
 
@@ -294,3 +297,21 @@ def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) 
         say("the gradient noise scale is not measured in this run: %s", reason)
         return None
     return NoiseScale(config.run.noise_scale_every)
+
+
+def build_ramp(config: TrainConfig, plan: BatchPlan, parallel: str) -> BatchRamp | None:
+    """The ``--batch-ramp`` of this plan, or ``None``; auto needs the noise scale this run measures."""
+    spec = parse_ramp(config.batch.batch_ramp)
+    if spec is None:
+        return None
+    if spec.auto:
+        run = config.run
+        reason = "--noise-scale-every is 0; set it to N > 0" if not run.noise_scale_every else unavailable_reason(
+            plan.accumulation_steps, plan.world_size, parallel, run.sync_every_micro_step
+        )  # fmt: skip
+        if reason:
+            raise ConfigError(
+                f"--batch-ramp auto grows toward the measured gradient noise scale, which this run cannot measure: "
+                f"{reason}"
+            )
+    return BatchRamp(spec, plan)

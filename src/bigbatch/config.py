@@ -132,6 +132,12 @@ class BatchSection:
         "last incomplete window of a document epoch: partial (train on it, exactly normalized) or drop (skip it)",
         choices=LAST_WINDOW,
     )
+    batch_ramp: str = _opt(
+        "",
+        "batch-size ramp-up START_TOKENS:RAMP_TOKENS (e.g. 32K:10M): tokens per step grow linearly in tokens seen "
+        "from START to total_batch_tokens over the first RAMP_TOKENS, in whole micro-batches; auto: grow toward "
+        "the measured gradient noise scale; empty: no ramp",
+    )
 
 
 @dataclass
@@ -217,6 +223,7 @@ class RunSection:
     allow_data_change: bool = _opt(
         False, "on resume: continue on data whose tokens differ from the checkpoint's (same tokenizer only)"
     )
+    allow_ramp_change: bool = _opt(False, "on resume: apply a --batch-ramp other than the run's from the next step")
 
 
 SECTIONS: dict[str, type] = {
@@ -266,6 +273,9 @@ class TrainConfig:
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
                 "raise decay_steps or set it to 0 (= max_steps)"
             )
+        from bigbatch.ramp import check_ramp_settings
+
+        check_ramp_settings(self.batch.batch_ramp, self.batch.total_batch_tokens, self.batch.token_budget)
 
 
 def _toml_value(value: Any) -> str:

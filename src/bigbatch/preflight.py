@@ -22,6 +22,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     from bigbatch.metrics import check_optional_loggers
     from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
     from bigbatch.plan import BatchPlan, plan_batch
+    from bigbatch.ramp import BatchRamp, parse_ramp
     from bigbatch.resume import find_resume_checkpoint
 
     run, data, batch = config.run, config.data, config.batch
@@ -34,7 +35,10 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     if data.cache_dir:
         require_creatable_dir(Path(data.cache_dir), "cache directory")
     if batch.micro_batch and not batch.token_budget:
-        plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
+        full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
+        spec = parse_ramp(batch.batch_ramp)
+        if spec is not None:
+            BatchRamp(spec, full)  # START_TOKENS below one micro-batch per process
     dataset = open_dataset(prepare_data(config))
     if not config.model.init_from:
         preset_shape(config, dataset.vocab_size)  # the shape only: no weights are allocated here

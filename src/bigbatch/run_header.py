@@ -19,6 +19,8 @@ def header_lines(parts: RunParts) -> list[str]:
         f"block {cfg.block_size}",
         f"plan | {describe_plan(parts)}",
     ]
+    if parts.ramp is not None:
+        lines.append(f"batch ramp | {parts.ramp.describe()}")
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
     return lines

@@ -57,9 +57,15 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.sample_prompt",
         "run.extend_schedule",
         "run.allow_data_change",
+        "run.allow_ramp_change",
     }
 )
 """``section.key`` of the settings that may differ between a run and its resumption."""
+
+RESUME_CHECKED: frozenset[str] = frozenset({"batch.batch_ramp"})
+"""Defining settings (in the fingerprint: another value is another default run directory) that a resume checks
+itself rather than through :func:`settings_diff`, so that a flag can allow the change: the batch ramp
+(``--allow-ramp-change``, see :func:`bigbatch.ramp.check_ramp_change`)."""
 
 DEFAULT_RUNS_DIR = "runs"
 
@@ -105,6 +111,8 @@ def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     saved_flat = _flat(saved) if isinstance(saved, dict) else {}
     diffs = []
     for key, value in identity_settings(config).items():
+        if key in RESUME_CHECKED:
+            continue
         before = saved_flat.get(key, defaults.get(key))
         if before != value and not (isinstance(before, (int, float)) and isinstance(value, (int, float))
                                     and float(before) == float(value)):  # fmt: skip

@@ -19,6 +19,7 @@ from bigbatch.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoi
 from bigbatch.errors import CheckpointError, DataError
 from bigbatch.metrics import truncate_metrics
 from bigbatch.optim import CosineSchedule
+from bigbatch.ramp import check_ramp_change
 from bigbatch.resume import check_compatible, check_settings, check_tokenizer, data_changed, resumed_schedule
 from bigbatch.rng import capture_rng_state, restore_rng_state, seed_rank_generators
 
@@ -51,6 +52,7 @@ class TrainState:
             "schedule": self.schedule.state_dict(),
             "loader": p.train_loader.state_dict(),
             "tokens_seen": self.tokens_seen,
+            **({"ramp": p.ramp.state_dict()} if p.ramp is not None else {}),
             "rng": p.dist.all_gather_object(capture_rng_state()),  # every rank's generators
         }
 
@@ -75,6 +77,8 @@ class TrainState:
             say("the new data has no position matching the checkpoint's: reading it from its start",
                 level=logging.WARNING)  # fmt: skip
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        if p.ramp is not None and state.get("ramp"):
+            p.ramp.load_state_dict(state["ramp"])
         rng_states = state.get("rng", [])
         if len(rng_states) == p.dist.world_size:
             restore_rng_state(rng_states[p.dist.rank])
@@ -128,6 +132,8 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
     config = p.config
     document = load_checkpoint(path)
     check_settings(document, config, p.run_dir)
+    ramp_note = check_ramp_change(document.get("config", {}), config.batch.batch_ramp,
+                                  config.run.allow_ramp_change, p.run_dir)  # fmt: skip
     check_compatible(document, p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch)
     check_tokenizer(document.get("fingerprints") or {}, p.fingerprints, p.dataset.meta.tokenizer,
                     f"this run's data {p.dataset.directory}")  # fmt: skip
@@ -150,3 +156,6 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
         say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)
     if schedule_note:
         say("%s", schedule_note, level=logging.WARNING)
+    if ramp_note:
+        k = p.ramp.k(state.tokens_seen) if p.ramp else p.plan.accumulation_steps
+        say("%s (K %d at %s tokens seen)", ramp_note, k, f"{state.tokens_seen:,}", level=logging.WARNING)

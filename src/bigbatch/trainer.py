@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,12 @@ class Trainer:
         self.resumed_from = self.parts.resume_from
         if self.resumed_from is not None:
             resume_run(self.state, self.resumed_from, self._say)
+        elif config.run.allow_ramp_change:
+            self._say(
+                "--allow-ramp-change has no effect: there is no run to resume in %s (the default run directory "
+                "depends on the ramp: give --out the directory of the run to change)", self.run_dir,
+                level=logging.WARNING,
+            )  # fmt: skip
         self.completed = self.resumed_from is not None and self.state.step >= config.run.max_steps
 
     @property
@@ -112,8 +118,12 @@ class Trainer:
         return self.parts.train_loader
 
     def next_step(self) -> StepBatch:
-        """This rank's micro-batches for the next step and the step's global valid-target count."""
-        return next_step(self.parts.train_loader, self.parts.policy, self.dist, self.parts.device)
+        """This rank's micro-batches for the next step and the step's global valid-target count (K from the
+        batch ramp, when there is one, at the tokens seen so far)."""
+        policy = self.parts.policy
+        if self.parts.ramp is not None:
+            policy = replace(policy, k=self.parts.ramp.k(self.state.tokens_seen))
+        return next_step(self.parts.train_loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
         run = self.config.run
@@ -185,12 +195,31 @@ class Trainer:
             self._say(format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu, noise_scale=noise))
         if at_eval:
             self._evaluate(seen, stop, metrics)
+        if record.noise is not None:
+            self._grow_auto_ramp()
         saved = last or bool(run.save_every and record.step % run.save_every == 0)
         if saved:
             self.state.save(self._say)
         assert self.progress is not None
         self.progress.update(record.step, record.tokens_per_s)
         self._check_stop(seen, stop, saved)
+
+    def _grow_auto_ramp(self) -> None:
+        """``--batch-ramp auto``, after a step that measured the noise scale: rank 0 decides, every rank follows."""
+        ramp, noise = self.parts.ramp, self.engine.noise_scale
+        if ramp is None or not ramp.spec.auto or noise is None:
+            return
+        grown = ramp.grow(noise.estimate) if self.dist.is_main else None
+        grown = self.dist.broadcast_object(grown)
+        if grown is None:
+            return
+        if not self.dist.is_main:
+            ramp.auto_tokens = grown[1] * ramp.unit
+        self._say(
+            "batch ramp auto: K %d -> %d (%s -> %s tokens/step) from step %d; measured noise scale %s tokens",
+            grown[0], grown[1], f"{grown[0] * ramp.unit:,}", f"{grown[1] * ramp.unit:,}", self.state.step + 1,
+            format_noise_scale(noise.estimate or 0.0),
+        )  # fmt: skip
 
     def _evaluate(self, seen: _Progress, stop: StopRequest, metrics: MetricsSink | None) -> None:
         started, step = time.perf_counter(), self.state.step

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-ramp", metavar="START_TOKENS:RAMP_TOKENS|auto", default="",
+                        help="also print the ramp table: step, K, tokens per step, cumulative tokens "
+                        "(e.g. 32K:10M)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,5 +48,13 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.plan_report import report_plan
 
     solved = solve_plan(args.seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
+    ramp = None
+    if args.batch_ramp:
+        from bigbatch.ramp import BatchRamp, check_ramp_settings, format_ramp_table
+
+        spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
+        ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
     print(report_plan(solved, args.model, args.vocab_size, args.precision, args.device, args.measure))
+    if ramp:
+        print(ramp)
     return 0
