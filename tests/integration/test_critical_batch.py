@@ -230,3 +230,34 @@ def test_no_such_run_and_no_checkpoint_are_one_line(tmp_path: Path) -> None:
     line = assert_one_line_error(*critical_batch(tmp_path / "empty"))
     assert "has no checkpoint" in line and "train it first" in line
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("batch", "seq_len", 16, "its seq_len is 32, the branch's 16"),
+        ("model", "preset", "nano", "its model differs from the branch's (n_layer 2 -> 4"),
+        ("data", "data", "other corpus", "the branch's data differs from the parent's"),
+    ],
+)
+def test_the_branch_mode_refuses_a_parent_of_another_model_sequence_length_or_data(
+    parent: Path, tmp_path: Path, section: str, key: str, value: object, expected: str
+) -> None:
+    from bigbatch.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from bigbatch.config import config_from_dict
+    from bigbatch.errors import CheckpointError
+    from bigbatch.trainer import Trainer
+
+    checkpoint = latest_valid_checkpoint(parent)
+    assert checkpoint is not None
+    config = config_from_dict(load_checkpoint(checkpoint)["config"])
+    config.run.out = str(tmp_path / "branch")
+    if value == "other corpus":
+        value = tmp_path / "other.txt"
+        value.write_bytes(corpus_bytes(30_000)[::-1])
+        value = str(value)
+    setattr(getattr(config, section), key, value)
+    with pytest.raises(CheckpointError) as caught:
+        Trainer(config, branch_from=checkpoint)
+    assert expected in str(caught.value)
+    assert not (tmp_path / "branch").exists()
