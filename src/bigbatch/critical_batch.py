@@ -166,8 +166,16 @@ class CriticalBatchResult:
     noise_scale_step: int | None
     branches: list[BranchResult] = field(default_factory=list)
 
+    @property
+    def bound(self) -> str:
+        """``at least`` when every size is within the tolerance (the answer lies at or above the largest tried),
+        ``at most`` when only the smallest is, else ``between`` (the next size tried is out)."""
+        if all(b.within_tolerance for b in self.branches):
+            return "at least"
+        return "at most" if self.critical_tokens_per_step == self.branches[0].tokens_per_step else "between"
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "bound": self.bound}
 
     def format(self) -> str:
         smallest = self.branches[0].val_loss
@@ -184,10 +192,18 @@ class CriticalBatchResult:
                 f"{b.tokens_per_step:>12,} {b.accumulation_steps:>5} {b.steps:>6} {b.lr:>9.2e} {b.val_loss:>9.4f} "
                 f"{change:>+11.2%}  {'yes' if b.within_tolerance else 'no'}{' (reused)' if b.reused else ''}"
             )
-        lines.append(
-            f"critical batch: {self.critical_tokens_per_step:,} tokens per step (the largest size whose loss after "
-            f"{self.budget:,} tokens, and every smaller size's, is within {self.tolerance:.1%} of the smallest's)"
+        rule = (
+            f"the largest size whose loss after {self.budget:,} tokens, and every smaller size's, is within "
+            f"{self.tolerance:.1%} of the smallest's"
         )
+        if self.bound == "at least":
+            lines.append(f"critical batch: at least {self.critical_tokens_per_step:,} tokens per step ({rule}: every "
+                         "size tried is; try larger sizes, or a larger budget)")  # fmt: skip
+        elif self.bound == "at most":
+            lines.append(f"critical batch: {self.critical_tokens_per_step:,} tokens per step or less ({rule}: the "
+                         "next size already is not; try smaller sizes)")  # fmt: skip
+        else:
+            lines.append(f"critical batch: {self.critical_tokens_per_step:,} tokens per step ({rule})")
         if self.noise_scale is not None:
             lines.append(
                 f"noise scale logged by the run at step {self.noise_scale_step}: {self.noise_scale:,.0f} tokens"
@@ -239,14 +255,22 @@ def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
         raise
 
 
-def find_parent(run_dir: Path) -> Path:
-    """RUN's newest complete checkpoint, or a one-line error saying what is missing."""
-    from bigbatch.checkpoint import latest_valid_checkpoint, list_checkpoints
+def find_parent(run_dir: Path, step: int | None = None) -> Path:
+    """RUN's newest complete checkpoint (or the one at ``step``), or a one-line error saying what is missing."""
+    from bigbatch.checkpoint import checkpoint_path, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
 
     if not run_dir.exists():
         raise CheckpointError(f"no such run: {run_dir} does not exist; give the directory of a bigbatch run")
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir} is not a run directory; give the directory of a bigbatch run")
+    if step is not None:
+        path = checkpoint_path(run_dir, step)
+        problem = verify_checkpoint(path) if path.is_file() else "there is none"
+        if problem:
+            have = ", ".join(p.stem.split("_")[1].lstrip("0") or "0" for p in list_checkpoints(run_dir)) or "none"
+            raise CheckpointError(f"--step {step}: no complete checkpoint of {run_dir} at that step ({problem}); "
+                                  f"its checkpoints are at steps: {have}")  # fmt: skip
+        return path
     found = latest_valid_checkpoint(run_dir)
     if found is None:
         why = "none is complete and valid" if list_checkpoints(run_dir) else "it has no checkpoint"
@@ -280,11 +304,11 @@ class _Parent:
     sha256: str
 
 
-def _read_parent(run_dir: Path) -> _Parent:
+def _read_parent(run_dir: Path, step: int | None = None) -> _Parent:
     from bigbatch.checkpoint import commit_path, load_checkpoint
     from bigbatch.resume import saved_schedule
 
-    path = find_parent(run_dir)
+    path = find_parent(run_dir, step)
     document = load_checkpoint(path)
     config = document.get("config") or {}
     batch = config.get("batch") or {}
@@ -380,10 +404,12 @@ def _train_branch(config: Any, parent: _Parent, target: int) -> bool:
 def measure_critical_batch(
     run_dir: Path, sizes: list[int], budget: int, tolerance: float = DEFAULT_TOLERANCE, lr_rule: str = DEFAULT_LR_RULE,
     micro_batch: int | None = None, eval_batches: int | None = None, device: str = "auto", plot: bool = True,
+    step: int | None = None,
 ) -> CriticalBatchResult:  # fmt: skip
-    """Branch RUN's latest checkpoint at each size in ``sizes`` (tokens per step), train each for ``budget``
-    tokens, evaluate all on the same validation windows and find the critical batch; write ``result.json`` (and
-    the plot) in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/``. Every check runs before any training."""
+    """Branch RUN's latest checkpoint (or the one at ``step``) at each size in ``sizes`` (tokens per step), train
+    each for ``budget`` tokens, evaluate all on the same validation windows and find the critical batch; write
+    ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/``. Every check runs before any
+    training."""
     from bigbatch.checkpoint import checkpoint_path
     from bigbatch.distributed import resolve_device
     from bigbatch.evaluate import evaluate_checkpoint
@@ -393,7 +419,7 @@ def measure_critical_batch(
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ConfigError(f"--tolerance must be a fraction >= 0 (e.g. 0.01 for 1%), got {tolerance}")
     sizes = sorted(set(sizes))
-    parent = _read_parent(run_dir)
+    parent = _read_parent(run_dir, step)
     plans = plan_sizes(sizes, micro_batch or parent.micro_batch, parent.seq_len)
     check_budget(budget, sizes)
     run_config = (parent.document.get("config") or {}).get("run") or {}

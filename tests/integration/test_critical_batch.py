@@ -128,19 +128,19 @@ def test_branches_train_the_same_tokens_at_each_size_and_report_the_critical_bat
 def test_a_branch_at_the_runs_own_size_is_the_run_continued_bitwise(parent: Path, tmp_path: Path) -> None:
     """The parent's schedule is constant after its warmup, so the branch at its own tokens per step (lr rule:
     any, the ratio is 1) must equal the parent resumed for the same steps: same parameters, optimizer state,
-    losses."""
-    branched = copy_of(parent, tmp_path / "a")
-    code, out, err = critical_batch(branched, [PARENT_TPS, 2 * PARENT_TPS], 2 * PARENT_TPS)
+    data position, generators, losses. The parent runs on first, and the branches start from its step-4
+    checkpoint (``--step``), not its newest."""
+    continued = copy_of(parent, tmp_path)
+    code, out, err = run_main(train_args(parent.parent / "corpus.txt", continued, PARENT_STEPS + 2))
     assert code == 0, out + err
-    continued = copy_of(parent, tmp_path / "b")
-    corpus = parent.parent / "corpus.txt"
-    code, out, err = run_main(train_args(corpus, continued, PARENT_STEPS + 2))
+    code, out, err = critical_batch(continued, [PARENT_TPS, 2 * PARENT_TPS], 2 * PARENT_TPS, "--step", "4")
     assert code == 0, out + err
-    branch_dir = branched / BASE / f"tps_{PARENT_TPS}"
+    assert f"branched from {continued / 'checkpoints' / 'step_0000004.pt'} at step 4" in out
+    branch_dir = continued / BASE / f"tps_{PARENT_TPS}"
     a, b = final_state(branch_dir), final_state(continued)
     assert a["step"] == b["step"] == PARENT_STEPS + 2
     for key in ("model", "optimizer", "loader", "tokens_seen", "rng"):
-        assert_same_tensors({key: a[key]}, {key: b[key]})
+        assert_same_tensors(a[key], b[key], key)
     losses = [r["loss"] for r in step_records(branch_dir)]
     assert losses == [r["loss"] for r in step_records(continued)][PARENT_STEPS:]
 
@@ -212,6 +212,7 @@ def test_a_branch_of_another_checkpoint_is_refused(measured: tuple[Path, str], t
         ("64,128", "lots", [], "--budget: 'lots' is not a count"),
         ("64,128", "256", ["--tolerance", "-1"], "--tolerance"),
         ("64,128", "256", ["--micro-batch", "3"], "--tokens-per-step 64: total_batch_tokens=64 is not a multiple"),
+        ("64,128", "256", ["--step", "2"], "--step 2: no complete checkpoint of"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(

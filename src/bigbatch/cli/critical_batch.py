@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per micro-batch for every branch and evaluation (default: the run's)")
     parser.add_argument("--eval-batches", type=POSITIVE_INT.argtype(),
                         help="validation micro-batches scored per branch (default: the run's eval_batches)")
+    parser.add_argument("--step", type=POSITIVE_INT.argtype(),
+                        help="branch from RUN's checkpoint at this step (default: its newest)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")  # fmt: skip
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = measure_critical_batch(
             args.run, sizes, budget, tolerance=args.tolerance, lr_rule=args.lr_rule, micro_batch=args.micro_batch,
-            eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot,
+            eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot, step=args.step,
         )  # fmt: skip
     except Interrupted as stop:
         logging.getLogger(__name__).warning(

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from bigbatch.critical_batch import (
+    BranchResult,
+    CriticalBatchResult,
     branch_lr,
     check_budget,
     critical_batch_size,
@@ -82,3 +84,33 @@ def test_the_noise_scale_series_comes_from_the_metrics_log(tmp_path: Path) -> No
     assert noise_scale_series(tmp_path) == [(1, 100, 5.0), (4, 300, 9.0), (5, 400, 7.0)]
     assert noise_scale_series(tmp_path, up_to_step=4)[-1] == (4, 300, 9.0)
     assert noise_scale_series(tmp_path / "missing") == []
+
+
+def result_of(losses: list[float], tolerance: float = 0.01) -> CriticalBatchResult:
+    sizes = [4096 << i for i in range(len(losses))]
+    critical, within = critical_batch_size(sizes, losses, tolerance)
+    branches = [
+        BranchResult(size, size // 4096, 65536 // size, 1e-3, loss, ok, f"runs/x/tps_{size}", False)
+        for size, loss, ok in zip(sizes, losses, within, strict=True)
+    ]
+    return CriticalBatchResult(
+        run="runs/x", checkpoint="runs/x/checkpoints/step_0000040.pt", parent_step=40, parent_tokens_seen=655360,
+        parent_tokens_per_step=16384, parent_lr=1e-3, parent_val_loss=2.9, budget=65536, lr_rule="sqrt",
+        tolerance=tolerance, micro_batch=16, seq_len=256, eval_batches=8, eval_tokens=32768,
+        critical_tokens_per_step=critical, noise_scale=None, noise_scale_step=None, branches=branches,
+    )  # fmt: skip
+
+
+def test_the_answer_says_when_it_lies_beyond_the_sizes_tried() -> None:
+    between = result_of([2.0, 2.01, 2.5])
+    assert between.bound == "between" and between.to_dict()["bound"] == "between"
+    assert "critical batch: 8,192 tokens per step (the largest size" in between.format()
+    above = result_of([2.0, 2.01, 2.015])
+    assert above.bound == "at least" and "critical batch: at least 16,384 tokens per step" in above.format()
+    below = result_of([2.0, 2.5, 2.6])
+    assert below.bound == "at most" and "critical batch: 4,096 tokens per step or less" in below.format()
+    table = below.format().splitlines()
+    assert table[2].split() == ["4,096", "1", "16", "1.00e-03", "2.0000", "+0.00%", "yes"]
+    assert table[3].split() == ["8,192", "2", "8", "1.00e-03", "2.5000", "+25.00%", "no"]
+    assert "holds no estimate" in table[-1]
+    assert json.loads(json.dumps(below.to_dict()))["branches"][1]["within_tolerance"] is False
