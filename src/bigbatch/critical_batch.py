@@ -496,8 +496,9 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
         if not b.within_tolerance:
             left.plot([b.tokens_per_step], [b.val_loss], "x", color="C3", markersize=10)
     left.axhline(limit, color="grey", ls="--", lw=1, label=f"smallest's loss + {result.tolerance:.1%}")
+    bound = {"at least": ">= ", "at most": "<= "}.get(result.bound, "")
     left.axvline(result.critical_tokens_per_step, color="C2", lw=2,
-                 label=f"critical batch {result.critical_tokens_per_step:,}")  # fmt: skip
+                 label=f"critical batch {bound}{result.critical_tokens_per_step:,}")  # fmt: skip
     if result.noise_scale is not None and result.noise_scale > 0:
         left.axvline(result.noise_scale, color="C1", ls=":", lw=2,
                      label=f"noise scale {result.noise_scale:,.0f} (step {result.noise_scale_step})")  # fmt: skip
@@ -515,8 +516,9 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
     else:
         right.text(0.5, 0.5, "no noise scale in the run's metrics.jsonl", ha="center", va="center",
                    transform=right.transAxes)  # fmt: skip
-    right.plot([result.parent_tokens_seen], [result.critical_tokens_per_step], "*", color="C2", markersize=14,
-               label="critical batch measured by branching")  # fmt: skip
+    marker = {"at least": "^", "at most": "v"}.get(result.bound, "*")  # a bound points the way the answer lies
+    right.plot([result.parent_tokens_seen], [result.critical_tokens_per_step], marker, color="C2", markersize=14,
+               label=f"critical batch by branching: {bound}{result.critical_tokens_per_step:,}")  # fmt: skip
     right.axhline(result.parent_tokens_per_step, color="black", ls="-.", lw=1, label="the run's tokens per step")
     right.set_xlabel("tokens seen by the run")
     right.set_ylabel("tokens")
