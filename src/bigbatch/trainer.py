@@ -71,13 +71,18 @@ class _Progress:
 class Trainer:
     """Builds every part from a :class:`TrainConfig`; :meth:`train` runs it to ``max_steps``.
 
+    ``branch_from`` (a checkpoint of another run) starts a fresh run where that checkpoint stood, with this
+    config's own tokens per step and schedule (see :mod:`bigbatch.branch`); a run that has checkpoints of its own
+    resumes them instead.
+
     Under torchrun, pass the :class:`DistContext` and device of
     :func:`~bigbatch.distributed.distributed_session`: every rank builds the same parts, reads its own stride
     of the data and makes the same decisions; only rank 0 prints and writes files.
     """
 
     def __init__(
-        self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None
+        self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None,
+        branch_from: Path | None = None,
     ) -> None:
         check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))  # before any work
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
@@ -89,6 +94,10 @@ class Trainer:
         self.resumed_from = self.parts.resume_from
         if self.resumed_from is not None:
             resume_run(self.state, self.resumed_from, self._say)
+        elif branch_from is not None:  # a fresh branch: start where the parent's checkpoint stood
+            from bigbatch.branch import branch_run
+
+            branch_run(self.state, branch_from, self._say)
         elif config.run.allow_ramp_change:
             self._say(
                 "--allow-ramp-change has no effect: there is no run to resume in %s (the default run directory "

@@ -31,7 +31,9 @@ def imported_modules(*argv: str) -> set[str]:
     return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["verify", "--help"], ["memory", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["train", "--help"], ["verify", "--help"], ["memory", "--help"], ["critical-batch", "--help"]]
+)
 def test_help_does_not_import_torch(argv: list[str]) -> None:
     modules = imported_modules(*argv)
     assert "bigbatch.cli.app" in modules  # the measurement saw the CLI
@@ -52,7 +54,7 @@ def option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 def test_every_command_is_one_module_with_its_arguments_and_run() -> None:
     parsers = subparsers()
     assert list(parsers) == list(COMMANDS) == [
-        "prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval",
+        "prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval", "critical-batch",
     ]  # fmt: skip
     for name, module in COMMANDS.items():
         assert callable(module.add_arguments) and callable(module.run), name

@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from bigbatch import __version__
-from bigbatch.cli import evaluate, export, memory, plan, prepare, report, sample, train, verify
+from bigbatch.cli import critical_batch, evaluate, export, memory, plan, prepare, report, sample, train, verify
 from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, silence_stdout
 from bigbatch.errors import BigBatchError
 from bigbatch.launch import peer_exit_code, record_quiet_exit, record_user_error
@@ -31,6 +31,7 @@ COMMANDS: dict[str, ModuleType] = {
     "report": report,
     "export": export,
     "eval": evaluate,
+    "critical-batch": critical_batch,
 }
 """Each command's module: ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> exit code``.
 A module imports only what its parser needs; ``run`` imports the library (torch) when it runs."""

@@ -1,0 +1,70 @@
+"""``bigbatch critical-batch``: measure the critical batch by branching short runs from a run's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from bigbatch.ranges import NON_NEGATIVE, POSITIVE_INT
+
+HELP = "measure the critical batch: branch short runs from a run's checkpoint at several tokens per step"
+DESCRIPTION = (
+    "Branch RUN's latest checkpoint at each tokens per step (exact: whole micro-batches, K derived), train each "
+    "branch for the same number of tokens with a constant learning rate (the run's at the branch point, scaled "
+    "by --lr-rule), evaluate every branch on the same validation windows, and report the largest tokens per step "
+    "whose loss stays within --tolerance of the smallest size's. Branches live in "
+    "RUN/critical-batch/step_SSSSSSS-lr_RULE/tps_N/ (ordinary run directories); running the command again "
+    "continues unfinished branches and reuses finished ones. Writes result.json and critical-batch.png there."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bigbatch.critical_batch import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
+
+    parser.add_argument("run", type=Path, metavar="RUN", help="the run directory to branch from (its newest "
+                        "checkpoint)")
+    parser.add_argument("--tokens-per-step", required=True, metavar="N,N,...",
+                        help="comma-separated tokens per step, e.g. 16Ki,32Ki,64Ki,128Ki (Ki = 1,024; K = 1,000)")
+    parser.add_argument("--budget", required=True, metavar="TOKENS",
+                        help="tokens each branch trains on (e.g. 512Ki); a whole number of steps at every size")
+    parser.add_argument("--tolerance", type=NON_NEGATIVE.argtype(), default=DEFAULT_TOLERANCE,
+                        help="a size is as good as the smallest when its loss is at most (1 + tolerance) times the "
+                        f"smallest's (default: {DEFAULT_TOLERANCE}, i.e. {DEFAULT_TOLERANCE * 100:g}%%)")
+    parser.add_argument("--lr-rule", choices=LR_RULES, default=DEFAULT_LR_RULE,
+                        help="the branch's constant learning rate: the run's at the branch point times "
+                        "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)")
+    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
+                        help="sequences per micro-batch for every branch and evaluation (default: the run's)")
+    parser.add_argument("--eval-batches", type=POSITIVE_INT.argtype(),
+                        help="validation micro-batches scored per branch (default: the run's eval_batches)")
+    parser.add_argument("--step", type=POSITIVE_INT.argtype(),
+                        help="branch from RUN's checkpoint at this step (default: its newest)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from bigbatch.critical_batch import RESULT_FILE, Interrupted, measure_critical_batch, parse_sizes
+    from bigbatch.errors import ConfigError, PlanError
+    from bigbatch.plan import parse_count
+
+    sizes = parse_sizes(args.tokens_per_step)
+    try:
+        budget = parse_count(args.budget)
+    except PlanError as exc:
+        raise ConfigError(f"--budget: {exc}") from None
+    try:
+        result = measure_critical_batch(
+            args.run, sizes, budget, tolerance=args.tolerance, lr_rule=args.lr_rule, micro_batch=args.micro_batch,
+            eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot, step=args.step,
+        )  # fmt: skip
+    except Interrupted as stop:
+        logging.getLogger(__name__).warning(
+            "critical-batch stopped; the branch's checkpoint is saved: run the same command to continue"
+        )
+        return 128 + stop.signum
+    print(result.format())
+    base = Path(result.branches[0].run_dir).parent
+    print(f"wrote {base / RESULT_FILE}" + ("" if args.no_plot else f" and {base / 'critical-batch.png'}"))
+    return 0
