@@ -88,6 +88,7 @@ class LoggedRun:
 
     rows: list[dict[str, Any]] = field(default_factory=list)  # history rows, ``{key: value}`` with ``_step``
     config: dict[str, Any] = field(default_factory=dict)  # the recorded config, W&B's ``_wandb`` left out
+    config_records: int = 0  # records that set config values
 
     @property
     def last_step(self) -> int:
@@ -109,9 +110,9 @@ def read_logged_run(wandb_dir: Path, run_id: str) -> LoggedRun:
                                    for item in record.history.item})  # fmt: skip
             elif kind in ("run", "config"):
                 items = record.run.config.update if kind == "run" else record.config.update
-                for item in items:
-                    if item.key and item.key != "_wandb":
-                        found.config[item.key] = json.loads(item.value_json)
+                values = {item.key: json.loads(item.value_json) for item in items if item.key != "_wandb"}
+                found.config.update(values)
+                found.config_records += bool(values)
     return found
 
 
