@@ -130,3 +130,64 @@ def test_cli_prepare_of_local_files_never_reaches_the_hub(files: Path, tmp_path:
     (line,) = offline.stderr.strip().splitlines()
     assert line.startswith("bigbatch: error: the dataset someorg/some-dataset could not be downloaded")
     assert "offline?" in line and not (tmp_path / "hub").exists()
+
+
+@pytest.mark.parametrize(("tokenizer", "workers"), [("byte", 1), ("bpe:300", 2)])
+def test_an_interrupted_prepare_resumes_from_its_position(
+    files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tokenizer: str, workers: int,
+) -> None:  # fmt: skip
+    """Ctrl-C after 25 records keeps .OUT.partial; the same call resumes there (reading past the documents
+    done, not tokenizing them again) and writes the shards an uninterrupted prepare writes."""
+    import bigbatch.data.encode as encode
+    import bigbatch.data.hf_source as hf_source
+    import bigbatch.data.resumable as resumable
+
+    monkeypatch.setattr(resumable, "CHECKPOINT_SECONDS", 0.0)  # save the position after every document
+    monkeypatch.setattr(encode, "TASK_BYTES", 1)  # one document per worker task: some are done before the stop
+    source = f"hf:json:{files}/jsonl/*.jsonl"
+    settings = {"tokenizer_name": tokenizer, "val_fraction": 0.1, "workers": workers}
+    whole = prepare_dataset(source, tmp_path / "whole", **settings)
+    real = hf_source.hf_text_records
+    passes = 2 if tokenizer.startswith("bpe") else 1  # a BPE is trained on a first pass, kept for the resume
+    calls: list[int] = []
+
+    def interrupted(src: str):  # type: ignore[no-untyped-def]
+        calls.append(0)
+        for number, record in enumerate(real(src), start=1):
+            if len(calls) == passes and number == 25:
+                raise KeyboardInterrupt
+            calls[-1] += 1
+            yield record
+
+    monkeypatch.setattr(hf_source, "hf_text_records", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(source, out, **settings)
+    partial = tmp_path / ".out.partial"
+    assert not out.exists() and (partial / "progress.json").is_file()
+    done = json.loads((partial / "progress.json").read_text())["documents"]
+    assert 0 < done <= 24
+
+    calls.clear()
+    passes = 0  # no more interruptions
+    caplog.set_level("INFO", logger="bigbatch.data.resumable")
+    meta = prepare_dataset(source, out, **settings)
+    assert calls == [len(TEXTS)]  # one pass (no BPE trained again), the documents done read past
+    assert f"resuming an interrupted prepare after {done} documents" in caplog.text
+    assert not partial.exists() and not list(out.glob(".*"))
+    assert meta.tokens == whole.tokens and meta.documents == whole.documents
+    for split in ("train", "val"):
+        for a, b in zip(meta.shards[split], whole.shards[split], strict=True):
+            assert np.array_equal(np.load(out / a), np.load(tmp_path / "whole" / b))
+    if tokenizer.startswith("bpe"):
+        assert (out / "tokenizer.json").read_text() == (tmp_path / "whole" / "tokenizer.json").read_text()
+
+
+def test_a_partial_directory_of_other_settings_is_started_afresh(files: Path, tmp_path: Path) -> None:
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / "progress.json").write_text(json.dumps({"fingerprint": "other", "documents": 7, "stream_bytes": 3}))
+    (partial / ".tokens.tmp").write_bytes(b"abc")
+    meta = prepare_dataset(f"hf:json:{files}/jsonl/*.jsonl", tmp_path / "out", val_fraction=0.0, mode="documents")
+    assert meta.documents == len(KEPT) and documents_of(tmp_path / "out") == KEPT and not partial.exists()

@@ -104,9 +104,8 @@ def _open(src: HFSource, datasets: Any) -> Any:
     if src.data_files is not None:
         if not local_files(src):
             raise DataError(f"{src.source}: {src.data_files!r} matches no files; give a file, a directory or a glob")
-        data_files = os.path.expanduser(src.data_files)
-        if Path(data_files).is_dir():
-            data_files = [str(p) for p in local_files(src)]
+        pattern = os.path.expanduser(src.data_files)
+        data_files: str | list[str] = [str(p) for p in local_files(src)] if Path(pattern).is_dir() else pattern
         return datasets.load_dataset(src.name, data_files=data_files, split=src.split, streaming=True)
     directory = src.local_dir
     if directory is not None:
