@@ -113,17 +113,21 @@ def test_local_mistakes_are_named(files: Path, tmp_path: Path, source: str, need
 
 
 def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    return subprocess.run([sys.executable, "-m", "bigbatch", *args], cwd=cwd, capture_output=True, text=True,
+    """The CLI in a process whose every attempt to reach the Internet is reported on stderr (no_network.py)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # not told to stay offline
+    runner = Path(__file__).parents[1] / "support" / "no_network.py"
+    return subprocess.run([sys.executable, str(runner), *args], cwd=cwd, capture_output=True, text=True,
                           env={**base, "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf-home"), **env}, timeout=300)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_cli_prepare_of_local_files_never_reaches_the_hub(files: Path, tmp_path: Path) -> None:
-    """Not even told to stay offline, with the Hub's address pointing nowhere: local files still prepare."""
-    done = _cli(["prepare", f"hf:json:{files}/jsonl/*.jsonl", "--out", "mine", "--tokenizer", "bpe:300", "--workers", "2"], tmp_path,
-                HF_ENDPOINT="http://127.0.0.1:9")  # fmt: skip
+    """Not told to stay offline, prepare of local files through datasets makes no network call at all (datasets
+    otherwise pings a download counter for its packaged builders), in worker processes too."""
+    done = _cli(["prepare", f"hf:json:{files}/jsonl/*.jsonl", "--out", "mine", "--tokenizer", "bpe:300",
+                 "--workers", "2"], tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "NETWORK" not in done.stderr, done.stderr
     assert f"mine: {len(KEPT)} documents" in done.stdout
     offline = _cli(["prepare", "hf:someorg/some-dataset", "--out", "hub"], tmp_path, HF_HUB_OFFLINE="1")
     assert offline.returncode == 2

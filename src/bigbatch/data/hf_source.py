@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,22 @@ def _import_datasets() -> Any:
     return datasets
 
 
+@contextmanager
+def _local_only(datasets: Any, local: bool) -> Iterator[None]:
+    """For a local source, ``datasets`` offline while it runs: no Hub look-up, and none of the download-count
+    pings it otherwise sends for its packaged builders (a network call of up to 3 s per load)."""
+    if not local:
+        yield
+        return
+    config = datasets.config
+    saved = config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS
+    config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+
+
 def _open(src: HFSource, datasets: Any) -> Any:
     """The split's records: an ``IterableDataset`` (streamed) or a memory-mapped ``Dataset`` (saved to disk)."""
     if src.data_files is not None:
@@ -142,22 +159,8 @@ def hf_text_records(source: str) -> Iterator[tuple[str, str]]:
         )
 
     try:
-        records = _open(src, datasets)
-        columns = _columns(records)
-        if columns and src.column not in columns:
-            raise DataError(f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
-                            f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}")  # fmt: skip
-        for number, record in enumerate(records, start=1):
-            text = record.get(src.column) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                if text is None and isinstance(record, dict) and src.column in record:
-                    continue  # a missing value (null in JSON, an empty CSV cell)
-                raise DataError(
-                    f"record {number} of {src.source} has no string {src.column!r} field"
-                    f"{' (fields: ' + ', '.join(record) + ')' if isinstance(record, dict) else ''}; the hf: source "
-                    f"reads {src.column!r}: name another column with #COLUMN"
-                )
-            yield f"{src.source}#{number}", text
+        with _local_only(datasets, src.is_local):
+            yield from _records(src, datasets)
     except DataError:
         raise
     except (ConnectionError, TimeoutError, OSError) as exc:
@@ -167,3 +170,23 @@ def hf_text_records(source: str) -> Iterator[tuple[str, str]]:
             raise
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{src.source}: datasets could not read it ({type(exc).__name__}: {detail})") from exc
+
+
+def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str]]:
+    """The text of each record of ``src``, named ``SOURCE#NUMBER``."""
+    records = _open(src, datasets)
+    columns = _columns(records)
+    if columns and src.column not in columns:
+        raise DataError(f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
+                        f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}")  # fmt: skip
+    for number, record in enumerate(records, start=1):
+        text = record.get(src.column) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            if text is None and isinstance(record, dict) and src.column in record:
+                continue  # a missing value (null in JSON, an empty CSV cell)
+            raise DataError(
+                f"record {number} of {src.source} has no string {src.column!r} field"
+                f"{' (fields: ' + ', '.join(record) + ')' if isinstance(record, dict) else ''}; the hf: source "
+                f"reads {src.column!r}: name another column with #COLUMN"
+            )
+        yield f"{src.source}#{number}", text
