@@ -62,8 +62,10 @@ def documents_of(out: Path) -> list[str]:
     ("source", "expected"),
     [("hf:json:{root}/jsonl/*.jsonl", KEPT), ("hf:json:{root}/jsonl", KEPT), ("hf:csv:{root}/t.csv#body", KEPT),
      ("hf:parquet:{root}/t.parquet#body", KEPT), ("hf:{root}/saved#body", KEPT),
-     ("hf:{root}/saved_dict:validation#body", KEPT), ("hf:text:{root}/t.txt", [t.replace("\n", " ") for t in KEPT])],
-    ids=["json-glob", "json-dir", "csv-column", "parquet", "save_to_disk", "save_to_disk-split", "text-lines"],
+     ("hf:{root}/saved_dict:validation#body", KEPT), ("hf:text:{root}/t.txt", [t.replace("\n", " ") for t in KEPT]),
+     ("hf:{root}/jsonl", KEPT)],
+    ids=["json-glob", "json-dir", "csv-column", "parquet", "save_to_disk", "save_to_disk-split", "text-lines",
+         "directory-of-files"],
 )  # fmt: skip
 def test_every_local_form_gives_the_documents(files: Path, tmp_path: Path, source: str, expected: list[str]) -> None:
     source = source.format(root=files)
