@@ -23,6 +23,7 @@ import os
 import secrets
 import string
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from bigbatch.scalars import BY_TOKENS, Point, ScalarSeries, step_values
 
 log = logging.getLogger(__name__)
 
+EXIT_WAIT_SECONDS = 30.0
 STATE_FILE = "wandb.json"
 """In the run directory: the W&B project, run id and recorded config."""
 
@@ -188,4 +190,29 @@ class WandbLog:
         self._log(step, self.series.points({"kind": "eval", "step": step, "val_loss": val_loss}))
 
     def close(self) -> None:
+        path = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"  # this session's file
+        writes = str(getattr(self.run.settings, "mode", "")) != "disabled"  # WANDB_MODE=disabled writes nothing
         self.run.finish()
+        if writes:
+            wait_for_exit_record(path)
+
+
+def wait_for_exit_record(path: Path, timeout: float = EXIT_WAIT_SECONDS) -> bool:
+    """Wait until W&B's service has written the run's last record (``finish()`` can return before it has, when
+    the process goes on, and a next session reads these files); ``False`` after ``timeout`` seconds."""
+    from wandb.proto import wandb_internal_pb2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for data in wandb_records(path):
+                record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+                record.ParseFromString(data)
+                if record.WhichOneof("record_type") == "exit":
+                    return True
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            log.warning("W&B has not finished writing %s after %.0f s", path, timeout)
+            return False
+        time.sleep(0.05)

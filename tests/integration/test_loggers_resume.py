@@ -89,3 +89,30 @@ def test_wandb_offline_run_is_metrics_jsonl_after_a_kill_and_resume(resumed_run:
     }
     assert logged.config["run"]["max_steps"] == STEPS and logged.config["model"]["preset"] == "pico"
     assert logged.config_records == 1  # recorded once (the killed session's file lost it: the resumed one did)
+
+
+def test_a_resumed_wandb_session_logs_no_step_twice_and_the_config_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process: a session that ended cleanly after step 3, resumed from a checkpoint at step 2 with one
+    setting changed: step 3 (replayed) is not logged again, step 4 is; one W&B run; the config once, then only
+    the changed setting."""
+    from bigbatch.accumulate import StepRecord
+    from bigbatch.metrics import open_metrics, truncate_metrics
+
+    for key, value in wandb_offline_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    sink = open_metrics(run_dir, wandb_project="proj", config={"a": 1, "b": 2})
+    for step in (1, 2, 3):
+        sink.write_step(StepRecord(step, 5.0 - step, 0.5, 1e-3, 64, 2, 0.1))
+    sink.close()
+    truncate_metrics(run_dir, 2)
+    sink = open_metrics(run_dir, wandb_project="proj", config={"a": 1, "b": 3})
+    for step in (3, 4):
+        sink.write_step(StepRecord(step, 5.0 - step, 0.5, 1e-3, 64, 2, 0.1))
+    sink.close()
+    run_id, logged = wandb_run(run_dir)
+    assert len([p for p in (run_dir / "wandb").iterdir() if p.name.endswith(run_id) and not p.is_symlink()]) == 2
+    assert [(row["_step"], row["train/loss"]) for row in logged.rows] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)]
+    assert logged.config == {"a": 1, "b": 3} and logged.config_records == 2  # all once, then only "b"
