@@ -118,6 +118,14 @@ def read_logged_run(wandb_dir: Path, run_id: str) -> LoggedRun:
     return found
 
 
+def _next_second(wandb_dir: Path, run_id: str) -> None:
+    """Wait (at most a second) until no session directory of ``run_id`` is named after the current second: W&B
+    names them ``...-YYYYMMDD_HHMMSS-ID``, and a second session started in the same second would share one."""
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and any(wandb_dir.glob(f"*-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
+        time.sleep(0.05)
+
+
 def new_run_id() -> str:
     """Eight characters of ``[a-z0-9]``, as W&B's own run ids."""
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
@@ -152,6 +160,8 @@ class WandbLog:
                 log.warning("cannot read the earlier W&B files of run %s (%s); steps may be logged twice",
                             run_id, exc)  # fmt: skip
         self.logged_through = logged.last_step  # steps at or below this are in the W&B run's files already
+        if resume:
+            _next_second(self.run_dir / "wandb", run_id)
         self.run = self.wandb.init(
             project=project, dir=str(self.run_dir), name=self.run_dir.name, id=run_id, resume="allow",
             config=None if logged.config else config,

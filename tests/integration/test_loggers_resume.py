@@ -33,7 +33,10 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("loggers")
     corpus = root / "text.txt"
     corpus.write_bytes(corpus_bytes(60_000))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BIGBATCH_CACHE": str(root / "env-cache"), **wandb_offline_env(root)}
+    # No WANDB_* of this process: an in-process W&B run earlier in the session leaves WANDB_SERVICE, which would
+    # attach the subprocesses to its service (and the killed one's run would stay open there).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env = {**clean, "OMP_NUM_THREADS": "1", "BIGBATCH_CACHE": str(root / "env-cache"), **wandb_offline_env(root)}
     run_dir = root / "run"
     killed = train(corpus, run_dir, env, fault="kill:step=5")
     assert killed.returncode == -9, killed.stderr[-2000:]

@@ -108,12 +108,15 @@ def _local_only(datasets: Any, local: bool) -> Iterator[None]:
         yield
         return
     config = datasets.config
-    saved = config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS
-    config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
+    wanted = {"HF_HUB_OFFLINE": True, "HF_DATASETS_OFFLINE": True, "HF_UPDATE_DOWNLOAD_COUNTS": False}
+    saved = {name: getattr(config, name) for name in wanted if hasattr(config, name)}  # names vary by version
+    for name in saved:
+        setattr(config, name, wanted[name])
     try:
         yield
     finally:
-        config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
 def _open(src: HFSource, datasets: Any) -> Any:
