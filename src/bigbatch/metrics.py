@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from bigbatch.accumulate import StepRecord
 from bigbatch.errors import BigBatchError
+from bigbatch.scalars import step_values
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -73,12 +73,7 @@ class JsonlLog:
         self._handle.flush()
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
-        extra = {"mfu": mfu} if mfu is not None else {}
-        values = asdict(record)
-        del values["noise"]  # flattened below, on the steps that measure it
-        if record.noise is not None:
-            extra.update(record.noise.as_dict())
-        self.write("step", **values, tokens_per_s=record.tokens_per_s, **extra)
+        self.write("step", **step_values(record, mfu))
 
     def write_eval(self, step: int, val_loss: float) -> None:
         self.write("eval", step=step, val_loss=val_loss)
@@ -102,19 +97,6 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-def _step_scalars(record: StepRecord, mfu: float | None) -> dict[str, float]:
-    scalars = {
-        "train/loss": record.loss, "train/grad_norm": record.grad_norm, "train/lr": record.lr,
-        "train/tokens_per_s": record.tokens_per_s, "train/micro_batches": float(record.micro_batches),
-        "train/tokens": float(record.tokens), "train/skipped": float(record.skipped),
-    }  # fmt: skip
-    if mfu is not None:
-        scalars["train/mfu"] = mfu
-    if record.noise is not None:
-        scalars.update({f"train/{key}": value for key, value in record.noise.as_dict().items()})
-    return scalars
-
-
 def require_package(module: str, feature: str, pip_name: str) -> Any:
     """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
     try:
@@ -123,44 +105,6 @@ def require_package(module: str, feature: str, pip_name: str) -> Any:
         raise BigBatchError(
             f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
         ) from exc
-
-
-class TensorBoardLog:
-    """Scalars for ``tensorboard --logdir RUN_DIR/tensorboard`` (``torch.utils.tensorboard``)."""
-
-    def __init__(self, log_dir: Path | str) -> None:
-        module = require_package("torch.utils.tensorboard", "run.tensorboard (--tensorboard)", "tensorboard")
-        self.writer = module.SummaryWriter(log_dir=str(log_dir))
-
-    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
-        for name, value in _step_scalars(record, mfu).items():
-            self.writer.add_scalar(name, value, record.step)
-
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self.writer.add_scalar("val/loss", val_loss, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbLog:
-    """A Weights & Biases run in ``project``; ``WANDB_MODE=offline`` keeps it on disk, no network."""
-
-    def __init__(self, project: str, run_dir: Path | str, config: dict[str, Any] | None = None) -> None:
-        self.wandb = require_package("wandb", f"run.wandb (--wandb {project})", "wandb")
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.run = self.wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config or {})
-
-    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
-        self.run.log(_step_scalars(record, mfu), step=record.step)
-
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self.run.log({"val/loss": val_loss}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class MetricsFanout:
@@ -200,17 +144,37 @@ def open_metrics(
     run_dir: Path | str, tensorboard: bool = False, wandb_project: str = "", config: dict[str, Any] | None = None
 ) -> MetricsFanout:
     """``RUN_DIR/metrics.jsonl`` always; TensorBoard and W&B when enabled (off by default: nothing else happens)."""
+    from bigbatch.tensorboard_log import TensorBoardLog
+    from bigbatch.wandb_log import WandbLog
+
     run_dir = Path(run_dir)
+    history = read_metrics(run_dir) if tensorboard or wandb_project else []  # the earlier sessions' records
     sinks: list[MetricsSink] = [JsonlLog(run_dir / METRICS_FILE)]
     try:
         if tensorboard:
-            sinks.append(TensorBoardLog(run_dir / "tensorboard"))
+            sinks.append(TensorBoardLog(run_dir / "tensorboard", history))
         if wandb_project:
-            sinks.append(WandbLog(wandb_project, run_dir, config))
+            sinks.append(WandbLog(wandb_project, run_dir, config, history))
     except BaseException:
         MetricsFanout(sinks).close()
         raise
     return MetricsFanout(sinks)
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl``, in order (a line cut by a crash is left out)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -6,7 +6,6 @@ import io
 import json
 import math
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -339,44 +338,22 @@ def test_missing_logger_package_is_a_one_line_error(
 
 
 def test_loggers_are_fed_when_the_packages_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stand-in modules record what TensorBoard's SummaryWriter and wandb receive."""
-    calls: list[tuple] = []
+    """The real TensorBoard and W&B (offline), read back with their own readers: the scalars of metrics.jsonl."""
+    from logger_readers import metrics_records, tensorboard_scalars, wandb_offline_env, wandb_run
 
-    class Writer:
-        def __init__(self, log_dir: str) -> None:
-            calls.append(("tb-init", log_dir))
-
-        def add_scalar(self, name: str, value: float, step: int) -> None:
-            calls.append(("tb", name, value, step))
-
-        def flush(self) -> None:
-            pass
-
-        def close(self) -> None:
-            calls.append(("tb-close",))
-
-    class Run:
-        def log(self, values: dict, step: int) -> None:
-            calls.append(("wandb", values, step))
-
-        def finish(self) -> None:
-            calls.append(("wandb-finish",))
-
-    def init(**kwargs: object) -> Run:
-        calls.append(("wandb-init", kwargs["project"]))
-        return Run()
-
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    for key, value in wandb_offline_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
     sink = open_metrics(tmp_path / "run", tensorboard=True, wandb_project="proj", config={"a": 1})
     assert isinstance(sink, MetricsFanout) and len(sink.sinks) == 3
     sink.write_step(StepRecord(7, 2.0, 0.5, 1e-3, 64, 2, 0.1), mfu=0.25)
     sink.write_eval(7, 1.5)
     sink.close()
-    assert ("tb-init", str(tmp_path / "run" / "tensorboard")) in calls
-    assert ("tb", "train/loss", 2.0, 7) in calls and ("tb", "train/mfu", 0.25, 7) in calls
-    assert ("tb", "val/loss", 1.5, 7) in calls
-    assert ("wandb-init", "proj") in calls and ("wandb", {"val/loss": 1.5}, 7) in calls
-    logged = next(c for c in calls if c[0] == "wandb" and "train/loss" in c[1])
-    assert logged[1]["train/tokens_per_s"] == pytest.approx(640.0) and logged[2] == 7
-    assert ("tb-close",) in calls and ("wandb-finish",) in calls
+    step, evaluation = metrics_records(tmp_path / "run")
+    scalars = tensorboard_scalars(tmp_path / "run" / "tensorboard")
+    assert scalars["train/loss"] == [(7, 2.0)] and scalars["train/mfu"] == [(7, 0.25)]
+    assert scalars["val/loss"] == [(7, 1.5)] and scalars["by_tokens/val_loss"] == [(64, 1.5)]
+    assert scalars["train/tokens_per_s"] == [(7, pytest.approx(step["tokens_per_s"]))]
+    _, logged = wandb_run(tmp_path / "run")
+    (row,) = logged.rows
+    assert row["_step"] == 7 and row["train/loss"] == 2.0 and row["val/loss"] == evaluation["val_loss"]
+    assert row["train/tokens_per_s"] == step["tokens_per_s"] and logged.config == {"a": 1}

@@ -1,4 +1,6 @@
-"""The ``hf:`` data source, with a fake ``datasets`` module (the real one is optional and not needed)."""
+"""The ``hf:`` data source where the real ``datasets`` cannot go offline: a Hub dataset (the cache key, a network
+that fails while loading or mid-stream) and the package missing, with a fake or absent ``datasets`` module.
+Local files through the real package: tests/integration/test_hf_datasets.py."""
 
 from __future__ import annotations
 
@@ -7,13 +9,11 @@ import types
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.corpus import parse_hf_source
 from bigbatch.data.prepare import prepare_dataset
-from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError
 
 TEXTS = ["first document, héllo", "second one\nwith two lines", "", "third"]
@@ -40,31 +40,6 @@ def test_parse() -> None:
     assert parse_hf_source("hf:x::validation") == ("x", None, "validation")
     with pytest.raises(BigBatchError, match="hf:NAME"):
         parse_hf_source("hf:a:b:c:d")
-
-
-def test_prepare_from_a_dataset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls = fake_datasets(monkeypatch, lambda *a, **k: iter([{"text": t, "id": i} for i, t in enumerate(TEXTS)]))
-    source = "hf:org/corpus:cfg:train"
-    meta = prepare_dataset(source, tmp_path / "out", val_fraction=0.0, mode="documents", workers=1)
-    assert calls == [(("org/corpus", "cfg"), {"split": "train", "streaming": True})]
-    assert meta.documents == 3 and meta.source == source  # the empty text is skipped
-    tokens = np.load(tmp_path / "out" / meta.shards["train"][0])
-    offsets = np.load(tmp_path / "out" / meta.shards["train"][0].replace(".npy", ".offsets.npy"))
-    tokenizer = get_tokenizer("byte")
-    decoded = [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-    assert decoded == [t for t in TEXTS if t]
-
-
-def test_prepare_in_workers_with_bpe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    texts = [f"document {i}: " + "some words here\n" * 50 for i in range(40)]
-    fake_datasets(monkeypatch, lambda *a, **k: ({"text": t} for t in texts))
-    one = prepare_dataset("hf:org/c", tmp_path / "one", tokenizer_name="bpe:300", val_fraction=0.0, workers=1)
-    two = prepare_dataset("hf:org/c", tmp_path / "two", tokenizer_name="bpe:300", val_fraction=0.0, workers=2)
-    a = np.concatenate([np.load(tmp_path / "one" / n) for n in one.shards["train"]])
-    b = np.concatenate([np.load(tmp_path / "two" / n) for n in two.shards["train"]])
-    assert np.array_equal(a, b) and one.documents == 40
-    tokenizer = get_tokenizer("bpe:300", tmp_path / "two")
-    assert tokenizer.decode([t for t in a.tolist() if t != tokenizer.eot_token]) == "".join(texts)
 
 
 def test_ensure_prepared_caches_by_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -101,9 +76,3 @@ def test_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, when: str) -> 
     message = str(info.value)
     assert "\n" not in message
     assert "org/name could not be downloaded" in message and "offline?" in message and "local copy" in message
-
-
-def test_record_without_text(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    fake_datasets(monkeypatch, lambda *a, **k: iter([{"content": "x"}]))
-    with pytest.raises(BigBatchError, match="no string 'text' field"):
-        prepare_dataset("hf:org/name", tmp_path / "out")

@@ -14,7 +14,10 @@ DESCRIPTION = None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "source", help="a text file, a directory, a glob, 'builtin', or hf:NAME[:CONFIG][:SPLIT] (needs datasets)"
+        "source",
+        help="a text file, a directory, a glob, 'builtin', or a Hugging Face dataset (needs datasets): "
+        "hf:NAME[:CONFIG][:SPLIT] (the Hub), hf:BUILDER:FILES (json, csv, parquet, text, arrow; e.g. "
+        "hf:json:data/*.jsonl), hf:DIR (save_to_disk); #COLUMN at the end for a text column other than 'text'",
     )
     parser.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")

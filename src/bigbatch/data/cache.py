@@ -24,7 +24,12 @@ log = logging.getLogger(__name__)
 def _source_fingerprint(source: str, tokenizer_name: str, val_fraction: float, mode: str) -> str:
     entries: list[Any] = []
     if is_hf_source(source):
-        entries.append(source)  # a remote stream: no files to stat; the source names it
+        entries.append(source)  # the source names it; local files (hf:json:..., hf:DIR) are also stat'ed
+        from bigbatch.data.hf_source import local_files, parse
+
+        for path in local_files(parse(source)):
+            stat = path.stat()
+            entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     else:
         for path in resolve_source(source):
             stat = path.stat()

@@ -127,26 +127,9 @@ def parse_hf_source(source: str) -> tuple[str, str | None, str]:
 
 
 def hf_documents(source: str) -> Iterator[Document]:
-    """Each record's ``text`` of the Hugging Face dataset ``source`` names, streamed (nothing downloaded whole)."""
-    name, config, split = parse_hf_source(source)
-    try:
-        import datasets
-    except ImportError as exc:
-        raise DataError("the hf: data source needs the datasets package: pip install datasets") from exc
+    """Each record's text of the Hugging Face dataset ``source`` names (see :mod:`bigbatch.data.hf_source`:
+    the Hub, streamed, or local files and directories), in order."""
+    from bigbatch.data.hf_source import hf_text_records
 
-    def offline(exc: BaseException) -> DataError:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return DataError(
-            f"the dataset {name} could not be downloaded ({detail}); offline? save it as text or .jsonl files "
-            "where there is a network and point --data at the local copy"
-        )
-
-    try:
-        records = datasets.load_dataset(name, config, split=split, streaming=True)
-        for number, record in enumerate(records, start=1):
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"record {number} of {source} has no string 'text' field; the hf: source reads 'text'")
-            yield Document(name=f"{source}#{number}", data=text.encode("utf-8"))
-    except (ConnectionError, TimeoutError, OSError) as exc:
-        raise offline(exc) from exc
+    for name, text in hf_text_records(source):
+        yield Document(name=name, data=text.encode("utf-8", errors="surrogatepass"))

@@ -11,9 +11,12 @@ documents (streamed) and saved as ``tokenizer.json`` beside the shards. The cach
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,14 @@ from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_docu
 from bigbatch.data.encode import encoded_documents, worker_count
 from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
 from bigbatch.data.progress import CorpusProgress
+from bigbatch.data.resumable import (
+    LENGTHS_FILE,
+    Checkpoint,
+    restore_lengths,
+    resumable_directory,
+    skip_done,
+    write_lengths,
+)
 from bigbatch.data.shards import DatasetMeta, token_dtype
 from bigbatch.data.split import document_splits, packed_splits
 from bigbatch.data.text import InvalidUTF8, split_text
@@ -100,19 +111,27 @@ def prepare_dataset(
     def documents() -> Iterator[Document]:
         return hf_documents(source) if hf else read_documents(files)
 
-    total_bytes = None if hf else sum(path.stat().st_size for path in files)  # unknown for a stream
+    local = _hf_local_files(source) if hf else files
+    total_bytes = sum(path.stat().st_size for path in local) if local else None  # unknown for a stream
     started = time.perf_counter()
-    with staged_directory(out) as staging:
+    # An hf: source (a stream, maybe remote and long) is prepared resumably (bigbatch/data/resumable.py).
+    directory = resumable_directory(out, _resume_key(source, tokenizer_name, bpe_json)) if hf else _staged(out)
+    with directory as (staging, checkpoint):
         if tokenizer is None:
-            tokenizer = _train_bpe(tokenizer_name, documents, source)
+            if checkpoint and checkpoint.position.tokenizer_ready and (staging / BPE_FILE).is_file():
+                tokenizer = BPETokenizer.from_str(tokenizer_name, (staging / BPE_FILE).read_text())
+            else:
+                tokenizer = _train_bpe(tokenizer_name, documents, source)
         if isinstance(tokenizer, BPETokenizer):
             tokenizer.save(staging / BPE_FILE)
+            if checkpoint:
+                checkpoint.save(tokenizer_ready=True)
         dtype = token_dtype(tokenizer.vocab_size)
         n_workers = worker_count(workers, tokenizer, total_bytes)
         invalid = InvalidUTF8()
         checked = invalid if tokenizer.name != "byte" else None  # the byte tokenizer keeps any bytes as they are
         stream_path = staging / _STREAM_FILE
-        found = _tokenize(documents, tokenizer, dtype, n_workers, checked, stream_path, total_bytes)
+        found = _tokenize(documents, tokenizer, dtype, n_workers, checked, stream_path, total_bytes, checkpoint)
         if not found.lengths:
             raise DataError(f"the corpus {source} holds no text; point --data at non-empty text files")
         masked = mode == "documents" and any(found.prompt_lengths)
@@ -120,6 +139,7 @@ def prepare_dataset(
             staging, stream_path, dtype, mode, masked, found, val_fraction, shard_tokens
         )
         stream_path.unlink()
+        (staging / LENGTHS_FILE).unlink(missing_ok=True)
         replaced = invalid.replacements if checked is not None else None
         meta = _dataset_meta(
             staging, source, tokenizer, dtype, mode, masked, shard_names, token_counts, found, replaced
@@ -137,6 +157,26 @@ def prepare_dataset(
     if invalid.replacements:
         log.warning("%s: %s", out, invalid.describe(tokenizer.name))
     return meta
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[tuple[Path, Checkpoint | None]]:
+    with staged_directory(out) as staging:
+        yield staging, None
+
+
+def _hf_local_files(source: str) -> list[Path]:
+    from bigbatch.data.hf_source import local_files, parse
+
+    return local_files(parse(source))
+
+
+def _resume_key(source: str, tokenizer_name: str, bpe_json: str | None) -> str:
+    """What an interrupted prepare's partial directory must match to be resumed: the source (with its local
+    files' sizes and times) and the tokenizer."""
+    stats = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in _hf_local_files(source)]
+    payload = json.dumps([source, tokenizer_name, bpe_json or "", stats])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def _check_settings(val_fraction: float, shard_tokens: int, mode: str, workers: int | None) -> None:
@@ -158,18 +198,38 @@ def _tokenize(
     invalid: InvalidUTF8 | None,
     stream_path: Path,
     total_bytes: int | None,
+    checkpoint: Checkpoint | None = None,
 ) -> _Tokenized:
-    """Every document's tokens appended to the file ``stream_path``, with progress; their lengths kept."""
+    """Every document's tokens appended to the file ``stream_path``, with progress; their lengths kept. With a
+    ``checkpoint`` the position is saved as it goes, and a saved one is resumed (the documents it holds are
+    read past, not tokenized again)."""
     found = _Tokenized()
     started = time.perf_counter()
     progress = CorpusProgress("tokenized", started, total_bytes=total_bytes)
-    with progress, open(stream_path, "wb") as stream_file:
+    mode = "wb"
+    if checkpoint is not None and checkpoint.position.documents:
+        done = checkpoint.position
+        found.lengths, found.prompt_lengths = restore_lengths(stream_path.parent, stream_path, done)
+        found.n_bytes = done.n_bytes
+        if invalid is not None:
+            invalid.replacements, invalid.documents = done.utf8_replacements, done.utf8_documents
+        documents, mode = skip_done(documents, done.documents), "ab"
+    with ExitStack() as stack:
+        stack.enter_context(progress)
+        stream_file = stack.enter_context(open(stream_path, mode))
+        lengths_file = stack.enter_context(open(stream_path.parent / LENGTHS_FILE, mode)) if checkpoint else None
         for ids, prompt_length, size in encoded_documents(documents, tokenizer, dtype, workers, invalid):
             stream_file.write(ids.tobytes())
             found.lengths.append(len(ids))
             found.prompt_lengths.append(prompt_length)
             found.n_bytes += size
             progress.update(len(found.lengths), found.n_bytes)
+            if checkpoint is not None and lengths_file is not None:
+                write_lengths(lengths_file, len(ids), prompt_length)
+                if checkpoint.due():
+                    checkpoint.sync(stream_file, lengths_file, documents=len(found.lengths), n_bytes=found.n_bytes,
+                                    utf8_replacements=invalid.replacements if invalid else 0,
+                                    utf8_documents=invalid.documents if invalid else 0)  # fmt: skip
     found.seconds = time.perf_counter() - started
     return found
 
