@@ -1,4 +1,5 @@
-"""The noise-scale estimate at world size 2 (gloo, DDP): each rank's unsynced micro-batch norm, averaged over ranks."""
+"""The noise-scale estimate at world size 2 (gloo, DDP and FSDP2): each rank's own micro-batch norm before its
+reduction, averaged over ranks."""
 
 from __future__ import annotations
 
