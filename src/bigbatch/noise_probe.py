@@ -103,7 +103,9 @@ def measuring_allreduce_hook(state: DDPMeasuringHook, bucket: dist.GradBucket) -
 
     DDP without a hook multiplies each gradient by ``1 / world_size`` as it copies it into the bucket, then sums
     over ranks; this does the same multiplication on the bucket (not ``div_``, as ``default_hooks.allreduce_hook``
-    does: ``x / 3`` and ``x * (1 / 3)`` round differently), so the reduced gradients are bitwise DDP's own."""
+    does: ``x / 3`` and ``x * (1 / 3)`` round differently), so the reduced gradients are bitwise DDP's own. (That
+    is DDP's path for gradients copied into buckets, as ``wrap_model`` leaves them: with ``gradient_as_bucket_view``
+    DDP divides the bucket in place instead.)"""
     tensor = bucket.buffer()
     state.meter.add(tensor)
     tensor.mul_(1.0 / state.group.size())
