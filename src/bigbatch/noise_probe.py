@@ -150,6 +150,19 @@ def _fsdp_modules(model: nn.Module) -> Iterator[nn.Module]:
     return (module for module in model.modules() if isinstance(module, FSDPModule))
 
 
+def fsdp_unsharded_grads_readable(model: nn.Module) -> bool:
+    """Whether this torch's FSDP2 keeps the internals :func:`fsdp_unsharded_grads` reads."""
+    for module in _fsdp_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if not isinstance(groups, list):
+            return False
+        for group in groups:
+            if not all(hasattr(p, "unsharded_accumulated_grad") for p in getattr(group, "fsdp_params", [None])):
+                return False
+    return True
+
+
 def fsdp_unsharded_grads(model: nn.Module) -> list[torch.Tensor]:
     """The unsharded gradients FSDP2 holds for ``model``'s units while gradient sync is off (this rank's own,
     not reduced). FSDP2 has no public accessor for them: this reads its parameter groups (torch 2.13)."""
@@ -209,9 +222,15 @@ class FSDPProbe:
         comm = _measuring_reduce_scatter(self._meter)
         for module in _fsdp_modules(model):
             module.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+        self.unsharded_readable = fsdp_unsharded_grads_readable(model)
+        if not self.unsharded_readable:
+            log.warning(
+                "this torch's FSDP2 does not expose its unsharded gradients as bigbatch expects: the noise scale is "
+                "measured only on steps whose first micro-batch syncs (K = 1 per rank, --sync-every-micro-step)"
+            )
 
     def can_measure(self, k: int) -> bool:
-        return True
+        return _first_reduced(k, self.sync_every_micro_step) or self.unsharded_readable
 
     def arm(self, k: int) -> None:
         self._from_meter = _first_reduced(k, self.sync_every_micro_step)

@@ -13,7 +13,8 @@ from launch import SUPPORT, torchrun
 pytestmark = pytest.mark.slow
 
 
-def check(results: dict, spec: str) -> None:
+def check(results: dict, spec: str, rel: float = 1e-5) -> None:
+    """``rel``: how close the first small norm is to the fp32 reference (bf16 parameters compute another one)."""
     got = results[spec]
     on, off, reference = got["on"], got["off"], got["reference"]
     for name, value in off["state"].items():
@@ -21,12 +22,12 @@ def check(results: dict, spec: str) -> None:
     assert on["losses"] == off["losses"] and on["norms"] == off["norms"], spec
     assert all(sample is not None for sample in on["noise"]), spec  # every step measured
     first = on["noise"][0]
-    assert first["noise_small_sq"] == pytest.approx(reference["small_sq"], rel=1e-5), spec
+    assert first["noise_small_sq"] == pytest.approx(reference["small_sq"], rel=rel), spec
     assert first["noise_b_small"] == pytest.approx(reference["b_small"], rel=1e-12), spec
     assert first["noise_big_sq"] == pytest.approx(on["norms"][0] ** 2, rel=1e-12), spec
 
 
-WORLD_2 = ["ddp:1", "ddp:2", "ddp:2:every", "fsdp:1", "fsdp:2", "fsdp:2:every"]
+WORLD_2 = ["ddp:1", "ddp:2", "ddp:2:every", "fsdp:1", "fsdp:2", "fsdp:2:every", "fsdp-bf16:1", "fsdp-bf16:2"]
 
 
 def test_two_ranks_ddp_and_fsdp_read_the_local_gradient_and_keep_the_trajectory(tmp_path: Path) -> None:
@@ -35,7 +36,7 @@ def test_two_ranks_ddp_and_fsdp_read_the_local_gradient_and_keep_the_trajectory(
     results = torch.load(out, weights_only=True)
     for spec in WORLD_2:
         assert results[spec]["world"] == 2
-        check(results, spec)
+        check(results, spec, rel=0.02 if "bf16" in spec else 1e-5)
 
 
 def test_three_ranks_ddp_hook_averages_bitwise_like_ddp_itself(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Worker: ``torchrun --nproc-per-node N tests/support/noise_dist_worker.py OUT SPEC...``, SPEC ``parallel:k[:every]``.
+"""Worker: ``torchrun --nproc-per-node N tests/support/noise_dist_worker.py OUT SPEC...``, SPEC ``parallel:k[:every]``
+(parallel: ddp, fsdp, or fsdp-bf16: FSDP2 with bf16 parameters and fp32 reductions).
 
 For each SPEC the tiny GPT of ``dist_worker`` trains STEPS AdamW steps twice, with the gradient noise scale measured
 on every step and not measured at all, on globally seeded ragged micro-batches (each rank its own K of them, the
@@ -16,7 +17,7 @@ from dist_worker import VOCAB, make_model
 
 from bigbatch.accumulate import AccumulationEngine, token_loss_sum
 from bigbatch.batch import MicroBatch, count_valid_targets
-from bigbatch.distributed import DistContext, distributed_session, wrap_model
+from bigbatch.distributed import DistContext, FSDPGradSync, GradSync, LocalGradSync, distributed_session, wrap_model
 from bigbatch.model import fsdp_units
 from bigbatch.noise_probe import small_grad_probe
 from bigbatch.noise_scale import NoiseScale
@@ -45,20 +46,38 @@ def full_state(model: torch.nn.Module, parallel: str) -> dict[str, torch.Tensor]
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
+def wrap_bf16_fsdp(model: torch.nn.Module, dist_ctx: DistContext, every: bool) -> tuple[torch.nn.Module, GradSync]:
+    """FSDP2 with bf16 parameters and fp32 reductions, as ``wrap_model`` does on CUDA: here on CPU, so that the
+    unsharded gradients held under no-sync are FSDP2's ``unsharded_accumulated_grad`` (in the reduce dtype)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist_ctx.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model, LocalGradSync() if every else FSDPGradSync(model)
+
+
 def train(parallel: str, k: int, every: bool, measure: bool, dist_ctx: DistContext, device: torch.device) -> dict:
     model = make_model()
-    wrapped, grad_sync = wrap_model(
-        model, parallel, dist_ctx, device, sync_every_micro_step=every, units=fsdp_units(model)
-    )
+    if parallel == "fsdp-bf16":
+        wrapped, grad_sync = wrap_bf16_fsdp(model, dist_ctx, every)
+    else:
+        wrapped, grad_sync = wrap_model(
+            model, parallel, dist_ctx, device, sync_every_micro_step=every, units=fsdp_units(model)
+        )
     noise = NoiseScale(every=1) if measure else None
-    probe = small_grad_probe(wrapped, parallel, every, first_reduced_possible=k == 1) if measure else None
+    kind = parallel.split("-")[0]
+    probe = small_grad_probe(wrapped, kind, every, first_reduced_possible=k == 1) if measure else None
     engine = AccumulationEngine(
         wrapped, build_adamw(model, 1e-2), constant_schedule(1e-2), grad_clip=1.0, grad_sync=grad_sync,
         dist=dist_ctx, noise_scale=noise, small_grad=probe,
     )  # fmt: skip
     records = [engine.step(my_micro_batches(step, k, dist_ctx)) for step in range(STEPS)]
     return {
-        "state": full_state(model, parallel),
+        "state": full_state(model, parallel.split("-")[0]),
         "losses": [r.loss for r in records],
         "norms": [r.grad_norm for r in records],
         "noise": [None if r.noise is None else r.noise.as_dict() for r in records],
