@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from bigbatch.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.choices import RESOLVED_PRECISIONS
 from bigbatch.distributed import DistContext, GradSync, LocalGradSync
-from bigbatch.noise_scale import NoiseSample, NoiseScale, grad_sq_norm
+from bigbatch.noise_probe import GradReadProbe, SmallGradProbe
+from bigbatch.noise_scale import NoiseSample, NoiseScale
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
@@ -147,6 +148,7 @@ class AccumulationEngine:
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
         noise_scale: NoiseScale | None = None,
+        small_grad: SmallGradProbe | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -164,6 +166,10 @@ class AccumulationEngine:
         # Measures the gradient noise scale on its due steps (None: off). Only reads gradients: the trajectory is
         # the same with it or without. The caller checks the run can measure it (noise_scale.unavailable_reason).
         self.noise_scale = noise_scale
+        # Where the first micro-batch's own gradient is read (noise_probe): by default .grad after the first
+        # backward, which needs a second micro-batch whose sync is deferred; DDP/FSDP probes also read it before
+        # the reduction of a first micro-batch that syncs (K = 1 per rank, sync on every micro-step).
+        self.small_grad = small_grad or GradReadProbe(model)
         self._small: tuple[torch.Tensor, int, float] | None = None  # first micro-batch: raw |g|^2, tokens, loss scale
         self._set_lr(self.schedule(self.step_count))
 
@@ -198,9 +204,12 @@ class AccumulationEngine:
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
         measure = (
-            self.noise_scale is not None and last >= 1 and self.noise_scale.due(self.step_count + 1)
+            self.noise_scale is not None and self.small_grad.can_measure(len(micro_batches))
+            and self.noise_scale.due(self.step_count + 1)
         )  # fmt: skip
         self._small = None
+        if measure:
+            self.small_grad.arm(len(micro_batches))
         for i, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
@@ -209,9 +218,9 @@ class AccumulationEngine:
                     loss_sum = self.loss_fn(self.model, micro_batch)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()
-            if measure and i == 0:  # .grad holds this micro-batch's gradient alone, before any sync
+            if measure and i == 0:  # this micro-batch's own gradient, before any cross-rank reduction
                 loss_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
-                self._small = (grad_sq_norm(self.model.parameters()), int(self.count_fn(micro_batch)), loss_scale)
+                self._small = (self.small_grad.take(), int(self.count_fn(micro_batch)), loss_scale)
         return loss_total, n_valid
 
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:

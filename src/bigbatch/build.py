@@ -33,6 +33,7 @@ from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
 from bigbatch.model import GPT, GPTConfig, fsdp_units, load_hf_gpt2, preset
+from bigbatch.noise_probe import small_grad_probe
 from bigbatch.noise_scale import NoiseScale, unavailable_reason
 from bigbatch.optim import build_adamw
 from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
@@ -135,9 +136,13 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
             "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
             schedule.decay_steps, schedule.warmup_steps, level=logging.WARNING,
         )  # fmt: skip
+    noise_scale = _noise_scale(config, plan, parallel, say)
+    small_grad = None if noise_scale is None else small_grad_probe(
+        wrapped, parallel, config.run.sync_every_micro_step, first_reduced_possible=plan.accumulation_steps == 1
+    )  # fmt: skip
     engine = AccumulationEngine(
         train_model, optimizer, schedule, grad_clip=opt.grad_clip, precision=precision, device=device,
-        grad_sync=grad_sync, dist=dist, noise_scale=_noise_scale(config, plan, parallel, say),
+        grad_sync=grad_sync, dist=dist, noise_scale=noise_scale, small_grad=small_grad,
     )  # fmt: skip
     fault = fault_from_env()
     if fault:

@@ -37,17 +37,13 @@ def unbiased_estimates(small_sq: float, big_sq: float, b_small: float, b_big: fl
 def unavailable_reason(k: int, world_size: int, parallel: str, sync_every_micro_step: bool) -> str | None:
     """Why this run cannot measure the noise scale, or ``None`` when it can.
 
-    The small gradient is one micro-batch's, read after the first backward while the sync is deferred: that needs
-    a second micro-batch (K >= 2) whenever there is more than one batch size to compare or a sync to defer.
+    It needs two batch sizes: one micro-batch and the global step. Only K = 1 in one process has a single one.
+    With several processes the small gradient is each rank's own micro-batch gradient, read after the first
+    backward while the sync is deferred (K >= 2) or, under DDP and FSDP2, just before its reduction when the first
+    micro-batch syncs (K = 1 per rank, ``--sync-every-micro-step``): see :mod:`bigbatch.noise_probe`.
     """
-    if k < 2:
-        if world_size == 1:
-            return "it needs two batch sizes, and with K = 1 in one process the micro-batch is the whole step"
-        return "it reads one micro-batch's gradient before the cross-rank sync, which needs K >= 2 per rank"
-    if parallel == "fsdp":
-        return "under FSDP the unsynced gradient of one micro-batch is not held in .grad (use DDP to measure it)"
-    if sync_every_micro_step and world_size > 1:
-        return "--sync-every-micro-step reduces every micro-batch's gradient over ranks before it can be read"
+    if k < 2 and world_size == 1:
+        return "it needs two batch sizes, and with K = 1 in one process the micro-batch is the whole step"
     return None
 
 

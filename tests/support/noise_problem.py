@@ -10,7 +10,9 @@ Linear least squares, per-sample loss ``(w.x - y)^2 / 2`` with ``x ~ N(0, I_d)``
 ``eps`` is independent of ``x`` with mean 0), hence ``tr(Sigma) = E|g|^2 - |G|^2 = (d + 1)|delta|^2 + d sigma^2``
 and ``B_simple = tr(Sigma) / |G|^2``, in samples (each sample is one "token" for the engine).
 
-``python tests/support/noise_problem.py`` under torchrun runs the world-size-2 check and writes rank 0's estimate.
+``python tests/support/noise_problem.py STEPS OUT SPEC...`` under torchrun runs the multi-process check for each
+SPEC ``parallel:K[:every]`` (``ddp:1``, ``fsdp:4``, ``ddp:2:every``: sync on every micro-step) and writes rank 0's
+estimates, by SPEC.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn as nn
 
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.distributed import DistContext, GradSync
+from bigbatch.noise_probe import SmallGradProbe
 from bigbatch.noise_scale import NoiseScale
 
 DIM, SIGMA, DELTA_SQ = 64, 0.5, 1.0
@@ -74,14 +77,14 @@ def count(batch: Samples) -> int:
 
 def run_engine(
     k: int, steps: int, seed: int, model: nn.Module | None = None, dist: DistContext | None = None,
-    grad_sync: GradSync | None = None, decay: float = 0.995,
+    grad_sync: GradSync | None = None, decay: float = 0.995, small_grad: SmallGradProbe | None = None,
 ) -> NoiseScale:
     """``steps`` optimizer steps at learning rate 0 (the truth stays fixed), every step measured."""
     model = model if model is not None else make_model()
     noise = NoiseScale(every=1, decay=decay)
     engine = AccumulationEngine(
         model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=loss_sum, count_fn=count, grad_sync=grad_sync, dist=dist, noise_scale=noise,
+        loss_fn=loss_sum, count_fn=count, grad_sync=grad_sync, dist=dist, noise_scale=noise, small_grad=small_grad,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -91,17 +94,26 @@ def run_engine(
 
 def main() -> None:
     from bigbatch.distributed import distributed_session, wrap_model
+    from bigbatch.noise_probe import small_grad_probe
 
-    k, steps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    steps, out, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    results = {}
     with distributed_session("cpu") as (dist_ctx, device):
-        model = make_model()
-        wrapped, grad_sync = wrap_model(model, "ddp", dist_ctx, device, sync_every_micro_step=False)
-        noise = run_engine(k, steps, seed=1000 + dist_ctx.rank, model=wrapped, dist=dist_ctx, grad_sync=grad_sync)
-        if dist_ctx.is_main:
+        for spec in specs:
+            parallel, k_text, *rest = spec.split(":")
+            k, every = int(k_text), rest == ["every"]
+            model = make_model()
+            wrapped, grad_sync = wrap_model(model, parallel, dist_ctx, device, sync_every_micro_step=every)
+            probe = small_grad_probe(wrapped, parallel, every, first_reduced_possible=k == 1)
+            noise = run_engine(
+                k, steps, seed=1000 + dist_ctx.rank, model=wrapped, dist=dist_ctx, grad_sync=grad_sync, small_grad=probe
+            )
             assert noise.last is not None
-            with open(out, "w", encoding="utf-8") as handle:
-                json.dump({"g_sq": noise.last.g_sq, "trace": noise.last.trace, "b_small": noise.last.b_small,
-                           "b_big": noise.last.b_big, "noise_scale": noise.last.noise_scale}, handle)  # fmt: skip
+            results[spec] = {"g_sq": noise.last.g_sq, "trace": noise.last.trace, "b_small": noise.last.b_small,
+                             "b_big": noise.last.b_big, "noise_scale": noise.last.noise_scale}  # fmt: skip
+    if dist_ctx.is_main:
+        with open(out, "w", encoding="utf-8") as handle:
+            json.dump(results, handle)
 
 
 if __name__ == "__main__":
