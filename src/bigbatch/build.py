@@ -295,9 +295,10 @@ def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) 
     """The engine's noise-scale meter (``--noise-scale-every``), or ``None``: off, or (said once) not measurable."""
     if not config.run.noise_scale_every:
         return None
-    reason = unavailable_reason(
-        plan.accumulation_steps, plan.world_size, parallel, config.run.sync_every_micro_step
-    )  # fmt: skip
+    # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
+    # whether that step has a second micro-batch to measure with.
+    planned_k = 2 if config.batch.token_budget else plan.accumulation_steps
+    reason = unavailable_reason(planned_k, plan.world_size, parallel, config.run.sync_every_micro_step)
     if reason:
         say("the gradient noise scale is not measured in this run: %s", reason)
         return None

@@ -57,3 +57,12 @@ def test_noise_scale_every_0_turns_it_off(tmp_path: Path) -> None:
     out, steps = train(tmp_path, 256, "--noise-scale-every", "0")
     assert not any("noise_scale" in r for r in steps)
     assert "| noise scale" not in out and "critical batch" not in out
+
+
+def test_a_token_budget_run_in_one_process_measures_its_steps_of_two_micro_batches_or_more(tmp_path: Path) -> None:
+    """The budget's plan has K = 1 as its unit, but its steps hold several micro-batches: those are measured."""
+    out, steps = train(tmp_path, 512, "--token-budget", "512", "--noise-scale-every", "1")
+    assert "the gradient noise scale is not measured" not in out
+    measured = [r for r in steps if "noise_scale" in r]
+    assert measured and all(r["micro_batches"] >= 2 for r in measured)
+    assert all(r["noise_b_big"] == r["tokens"] for r in measured)
