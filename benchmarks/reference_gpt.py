@@ -71,22 +71,24 @@ class Layer(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Trunk(nn.Module):
+    def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList([Layer(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+
+
 class ReferenceGPT(nn.Module):
     """GPT-2 at ``vocab_size`` exactly (no padding). ``forward(idx, targets)`` -> ``(logits, mean loss or None)``."""
 
     def __init__(self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int) -> None:
         super().__init__()
         self.block_size = block_size
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": nn.Embedding(vocab_size, n_embd),
-                "wpe": nn.Embedding(block_size, n_embd),
-                "h": nn.ModuleList([Layer(n_embd, n_head) for _ in range(n_layer)]),
-                "ln_f": nn.LayerNorm(n_embd),
-            }
-        )
+        self.transformer = Trunk(vocab_size, n_layer, n_head, n_embd, block_size)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.transformer["wte"].weight  # tied
+        self.lm_head.weight = self.transformer.wte.weight  # tied
         residual_std = 0.02 / math.sqrt(2 * n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -102,10 +104,10 @@ class ReferenceGPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, T = idx.shape
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer["wte"](idx) + self.transformer["wpe"](pos)  # (B, T, C)
-        for layer in self.transformer["h"]:
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for layer in self.transformer.h:
             x = layer(x)
-        logits = self.lm_head(self.transformer["ln_f"](x))  # (B, T, V)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
