@@ -114,15 +114,21 @@ class ReferenceGPT(nn.Module):
 
 
 def make_adamw(
-    model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    fused: bool | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW with decay on matrices and embeddings only (bigbatch's grouping)."""
+    """AdamW with decay on matrices and embeddings only (bigbatch's grouping); torch's default kernel unless
+    ``fused``."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
 
 def lr_at(step: int, max_lr: float, min_lr: float, warmup: int, decay: int) -> float:
