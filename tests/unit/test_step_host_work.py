@@ -82,3 +82,24 @@ def test_gradients_left_over_before_a_step_do_not_leak_into_it(tiny_model: GPT) 
         engine.step(batches())
     for a, b in zip(clean.parameters(), dirty.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_padded_vocabulary_logits_on_cpu_are_contiguous_and_the_same_numbers(tiny_model: GPT) -> None:
+    """The head multiplies by its first vocab_size rows only: no slice of padded logits to copy, same values and
+    gradients as the padded matmul cut back."""
+    assert tiny_model.config.padded_vocab_size > tiny_model.config.vocab_size  # 61 -> 64
+    inputs, targets = random_batch(3, 16)
+    logits = tiny_model(inputs)
+    assert logits.shape == (3, 16, tiny_model.config.vocab_size) and logits.is_contiguous()
+    logits.sum().backward()
+    grads = {name: p.grad.clone() for name, p in tiny_model.named_parameters()}  # type: ignore[union-attr]
+    tiny_model.zero_grad(set_to_none=True)
+    h = tiny_model.transformer.wte(inputs) + tiny_model.transformer.wpe(torch.arange(16))
+    for block in tiny_model.transformer.h:
+        h = block(h)
+    padded = tiny_model.lm_head(tiny_model.transformer.ln_f(h))[..., : tiny_model.config.vocab_size]
+    assert torch.equal(padded, logits)
+    padded.sum().backward()
+    for name, p in tiny_model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name  # type: ignore[arg-type]
+    assert not tiny_model.transformer.wte.weight.grad[tiny_model.config.vocab_size :].any()  # type: ignore[index]
