@@ -212,6 +212,7 @@ def train_reference(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     grad_clip: float = 1.0,
+    fused: bool | None = None,
     val_windows: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     eval_every: int = 0,
     on_step: Callable[[int, float], None] | None = None,
@@ -219,7 +220,8 @@ def train_reference(
     """Train ``model`` in place for ``steps`` optimizer steps of ``accum`` micro-batches of ``micro_batch`` x
     ``seq_len`` tokens; ``order`` is ``random`` or ``sequential``. With ``val_windows`` and ``eval_every``,
     evaluates every ``eval_every`` steps and after the last. ``on_step(step, loss)`` is called after each step
-    (1-based). The schedule is bigbatch's default: ``decay_steps`` 0 means ``steps``; warmup at most that."""
+    (1-based). The schedule is bigbatch's default: ``decay_steps`` 0 means ``steps``; warmup at most that.
+    ``fused`` picks torch's fused AdamW kernel (default: torch's default, the for-loop one on CPU)."""
     if order not in ("random", "sequential"):
         raise ValueError(f"order must be random or sequential, got {order!r}")
     decay = decay_steps or steps
@@ -229,7 +231,7 @@ def train_reference(
         if order == "random"
         else sequential_windows(tokens, micro_batch, seq_len)
     )
-    optimizer = make_adamw(model, lr, weight_decay, betas, eps)
+    optimizer = make_adamw(model, lr, weight_decay, betas, eps, fused)
     result = ReferenceResult(tokens_per_step=micro_batch * seq_len * accum)
     device = next(model.parameters()).device
     model.train()
