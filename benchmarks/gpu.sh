@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPT-2 124M training throughput on a single CUDA GPU (written for an H200; works on A100/H100):
 # tokens/s, MFU and peak memory for micro-batch 8, 16, 32 at T=1024 with bf16 autocast,
-# torch.compile, flash attention and fused AdamW. A few minutes, mostly compilation.
+# torch.compile, flash attention and fused AdamW; then, at the best size, side by side: the engine,
+# the engine under DDP with NCCL in one process, and the plain loop of benchmarks/reference_gpt.py,
+# with MFU and the ratios (goals: MFU >= 50% on an H200, engine >= 1.02x the plain loop).
+# A few minutes, mostly compilation. Never run yet on a GPU: expect to fix what breaks the first time.
 #
 #     bash benchmarks/gpu.sh
 #

@@ -11,21 +11,36 @@ out of memory is reported and skipped. Each size gets a fresh model and a fresh
 compilation (static shapes); compilation and warm-up steps are not timed.
 MFU = flops_per_token x tokens/s / the GPU's dense bf16 peak (the table in
 ``bigbatch.metrics``: A100 312, H100 and H200 989 TFLOP/s; other GPUs: unknown).
+
+Then, at the best micro-batch, side by side (alternating blocks of steps, same data): the engine, the engine
+under DDP with NCCL in one process (a process group of world size 1: the wrapping and bucketed all-reduce a
+multi-GPU run pays), and the plain loop of ``benchmarks/reference_gpt.py`` (the same GPT-2 shape at the same
+vocabulary, the same bf16 autocast, compile, flash attention and fused AdamW), with each one's MFU and the
+ratios engine / plain loop. Goal: MFU >= 50% on an H200, engine >= 1.02x the plain loop.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.metrics import device_peak_flops, mfu
-from bigbatch.model import GPT, preset
-from bigbatch.optim import build_adamw, constant_schedule
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_gpt import ReferenceGPT, make_adamw  # noqa: E402
+
+from bigbatch.accumulate import AccumulationEngine  # noqa: E402
+from bigbatch.batch import MicroBatch  # noqa: E402
+from bigbatch.distributed import DistContext, wrap_model  # noqa: E402
+from bigbatch.metrics import device_peak_flops, mfu  # noqa: E402
+from bigbatch.model import GPT, preset  # noqa: E402
+from bigbatch.optim import build_adamw, constant_schedule  # noqa: E402
 
 T, K = 1024, 2
 MICRO_BATCHES = (8, 16, 32)
@@ -68,6 +83,95 @@ def measure(micro_batch: int, device: torch.device) -> dict[str, float]:
         "loss": record.loss,
         "flops_per_token": float(model.flops_per_token(T)),
     }
+
+
+SIDE_BY_SIDE_ROUNDS, BLOCK = 5, 5  # alternating blocks of BLOCK timed steps each
+
+
+def engine_stepper(micro_batch: int, device: torch.device, ddp: bool) -> tuple[Callable[[], None], float]:
+    """One engine step (compiled, bf16, fused AdamW; optionally DDP over a one-process NCCL group) and its
+    flops per token."""
+    torch.manual_seed(0)
+    model = GPT(preset("gpt2")).to(device)
+    train_model: torch.nn.Module = model
+    grad_sync = None
+    dist = DistContext()
+    if ddp:
+        train_model, grad_sync = wrap_model(model, "ddp", dist, device)
+    optimizer = build_adamw(model, lr=6e-4)
+    compiled = torch.compile(train_model, dynamic=False)
+    engine = AccumulationEngine(
+        compiled, optimizer, constant_schedule(6e-4), precision="bf16", device=device, grad_sync=grad_sync
+    )
+    tokens = torch.randint(0, model.config.vocab_size, (K, micro_batch, T + 1), device=device)
+    batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
+    n_valid = K * micro_batch * T
+
+    def step() -> None:
+        engine.step(batches, n_valid)
+
+    return step, float(model.flops_per_token(T))
+
+
+def plain_stepper(micro_batch: int, device: torch.device) -> Callable[[], None]:
+    """The reference's plain loop, as nanoGPT-style scripts run it on a GPU: compiled, bf16 autocast, fused
+    AdamW, loss / K, clip, step (the same gradient as the engine's: every target is valid)."""
+    cfg = preset("gpt2")
+    torch.manual_seed(0)
+    model = ReferenceGPT(cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size).to(device)
+    optimizer = make_adamw(model, 6e-4, fused=True)
+    compiled = torch.compile(model, dynamic=False)
+    tokens = torch.randint(0, cfg.vocab_size, (K, micro_batch, T + 1), device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for t in tokens:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits, _ = compiled(t[:, :-1])
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), t[:, 1:].reshape(-1))
+            (loss / K).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def side_by_side(micro_batch: int, device: torch.device, peak: float | None) -> None:
+    """Engine, engine under one-process NCCL DDP, and the plain loop, alternating blocks of steps."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    try:
+        engine, flops = engine_stepper(micro_batch, device, ddp=False)
+        ddp_engine, _ = engine_stepper(micro_batch, device, ddp=True)
+        runs = {"engine": engine, "engine, DDP/NCCL x1": ddp_engine, "plain loop": plain_stepper(micro_batch, device)}
+        for run in runs.values():  # compile and warm up, untimed
+            for _ in range(WARMUP):
+                run()
+        torch.cuda.synchronize(device)
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        n_tokens = K * micro_batch * T
+        for r in range(SIDE_BY_SIDE_ROUNDS):
+            names = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in names:
+                started = time.perf_counter()
+                for _ in range(BLOCK):
+                    runs[name]()
+                torch.cuda.synchronize(device)
+                rates[name].append(BLOCK * n_tokens / (time.perf_counter() - started))
+    finally:
+        dist.destroy_process_group()
+    print(f"side by side at micro_batch {micro_batch} (K {K}, {SIDE_BY_SIDE_ROUNDS} alternating blocks of {BLOCK} "
+          "steps, medians):")
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    for name, rate in medians.items():
+        mfu_text = f" | MFU {mfu(flops, rate, peak):.1%}" if peak else ""
+        print(f"  {name:<20} {rate:>11,.0f} tokens/s{mfu_text}")
+    plain = medians["plain loop"]
+    print(f"ratio: engine / plain loop = {medians['engine'] / plain:.3f}; "
+          f"engine DDP x1 / plain loop = {medians['engine, DDP/NCCL x1'] / plain:.3f} (goal >= 1.02)")
 
 
 def main() -> int:
@@ -113,6 +217,14 @@ def main() -> int:
         rate = results[best]["tokens_per_s"]
         best_mfu = f", MFU {mfu(flops, rate, peak):.1%}" if peak else ""
         print(f"flops/token {flops:.3e} | best: micro_batch {best}, {rate:,.0f} tokens/s{best_mfu}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                side_by_side(best, device, peak)
+        except Exception as exc:
+            failures += 1
+            print(f"side by side failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
     return 1 if failures or not results else 0
 
 

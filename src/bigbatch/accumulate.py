@@ -151,6 +151,10 @@ class AccumulationEngine:
         small_grad: SmallGradProbe | None = None,
     ) -> None:
         self.model = model
+        # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
+        # and setting every module's training flag again each step was host work the step did not need.
+        self._params = list(model.parameters())
+        self._modules = list(model.modules())
         self.optimizer = optimizer
         self.schedule = schedule
         self.grad_clip = grad_clip
@@ -226,22 +230,23 @@ class AccumulationEngine:
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
         """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""
         started = time.perf_counter()
-        self.model.train()
+        if not all(module.training for module in self._modules):  # e.g. after an evaluation
+            self.model.train()
         lr = self.schedule(self.step_count)
         self._set_lr(lr)
-        self.model.zero_grad(set_to_none=True)
+        self._zero_grad()
         loss_total, n_valid = self.accumulate(micro_batches, n_valid)
 
         self.scaler.unscale_(self.optimizer)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
             norm = norm.full_tensor()
         grad_norm = float(norm)
         skipped = not math.isfinite(grad_norm)
         if skipped:
             self.skipped_steps += 1
-            self.model.zero_grad(set_to_none=True)
+            self._zero_grad()
             if self.scaler.is_enabled():
                 self.scaler.update()  # lowers the fp16 loss scale
         else:
@@ -262,6 +267,11 @@ class AccumulationEngine:
             skipped=skipped,
             noise=noise,
         )
+
+    def _zero_grad(self) -> None:
+        """``model.zero_grad(set_to_none=True)`` over the parameters listed once."""
+        for param in self._params:
+            param.grad = None
 
     def _measure_noise(self, grad_norm: float, n_valid: int) -> NoiseSample | None:
         """Fold this step's two squared norms into the noise scale (steps that read a small gradient only).

@@ -105,7 +105,8 @@ class StepPolicy:
 class MicroBatchSource(Protocol):
     """What :func:`next_step` reads: a loader of this rank's micro-batches that counts completed epochs."""
 
-    epoch: int
+    @property
+    def epoch(self) -> int: ...
 
     def next_micro_batch(self) -> MicroBatch: ...
 

@@ -20,6 +20,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
     ]
 
 
+def fused_adamw_supported(model: nn.Module) -> bool:
+    """Whether torch's fused AdamW takes these parameters: all on CUDA or all on the CPU, floating point."""
+    params = list(model.parameters())
+    devices = {p.device.type for p in params}
+    return bool(params) and len(devices) == 1 and devices <= {"cuda", "cpu"} and all(
+        p.is_floating_point() for p in params
+    )
+
+
 def build_adamw(
     model: nn.Module,
     lr: float,
@@ -28,9 +37,10 @@ def build_adamw(
     eps: float = 1e-8,
     fused: bool | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`; fused kernels when the parameters live on CUDA."""
+    """AdamW over :func:`param_groups`; the fused kernel (one pass per parameter instead of a dozen small ops)
+    when every parameter lives on CUDA or every one on the CPU, as a floating-point tensor."""
     if fused is None:
-        fused = all(p.is_cuda for p in model.parameters())
+        fused = fused_adamw_supported(model)
     return torch.optim.AdamW(
         param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None
     )

@@ -30,6 +30,9 @@ class TrainState:
     def __init__(self, parts: RunParts) -> None:
         self.parts = parts
         self.tokens_seen = 0  # valid target tokens trained on, all ranks
+        # Whose position is saved and restored: the training loader, or the trainer's read-ahead view of it
+        # (which reports the position after the micro-batches trained on, not after those read ahead).
+        self.loader: Any = parts.train_loader
         self.schedule: CosineSchedule = parts.engine.schedule  # type: ignore[assignment]  # the engine follows it
 
     @property
@@ -50,7 +53,7 @@ class TrainState:
             "optimizer": optimizer_state,
             "engine": p.engine.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "loader": p.train_loader.state_dict(),
+            "loader": self.loader.state_dict(),
             "tokens_seen": self.tokens_seen,
             **({"ramp": p.ramp.state_dict()} if p.ramp is not None else {}),
             "rng": p.dist.all_gather_object(capture_rng_state()),  # every rank's generators
@@ -70,7 +73,7 @@ class TrainState:
         self.schedule = p.engine.schedule = schedule
         p.engine.load_state_dict(state["engine"])  # also sets the learning rate of the next step
         try:
-            p.train_loader.load_state_dict(state["loader"])
+            self.loader.load_state_dict(state["loader"])
         except DataError:
             if not new_data:
                 raise

@@ -18,8 +18,9 @@ import torch
 
 from bigbatch.accumulate import AccumulationEngine, StepRecord
 from bigbatch.batch import EmptyStepGuard, StepBatch, next_step
-from bigbatch.build import Loader, RunParts, build_run
+from bigbatch.build import RunParts, build_run
 from bigbatch.config import TrainConfig
+from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.distributed import DistContext, resolve_device, unwrap
 from bigbatch.errors import BigBatchError, TrainingError
@@ -68,6 +69,16 @@ class _Progress:
         return self.record.tokens_per_s if self.record and not self.stopped_by else 0.0
 
 
+def prefetch_depth(parts: RunParts) -> int:
+    """Micro-batches to read ahead: one step's (K; with a token budget, as many as a step of full micro-batches
+    needs, plus one)."""
+    budget = parts.policy.token_budget
+    if budget:
+        per_micro_batch = parts.plan.micro_batch * parts.plan.seq_len * parts.dist.world_size
+        return -(-budget // per_micro_batch) + 1
+    return max(1, parts.policy.k)
+
+
 class Trainer:
     """Builds every part from a :class:`TrainConfig`; :meth:`train` runs it to ``max_steps``.
 
@@ -82,7 +93,7 @@ class Trainer:
 
     def __init__(
         self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None,
-        branch_from: Path | None = None,
+        branch_from: Path | None = None, prefetch: bool = True,
     ) -> None:
         check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))  # before any work
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
@@ -91,6 +102,13 @@ class Trainer:
         self.parts: RunParts = build_run(config, self.dist, device, self._say)
         self.run_dir = self.parts.run_dir
         self.state = TrainState(self.parts)
+        # The next step's micro-batches are read (and pinned for CUDA) by a background thread while this one
+        # computes; checkpoints save the position after the micro-batches trained on (``prefetch=False``:
+        # read in the loop).
+        self.loader = PrefetchLoader(
+            self.parts.train_loader, prefetch_depth(self.parts) if prefetch else 0, self.parts.device.type == "cuda"
+        )
+        self.state.loader = self.loader
         self.resumed_from = self.parts.resume_from
         if self.resumed_from is not None:
             resume_run(self.state, self.resumed_from, self._say)
@@ -123,8 +141,10 @@ class Trainer:
         return self.parts.plan
 
     @property
-    def train_loader(self) -> Loader:
-        return self.parts.train_loader
+    def train_loader(self) -> PrefetchLoader:
+        """The training loader as the loop reads it: its ``epoch`` and ``state_dict()`` are those after the
+        micro-batches taken so far (the wrapped loader itself is ``.loader``)."""
+        return self.loader
 
     def next_step(self) -> StepBatch:
         """This rank's micro-batches for the next step and the step's global valid-target count (K from the
@@ -132,7 +152,7 @@ class Trainer:
         policy = self.parts.policy
         if self.parts.ramp is not None:
             policy = replace(policy, k=self.parts.ramp.k(self.state.tokens_seen))
-        return next_step(self.parts.train_loader, policy, self.dist, self.parts.device)
+        return next_step(self.loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
         run = self.config.run
@@ -158,6 +178,7 @@ class Trainer:
                 while self.state.step < run.max_steps and not seen.stopped_by:
                     self._train_one_step(seen, stop, metrics)
         finally:
+            self.loader.close()  # stop reading ahead
             self.progress.close()
             self.progress = None
             if metrics:
@@ -172,14 +193,11 @@ class Trainer:
         step = self.next_step()
         if step.n_valid == 0:
             self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
-            seen.empty_steps.skipped(self.parts.train_loader)
+            seen.empty_steps.skipped(self.loader)
             self._check_stop(seen, stop, saved=False)
             return
         seen.empty_steps.reset()
-        micro_batches = step.micro_batches
-        if self.parts.device.type == "cuda":
-            micro_batches = [mb.pin_memory() for mb in micro_batches]  # lets the copy overlap compute
-        record = seen.record = self.engine.step(micro_batches, step.n_valid)
+        record = seen.record = self.engine.step(step.micro_batches, step.n_valid)  # pinned for CUDA by the loader
         step_mfu = self._mfu(record.tokens_per_s)
         if metrics:
             metrics.write_step(record, mfu=step_mfu)

@@ -50,4 +50,4 @@ def test_adamw_hyperparameters(tiny_model: GPT) -> None:
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.AdamW)
     assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 3e-4
-    assert not group.get("fused")  # CPU parameters: the fused kernel is for CUDA
+    assert group.get("fused") is True  # CPU parameters take the fused kernel too (one pass per tensor)
