@@ -107,7 +107,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     precision = resolve_precision(config.run.precision, device)
     plan = _plan(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
-    train_loader = build_loader(config, dataset, plan, dist, "train", "training")
+    train_loader = build_loader(config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on")
     check_micro_batch_fits(train_loader, plan.micro_batch, dist.world_size)
     val_loader = _val_loader(config, dataset, plan, dist)
 
@@ -243,12 +243,14 @@ def _auto_micro_batch(
 
 
 def build_loader(
-    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str,
+    shuffle: bool = False,
 ) -> Loader:
-    """This rank's reader of ``split``; a documents split without a single valid target is refused."""
+    """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``); a documents split without a
+    single valid target is refused."""
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
-        long_documents=config.data.long_documents,
+        long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed,
     )  # fmt: skip
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(

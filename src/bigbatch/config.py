@@ -25,6 +25,7 @@ from bigbatch.choices import (
     PARALLEL,
     PRECISION,
     RESUME,
+    SHUFFLE,
     SWITCH,
     Choices,
 )
@@ -103,6 +104,16 @@ class DataSection:
         "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
         "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
         choices=LONG_DOCUMENTS,
+    )
+    shuffle: str = field(
+        default="on",
+        metadata={
+            "help": "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of "
+            "a step depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; "
+            "documents: the epoch's sequences) or off (the order of the data)",
+            "switch": True,
+            "choices": SHUFFLE,
+        },
     )
 
 
