@@ -28,6 +28,7 @@ from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
+from bigbatch.data.validation import ValidationWindows, validation_windows
 from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
@@ -67,7 +68,7 @@ class RunParts:
     plan: BatchPlan
     policy: StepPolicy
     train_loader: Loader
-    val_loader: Loader | None
+    val_loader: ValidationWindows | None  # the fixed windows every evaluation scores
     peak_flops: float | None  # per device, for MFU; None when unknown
 
     @property
@@ -261,13 +262,24 @@ def build_loader(
     return loader
 
 
-def _val_loader(config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext) -> Loader | None:
+def _val_loader(
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext
+) -> ValidationWindows | None:
     if config.run.eval_every == 0:
         return None
     if not dataset.meta.shards.get("val"):
         raise DataError("the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0")
     try:
-        return build_loader(config, dataset, plan, dist, "val", "validation")
+        windows = validation_windows(
+            dataset, "val", plan.micro_batch, plan.seq_len, config.run.eval_batches, dist.rank, dist.world_size,
+            long_documents=config.data.long_documents,
+        )  # fmt: skip
+        if isinstance(windows.source, DocumentLoader) and windows.source.valid_targets == 0:
+            raise DataError(
+                f"the validation split of {dataset.directory} holds no valid targets (every document is a single "
+                "token or wholly masked)"
+            )
+        return windows
     except DataError as exc:
         raise DataError(f"{exc}, raise --val-fraction, or set --eval-every 0") from exc
 

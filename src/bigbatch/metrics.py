@@ -80,8 +80,9 @@ class JsonlLog:
             extra.update(record.noise.as_dict())
         self.write("step", **values, tokens_per_s=record.tokens_per_s, **extra)
 
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self.write("eval", step=step, val_loss=val_loss)
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        extra = {} if val_tokens is None else {"val_tokens": val_tokens}
+        self.write("eval", step=step, val_loss=val_loss, **extra)
 
     def close(self) -> None:
         self._handle.close()
@@ -97,7 +98,7 @@ class MetricsSink(Protocol):
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None: ...
 
-    def write_eval(self, step: int, val_loss: float) -> None: ...
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -136,7 +137,7 @@ class TensorBoardLog:
         for name, value in _step_scalars(record, mfu).items():
             self.writer.add_scalar(name, value, record.step)
 
-    def write_eval(self, step: int, val_loss: float) -> None:
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         self.writer.add_scalar("val/loss", val_loss, step)
         self.writer.flush()
 
@@ -156,7 +157,7 @@ class WandbLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self.run.log(_step_scalars(record, mfu), step=record.step)
 
-    def write_eval(self, step: int, val_loss: float) -> None:
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         self.run.log({"val/loss": val_loss}, step=step)
 
     def close(self) -> None:
@@ -173,9 +174,9 @@ class MetricsFanout:
         for sink in self.sinks:
             sink.write_step(record, mfu)
 
-    def write_eval(self, step: int, val_loss: float) -> None:
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         for sink in self.sinks:
-            sink.write_eval(step, val_loss)
+            sink.write_eval(step, val_loss, val_tokens)
 
     def close(self) -> None:
         error: BaseException | None = None
