@@ -14,8 +14,8 @@ import torch
 
 from bigbatch.accumulate import summed_loss
 from bigbatch.config import TrainConfig
-from bigbatch.data.shards import DocumentShard
 from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
 from bigbatch.data.windows import PackedWindows, spread_sample
 from bigbatch.model import GPT, GPTConfig
