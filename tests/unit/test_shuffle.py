@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from bigbatch.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args
-from bigbatch.data.loader import DocumentLoader, PackedLoader
+from bigbatch.data.loader import DocumentLoader, PackedLoader, ShuffledPackedLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.shuffled import ShuffledPackedLoader
 from bigbatch.data.windows import PackedWindows, epoch_order
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.run_identity import settings_diff
