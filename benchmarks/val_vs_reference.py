@@ -187,8 +187,8 @@ def report(curves: dict[str, dict[int, list[float]]], args: argparse.Namespace) 
             gap = statistics.fmean(ours[final]) - statistics.fmean(reference[final])
             print(f"goal: bigbatch (shuffle on) no higher than the reference after {final} steps: "
                   f"{'met' if gap <= 0 else 'not met'} ({gap:+.4f} nats)")  # fmt: skip
-    title = (f"nano (4x4x128), T={T}, B={B}, K=1, tiny Shakespeare (byte); val loss on the whole val split; "
-             f"seeds {', '.join(map(str, args.seeds))}")  # fmt: skip
+    title = (f"nano (4x4x128), T={T}, B={B}, K=1, tiny Shakespeare (byte)\nvalidation loss on the whole "
+             f"validation split (1,742 windows), seed {', '.join(map(str, args.seeds))}")  # fmt: skip
     plot(curves, args.plot, title)
     numbers = {name: {str(s): v for s, v in sorted(by_step.items())} for name, by_step in curves.items()}  # lists
     args.plot.with_suffix(".json").write_text(json.dumps({"seeds": args.seeds, "val_loss": numbers}, indent=1) + "\n")

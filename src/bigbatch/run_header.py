@@ -23,7 +23,7 @@ def header_lines(parts: RunParts) -> list[str]:
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
     lines.append(f"order | {describe_order(parts)}")
     if parts.val_loader is not None:
-        lines.append(f"eval | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
+        lines.append(f"validation | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
     return lines
 
 
