@@ -28,6 +28,7 @@ from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer, is_bpe
+from bigbatch.data.validation import ValidationWindows, validation_windows
 from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
@@ -69,7 +70,7 @@ class RunParts:
     plan: BatchPlan
     policy: StepPolicy
     train_loader: Loader
-    val_loader: Loader | None
+    val_loader: ValidationWindows | None  # the fixed windows every evaluation scores
     peak_flops: float | None  # per device, for MFU; None when unknown
     ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.ramp)
 
@@ -110,7 +111,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     precision = resolve_precision(config.run.precision, device)
     plan = _plan(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
-    train_loader = build_loader(config, dataset, plan, dist, "train", "training")
+    train_loader = build_loader(config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on")
     check_micro_batch_fits(train_loader, plan.micro_batch, dist.world_size)
     val_loader = _val_loader(config, dataset, plan, dist)
 
@@ -251,12 +252,14 @@ def _auto_micro_batch(
 
 
 def build_loader(
-    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str,
+    shuffle: bool = False,
 ) -> Loader:
-    """This rank's reader of ``split``; a documents split without a single valid target is refused."""
+    """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``); a documents split without a
+    single valid target is refused."""
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
-        long_documents=config.data.long_documents,
+        long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed,
     )  # fmt: skip
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
@@ -267,13 +270,24 @@ def build_loader(
     return loader
 
 
-def _val_loader(config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext) -> Loader | None:
+def _val_loader(
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext
+) -> ValidationWindows | None:
     if config.run.eval_every == 0:
         return None
     if not dataset.meta.shards.get("val"):
         raise DataError("the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0")
     try:
-        return build_loader(config, dataset, plan, dist, "val", "validation")
+        windows = validation_windows(
+            dataset, "val", plan.micro_batch, plan.seq_len, config.run.eval_batches, dist.rank, dist.world_size,
+            long_documents=config.data.long_documents,
+        )  # fmt: skip
+        if isinstance(windows.source, DocumentLoader) and windows.source.valid_targets == 0:
+            raise DataError(
+                f"the validation split of {dataset.directory} holds no valid targets (every document is a single "
+                "token or wholly masked)"
+            )
+        return windows
     except DataError as exc:
         raise DataError(f"{exc}, raise --val-fraction, or set --eval-every 0") from exc
 

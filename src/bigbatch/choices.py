@@ -43,6 +43,7 @@ DATA_MODE = Choices("data_mode", ("packed", "documents"))
 LONG_DOCUMENTS = Choices("long_documents", ("split", "truncate"))
 RESUME = Choices("resume", ("auto", "never"))
 SWITCH = Choices("compile", ("auto", "on", "off"))
+SHUFFLE = Choices("shuffle", ("on", "off"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

@@ -25,6 +25,7 @@ from bigbatch.choices import (
     PARALLEL,
     PRECISION,
     RESUME,
+    SHUFFLE,
     SWITCH,
     Choices,
 )
@@ -103,6 +104,16 @@ class DataSection:
         "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
         "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
         choices=LONG_DOCUMENTS,
+    )
+    shuffle: str = field(
+        default="on",
+        metadata={
+            "help": "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of "
+            "a step depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; "
+            "documents: the epoch's sequences) or off (the order of the data)",
+            "switch": True,
+            "choices": SHUFFLE,
+        },
     )
 
 
@@ -193,7 +204,17 @@ class RunSection:
     tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
     wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables", range=NON_NEGATIVE_INT)
-    eval_batches: int = _opt(8, "micro-batches per validation pass", range=POSITIVE_INT)
+    eval_batches: int = field(
+        default=0,
+        metadata={
+            "help": "validation micro-batches per process per evaluation, as windows spread uniformly over the "
+            "validation split (the same windows every time; the whole split when it holds no more); 'auto': "
+            "131,072 tokens' worth, whatever the micro-batch and processes (a split of at most 131,072 tokens is "
+            "read whole)",
+            "auto": True,
+            "range": POSITIVE_INT_OR_AUTO,
+        },
+    )
     save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved", range=NON_NEGATIVE_INT)
     keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
     resume: str = _opt(

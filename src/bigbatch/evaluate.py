@@ -1,9 +1,11 @@
 """``bigbatch eval``: loss and perplexity of a saved run's model on a token set.
 
 The loss is the token-weighted mean over valid targets (targets of ``-100``
-do not count), read from the start of the split exactly as the trainer's
-validation pass reads it, so with the run's own data, micro-batch, sequence
-length and ``eval_batches`` it reproduces the run's last logged validation loss.
+do not count), over the same windows as the trainer's validation pass reads
+(:mod:`bigbatch.data.validation`: the whole split when it is small, else a fixed
+sample spread uniformly over it), so with the run's own data, micro-batch,
+sequence length and ``eval_batches`` it reproduces the run's last logged
+validation loss.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints
-from bigbatch.data.loader import loader_for
 from bigbatch.data.tokenizers import is_bpe
+from bigbatch.data.validation import validation_windows
 from bigbatch.distributed import reshard
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.resume import check_tokenizer
@@ -84,8 +86,9 @@ def evaluate_checkpoint(
     data: the dataset it was trained on, or its source prepared again when that
     dataset is gone. Tokens of another tokenizer (by fingerprint) are refused. Unset
     ``batches``, ``micro_batch`` and ``seq_len`` default to the run's
-    ``eval_batches``, micro-batch and sequence length; ``batches=0`` reads the
-    whole split once.
+    ``eval_batches`` (its windows), micro-batch and sequence length; ``batches=N``
+    reads ``N`` micro-batches' worth of windows spread uniformly over the split,
+    ``batches=0`` the whole split once.
     """
     if split not in ("val", "train"):
         raise ConfigError(f"--split {split!r}: choose val or train")
@@ -99,8 +102,8 @@ def evaluate_checkpoint(
         micro_batch = int(batch_cfg.get("micro_batch") or 0) or 8
     if seq_len is None:
         seq_len = int(batch_cfg.get("seq_len") or 0) or model.config.block_size
-    batches = int(run_cfg.get("eval_batches", 8)) if batches is None else batches
-    if micro_batch < 1 or seq_len < 1 or batches < 0:
+    run_batches = int(run_cfg.get("eval_batches", 8))  # 0: auto (before auto existed: 8)
+    if micro_batch < 1 or seq_len < 1 or (batches is not None and batches < 0):
         raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
     if seq_len > model.config.block_size:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {model.config.block_size}")
@@ -132,32 +135,48 @@ def evaluate_checkpoint(
     try:
         # the run's long-document policy (a run from before the policy existed truncated long documents)
         long_documents = str(data_cfg.get("long_documents", "truncate"))
-        loader = loader_for(dataset, split, micro_batch, seq_len, long_documents=long_documents)
+        # by default the run's own windows, as its evaluations read them; batches=0: the whole split
+        loader = validation_windows(dataset, split, micro_batch, seq_len, run_batches if batches is None else batches,
+                                    long_documents=long_documents, whole=batches == 0)  # fmt: skip
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
-    if getattr(loader, "valid_targets", 1) == 0:
+    if getattr(loader.source, "valid_targets", 1) == 0:
         raise DataError(
             f"the {split} split of {directory} holds no valid targets (every document is a single token or wholly "
             "masked): there is nothing to score"
         )
 
     model = model.to(device).eval()
-    totals, read = summed_loss(model, loader, batches, device, resolve_precision(precision, device))
+    totals, read = summed_loss(model, loader, 0, device, resolve_precision(precision, device))
     n_valid = int(totals[1].item())
     if n_valid == 0:
         raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
     return EvalResult(
         loss=float(totals[0] / n_valid), tokens=n_valid, micro_batches=read, split=split, dataset=directory,
         tokenizer=tokenizer, step=int(document.get("step", 0)), micro_batch=micro_batch, seq_len=seq_len,
-        whole_split=bool(loader.epoch),
+        whole_split=loader.whole,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    loss: float  # mean per valid target token over all ranks, nats
+    tokens: int  # valid targets scored, all ranks
 
 
 @torch.no_grad()
 def validation_loss(parts: RunParts, should_stop: Callable[[], bool] | None = None) -> float | None:
-    """A training run's mean validation loss over ``eval_batches`` micro-batches per rank from the start of the
-    split (the same windows every time), summed over ranks; ``None`` when those micro-batches hold no valid
-    target (no number is made up) or ``should_stop`` (asked before each micro-batch) ended the pass early."""
+    """The loss of :func:`validation_result`, or ``None``."""
+    result = validation_result(parts, should_stop)
+    return None if result is None else result.loss
+
+
+@torch.no_grad()
+def validation_result(parts: RunParts, should_stop: Callable[[], bool] | None = None) -> ValidationResult | None:
+    """A training run's mean validation loss over its fixed validation windows (the whole split when small, else
+    a sample spread uniformly over it: :mod:`bigbatch.data.validation`), summed over ranks, and the valid targets
+    it scored; ``None`` when those windows hold no valid target (no number is made up) or ``should_stop`` (asked
+    before each micro-batch) ended the pass early."""
     assert parts.val_loader is not None
     parts.val_loader.reset()
     stopped = False
@@ -169,11 +188,13 @@ def validation_loss(parts: RunParts, should_stop: Callable[[], bool] | None = No
 
     parts.train_model.eval()
     totals, _ = summed_loss(
-        parts.train_model, parts.val_loader, parts.config.run.eval_batches, parts.device, parts.engine.precision,
+        parts.train_model, parts.val_loader, 0, parts.device, parts.engine.precision,
         parts.engine.loss_fn, should_stop=stop_now if should_stop is not None else None,
-    )  # (loss sum, valid targets) on this rank
+    )  # (loss sum, valid targets) on this rank: every micro-batch of the sample
     parts.train_model.train()
     if parts.parallel == "fsdp":
         reshard(parts.model)
     parts.dist.all_reduce_sum(totals)
-    return None if stopped or totals[1] == 0 else float(totals[0] / totals[1])
+    if stopped or totals[1] == 0:
+        return None
+    return ValidationResult(float(totals[0] / totals[1]), int(totals[1].item()))

@@ -75,8 +75,9 @@ class JsonlLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self.write("step", **step_values(record, mfu))
 
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self.write("eval", step=step, val_loss=val_loss)
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        extra = {} if val_tokens is None else {"val_tokens": val_tokens}
+        self.write("eval", step=step, val_loss=val_loss, **extra)
 
     def close(self) -> None:
         self._handle.close()
@@ -92,7 +93,7 @@ class MetricsSink(Protocol):
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None: ...
 
-    def write_eval(self, step: int, val_loss: float) -> None: ...
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -117,9 +118,9 @@ class MetricsFanout:
         for sink in self.sinks:
             sink.write_step(record, mfu)
 
-    def write_eval(self, step: int, val_loss: float) -> None:
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         for sink in self.sinks:
-            sink.write_eval(step, val_loss)
+            sink.write_eval(step, val_loss, val_tokens)
 
     def close(self) -> None:
         error: BaseException | None = None

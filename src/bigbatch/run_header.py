@@ -23,6 +23,9 @@ def header_lines(parts: RunParts) -> list[str]:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
+    lines.append(f"order | {describe_order(parts)}")
+    if parts.val_loader is not None:
+        lines.append(f"validation | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
     return lines
 
 
@@ -56,3 +59,11 @@ def describe_long_documents(loader: DocumentLoader) -> str:
         f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {total:,} target tokens dropped "
         f"({share:.1%}); --long-documents split trains on every one"
     )
+
+
+def describe_order(parts: RunParts) -> str:
+    """How the training windows are read: shuffled per epoch (``--shuffle on``) or in the data's order."""
+    if parts.config.data.shuffle == "on":
+        unit = "sequences" if parts.documents else f"windows of {parts.plan.seq_len} tokens"
+        return f"shuffled: a permutation of the {unit} per epoch, seed {parts.config.run.seed} (--shuffle on)"
+    return "the data's order (--shuffle off)"

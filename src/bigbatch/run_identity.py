@@ -28,6 +28,7 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "model.activation_checkpointing",
         "data.cache_dir",
         "data.data",  # checked through the data fingerprint (see bigbatch.resume.check_data)
+        "data.shuffle",  # checked by the loader's state: a run resumes only in the order it was saved in
         "batch.micro_batch",
         "batch.memory_budget",
         "optim.decay_steps",  # the schedule is kept on resume; changing it needs --extend-schedule

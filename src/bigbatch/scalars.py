@@ -56,7 +56,10 @@ class ScalarSeries:
         kind, step = record.get("kind"), int(record.get("step", 0))
         if kind == "eval":
             loss = float(record["val_loss"])
-            return [Point("val/loss", step, loss), Point(BY_TOKENS + "val_loss", self.tokens_seen, loss)]
+            points = [Point("val/loss", step, loss), Point(BY_TOKENS + "val_loss", self.tokens_seen, loss)]
+            if "val_tokens" in record:  # how many tokens that loss is the mean of
+                points.append(Point("val/tokens", step, float(record["val_tokens"])))
+            return points
         if kind != "step":
             return []
         if record.get("skipped"):

@@ -50,8 +50,11 @@ class TensorBoardLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self._write(self.series.points({"kind": "step", **step_values(record, mfu)}))
 
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self._write(self.series.points({"kind": "eval", "step": step, "val_loss": val_loss}))
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        record: dict[str, Any] = {"kind": "eval", "step": step, "val_loss": val_loss}
+        if val_tokens is not None:
+            record["val_tokens"] = val_tokens
+        self._write(self.series.points(record))
 
     def close(self) -> None:
         self.writer.close()

@@ -24,7 +24,7 @@ from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.distributed import DistContext, resolve_device, unwrap
 from bigbatch.errors import BigBatchError, TrainingError
-from bigbatch.evaluate import validation_loss
+from bigbatch.evaluate import ValidationResult, validation_result
 from bigbatch.metrics import MetricsSink, check_optional_loggers, format_noise_scale, format_step, mfu, open_metrics
 from bigbatch.model import GPT, GPTConfig
 from bigbatch.model.sampling import sample_text
@@ -250,23 +250,31 @@ class Trainer:
 
     def _evaluate(self, seen: _Progress, stop: StopRequest, metrics: MetricsSink | None) -> None:
         started, step = time.perf_counter(), self.state.step
-        val_loss = self.evaluate(stop)
-        if val_loss is not None:
-            seen.val_loss = val_loss
+        result = self.evaluate_windows(stop)
+        if result is not None:
+            seen.val_loss = result.loss
             if metrics:
-                metrics.write_eval(step, val_loss)
-            self._say("eval step %d | val loss %.4f | %.1fs", step, val_loss, time.perf_counter() - started)
+                metrics.write_eval(step, result.loss, val_tokens=result.tokens)
+            self._say(
+                "eval step %d | val loss %.4f | %s tokens | %.1fs", step, result.loss, f"{result.tokens:,}",
+                time.perf_counter() - started,
+            )  # fmt: skip
         elif not stop.signum:
             self._say(
-                "eval step %d | no val loss: the first %d validation micro-batches hold no valid targets; raise "
-                "--eval-batches", step, self.config.run.eval_batches, level=logging.WARNING,
+                "eval step %d | no val loss: the validation windows hold no valid targets; raise --eval-batches",
+                step, level=logging.WARNING,
             )  # fmt: skip
 
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
-        """Mean validation loss (see :func:`bigbatch.evaluate.validation_loss`); a stop signal on any rank cuts
+        """Mean validation loss (see :func:`bigbatch.evaluate.validation_result`); a stop signal on any rank cuts
         the pass short, and then there is no number."""
+        result = self.evaluate_windows(stop)
+        return None if result is None else result.loss
+
+    def evaluate_windows(self, stop: StopRequest | None = None) -> ValidationResult | None:
+        """The validation loss and the tokens it scored (see :meth:`evaluate`)."""
         agreed = (lambda: bool(self.dist.max_int(stop.signum, self.parts.device))) if stop is not None else None
-        return validation_loss(self.parts, agreed)
+        return validation_result(self.parts, agreed)
 
     def _check_stop(self, seen: _Progress, stop: StopRequest, saved: bool) -> None:
         """Stop at this step boundary if any rank received SIGTERM/SIGINT (all ranks agree), after a save."""

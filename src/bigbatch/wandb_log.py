@@ -196,8 +196,11 @@ class WandbLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self._log(record.step, self.series.points({"kind": "step", **step_values(record, mfu)}))
 
-    def write_eval(self, step: int, val_loss: float) -> None:
-        self._log(step, self.series.points({"kind": "eval", "step": step, "val_loss": val_loss}))
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        record: dict[str, Any] = {"kind": "eval", "step": step, "val_loss": val_loss}
+        if val_tokens is not None:
+            record["val_tokens"] = val_tokens
+        self._log(step, self.series.points(record))
 
     def close(self) -> None:
         path = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"  # this session's file

@@ -141,9 +141,9 @@ def test_checkpoint_loads_with_weights_only(trained_run: tuple[int, str, str, Pa
     assert document["tokens_seen"] == 3 * 256
     assert document["tokenizer"] == "byte"
     assert document["config"]["batch"]["micro_batch"] == 4
-    # 3 steps x 2 micro-batches x 128 tokens consumed from the first train shard
-    assert document["loader"]["shard"] == 0
-    assert document["loader"]["offset"] == 3 * 2 * 4 * 32
+    # 3 steps x 2 micro-batches x 4 windows of 32 tokens read in the shuffled order (--shuffle on, the default)
+    assert document["loader"]["order"] == "shuffle"
+    assert document["loader"]["row"] == 3 * 2 * 4
     assert document["loader"]["epoch"] == 0
     assert any(isinstance(v, torch.Tensor) for v in document["model"].values())
 

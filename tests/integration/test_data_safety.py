@@ -20,6 +20,7 @@ from bigbatch.config import TrainConfig
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
+from bigbatch.data.split import document_splits
 from bigbatch.data.text import utf8_replacements
 from bigbatch.errors import DataError
 from bigbatch.trainer import Trainer
@@ -72,8 +73,8 @@ def test_prepare_counts_documents_without_targets(tmp_path: Path) -> None:
 
 
 def test_validation_split_without_valid_targets_is_refused_at_start_up(tmp_path: Path) -> None:
-    records = [completion(i, f" answer number {i} is long enough") for i in range(36)]
-    records += [completion(100 + i, "") for i in range(4)]  # the last 10%: the validation split
+    held_out = set(document_splits(40, 0.1)["val"].tolist())  # the validation split: 4 documents at random
+    records = [completion(i, "" if i in held_out else f" answer number {i} is long enough") for i in range(40)]
     data = jsonl(tmp_path / "val_empty.jsonl", records)
     code, out, err = run_main(["train", "--data", str(data), "--data-mode", "documents", "--out", "run", *TRAIN])
     line = assert_one_line_error(code, out, err)
@@ -82,9 +83,14 @@ def test_validation_split_without_valid_targets_is_refused_at_start_up(tmp_path:
 
 
 def test_no_val_loss_from_zero_targets_read(tmp_path: Path) -> None:
-    """The validation split has targets, but not in the micro-batches an eval reads: no number is reported."""
-    records = [completion(i, f" answer number {i} is long enough") for i in range(30)]
-    records += [completion(100 + i, "") for i in range(6)] + [completion(200, " the only scored answer")]
+    """The validation split has targets, but not in the windows an eval reads: no number is reported."""
+    held_out = document_splits(37, 0.2)["val"].tolist()  # 7 documents at random, kept in the order of the data
+    # the first validation document is the only one with targets: its sequences 0-2 (of 15; 2 windows of each
+    # empty one) are not among the 2 spread-out windows an eval reads (--eval-batches 1 x micro-batch 2): 3, 11
+    records = [completion(i, f" answer number {i} is long enough") for i in range(37)]
+    records[held_out[0]] = completion(200, " the only scored answer")
+    for i in held_out[1:]:
+        records[i] = completion(100 + i, "")
     data = jsonl(tmp_path / "val_late.jsonl", records)
     code, out, err = run_main(
         ["train", "--data", str(data), "--data-mode", "documents", "--val-fraction", "0.2", "--out", "run", *TRAIN]

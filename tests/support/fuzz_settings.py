@@ -102,6 +102,7 @@ class Setting:
             "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
             "--last-window", self.last_window, "--long-documents", self.long_documents,
+            "--shuffle", "off",  # the reference assembles steps in the order of the data (README's stated rules)
             "--grad-clip", repr(self.grad_clip),
             "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
             "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps),

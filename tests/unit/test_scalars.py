@@ -25,6 +25,9 @@ def test_a_step_gives_every_numeric_field_tokens_seen_and_the_by_tokens_curve() 
     assert series.points({"kind": "eval", "step": 2, "val_loss": 1.5}) == [
         Point("val/loss", 2, 1.5), Point("by_tokens/val_loss", 200, 1.5),
     ]  # fmt: skip
+    assert series.points({"kind": "eval", "step": 2, "val_loss": 1.5, "val_tokens": 4096}) == [
+        Point("val/loss", 2, 1.5), Point("by_tokens/val_loss", 200, 1.5), Point("val/tokens", 2, 4096.0),
+    ]  # fmt: skip
 
 
 def test_a_skipped_step_adds_no_second_point_at_its_step() -> None:

@@ -10,8 +10,9 @@ from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 
 HELP = "loss and perplexity of a saved run's model on a token set"
 DESCRIPTION = (
-    "Token-weighted mean loss over valid targets, read from the start of the split as training's "
-    "validation pass reads it. Defaults come from the run: micro-batch, seq_len, eval_batches."
+    "Token-weighted mean loss over valid targets, on the windows training's validation pass reads (the whole "
+    "split when small, else a fixed sample spread uniformly over it). Defaults come from the run: micro-batch, "
+    "seq_len, eval_batches."
 )
 
 
@@ -21,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
     parser.add_argument("--split", default="val", choices=("val", "train"))
     parser.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
-                        help="micro-batches to read (default: the run's eval_batches; "
-                        "0 reads the whole split)")  # fmt: skip
+                        help="micro-batches' worth of windows, spread uniformly over the split (default: the run's "
+                        "eval_batches, i.e. its own validation windows; 0 reads the whole split)")  # fmt: skip
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
                         help="sequences per micro-batch (default: the run's)")  # fmt: skip
     parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")

@@ -15,6 +15,7 @@ from bigbatch.data.fingerprint import tokenizer_json_fingerprint
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
+from bigbatch.data.split import SPLIT_RULE
 from bigbatch.data.tokenizers import is_bpe
 from bigbatch.errors import DataError
 
@@ -34,7 +35,9 @@ def _source_fingerprint(source: str, tokenizer_name: str, val_fraction: float, m
         for path in resolve_source(source):
             stat = path.stat()
             entries.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
-    payload = json.dumps({"files": entries, "tokenizer": tokenizer_name, "val_fraction": val_fraction, "mode": mode})
+    payload = json.dumps(
+        {"files": entries, "tokenizer": tokenizer_name, "val_fraction": val_fraction, "mode": mode, "split": SPLIT_RULE}
+    )  # the split rule: data prepared under another rule is prepared again
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

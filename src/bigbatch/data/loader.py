@@ -11,6 +11,7 @@ from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.choices import LONG_DOCUMENTS
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.shards import DocumentShard
+from bigbatch.data.windows import SEQUENTIAL, SHUFFLED, EpochOrders, PackedWindows, check_saved_order
 from bigbatch.errors import DataError
 
 
@@ -105,7 +106,7 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position of the next window; identical on every rank."""
-        return {
+        return {  # no "order": a state without one was read in order
             "shard": self.shard_index,
             "offset": self.offset,
             "epoch": self.epoch,
@@ -115,6 +116,7 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_saved_order(state, SEQUENTIAL)
         shard = int(state["shard"])
         offset = int(state["offset"])
         if shard not in self.usable:
@@ -131,6 +133,85 @@ class PackedLoader:
             # window, so continue where this reader would have gone next.
             self.offset -= self.global_window
             self._advance(len(self.shards[shard]))
+
+
+class ShuffledPackedLoader(PackedLoader):
+    """The packed reader with a seeded order of ``T``-token windows that is new each epoch and the same for every
+    micro-batch size and number of processes (``--shuffle on``, the default).
+
+    The split's windows are numbered once (:class:`~bigbatch.data.windows.PackedWindows`); epoch ``e`` reads them in
+    the permutation drawn from the run's seed and ``e``, and the epochs follow one another as one endless stream of
+    rows. Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B * world)`` of that stream and rank ``r``
+    reads the ``B`` rows that begin ``r * B`` into it. A global step of ``K`` micro-batches therefore holds rows
+    ``[s * R, (s + 1) * R)`` with ``R = tokens per step / T``: the windows of step ``s`` depend only on the seed, the
+    data, ``T`` and the tokens per step, never on how ``R`` is divided into micro-batches and processes. The
+    position is one row counter, the same on every rank, so a resumed run continues bitwise (also under another
+    micro-batch size or number of processes).
+    """
+
+    def __init__(
+        self,
+        shards: list[np.ndarray],
+        micro_batch: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        name: str = "train",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(shards, micro_batch, seq_len, rank, world_size, name=name)  # the same checks
+        self.windows = PackedWindows(shards, seq_len)
+        self.seed = seed
+        self.orders = EpochOrders(self.windows.count, seed)
+        self.row = 0  # first row of the next global micro-batch in the endless stream of epochs
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return self.windows.count
+
+    def reset(self) -> None:
+        self.row, self.epoch = 0, 0
+
+    def skip_rest_of_epoch(self) -> None:
+        self.epoch += 1
+        self.row = self.epoch * self.windows.count
+
+    def next_micro_batch(self) -> MicroBatch:
+        n = self.windows.count
+        rows = self.row + self.rank * self.micro_batch + np.arange(self.micro_batch, dtype=np.int64)
+        epochs, positions = rows // n, rows % n
+        picked = np.empty(self.micro_batch, dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            here = epochs == epoch
+            picked[here] = self.orders.at(int(epoch), positions[here])
+        self.row += self.micro_batch * self.world_size
+        self.epoch = self.row // n
+        return self.windows.read(picked)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The row counter (identical on every rank) and what it means: the seed and the number of windows."""
+        return {
+            "order": SHUFFLED,
+            "row": self.row,
+            "epoch": self.epoch,
+            "windows": self.windows.count,
+            "seed": self.seed,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_saved_order(state, SHUFFLED)
+        if int(state.get("seq_len", self.seq_len)) != self.seq_len or int(state["windows"]) != self.windows.count:
+            raise DataError(
+                f"loader state counts {state['windows']} windows of {state.get('seq_len')} tokens, this split has "
+                f"{self.windows.count} of {self.seq_len}; was the data changed?"
+            )
+        self.seed = int(state["seed"])  # the order the run was started with
+        self.orders = EpochOrders(self.windows.count, self.seed)
+        self.row = int(state["row"])
+        self.epoch = self.row // self.windows.count
 
 
 LONG_DOCUMENT_POLICIES = LONG_DOCUMENTS.values
@@ -152,16 +233,23 @@ def loader_for(
     world_size: int = 1,
     name: str = "",
     long_documents: str = "split",
+    shuffle: bool = False,
+    seed: int = 0,
 ) -> PackedLoader | DocumentLoader:
     """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
-    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the packed stream."""
+    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the packed stream.
+    ``shuffle``: a seeded order per epoch (packed: of ``T``-token windows, see :class:`ShuffledPackedLoader`;
+    documents: of the epoch's sequences), else the order of the data."""
     name = name or split
     if dataset.meta.mode == "documents":
         pad = dataset.meta.eot_token or 0
         shards = dataset.document_shards(split)
         return DocumentLoader(
-            shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name, long_documents=long_documents
-        )
+            shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name, long_documents=long_documents,
+            shuffle=shuffle, seed=seed,
+        )  # fmt: skip
+    if shuffle:
+        return ShuffledPackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed)
     return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)
 
 
@@ -214,7 +302,9 @@ class DocumentLoader:
     engine's exact normalization counts only what is trained on. The sequences (windows) of an epoch are
     numbered in document order; global micro-batch ``j`` covers sequences ``[j * B * world, (j + 1) * B * world)``
     and rank ``r`` takes the ``B`` that begin ``r * B`` into it. The last window of an epoch may hold fewer
-    sequences: the missing rows are all padding.
+    sequences: the missing rows are all padding. With ``shuffle``, position ``i`` of epoch ``e`` reads sequence
+    ``order_e[i]`` of a permutation drawn from ``seed`` and ``e`` (every sequence once per epoch, a long
+    document's windows apart from one another; the epochs and their last windows stay as they are).
 
     ``valid_targets`` is the number of targets one epoch trains on (all ranks); ``dropped_targets`` those the
     policy never trains on (0 under ``split``).
@@ -230,6 +320,8 @@ class DocumentLoader:
         pad_token: int = 0,
         name: str = "train",
         long_documents: str = "split",
+        shuffle: bool = False,
+        seed: int = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -263,6 +355,9 @@ class DocumentLoader:
         self.dropped_targets = all_targets - self.valid_targets
         self.position = 0  # first sequence of the next global micro-batch, within the epoch
         self.epoch = 0
+        self.shuffle = shuffle
+        self.seed = seed
+        self._orders = EpochOrders(self.n_sequences, seed)
 
     def docs_left(self) -> int:
         """Sequences not yet read in this epoch (all ranks together)."""
@@ -290,14 +385,26 @@ class DocumentLoader:
             self.epoch += 1
 
     def next_micro_batch(self) -> MicroBatch:
+        first = self.position + self.rank * self.micro_batch
+        positions = np.arange(first, min(first + self.micro_batch, self.n_sequences), dtype=np.int64)
+        if self.shuffle and len(positions):
+            positions = self._orders.at(self.epoch, positions)
+        batch = self.read(positions)  # the epoch's last window: missing rows stay padding
+        self.position += min(self.global_window, self.docs_left())
+        if self.position >= self.n_sequences:
+            self.position = 0
+            self.epoch += 1
+        return batch
+
+    def read(self, sequences: np.ndarray | list[int]) -> MicroBatch:
+        """A micro-batch of ``B`` rows whose row ``b`` is sequence ``sequences[b]`` of the epoch's numbering; rows
+        past ``len(sequences)``, and negative entries, are padding."""
         B, T = self.micro_batch, self.seq_len
         inputs = torch.full((B, T), self.pad_token, dtype=torch.int64)
         targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
-        first = self.position + self.rank * B
-        for row in range(B):
-            sequence = first + row
-            if sequence >= self.n_sequences:
-                break  # the epoch's last window: remaining rows stay padding
+        for row, sequence in enumerate(np.asarray(sequences, dtype=np.int64).tolist()):
+            if sequence < 0:
+                continue
             doc = int(np.searchsorted(self._first_window, sequence, side="right")) - 1
             shard = self.shards[self._shard_of[doc]]
             start = int(self._start[doc]) + (sequence - int(self._first_window[doc])) * T
@@ -312,10 +419,6 @@ class DocumentLoader:
                 trained = torch.from_numpy(np.asarray(shard.mask[start + 1 : stop], dtype=np.bool_))
                 row_targets[~trained] = IGNORE_INDEX
             targets[row, :n] = row_targets
-        self.position += min(self.global_window, self.docs_left())
-        if self.position >= self.n_sequences:
-            self.position = 0
-            self.epoch += 1
         return MicroBatch(inputs, targets)
 
     def __iter__(self) -> DocumentLoader:
@@ -327,6 +430,8 @@ class DocumentLoader:
     def state_dict(self) -> dict[str, Any]:
         return {
             "kind": "documents",
+            "order": SHUFFLED if self.shuffle else SEQUENTIAL,
+            "seed": self.seed,
             "position": self.position,
             "epoch": self.epoch,
             "micro_batch": self.micro_batch,
@@ -336,6 +441,7 @@ class DocumentLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_saved_order(state, SHUFFLED if self.shuffle else SEQUENTIAL)
         saved_policy = str(state.get("long_documents", "truncate"))  # before the policy existed: truncate
         if saved_policy != self.long_documents and self.long_document_count:
             raise DataError(
@@ -350,3 +456,6 @@ class DocumentLoader:
             )
         self.position = position
         self.epoch = int(state.get("epoch", 0))
+        if self.shuffle:  # the order the run was started with
+            self.seed = int(state.get("seed", self.seed))
+            self._orders = EpochOrders(self.n_sequences, self.seed)

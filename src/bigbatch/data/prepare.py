@@ -36,7 +36,7 @@ from bigbatch.data.resumable import (
     write_lengths,
 )
 from bigbatch.data.shards import DatasetMeta, token_dtype
-from bigbatch.data.split import document_splits, packed_splits
+from bigbatch.data.split import SPLIT_RULE, SPLIT_SEED, document_splits, packed_splits
 from bigbatch.data.text import InvalidUTF8, split_text
 from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
@@ -71,14 +71,15 @@ def prepare_dataset(
     """Tokenize ``source`` into ``out_dir``.
 
     ``packed``: documents are tokenized in sorted file order and joined (with the
-    tokenizer's end-of-text token where it has one) into one stream; the last
-    ``val_fraction`` of the stream becomes the validation split.
+    tokenizer's end-of-text token where it has one) into one stream; ``val_fraction`` of its tokens become the
+    validation split: whole documents drawn at random (seeded) and the tail of at most one more (a single text:
+    its last ``val_fraction``), see :mod:`~bigbatch.data.split`.
 
     ``documents``: each document stays a unit (one sequence when training, padded; a document longer than
     the sequence length is split into windows or truncated by the training run's ``long_documents`` policy,
     which needs the sequence length and so is not fixed here); shards store document offsets beside the
     tokens, a ``.mask.npy`` marks the tokens to train on when any document has a
-    masked prompt, and the last ``val_fraction`` of the documents is validation.
+    masked prompt, and ``val_fraction`` of the documents, drawn at random (seeded), are validation.
 
     ``tokenizer_name`` ``bpe:VOCAB`` trains a byte-level BPE with that vocabulary on the documents first and
     keeps it in ``out_dir/tokenizer.json``; with ``bpe_json`` (a ``tokenizer.json`` document, e.g. a run's own)
@@ -248,7 +249,7 @@ def _write_shards(
     stream = np.memmap(stream_path, dtype=dtype, mode="r")
     try:
         if mode == "packed":
-            return write_packed(staging, stream, packed_splits(len(stream), val_fraction), shard_tokens)
+            return write_packed(staging, stream, packed_splits(found.lengths, val_fraction), shard_tokens)
         splits = document_splits(len(found.lengths), val_fraction)
         prompt_lengths = found.prompt_lengths if masked else None
         return write_documents(staging, stream, found.lengths, prompt_lengths, splits, shard_tokens)
@@ -288,6 +289,7 @@ def _dataset_meta(
     )
     if utf8_replacements is not None:
         meta.extra["utf8_replacements"] = utf8_replacements
+    meta.extra["split"] = {"rule": SPLIT_RULE, "seed": SPLIT_SEED}
     if mode == "documents":
         meta.extra["longest_document"] = max(found.lengths)
         # targets are positions 1.. of a document; a prompt masks the first prompt-length of them

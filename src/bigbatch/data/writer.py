@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from bigbatch.data.shards import META_FILE, DatasetMeta, document_mask_name, document_offsets_name
-from bigbatch.data.split import SplitRanges
+from bigbatch.data.split import DocumentSets, TokenPieces
 from bigbatch.fileperm import apply_umask
 
 ShardNames = dict[str, list[str]]
@@ -44,20 +44,38 @@ def write_meta(staging: Path, meta: DatasetMeta) -> None:
 
 
 def write_packed(
-    staging: Path, stream: np.ndarray, splits: SplitRanges, shard_tokens: int
+    staging: Path, stream: np.ndarray, splits: TokenPieces, shard_tokens: int
 ) -> tuple[ShardNames, TokenCounts]:
-    """The token ``stream`` cut into ``splits`` (token ranges), each written as shards of ``shard_tokens``."""
+    """The token ``stream`` cut into ``splits`` (token ranges; a split's ranges joined in order), each written as
+    shards of ``shard_tokens``; one shard in memory at a time."""
     names: ShardNames = {}
     counts: TokenCounts = {}
-    for split, (first, stop) in splits.items():
-        tokens = stream[first:stop]
+    for split, pieces in splits.items():
         names[split] = []
-        for i, start in enumerate(range(0, len(tokens), shard_tokens)):
+        ends = np.cumsum([stop - start for start, stop in pieces], dtype=np.int64)
+        length = int(ends[-1]) if len(pieces) else 0
+        for i, start in enumerate(range(0, length, shard_tokens)):
             name = f"{split}_{i:06d}.npy"
-            np.save(staging / name, np.ascontiguousarray(tokens[start : start + shard_tokens]))
+            np.save(staging / name, _joined(stream, pieces, ends, start, min(start + shard_tokens, length)))
             names[split].append(name)
-        counts[split] = int(len(tokens))
+        counts[split] = length
     return names, counts
+
+
+def _joined(stream: np.ndarray, pieces: list[tuple[int, int]], ends: np.ndarray, first: int, stop: int) -> np.ndarray:
+    """Tokens ``[first, stop)`` of ``pieces`` of ``stream`` laid end to end (``ends``: their cumulative lengths)."""
+    parts = []
+    index = int(np.searchsorted(ends, first, side="right"))  # the piece holding position ``first``
+    position = first
+    while position < stop:
+        start, _ = pieces[index]
+        piece_first = int(ends[index]) - (pieces[index][1] - start)  # where this piece begins in the joined split
+        take = min(stop, int(ends[index])) - position
+        offset = start + position - piece_first
+        parts.append(stream[offset : offset + take])
+        position += take
+        index += 1
+    return np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
 
 
 def write_documents(
@@ -65,47 +83,55 @@ def write_documents(
     stream: np.ndarray,
     lengths: list[int],
     prompt_lengths: list[int] | None,
-    splits: SplitRanges,
+    splits: DocumentSets,
     shard_tokens: int,
 ) -> tuple[ShardNames, TokenCounts]:
-    """The documents of the token ``stream`` (``lengths`` tokens each) cut into ``splits`` (document ranges), each
-    written as shards of whole documents that close once they hold ``shard_tokens`` or more tokens; with offsets,
-    and with a mask of the prompts when ``prompt_lengths`` is given."""
+    """The documents of the token ``stream`` (``lengths`` tokens each) cut into ``splits`` (document indices, in
+    order), each written as shards of whole documents that close once they hold ``shard_tokens`` or more tokens;
+    with offsets, and with a mask of the prompts when ``prompt_lengths`` is given."""
     starts = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
     names: ShardNames = {"train": [], "val": []}
     counts: TokenCounts = {"train": 0, "val": 0}
-    for split, (first, stop) in splits.items():
-        shard_first = first
+    for split, documents in splits.items():
+        docs = [int(i) for i in documents]
+        shard_first = 0  # index into docs
         size = 0
-        for i in range(first, stop):
+        for j, i in enumerate(docs):
             size += lengths[i]
             if size >= shard_tokens:
-                _save_document_shard(staging, split, shard_first, i + 1, stream, starts, prompt_lengths, names)
-                shard_first, size = i + 1, 0
-        if shard_first < stop:
-            _save_document_shard(staging, split, shard_first, stop, stream, starts, prompt_lengths, names)
-        counts[split] = int(starts[stop] - starts[first])
+                _save_document_shard(staging, split, docs[shard_first : j + 1], stream, starts, prompt_lengths, names)
+                shard_first, size = j + 1, 0
+        if shard_first < len(docs):
+            _save_document_shard(staging, split, docs[shard_first:], stream, starts, prompt_lengths, names)
+        counts[split] = int(sum(int(starts[i + 1] - starts[i]) for i in docs))
     return names, counts
 
 
 def _save_document_shard(
     staging: Path,
     split: str,
-    first: int,
-    stop: int,
+    docs: list[int],
     stream: np.ndarray,
     starts: np.ndarray,
     prompt_lengths: list[int] | None,
     names: ShardNames,
 ) -> None:
-    """Documents ``first..stop-1`` of the token stream as one shard (with offsets, and the mask when masked)."""
+    """Documents ``docs`` (indices, in order) of the token stream as one shard (with offsets, and the mask when
+    masked)."""
     name = f"{split}_{len(names[split]):06d}.npy"
-    offsets = (starts[first : stop + 1] - starts[first]).astype(np.int64)  # (n_docs + 1,)
-    np.save(staging / name, np.ascontiguousarray(stream[starts[first] : starts[stop]]))
+    sizes = np.asarray([starts[i + 1] - starts[i] for i in docs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # (n_docs + 1,)
+    contiguous = docs == list(range(docs[0], docs[-1] + 1))
+    tokens = (
+        stream[starts[docs[0]] : starts[docs[-1] + 1]]
+        if contiguous
+        else np.concatenate([stream[starts[i] : starts[i + 1]] for i in docs])
+    )
+    np.save(staging / name, np.ascontiguousarray(tokens))
     np.save(staging / document_offsets_name(name), offsets)
     if prompt_lengths is not None:
         mask = np.ones(int(offsets[-1]), dtype=np.uint8)  # 1 = trained on as a target
-        for start, i in zip(offsets[:-1], range(first, stop), strict=False):
+        for start, i in zip(offsets[:-1], docs, strict=False):
             mask[start : start + prompt_lengths[i]] = 0
         np.save(staging / document_mask_name(name), mask)
     names[split].append(name)
