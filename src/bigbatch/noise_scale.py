@@ -83,11 +83,23 @@ class NoiseSample:
         }  # fmt: skip
 
 
-class NoiseScale:
-    """Exponential moving averages of the unbiased ``|G|^2`` and ``tr(Sigma)``, with Adam-style bias correction
-    so that the first measurements are not pulled toward zero. Measured at step 1 and every ``every`` steps."""
+DEFAULT_WINDOW = 5
+"""Measurements in the smoothing window (``--noise-scale-window``): decay ``1 - 1 / window`` per measurement."""
 
-    def __init__(self, every: int, decay: float = 0.9) -> None:
+
+def decay_for_window(window: float) -> float:
+    """The EMA decay per measurement of a window of ``window`` measurements (``1 - 1 / window``; 1: no memory)."""
+    if not window >= 1:
+        raise ValueError(f"the window must be at least 1 measurement, got {window}")
+    return 1.0 - 1.0 / window
+
+
+class NoiseScale:
+    """Weighted exponential moving averages of the unbiased ``|G|^2`` and ``tr(Sigma)`` (see the module notes),
+    normalized by the moving average of the weights: the generalised Adam bias correction, so that the first
+    measurements are not pulled toward zero. Measured at step 1 and every ``every`` steps."""
+
+    def __init__(self, every: int, decay: float = decay_for_window(DEFAULT_WINDOW)) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not 0.0 <= decay < 1.0:
@@ -95,24 +107,39 @@ class NoiseScale:
         self.every = every
         self.decay = decay
         self.measurements = 0
-        self._g_sq = 0.0
-        self._trace = 0.0
+        self._g_sq = 0.0  # EMA of weight x |G|^2 estimate
+        self._trace = 0.0  # EMA of weight x tr(Sigma) estimate
+        self._weight = 0.0  # EMA of the weights
+        self.scale: float | None = None  # |G_big|^2 of the last applied step (observe), weighs the next measurement
         self.last: NoiseSample | None = None
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) is measured."""
         return step == 1 or step % self.every == 0
 
+    def observe(self, big_sq: float) -> None:
+        """Record an applied step's squared gradient norm (every step, measured or not): its inverse weighs the
+        next measurement. A non-finite or non-positive one is ignored."""
+        if math.isfinite(big_sq) and big_sq > 0:
+            self.scale = big_sq
+
     def update(self, small_sq: float, big_sq: float, b_small: float, b_big: int) -> NoiseSample | None:
-        """Fold in one measurement; ``None`` (and no change) when a norm is not finite or the sizes coincide."""
+        """Fold in one measurement; ``None`` (and no change) when a norm is not finite or the sizes coincide.
+
+        Its weight is ``1 / scale``, the squared norm of the step observed before it (known before this
+        measurement, so the weighted sums stay unbiased); the first measurement, with none before it, uses its own.
+        """
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or not b_small < b_big:
             return None
         g_sq, trace = unbiased_estimates(small_sq, big_sq, b_small, b_big)
+        scale = self.scale if self.scale is not None else big_sq
+        weight = 1.0 / scale if math.isfinite(scale) and scale > 0 else 1.0
         self.measurements += 1
-        self._g_sq = self.decay * self._g_sq + (1.0 - self.decay) * g_sq
-        self._trace = self.decay * self._trace + (1.0 - self.decay) * trace
-        correction = 1.0 - self.decay**self.measurements
-        self.last = NoiseSample(small_sq, big_sq, b_small, b_big, self._g_sq / correction, self._trace / correction)
+        self._g_sq = self.decay * self._g_sq + (1.0 - self.decay) * weight * g_sq
+        self._trace = self.decay * self._trace + (1.0 - self.decay) * weight * trace
+        self._weight = self.decay * self._weight + (1.0 - self.decay) * weight
+        self.last = NoiseSample(small_sq, big_sq, b_small, b_big, self._g_sq / self._weight,
+                                self._trace / self._weight)  # fmt: skip
         return self.last
 
     @property
@@ -122,11 +149,16 @@ class NoiseScale:
 
     def state_dict(self) -> dict[str, Any]:
         return {"measurements": self.measurements, "g_sq": self._g_sq, "trace": self._trace,
+                "weight": self._weight, "scale": self.scale,
                 "last": None if self.last is None else self.last.__dict__.copy()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.measurements = int(state.get("measurements", 0))
         self._g_sq = float(state.get("g_sq", 0.0))
         self._trace = float(state.get("trace", 0.0))
+        # a state saved before the weights: every weight was 1, so their EMA is Adam's bias correction
+        self._weight = float(state.get("weight", 1.0 - self.decay ** self.measurements))
+        scale = state.get("scale")
+        self.scale = float(scale) if scale is not None else None
         last = state.get("last")
         self.last = NoiseSample(**last) if last else None
