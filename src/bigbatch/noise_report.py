@@ -95,7 +95,7 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
     for i, _, s in measured:
         color = colors[i % len(colors)]  # each run's colour in every plot of the report
         usable = s.usable()
@@ -128,8 +128,8 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
             twin.set_ylabel("training loss (nats per token)", color="0.4")
             more = twin.get_legend_handles_labels()
             handles, labels = handles + more[0], labels + more[1]
-    ax.legend(handles, labels, fontsize="small", loc="best")
-    fig.tight_layout()
+    fig.legend(handles, labels, fontsize="small", loc="lower center", ncol=2, frameon=False)  # below the axes
+    fig.tight_layout(rect=(0, 0.01 + 0.04 * math.ceil(len(handles) / 2), 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
