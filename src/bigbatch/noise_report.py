@@ -153,7 +153,7 @@ class MeasuredNoise:
     tokens_per_step: int  # the run's last applied step's tokens
     micro_batch: int | None  # from the run's config.toml (None when not a number there)
     seq_len: int | None
-    world_size: int | None  # derived from a full step's tokens (packed data), else None
+    world_size: int | None  # derived from a full step's tokens (packed data, fixed K), else None
 
 
 def run_settings(run_dir: Path) -> dict[str, Any]:
@@ -198,9 +198,11 @@ def why_unmeasured(run: RunMetrics, settings: dict[str, Any]) -> str:
             "a run from a bigbatch without the measurement?); train with --noise-scale-every N to measure it")
 
 
-def _world_size(run: RunMetrics, micro_batch: int | None, seq_len: int | None) -> int | None:
-    """The run's world size from a step of full micro-batches: tokens = B x T x K x world (packed data)."""
-    if micro_batch is None or seq_len is None:
+def _world_size(run: RunMetrics, settings: dict[str, Any], micro_batch: int | None, seq_len: int | None) -> int | None:
+    """The run's world size from a step of full micro-batches: tokens = B x T x K x world (packed data, fixed K;
+    with documents or a token budget the valid tokens do not tell)."""
+    packed = _setting(settings, "data", "data_mode") == "packed" and not _setting(settings, "batch", "token_budget")
+    if micro_batch is None or seq_len is None or not packed:
         return None
     for r in run.trained:
         per_world = micro_batch * seq_len * int(r.get("micro_batches", 0))
@@ -234,7 +236,7 @@ def measured_noise(run_dir: Path | str) -> MeasuredNoise:
         run_dir=run_dir, tokens=usable[-1].smoothed, step=usable[-1].step,
         last_measured_step=series.points[-1].step, last_step=int(trained[-1]["step"]),
         tokens_seen=series.steps[-1][0], tokens_per_step=int(trained[-1].get("tokens", 0)),
-        micro_batch=micro_batch, seq_len=seq_len, world_size=_world_size(run, micro_batch, seq_len),
+        micro_batch=micro_batch, seq_len=seq_len, world_size=_world_size(run, settings, micro_batch, seq_len),
     )  # fmt: skip
 
 

@@ -37,7 +37,9 @@ def write_run(path: Path, records: list[dict], **run_settings: object) -> Path:
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     settings = {"noise_scale_every": 2, "parallel": "auto", "sync_every_micro_step": False, "nproc": 1, **run_settings}
     run = "\n".join(f"{key} = {json.dumps(value)}" for key, value in settings.items())
-    (path / "config.toml").write_text(f"[batch]\nmicro_batch = 4\nseq_len = 32\n\n[run]\n{run}\n")
+    (path / "config.toml").write_text(
+        f'[data]\ndata_mode = "packed"\n\n[batch]\nmicro_batch = 4\nseq_len = 32\ntoken_budget = 0\n\n[run]\n{run}\n'
+    )
     return path
 
 
@@ -93,6 +95,12 @@ def test_plan_from_run_suggests_whole_micro_batches_near_the_last_smoothed_estim
     assert "whole micro-batches of 4 x 32 on 1 device: 256 (K 2)" in out
     assert re.search(r"^accumulation steps \(K\)\s+2$", out, re.MULTILINE), out
     assert re.search(r"^tokens per step\s+256$", out, re.MULTILINE), out
+
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    (documents / "config.toml").write_text((run / "config.toml").read_text().replace('"packed"', '"documents"'))
+    assert measured_noise(documents).world_size is None  # valid tokens of padded documents do not tell
 
     code, out, err = run_main(["plan", "--from-run", str(run), "--devices", "2", "--micro-batch", "2"])
     assert code == 0, err  # 2 x 32 x 2 devices = 128 tokens per micro-step: K = 2
