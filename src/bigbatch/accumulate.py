@@ -255,6 +255,8 @@ class AccumulationEngine:
             self.step_count += 1
             self._set_lr(self.schedule(self.step_count))  # ready for the next step
         noise = None if skipped else self._measure_noise(grad_norm, n_valid)
+        if self.noise_scale is not None and not skipped:
+            self.noise_scale.observe(grad_norm**2)  # weighs the next measurement (see noise_scale.py)
         loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,

@@ -35,7 +35,7 @@ from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
 from bigbatch.model import GPT, GPTConfig, fsdp_units, load_hf_gpt2, preset
 from bigbatch.noise_probe import small_grad_probe
-from bigbatch.noise_scale import NoiseScale, unavailable_reason
+from bigbatch.noise_scale import NoiseScale, decay_for_window, unavailable_reason
 from bigbatch.optim import build_adamw
 from bigbatch.outputs import RUN_MARKER, is_legacy_run, require_own_dir
 from bigbatch.plan import BatchPlan, plan_batch
@@ -316,7 +316,7 @@ def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) 
     if reason:
         say("the gradient noise scale is not measured in this run: %s", reason)
         return None
-    return NoiseScale(config.run.noise_scale_every)
+    return NoiseScale(config.run.noise_scale_every, decay_for_window(config.run.noise_scale_window))
 
 
 def build_ramp(config: TrainConfig, plan: BatchPlan, parallel: str) -> BatchRamp | None:

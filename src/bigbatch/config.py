@@ -234,6 +234,12 @@ class RunSection:
         "accumulation's own gradients, without changing training; 0 disables",
         range=NON_NEGATIVE_INT,
     )
+    noise_scale_window: int = _opt(
+        5,
+        "measurements the noise scale is smoothed over: the EMA of |G|^2 and tr(Sigma) decays by 1 - 1/N per "
+        "measurement, so it follows a change within about 2N measurements",
+        range=POSITIVE_INT,
+    )
     sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables", range=NON_NEGATIVE_INT)
     sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
     extend_schedule: bool = _opt(

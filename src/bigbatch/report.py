@@ -24,7 +24,8 @@ PLOTS = (
     "grad_norm.png",
     "tokens_per_s.png",
 )
-"""Files every report writes (``mfu.png`` as well when a run's records carry MFU)."""
+"""Files every report writes (``mfu.png`` as well when a run's records carry MFU, ``noise_scale.png`` when a run
+measured the gradient noise scale)."""
 
 
 @dataclass
@@ -240,6 +241,11 @@ def plot_runs(runs: list[RunMetrics], out_dir: Path) -> list[Path]:
     if any(_finite(r.get("mfu")) for run in runs for r in run.steps):
         figure("mfu.png", "Model FLOPs utilization (step 1 left out)", "optimizer step", "MFU",
                simple("mfu", skip_first=True))  # fmt: skip
+    from bigbatch.noise_report import NOISE_PLOT, plot_noise_scale
+
+    noise_plot = plot_noise_scale(runs, out_dir / NOISE_PLOT, colors)  # runs that measured it; else no file
+    if noise_plot is not None:
+        written.append(noise_plot)
     return written
 
 

@@ -54,6 +54,7 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.max_consecutive_skips",
         "run.log_every",
         "run.noise_scale_every",
+        "run.noise_scale_window",
         "run.sample_tokens",
         "run.sample_prompt",
         "run.extend_schedule",

@@ -143,7 +143,8 @@ def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Pat
 def test_report_out_option(runs: tuple[Path, Path], tmp_path: Path) -> None:
     out_dir, summaries, plots = make_report([runs[0]], tmp_path / "elsewhere" / "r")
     assert out_dir == tmp_path / "elsewhere" / "r"
-    assert sorted(p.name for p in plots) == sorted(PLOTS)  # no MFU in this run: no mfu.png
+    # no MFU in this run: no mfu.png; K = 2 measured the noise scale: noise_scale.png
+    assert sorted(p.name for p in plots) == sorted([*PLOTS, "noise_scale.png"])
     assert (out_dir / "summary.txt").is_file() and len(summaries) == 1
 
 

@@ -61,6 +61,15 @@ def make_model(dim: int = DIM, delta_sq: float = DELTA_SQ) -> nn.Linear:
     return model
 
 
+def set_delta(model: nn.Module, delta_sq: float, dim: int = DIM) -> None:
+    """Move ``model`` (from :func:`make_model`) to ``w = w* + delta`` with ``|delta|^2 = delta_sq``: a step change
+    of the true ``|G|^2`` and noise scale between two optimizer steps."""
+    delta = torch.zeros(dim, dtype=torch.float64)
+    delta[0] = delta_sq**0.5
+    with torch.no_grad():
+        model.weight.copy_((w_star(dim) + delta).unsqueeze(0))  # type: ignore[operator]
+
+
 def draw(n: int, generator: torch.Generator, dim: int = DIM, sigma: float = SIGMA) -> Samples:
     x = torch.randn(n, dim, generator=generator, dtype=torch.float64)
     y = x @ w_star(dim) + sigma * torch.randn(n, generator=generator, dtype=torch.float64)

@@ -101,11 +101,14 @@ def test_the_ema_smooths_each_estimate_not_their_ratio() -> None:
     noise = NoiseScale(every=1, decay=0.5)
     first = noise.update(small_sq=3.0, big_sq=1.5, b_small=10, b_big=20)  # |G|^2 0, tr 30
     assert first is not None and first.g_sq == pytest.approx(0.0) and math.isnan(first.noise_scale)
+    noise.observe(6.0)  # the step before the next measurement: its weight is 1/6 (the first one's, its own 1/1.5)
     second = noise.update(small_sq=5.0, big_sq=3.0, b_small=10, b_big=20)  # |G|^2 1, tr 40
     assert second is not None
-    # bias-corrected EMAs: (0.5 * 0 + 0.5 * 1) / 0.75 and (0.25 * 30 + 0.5 * 40) / 0.75
-    assert second.g_sq == pytest.approx(0.5 * 1 / 0.75)
-    assert second.trace == pytest.approx((0.25 * 30 + 0.5 * 40) / 0.75)
+    # weighted EMAs, normalized by the EMA of the weights (Adam's bias correction when every weight is 1)
+    w1, w2 = 1 / 1.5, 1 / 6.0
+    weights = 0.25 * w1 + 0.5 * w2
+    assert second.g_sq == pytest.approx((0.25 * w1 * 0 + 0.5 * w2 * 1) / weights)
+    assert second.trace == pytest.approx((0.25 * w1 * 30 + 0.5 * w2 * 40) / weights)
     assert noise.estimate == pytest.approx(second.trace / second.g_sq)
     assert noise.update(float("inf"), 1.0, 10, 20) is None and noise.last is second  # a bad step is left out
     restored = NoiseScale(every=1, decay=0.5)

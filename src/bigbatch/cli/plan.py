@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from bigbatch.cli.common import add_precision
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import BigBatchError, PlanError
 from bigbatch.ranges import POSITIVE_INT, VOCAB_OR_DEFAULT
 
 HELP = "derive K (or micro-batch, or devices) from a token budget; memory and step time"
 DESCRIPTION = (
     "Give the tokens per step, the sequence length and all but one of micro-batch, K and devices; "
-    "the missing one is derived (devices default to 1)."
+    "the missing one is derived (devices default to 1). With --from-run RUN_DIR the tokens per step come from the "
+    "gradient noise scale the run measured."
 )
 
 
@@ -28,10 +30,15 @@ def _count(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step", type=_count,
                         help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), required=True)
+    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (T); required unless "
+                        "--from-run gives the run's")  # fmt: skip
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
     parser.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
     parser.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
+    parser.add_argument("--from-run", type=Path, metavar="RUN_DIR",
+                        help="tokens per step from the gradient noise scale measured by a run (the smoothed "
+                        "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
+                        "run's")  # fmt: skip
     parser.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
     parser.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
                         help="vocabulary (default: the preset's, 50257)")  # fmt: skip
@@ -47,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.plan import solve_plan
     from bigbatch.plan_report import report_plan
 
+    if args.from_run is not None:
+        return _from_run(args)
+    if args.seq_len is None:
+        raise PlanError("give --seq-len (or --from-run RUN_DIR to take the run's)")
     solved = solve_plan(args.seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     ramp = None
     if args.batch_ramp:
@@ -57,4 +68,18 @@ def run(args: argparse.Namespace) -> int:
     print(report_plan(solved, args.model, args.vocab_size, args.precision, args.device, args.measure))
     if ramp:
         print(ramp)
+    return 0
+
+
+def _from_run(args: argparse.Namespace) -> int:
+    """``--from-run``: tokens per step from the run's measured noise scale; K derived for the devices given."""
+    from bigbatch.noise_report import plan_from_run
+    from bigbatch.plan_report import report_plan
+
+    for given, flag in ((args.tokens_per_step, "--tokens-per-step"), (args.k, "--k")):
+        if given is not None:
+            raise PlanError(f"--from-run derives tokens per step and K from the run's noise scale; leave out {flag}")
+    solved, lines = plan_from_run(args.from_run, args.micro_batch, args.seq_len, args.devices)
+    print("\n".join(lines))
+    print(report_plan(solved, args.model, args.vocab_size, args.precision, args.device, args.measure))
     return 0
