@@ -56,7 +56,7 @@ def runs(workspace: Path) -> tuple[Path, Path]:
     k2, k1 = workspace / "k2", workspace / "k1"
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
-        for argv in (train_args(workspace, k2, 4), train_args(workspace, k1, 8, "--peak-flops", "1e12")):
+        for argv in (train_args(workspace, k2, 4, "--noise-scale-every", "1"), train_args(workspace, k1, 8, "--peak-flops", "1e12")):
             code, out, err = run_main(argv)
             assert code == 0, out + err
     return k2, k1
