@@ -308,18 +308,22 @@ class Trainer:
             f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "", seen.record.loss,
             f" | val loss {seen.val_loss:.4f}" if seen.val_loss is not None else "",
         )  # fmt: skip
-        self._say_noise_scale()
+        self._say_noise_scale(seen.record)
         return self._result(seen, sample)
 
-    def _say_noise_scale(self) -> None:
-        """The measured critical batch (the smoothed gradient noise scale) against this run's tokens per step."""
+    def _say_noise_scale(self, last: StepRecord | None) -> None:
+        """The measured critical batch (the smoothed gradient noise scale) against this run's tokens per step: the
+        last step's size when steps have one size or a ramp grows it, else the mean over the run's steps."""
         noise = self.engine.noise_scale
         if noise is None or noise.estimate is None or not self.state.step:
             return
-        used = round(self.state.tokens_seen / self.state.step)
+        if last is not None and (not self.parts.k_varies or self.parts.ramp is not None):
+            used, how = last.tokens, "ended at" if self.parts.ramp is not None else "used"
+        else:
+            used, how = round(self.state.tokens_seen / self.state.step), "used"
         self._say(
-            "measured critical batch about %s tokens; this run used %s tokens per step",
-            format_noise_scale(noise.estimate), f"{used:,}",
+            "measured critical batch about %s tokens; this run %s %s tokens per step",
+            format_noise_scale(noise.estimate), how, f"{used:,}",
         )  # fmt: skip
 
     def _result(self, seen: _Progress, sample: str | None) -> TrainResult:

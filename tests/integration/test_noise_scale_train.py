@@ -66,3 +66,13 @@ def test_a_token_budget_run_in_one_process_measures_its_steps_of_two_micro_batch
     measured = [r for r in steps if "noise_scale" in r]
     assert measured and all(r["micro_batches"] >= 2 for r in measured)
     assert all(r["noise_b_big"] == r["tokens"] for r in measured)
+
+
+def test_a_ramped_run_compares_the_noise_scale_with_the_size_it_ended_at(tmp_path: Path) -> None:
+    out, steps = train(tmp_path, 512, "--batch-ramp", "256:1024", "--noise-scale-every", "1")
+    sizes = [r["tokens"] for r in steps]
+    assert sizes[0] == 256 and sizes[-1] > sizes[0]  # the ramp grew the steps
+    match = re.search(r"^measured critical batch about (n/a|[\d,]+) tokens; this run ended at ([\d,]+) tokens per "
+                      r"step$", out, re.MULTILINE)  # fmt: skip
+    assert match, out
+    assert int(match.group(2).replace(",", "")) == sizes[-1]
