@@ -28,7 +28,6 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "model.activation_checkpointing",
         "data.cache_dir",
         "data.data",  # checked through the data fingerprint (see bigbatch.resume.check_data)
-        "data.shuffle",  # checked by the loader's state: a run resumes only in the order it was saved in
         "batch.micro_batch",
         "batch.memory_budget",
         "optim.decay_steps",  # the schedule is kept on resume; changing it needs --extend-schedule
@@ -64,10 +63,12 @@ MAY_CHANGE: frozenset[str] = frozenset(
 )
 """``section.key`` of the settings that may differ between a run and its resumption."""
 
-RESUME_CHECKED: frozenset[str] = frozenset({"batch.batch_ramp"})
+RESUME_CHECKED: frozenset[str] = frozenset({"batch.batch_ramp", "data.shuffle"})
 """Defining settings (in the fingerprint: another value is another default run directory) that a resume checks
-itself rather than through :func:`settings_diff`, so that a flag can allow the change: the batch ramp
-(``--allow-ramp-change``, see :func:`bigbatch.ramp.check_ramp_change`)."""
+itself rather than through :func:`settings_diff`: the batch ramp, so that a flag can allow the change
+(``--allow-ramp-change``, see :func:`bigbatch.ramp.check_ramp_change`), and the window order, which the loader's
+saved state checks (a run resumes only in the order it was saved in; a run from before ``--shuffle`` read in
+order)."""
 
 DEFAULT_RUNS_DIR = "runs"
 

@@ -52,3 +52,18 @@ def test_resuming_in_another_order_is_one_line(corpus: Path, tmp_path: Path) -> 
     code, _, err = run_main(train_args(corpus, run, "--max-steps", "4", "--shuffle", "off"))
     assert code == 0, err
     assert len(losses(run)) == 4
+
+
+def test_the_window_order_is_part_of_the_default_run_directory() -> None:
+    """Shuffled and in-order runs compute different things: each gets its own default directory, so a run made
+    before --shuffle existed (its directory's fingerprint had no order) is not resumed by the shuffled default."""
+    from bigbatch.config import TrainConfig
+    from bigbatch.run_identity import default_run_dir, identity_settings, settings_diff
+
+    shuffled, in_order = TrainConfig(), TrainConfig()
+    shuffled.data.shuffle, in_order.data.shuffle = "on", "off"
+    assert default_run_dir(shuffled) != default_run_dir(in_order)
+    assert "data.shuffle" in identity_settings(shuffled)
+    # with --out pointing at the other order's run, the loader's saved state refuses it (the test above), not the
+    # settings comparison, so its one-line message can say how to go on
+    assert settings_diff(in_order.to_dict(), shuffled) == []
