@@ -14,7 +14,7 @@ import torch
 from bigbatch.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args
 from bigbatch.data.loader import DocumentLoader, PackedLoader, ShuffledPackedLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.windows import PackedWindows, epoch_order
+from bigbatch.data.windows import PackedWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.run_identity import settings_diff
 
@@ -61,12 +61,17 @@ def test_each_epoch_reads_every_window_once_in_a_new_order() -> None:
     for _ in range(3):
         assert loader.epoch == len(epochs)
         epochs.append([rows(loader.next_micro_batch())[0] for _ in range(n)])
-    every = sorted(rows(PackedWindows(shards(), T).read(list(range(n)))))
-    for read in epochs:
-        assert sorted(read) == every  # a permutation: each window once
+    windows = PackedWindows(shards(), T)
+    for epoch, read in enumerate(epochs):
+        shift = epoch_shift(T, 3, epoch)  # every window of a later epoch moved by the same seeded shift
+        assert (shift == 0) == (epoch == 0) and 0 <= shift < T
+        every = sorted(rows(windows.read(list(range(n)), shifts=np.full(n, shift))))
+        assert sorted(read) == every  # a permutation: each (moved) window once
         assert Counter(read).most_common(1)[0][1] == 1
     assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs[0] != every  # not the order of the data
+    assert epochs[0] != sorted(epochs[0])  # not the order of the data
+    # a repeated epoch reads new windows, not the first epoch's again (only a shard's last window may stay put)
+    assert len(set(epochs[0]) & set(epochs[1])) <= 2
     # the permutation depends on the seed and the epoch only
     assert np.array_equal(epoch_order(n, 3, 1), epoch_order(n, 3, 1))
     assert not np.array_equal(epoch_order(n, 3, 1), epoch_order(n, 4, 1))

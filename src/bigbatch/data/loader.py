@@ -11,7 +11,14 @@ from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.choices import LONG_DOCUMENTS
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.windows import SEQUENTIAL, SHUFFLED, EpochOrders, PackedWindows, check_saved_order
+from bigbatch.data.windows import (
+    SEQUENTIAL,
+    SHUFFLED,
+    EpochOrders,
+    PackedWindows,
+    check_saved_order,
+    epoch_shift,
+)
 from bigbatch.errors import DataError
 
 
@@ -140,13 +147,14 @@ class ShuffledPackedLoader(PackedLoader):
     micro-batch size and number of processes (``--shuffle on``, the default).
 
     The split's windows are numbered once (:class:`~bigbatch.data.windows.PackedWindows`); epoch ``e`` reads them in
-    the permutation drawn from the run's seed and ``e``, and the epochs follow one another as one endless stream of
-    rows. Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B * world)`` of that stream and rank ``r``
-    reads the ``B`` rows that begin ``r * B`` into it. A global step of ``K`` micro-batches therefore holds rows
-    ``[s * R, (s + 1) * R)`` with ``R = tokens per step / T``: the windows of step ``s`` depend only on the seed, the
-    data, ``T`` and the tokens per step, never on how ``R`` is divided into micro-batches and processes. The
-    position is one row counter, the same on every rank, so a resumed run continues bitwise (also under another
-    micro-batch size or number of processes).
+    the permutation drawn from the run's seed and ``e``, every window moved ``epoch_shift(T, seed, e)`` tokens later
+    (0 in the first epoch: a repeated epoch reads new windows, not the first epoch's again), and the epochs follow
+    one another as one endless stream of rows. Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B *
+    world)`` of that stream and rank ``r`` reads the ``B`` rows that begin ``r * B`` into it. A global step of ``K``
+    micro-batches therefore holds rows ``[s * R, (s + 1) * R)`` with ``R = tokens per step / T``: the windows of step
+    ``s`` depend only on the seed, the data, ``T`` and the tokens per step, never on how ``R`` is divided into
+    micro-batches and processes. The position is one row counter, the same on every rank, so a resumed run
+    continues bitwise (also under another micro-batch size or number of processes).
     """
 
     def __init__(
@@ -181,12 +189,14 @@ class ShuffledPackedLoader(PackedLoader):
         rows = self.row + self.rank * self.micro_batch + np.arange(self.micro_batch, dtype=np.int64)
         epochs, positions = rows // n, rows % n
         picked = np.empty(self.micro_batch, dtype=np.int64)
+        shifts = np.zeros(self.micro_batch, dtype=np.int64)  # each epoch after the first moves its windows
         for epoch in np.unique(epochs).tolist():
             here = epochs == epoch
             picked[here] = self.orders.at(int(epoch), positions[here])
+            shifts[here] = epoch_shift(self.seq_len, self.seed, int(epoch))
         self.row += self.micro_batch * self.world_size
         self.epoch = self.row // n
-        return self.windows.read(picked)
+        return self.windows.read(picked, shifts=shifts)
 
     def state_dict(self) -> dict[str, Any]:
         """The row counter (identical on every rank) and what it means: the seed and the number of windows."""

@@ -4,8 +4,9 @@ them per epoch; and a fixed sample of them spread uniformly over a split.
 A packed split is cut into windows of ``T + 1`` tokens at multiples of ``T`` in each shard (window ``i`` of a
 shard holds tokens ``[i * T, i * T + T + 1)``: ``T`` inputs and their ``T`` shifted targets, overlapping the next
 window by the one token that is both a target and the next input); a shard's tail shorter than a window is not
-read. The numbering depends only on the shards and ``T``, so an order or a sample of windows chosen from it is
-the same for every micro-batch size and number of processes.
+read. An epoch may move every window by the same few tokens (:func:`epoch_shift`; a shard's last window stays if
+moving it would run past the shard's end). The numbering depends only on the shards and ``T``, so an order or a
+sample of windows chosen from it is the same for every micro-batch size and number of processes.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ class PackedWindows:
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (n_shards + 1,)
         self.count = int(self.first[-1])
 
-    def read(self, indices: np.ndarray | list[int], pad_token: int = 0) -> MicroBatch:
+    def read(
+        self, indices: np.ndarray | list[int], pad_token: int = 0, shifts: np.ndarray | None = None
+    ) -> MicroBatch:
         """One micro-batch whose row ``b`` is window ``indices[b]``; a negative index is a row of padding (input
-        ``pad_token``, target ``-100``: it counts for nothing)."""
+        ``pad_token``, target ``-100``: it counts for nothing). ``shifts[b]`` (in ``[0, T)``) moves row ``b``'s
+        window that many tokens later in its shard, unless that would run past the shard's end (its last window)."""
         T = self.seq_len
         index = np.asarray(indices, dtype=np.int64)
+        moved = np.zeros(len(index), dtype=np.int64) if shifts is None else np.asarray(shifts, dtype=np.int64)
         inputs = torch.full((len(index), T), pad_token, dtype=torch.int64)
         targets = torch.full((len(index), T), IGNORE_INDEX, dtype=torch.int64)
         shard_of = np.searchsorted(self.first, index, side="right") - 1
@@ -67,6 +72,8 @@ class PackedWindows:
             if window < 0:
                 continue
             start = (window - int(self.first[shard])) * T
+            if start + int(moved[row]) + T + 1 <= len(self.shards[shard]):
+                start += int(moved[row])
             chunk = torch.from_numpy(np.asarray(self.shards[shard][start : start + T + 1], dtype=np.int64))
             inputs[row] = chunk[:-1]
             targets[row] = chunk[1:]
@@ -78,6 +85,17 @@ def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:
     generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, ORDER_SEED_TAG])))
     order = generator.permutation(count)
     return order.astype(np.uint32 if count < 2**32 else np.int64)
+
+
+def epoch_shift(seq_len: int, seed: int, epoch: int) -> int:
+    """How far epoch ``epoch`` moves every window, in ``[0, seq_len)``: 0 in the first epoch, then drawn from
+    ``seed`` and ``epoch`` alone in ``[1, seq_len)``. A later epoch then reads other windows (other contexts for
+    every token) than the first rather than repeating them, as sampling windows at random offsets would, without
+    giving up reading every window once per epoch."""
+    if epoch == 0 or seq_len < 2:
+        return 0
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, ORDER_SEED_TAG, 1])))
+    return int(generator.integers(1, seq_len))
 
 
 class EpochOrders:
