@@ -87,12 +87,18 @@ def identity_settings(config: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in _flat(config.to_dict()).items() if k not in MAY_CHANGE}
 
 
+LEGACY_VALUES: dict[str, Any] = {"data.shuffle": "off"}
+"""Defining settings added with a default that computes something else than the bigbatch before them did, and the
+value that reproduces it: a run made before the setting existed read its windows in order."""
+
+
 def settings_fingerprint(config: TrainConfig) -> str:
     """A short hash of the run's defining settings that differ from their defaults, and of its data source (path
     as given). Defaults are left out so that a setting added by a later bigbatch (at its default) does not move
-    an existing run to another directory."""
-    defaults = _flat(TrainConfig().to_dict())
-    settings = {k: v for k, v in identity_settings(config).items() if k not in defaults or v != defaults[k]}
+    an existing run to another directory; a setting whose default changed what a run computes is left out at its
+    :data:`LEGACY_VALUES` value instead (so the new default is another directory, the old behaviour the old one)."""
+    baseline = {**_flat(TrainConfig().to_dict()), **LEGACY_VALUES}
+    settings = {k: v for k, v in identity_settings(config).items() if k not in baseline or v != baseline[k]}
     settings["data.data"] = config.data.data
     payload = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:10]

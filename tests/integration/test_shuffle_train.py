@@ -63,6 +63,9 @@ def test_the_window_order_is_part_of_the_default_run_directory() -> None:
     shuffled, in_order = TrainConfig(), TrainConfig()
     shuffled.data.shuffle, in_order.data.shuffle = "on", "off"
     assert default_run_dir(shuffled) != default_run_dir(in_order)
+    # `make demo` made by a bigbatch before --shuffle (in order) lived here: --shuffle off still finds it, the
+    # shuffled default starts its own run instead of being refused by the in-order checkpoint
+    assert default_run_dir(in_order) == Path("runs/nano-6f51172515")
     assert "data.shuffle" in identity_settings(shuffled)
     # with --out pointing at the other order's run, the loader's saved state refuses it (the test above), not the
     # settings comparison, so its one-line message can say how to go on
