@@ -35,8 +35,8 @@ def format_plan(
     if solved.rounded:
         notes.append(
             f"{solved.requested_tokens:,} tokens is not a whole number of micro-batches on every device; rounded "
-            f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens "
-            f"({plan.tokens_per_step / 1e6:.1f}M)"
+            f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens"
+            + (f" ({plan.tokens_per_step / 1e6:.1f}M)" if plan.tokens_per_step >= 100_000 else "")
         )
     if model_config is not None:
         estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
