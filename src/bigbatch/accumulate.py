@@ -286,11 +286,20 @@ class AccumulationEngine:
             return None
         raw_sq, n_small, loss_scale = self._small
         self._small = None
-        factor = n_valid / (self.dist.world_size * loss_scale * n_small)
-        pair = torch.stack([raw_sq.to(self.device, torch.float64) * factor**2,
-                            torch.tensor(1.0 / n_small, dtype=torch.float64, device=self.device)])  # fmt: skip
-        small_sq, inv_b_small = (self.dist.all_reduce_sum(pair) / self.dist.world_size).tolist()
-        return self.noise_scale.update(small_sq, grad_norm**2, 1.0 / inv_b_small, n_valid)
+        # A first micro-batch without valid targets (all masked or padding) has no mean-loss gradient: every rank
+        # still takes part in the one all-reduce (a rank that left it would hang the others) and all skip together.
+        empty = n_small == 0
+        factor = 0.0 if empty else n_valid / (self.dist.world_size * loss_scale * n_small)
+        values = torch.stack([raw_sq.to(self.device, torch.float64) * factor**2,
+                              torch.tensor(0.0 if empty else 1.0 / n_small, dtype=torch.float64, device=self.device),
+                              torch.tensor(float(empty), dtype=torch.float64, device=self.device)])  # fmt: skip
+        small_sq, inv_b_small, empty_ranks = self.dist.all_reduce_sum(values).tolist()
+        if empty_ranks:
+            return None
+        small_sq, b_small = small_sq / self.dist.world_size, self.dist.world_size / inv_b_small
+        if not b_small < n_valid:  # the other micro-batches held no valid target: one batch size, nothing to compare
+            return None
+        return self.noise_scale.update(small_sq, grad_norm**2, b_small, n_valid)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -144,3 +144,21 @@ def test_the_step_line_shows_the_noise_scale() -> None:
     assert format_step(record, noise_scale=12345.4).endswith("| noise scale 12,345 tok")
     assert format_step(record, noise_scale=-3.0).endswith("| noise scale n/a tok")
     assert "noise" not in format_step(record)
+
+
+def test_a_first_micro_batch_without_valid_targets_skips_the_measurement(tiny_model: GPT) -> None:
+    """Its mean-loss gradient does not exist (0 / 0): the step trains as always and measures nothing, and the next
+    step with a valid first micro-batch measures again (under DDP every rank skips together, see test_fuzz)."""
+    model = copy.deepcopy(tiny_model)
+    engine = AccumulationEngine(
+        model, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0, noise_scale=NoiseScale(every=1)
+    )
+    x, y = random_batch(6, 16, seed=0)
+    masked = torch.full_like(y[:2], -100)
+    record = engine.step([MicroBatch(x[:2], masked), MicroBatch(x[2:4], y[2:4]), MicroBatch(x[4:], y[4:])])
+    assert record.noise is None and math.isfinite(record.loss) and not record.skipped
+    # the other way round: every valid target in the first micro-batch, so both batch sizes are the same
+    record = engine.step([MicroBatch(x[:2], y[:2]), MicroBatch(x[2:4], masked), MicroBatch(x[4:], masked)])
+    assert record.noise is None and math.isfinite(record.loss) and not record.skipped
+    record = engine.step([MicroBatch(a, b) for a, b in zip(x.chunk(3), y.chunk(3), strict=True)])
+    assert record.noise is not None
