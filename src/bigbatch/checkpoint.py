@@ -95,7 +95,7 @@ class _RecordingWriter:
         return int(self.handle.fileno())
 
 
-def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
     """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``.
 
     A failed write (a full disk, a quota) raises the :class:`OSError` that caused it, whatever the writer
@@ -124,10 +124,10 @@ def save_checkpoint(payload: dict[str, Any], path: Path | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **payload}
     commit_path(path).unlink(missing_ok=True)  # a re-save of the same step is uncommitted until done
-    _write_atomically(path, lambda handle: torch.save(document, handle))
+    write_atomically(path, lambda handle: torch.save(document, handle))
     marker = {"step": int(payload.get("step", -1)), "size": path.stat().st_size, "sha256": sha256_of(path)}
     try:
-        _write_atomically(commit_path(path), lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
+        write_atomically(commit_path(path), lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
     except OSError:
         path.unlink(missing_ok=True)  # never committed: give the space back
         raise

@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,21 +237,10 @@ def noise_scale_series(run_dir: Path, up_to_step: int | None = None) -> list[tup
 
 
 def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    """``payload`` as JSON in a temporary file beside ``path``, renamed over it: never half a file."""
-    from bigbatch.fileperm import apply_umask
+    """``payload`` as JSON, written the way checkpoints are (temporary file, fsync, rename): never half a file."""
+    from bigbatch.checkpoint import write_atomically
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        apply_umask(fd)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda handle: handle.write((json.dumps(payload, indent=2) + "\n").encode()))
 
 
 def find_parent(run_dir: Path, step: int | None = None) -> Path:
