@@ -10,7 +10,7 @@ from typing import IO, Any, Protocol
 
 from bigbatch.accumulate import StepRecord
 from bigbatch.errors import BigBatchError
-from bigbatch.scalars import step_values
+from bigbatch.scalars import eval_values, step_values
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -76,8 +76,7 @@ class JsonlLog:
         self.write("step", **step_values(record, mfu))
 
     def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        extra = {} if val_tokens is None else {"val_tokens": val_tokens}
-        self.write("eval", step=step, val_loss=val_loss, **extra)
+        self.write("eval", **eval_values(step, val_loss, val_tokens))
 
     def close(self) -> None:
         self._handle.close()

@@ -43,6 +43,11 @@ def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     return values
 
 
+def eval_values(step: int, val_loss: float, val_tokens: int | None = None) -> dict[str, Any]:
+    """The fields of an eval record in ``metrics.jsonl`` (without ``kind``): the tokens scored when known."""
+    return {"step": step, "val_loss": val_loss, **({} if val_tokens is None else {"val_tokens": val_tokens})}
+
+
 class ScalarSeries:
     """Turns records (dicts as in ``metrics.jsonl``, with ``kind``) into :class:`Point` s, keeping the running
     totals (tokens seen, skipped steps) that some curves need; ``history`` primes them on resume."""

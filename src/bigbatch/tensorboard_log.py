@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.accumulate import StepRecord
-from bigbatch.scalars import Point, ScalarSeries, step_values
+from bigbatch.scalars import Point, ScalarSeries, eval_values, step_values
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,7 @@ class TensorBoardLog:
         self._write(self.series.points({"kind": "step", **step_values(record, mfu)}))
 
     def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        record: dict[str, Any] = {"kind": "eval", "step": step, "val_loss": val_loss}
-        if val_tokens is not None:
-            record["val_tokens"] = val_tokens
-        self._write(self.series.points(record))
+        self._write(self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens)}))
 
     def close(self) -> None:
         self.writer.close()

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.accumulate import StepRecord
-from bigbatch.scalars import BY_TOKENS, Point, ScalarSeries, step_values
+from bigbatch.scalars import BY_TOKENS, Point, ScalarSeries, eval_values, step_values
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +197,7 @@ class WandbLog:
         self._log(record.step, self.series.points({"kind": "step", **step_values(record, mfu)}))
 
     def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        record: dict[str, Any] = {"kind": "eval", "step": step, "val_loss": val_loss}
-        if val_tokens is not None:
-            record["val_tokens"] = val_tokens
-        self._log(step, self.series.points(record))
+        self._log(step, self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens)}))
 
     def close(self) -> None:
         path = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"  # this session's file
