@@ -305,14 +305,19 @@ def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> No
         )
 
 
+def _noise_unmeasurable(config: TrainConfig, plan: BatchPlan, parallel: str) -> str | None:
+    """Why this run's steps can never measure the noise scale, or ``None``."""
+    # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
+    # whether that step has a second micro-batch to measure with.
+    planned_k = 2 if config.batch.token_budget else plan.accumulation_steps
+    return unavailable_reason(planned_k, plan.world_size, parallel, config.run.sync_every_micro_step)
+
+
 def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) -> NoiseScale | None:
     """The engine's noise-scale meter (``--noise-scale-every``), or ``None``: off, or (said once) not measurable."""
     if not config.run.noise_scale_every:
         return None
-    # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
-    # whether that step has a second micro-batch to measure with.
-    planned_k = 2 if config.batch.token_budget else plan.accumulation_steps
-    reason = unavailable_reason(planned_k, plan.world_size, parallel, config.run.sync_every_micro_step)
+    reason = _noise_unmeasurable(config, plan, parallel)
     if reason:
         say("the gradient noise scale is not measured in this run: %s", reason)
         return None
@@ -325,10 +330,10 @@ def build_ramp(config: TrainConfig, plan: BatchPlan, parallel: str) -> BatchRamp
     if spec is None:
         return None
     if spec.auto:
-        run = config.run
-        reason = "--noise-scale-every is 0; set it to N > 0" if not run.noise_scale_every else unavailable_reason(
-            plan.accumulation_steps, plan.world_size, parallel, run.sync_every_micro_step
-        )  # fmt: skip
+        if not config.run.noise_scale_every:
+            reason: str | None = "--noise-scale-every is 0; set it to N > 0"
+        else:
+            reason = _noise_unmeasurable(config, plan, parallel)
         if reason:
             raise ConfigError(
                 f"--batch-ramp auto grows toward the measured gradient noise scale, which this run cannot measure: "
