@@ -116,7 +116,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     val_loader = _val_loader(config, dataset, plan, dist)
 
     parallel = resolve_parallel(config.run.parallel, dist.world_size)
-    ramp = build_ramp(config, plan, parallel)
+    ramp = build_ramp(config, plan)
     if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
         say(
             "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
@@ -137,7 +137,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
             "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
             schedule.decay_steps, schedule.warmup_steps, level=logging.WARNING,
         )  # fmt: skip
-    noise_scale = _noise_scale(config, plan, parallel, say)
+    noise_scale = _noise_scale(config, plan, say)
     small_grad = None if noise_scale is None else small_grad_probe(
         wrapped, parallel, config.run.sync_every_micro_step, first_reduced_possible=plan.accumulation_steps == 1
     )  # fmt: skip
@@ -305,26 +305,26 @@ def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> No
         )
 
 
-def _noise_unmeasurable(config: TrainConfig, plan: BatchPlan, parallel: str) -> str | None:
+def _noise_unmeasurable(config: TrainConfig, plan: BatchPlan) -> str | None:
     """Why this run's steps can never measure the noise scale, or ``None``."""
     # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
     # whether that step has a second micro-batch to measure with.
     planned_k = 2 if config.batch.token_budget else plan.accumulation_steps
-    return unavailable_reason(planned_k, plan.world_size, parallel, config.run.sync_every_micro_step)
+    return unavailable_reason(planned_k, plan.world_size)
 
 
-def _noise_scale(config: TrainConfig, plan: BatchPlan, parallel: str, say: Say) -> NoiseScale | None:
+def _noise_scale(config: TrainConfig, plan: BatchPlan, say: Say) -> NoiseScale | None:
     """The engine's noise-scale meter (``--noise-scale-every``), or ``None``: off, or (said once) not measurable."""
     if not config.run.noise_scale_every:
         return None
-    reason = _noise_unmeasurable(config, plan, parallel)
+    reason = _noise_unmeasurable(config, plan)
     if reason:
         say("the gradient noise scale is not measured in this run: %s", reason)
         return None
     return NoiseScale(config.run.noise_scale_every, decay_for_window(config.run.noise_scale_window))
 
 
-def build_ramp(config: TrainConfig, plan: BatchPlan, parallel: str) -> BatchRamp | None:
+def build_ramp(config: TrainConfig, plan: BatchPlan) -> BatchRamp | None:
     """The ``--batch-ramp`` of this plan, or ``None``; auto needs the noise scale this run measures."""
     spec = parse_ramp(config.batch.batch_ramp)
     if spec is None:
@@ -333,7 +333,7 @@ def build_ramp(config: TrainConfig, plan: BatchPlan, parallel: str) -> BatchRamp
         if not config.run.noise_scale_every:
             reason: str | None = "--noise-scale-every is 0; set it to N > 0"
         else:
-            reason = _noise_unmeasurable(config, plan, parallel)
+            reason = _noise_unmeasurable(config, plan)
         if reason:
             raise ConfigError(
                 f"--batch-ramp auto grows toward the measured gradient noise scale, which this run cannot measure: "

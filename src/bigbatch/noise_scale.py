@@ -54,7 +54,7 @@ def unbiased_estimates(small_sq: float, big_sq: float, b_small: float, b_big: fl
     return g_sq, trace
 
 
-def unavailable_reason(k: int, world_size: int, parallel: str, sync_every_micro_step: bool) -> str | None:
+def unavailable_reason(k: int, world_size: int) -> str | None:
     """Why this run cannot measure the noise scale, or ``None`` when it can.
 
     It needs two batch sizes: one micro-batch and the global step. Only K = 1 in one process has a single one.
