@@ -18,17 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bigbatch.atomic_file import write_atomically
 from bigbatch.errors import CheckpointError
-from bigbatch.fileperm import apply_umask
 from bigbatch.model.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -63,59 +60,6 @@ def sha256_of(path: Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _RecordingWriter:
-    """A binary file that remembers the first OS error of a write: ``torch.save`` reports a full disk as a
-    RuntimeError ("unexpected pos ...") that hides the cause."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return int(self.handle.write(data))
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def fileno(self) -> int:
-        return int(self.handle.fileno())
-
-
-def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """``write(handle)`` into a temporary file beside ``path``, fsync, rename over ``path``.
-
-    A failed write (a full disk, a quota) raises the :class:`OSError` that caused it, whatever the writer
-    wrapped it in, and removes the temporary file; ``path`` and every other file stay as they were."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    recorder: _RecordingWriter | None = None
-    try:
-        apply_umask(fd)  # mkstemp makes 0600; the checkpoint gets the mode the user's umask gives
-        with os.fdopen(fd, "wb") as handle:
-            recorder = _RecordingWriter(handle)
-            write(recorder)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException as exc:
-        Path(tmp_name).unlink(missing_ok=True)
-        if recorder is not None and recorder.error is not None and recorder.error is not exc:
-            raise recorder.error from exc
-        raise
-    _fsync_dir(path.parent)
 
 
 def save_checkpoint(payload: dict[str, Any], path: Path | str) -> Path:

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bigbatch.errors import CheckpointError, ConfigError, PlanError
+from bigbatch.atomic_file import write_atomically, write_text_atomically
+from bigbatch.errors import BigBatchError, CheckpointError, ConfigError, PlanError
 from bigbatch.plan import BatchPlan, parse_count, plan_batch
 
 log = logging.getLogger(__name__)
@@ -213,34 +213,23 @@ class CriticalBatchResult:
 
 
 def noise_scale_series(run_dir: Path, up_to_step: int | None = None) -> list[tuple[int, int, float]]:
-    """``(step, tokens seen after it, noise scale)`` of each step record of ``metrics.jsonl`` that carries an
-    estimate (``noise_scale``), in order; the log's tokens are summed from its step records."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    series, tokens = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(record, dict) or record.get("kind") != "step":
-            continue
-        step = int(record.get("step", 0))
-        if up_to_step is not None and step > up_to_step:
-            break
-        tokens += int(record.get("tokens", 0)) if not record.get("skipped") else 0
-        value = record.get("noise_scale")
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            series.append((step, tokens, float(value)))
-    return series
+    """``(step, tokens seen after it, smoothed noise scale)`` of each measured step of the run's ``metrics.jsonl``
+    whose estimate is usable (a positive number), in order: the series ``bigbatch report`` plots and ``plan
+    --from-run`` sizes from (a skipped step applied no update and counts no tokens)."""
+    from bigbatch.noise_report import noise_series
+    from bigbatch.report import read_metrics
+
+    try:
+        run = read_metrics(run_dir)
+    except BigBatchError:
+        return []  # no run, no log or no step yet: nothing measured
+    usable = noise_series(run).usable()
+    return [(p.step, p.tokens, p.smoothed) for p in usable if up_to_step is None or p.step <= up_to_step]
 
 
 def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
     """``payload`` as JSON, written the way checkpoints are (temporary file, fsync, rename): never half a file."""
-    from bigbatch.checkpoint import write_atomically
-
-    write_atomically(path, lambda handle: handle.write((json.dumps(payload, indent=2) + "\n").encode()))
+    write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
 
 
 def find_parent(run_dir: Path, step: int | None = None) -> Path:
@@ -514,8 +503,8 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
     right.set_title("noise scale vs direct measurement")
     right.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)  # then renamed: a stop never leaves half a plot
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomically(path, lambda handle: fig.savefig(handle, format="png", dpi=110))  # never half a plot
+    finally:
+        plt.close(fig)
     return path

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from bigbatch.accumulate import StepRecord
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import BigBatchError
 from bigbatch.scalars import eval_values, step_values
 
@@ -195,6 +195,4 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
             kept.append(line)
     if len(kept) == len(lines):
         return  # nothing to drop: the file stays untouched
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))

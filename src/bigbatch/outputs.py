@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bigbatch import __version__
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import ConfigError, require_creatable_dir
 
 RUN_MARKER = ".bigbatch-run"
@@ -52,7 +53,7 @@ def mark_own_dir(path: Path, marker: str, kind: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     target = path / marker
     if not target.exists():
-        target.write_text(json.dumps({"made_by": f"bigbatch {__version__}", "kind": kind}) + "\n")
+        write_text_atomically(target, json.dumps({"made_by": f"bigbatch {__version__}", "kind": kind}) + "\n")
 
 
 def require_new_file(path: Path, flag: str, overwrite: bool, overwrite_flag: str = "--overwrite") -> None:

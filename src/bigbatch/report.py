@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import BigBatchError
 from bigbatch.metrics import METRICS_FILE
 from bigbatch.outputs import REPORT_MARKER, is_legacy_report, mark_own_dir, require_own_dir
@@ -266,5 +267,5 @@ def make_report(
     mark_own_dir(out, REPORT_MARKER, "report")
     plots = plot_runs(runs, out)
     text = "\n\n".join(s.format() for s in summaries) + "\n"
-    (out / "summary.txt").write_text(text)
+    write_text_atomically(out / "summary.txt", text)
     return out, summaries, plots

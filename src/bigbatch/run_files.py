@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.build import RunParts, Say
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError
@@ -17,7 +18,7 @@ def start_run_dir(parts: RunParts, fresh: bool, say: Say) -> None:
     """Rank 0: the run directory with its config and tokenizer; a fresh start (nothing to resume: a first run,
     or a crash before the first checkpoint) begins a clean metrics log."""
     mark_own_dir(parts.run_dir, RUN_MARKER, "run")
-    (parts.run_dir / "config.toml").write_text(parts.config.to_toml())
+    write_text_atomically(parts.run_dir / "config.toml", parts.config.to_toml())
     if fresh:
         truncate_metrics(parts.run_dir, 0)
     if parts.dataset.meta.tokenizer != "gpt2":  # gpt2 may need a download: copied after the end-of-run sample

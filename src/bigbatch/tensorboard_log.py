@@ -12,13 +12,13 @@ without a duplicate point, for any reader (TensorBoard's purge-on-restart is not
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from bigbatch.accumulate import StepRecord
+from bigbatch.atomic_file import write_atomically
 from bigbatch.scalars import Point, ScalarSeries, eval_values, step_values
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,14 @@ def reconcile_event_files(log_dir: Path, expected: list[Point]) -> None:
     header = event_pb2.Event(wall_time=first_time, step=0, file_version="brain.Event:2")
     # Named to sort before the event file the new writer opens (TensorBoard reads files in name order).
     target = log_dir / f"events.out.{EVENTS_MARK}.{int(first_time):010d}.bigbatch.0"
-    staging = log_dir / ".rewrite.tmp"
-    with open(staging, "wb") as handle:
+
+    def write_events(handle: Any) -> None:
         writer = RecordWriter(handle)
         for event in [header, *kept]:
             writer.write(event.SerializeToString())
         writer.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, target)
+
+    write_atomically(target, write_events)
     for path in files:
         if path != target:
             path.unlink()

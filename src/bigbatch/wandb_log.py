@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import string
 import struct
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.accumulate import StepRecord
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.scalars import BY_TOKENS, Point, ScalarSeries, eval_values, step_values
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ class WandbLog:
         self.series = ScalarSeries()
         for record in history:  # the steps the earlier sessions' files lost, from metrics.jsonl
             self._log(int(record.get("step", 0)), self.series.points(record))
+
     def _state(self) -> dict[str, Any]:
         try:
             state = json.loads((self.run_dir / STATE_FILE).read_text())
@@ -182,9 +183,7 @@ class WandbLog:
 
     def _save_state(self, state: dict[str, Any]) -> None:
         path = self.run_dir / STATE_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(state, indent=1) + "\n")
 
     def _log(self, step: int, points: list[Point]) -> None:
         if step <= self.logged_through:

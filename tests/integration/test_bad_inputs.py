@@ -370,7 +370,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_earlier_chec
     turns that into a RuntimeError ('unexpected pos') that hid the cause in a 35-line trace."""
     import tempfile as tempfile_module
 
-    from bigbatch import checkpoint
+    from bigbatch import atomic_file, checkpoint
 
     real_mkstemp, real_fdopen = tempfile_module.mkstemp, os.fdopen
     names: dict[int, str] = {}
@@ -403,8 +403,8 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_earlier_chec
         handle = real_fdopen(fd, *args, **kwargs)  # type: ignore[arg-type]
         return FullDisk(handle) if "step_0000002.pt" in names.get(fd, "") else handle
 
-    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", mkstemp)
-    monkeypatch.setattr(checkpoint.os, "fdopen", fdopen)
+    monkeypatch.setattr(atomic_file.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(atomic_file.os, "fdopen", fdopen)
     monkeypatch.chdir(workspace)
     run_dir = tmp_path / "full"
     code, out, err = run_case(list(T("--out", str(run_dir), "--save-every", "1", "--max-steps", "3")))

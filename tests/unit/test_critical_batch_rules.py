@@ -79,11 +79,17 @@ def test_the_noise_scale_series_comes_from_the_metrics_log(tmp_path: Path) -> No
         {"kind": "step", "step": 3, "tokens": 100, "noise_scale": float("nan")},
         {"kind": "step", "step": 4, "tokens": 100, "skipped": True, "noise_scale": 9.0},
         {"kind": "step", "step": 5, "tokens": 100, "noise_scale": 7.0},
+        {"kind": "step", "step": 6, "tokens": 100, "noise_scale": -2.0},  # not usable yet: |G|^2 estimate <= 0
+        {"kind": "step", "step": 7, "tokens": 100, "noise_scale": 8.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + "{not json\n")
-    assert noise_scale_series(tmp_path) == [(1, 100, 5.0), (4, 300, 9.0), (5, 400, 7.0)]
-    assert noise_scale_series(tmp_path, up_to_step=4)[-1] == (4, 300, 9.0)
+    # the series bigbatch report plots: applied steps only (the skipped step 4 trained nothing), usable values
+    assert noise_scale_series(tmp_path) == [(1, 100, 5.0), (5, 400, 7.0), (7, 600, 8.0)]
+    assert noise_scale_series(tmp_path, up_to_step=4) == [(1, 100, 5.0)]
+    assert noise_scale_series(tmp_path, up_to_step=6)[-1] == (5, 400, 7.0)
     assert noise_scale_series(tmp_path / "missing") == []
+    (tmp_path / "empty").mkdir()
+    assert noise_scale_series(tmp_path / "empty") == []
 
 
 def result_of(losses: list[float], tolerance: float = 0.01) -> CriticalBatchResult:

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.cli.common import add_precision
 from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, PROBABILITY, SEED, VOCAB_OR_DEFAULT
 
@@ -75,5 +76,5 @@ def run(args: argparse.Namespace) -> int:
     report = verify_here(settings)
     print(report.format(top=args.top))
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text_atomically(Path(args.json), json.dumps(report.to_dict(), indent=2) + "\n")
     return 0 if report.equivalent else 1

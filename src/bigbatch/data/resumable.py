@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.data.writer import staged_directory
 from bigbatch.fileperm import apply_umask
 
@@ -69,9 +70,7 @@ class Checkpoint:
         for key, value in changes.items():
             setattr(self.position, key, value)
         path = self.staging / PROGRESS_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self.position)))
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(asdict(self.position)))
         self.saved_at = time.monotonic()
 
     def sync(self, stream: IO[bytes], lengths: IO[bytes], **changes: Any) -> None:
