@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,21 +82,47 @@ def reference_run(
 
 
 def plot(curves: dict[str, dict[int, list[float]]], path: Path, title: str) -> None:
+    """Left: each run's mean validation loss over seeds, its standard error shaded. Right: each bigbatch run
+    minus the reference, with the 95% interval of that difference (the goal: at or below zero)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, diff) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    colors: dict[str, str] = {}
     for name, by_step in curves.items():
         steps = sorted(by_step)
         means = [statistics.fmean(by_step[s]) for s in steps]
-        ax.plot(steps, means, marker="o", markersize=3, label=name)
+        seeds = min(len(by_step[s]) for s in steps)
+        label = name if "seed" in name else f"{name} ({seeds} seed{'s' * (seeds > 1)})"
+        (line,) = ax.plot(steps, means, marker="o", markersize=3, label=label)
+        colors[name] = line.get_color()
+        if seeds > 1:  # the standard error of each mean, shaded
+            se = [statistics.stdev(by_step[s]) / math.sqrt(len(by_step[s])) for s in steps]
+            ax.fill_between(steps, [m - e for m, e in zip(means, se, strict=True)],
+                            [m + e for m, e in zip(means, se, strict=True)], color=line.get_color(), alpha=0.2)  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats per token)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    reference = curves.get("reference, random windows", {})
+    for name, by_step in curves.items():
+        steps = [s for s in sorted(by_step) if s in reference]
+        gaps = [gap(by_step[s], reference[s]) for s in steps]
+        if name.startswith("reference") or not steps or not all(math.isfinite(g.se) for g in gaps):
+            continue  # the difference is shown for runs with several seeds
+        means = [g.mean for g in gaps]
+        diff.plot(steps, means, marker="o", markersize=3, color=colors[name], label=f"{name} minus reference")
+        diff.fill_between(steps, [g.mean - 1.96 * g.se for g in gaps], [g.mean + 1.96 * g.se for g in gaps],
+                          color=colors[name], alpha=0.2, label="95% interval")  # fmt: skip
+    diff.axhline(0.0, color="black", lw=1)
+    diff.set_xlabel("optimizer step")
+    diff.set_ylabel("difference in validation loss (nats)")
+    diff.set_title("bigbatch minus the reference (below 0: bigbatch lower)", fontsize=9)
+    diff.grid(alpha=0.3)
+    diff.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -164,6 +192,24 @@ def main() -> int:
     return report(curves, args)
 
 
+@dataclass(frozen=True)
+class Gap:
+    """Mean of ours minus mean of the reference, over independent seeds."""
+
+    mean: float
+    se: float  # standard error of that difference (Welch: each side's variance over its seeds)
+    spread: float  # the pooled seed-to-seed standard deviation of one run
+
+
+def gap(ours: list[float], reference: list[float]) -> Gap:
+    def var(values: list[float]) -> float:
+        return statistics.variance(values) if len(values) > 1 else math.nan
+
+    se = math.sqrt(var(ours) / len(ours) + var(reference) / len(reference))
+    spread = math.sqrt((var(ours) + var(reference)) / 2)
+    return Gap(statistics.fmean(ours) - statistics.fmean(reference), se, spread)
+
+
 def report(curves: dict[str, dict[int, list[float]]], args: argparse.Namespace) -> int:
     """The table, the differences against the reference, the goal, the plot and its numbers as JSON."""
     names = {"reference": "reference, random windows", "shuffle on": "bigbatch, shuffle on"}
@@ -177,18 +223,20 @@ def report(curves: dict[str, dict[int, list[float]]], args: argparse.Namespace) 
     if reference:
         for name, by_step in curves.items():
             if name != names["reference"]:
-                diffs = [statistics.fmean(by_step[m]) - statistics.fmean(reference[m]) for m in marks
-                         if m in by_step and m in reference]  # fmt: skip
-                print(f"{name} minus reference: " + ", ".join(f"{d:+.4f}" for d in diffs)
+                gaps = [gap(by_step[m], reference[m]) for m in marks if m in by_step and m in reference]
+                print(f"{name} minus reference: " + ", ".join(f"{g.mean:+.4f} ({f'SE {g.se:.4f}' if math.isfinite(g.se) else 'one seed'})" for g in gaps)
                       + f" at {', '.join(str(m) for m in marks)} steps")  # fmt: skip
         final = max(reference)
         ours = curves.get(names["shuffle on"], {})
         if final in ours:
-            gap = statistics.fmean(ours[final]) - statistics.fmean(reference[final])
-            print(f"goal: bigbatch (shuffle on) no higher than the reference after {final} steps: "
-                  f"{'met' if gap <= 0 else 'not met'} ({gap:+.4f} nats)")  # fmt: skip
+            g = gap(ours[final], reference[final])
+            low, high = g.mean - 1.96 * g.se, g.mean + 1.96 * g.se
+            verdict = ("met" if g.mean <= 0 else "a tie: the 95% interval holds 0" if low <= 0 else "not met")
+            print(f"goal: bigbatch (shuffle on) no higher than the reference after {final} steps: {verdict} "
+                  f"({g.mean:+.4f} nats, 95% interval [{low:+.4f}, {high:+.4f}], {len(ours[final])} and "
+                  f"{len(reference[final])} seeds; seed-to-seed spread {g.spread:.4f} nats)")  # fmt: skip
     title = (f"nano (4x4x128), T={T}, B={B}, K=1, tiny Shakespeare (byte)\nvalidation loss on the whole "
-             f"validation split (1,742 windows), seed {', '.join(map(str, args.seeds))}")  # fmt: skip
+             f"validation split (1,742 windows)\nmean over seeds, shaded: its standard error")  # fmt: skip
     plot(curves, args.plot, title)
     numbers = {name: {str(s): v for s, v in sorted(by_step.items())} for name, by_step in curves.items()}  # lists
     args.plot.with_suffix(".json").write_text(json.dumps({"seeds": args.seeds, "val_loss": numbers}, indent=1) + "\n")

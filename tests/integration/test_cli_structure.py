@@ -127,7 +127,7 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
     assert code == 7
     (command,) = seen
     assert command[1:] == [
-        "-m", "bigbatch.launch", "--standalone", "--nproc-per-node=3", "-m", "bigbatch", "verify",
+        "-m", "bigbatch.cli.launcher", "--standalone", "--nproc-per-node=3", "-m", "bigbatch", "verify",
         "--k", "2", "--seed", "1",
     ]  # fmt: skip
 
