@@ -52,7 +52,10 @@ def write_atomically(path: Path, write: Callable[[Any], None]) -> None:
 
     A failed write (a full disk, a quota) raises the :class:`OSError` that caused it, whatever the writer
     wrapped it in, and removes the temporary file; ``path`` and every other file stay as they were."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a missing or read-only folder: name the file asked for, not the temporary one
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
     recorder: RecordingWriter | None = None
     try:
         apply_umask(fd)  # mkstemp makes 0600; the file gets the mode the user's umask gives, as open() would

@@ -113,3 +113,11 @@ def test_every_file_bigbatch_rewrites_goes_through_the_atomic_writer() -> None:
 @pytest.mark.parametrize("name", sorted(DIRECT_WRITES_ALLOWED))
 def test_each_allowed_module_still_exists(name: str) -> None:
     assert (SRC / name).is_file(), f"{name} is gone: drop it from DIRECT_WRITES_ALLOWED"
+
+
+def test_a_missing_folder_is_reported_with_the_name_asked_for(tmp_path: Path) -> None:
+    target = tmp_path / "no-such-folder" / "report.json"
+    with pytest.raises(FileNotFoundError) as caught:
+        write_text_atomically(target, "{}")
+    assert caught.value.filename == str(target)  # not the temporary file's name
+    assert not (tmp_path / "no-such-folder").exists()

@@ -101,7 +101,7 @@ def test_bad_arguments() -> None:
 def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "16"]) == 0
     assert "verdict: EQUIVALENT" in capsys.readouterr().out
-    report_path = tmp_path / "report.json"
+    report_path = tmp_path / "reports" / "new" / "report.json"  # a folder that does not exist yet is made
     code = main(["verify", "--factory", "verify_factories:batchnorm_lm", "--vocab-size", "50", "--json", str(report_path)])
     out = capsys.readouterr().out
     assert code == 1 and "verdict: NOT EQUIVALENT" in out

@@ -76,5 +76,6 @@ def run(args: argparse.Namespace) -> int:
     report = verify_here(settings)
     print(report.format(top=args.top))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before verifying
         write_text_atomically(Path(args.json), json.dumps(report.to_dict(), indent=2) + "\n")
     return 0 if report.equivalent else 1
