@@ -50,11 +50,23 @@ LONG_DOCUMENT_EVENTS = {
 }
 
 
+SHUFFLE_EVENTS = {
+    "shuffle: a shifted epoch",  # packed: an epoch after the first, every window moved 1 .. T - 1 tokens
+    "shuffle: the last window moved",  # the corpus's last window, moved: the shift still fits
+    "shuffle: the last window kept in place",  # ... kept: the shift would run past the corpus's end
+    "shuffle: a micro-batch straddles the epoch's end",  # one micro-batch: the end of an epoch, the next's start
+    "shuffle: documents of a later epoch",  # documents: a second epoch, in its own permutation
+}
+
+
 def test_fixed_seeds_cover_every_drawn_choice() -> None:
     settings = [draw(seed) for seed in fuzz.FIXED_SEEDS]
     for world in (1, 2):
         mine = [s for s in settings if s.world == world]
         assert {s.mode for s in mine} == set(MODES)
+        assert {s.shuffle for s in mine} == {True, False}
+        # packed windows shuffled and then shifted in a later epoch, on one and two ranks
+        assert "shuffle: a shifted epoch" in set().union(*(step_events(s.seed) for s in mine))
         assert {bool(s.k) for s in mine} == {True, False}
         assert {s.last_window for s in mine} == set(LAST_WINDOWS)
         assert {s.clip for s in mine} == set(CLIPS)
@@ -66,6 +78,7 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
     assert events >= {"no valid target", "short last window", "partial budget step", "K varies", "dropped"}
     assert events >= LONG_DOCUMENT_EVENTS
+    assert events >= SHUFFLE_EVENTS
 
 
 def test_the_reference_reads_long_documents_as_the_readme_says() -> None:
