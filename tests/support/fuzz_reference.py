@@ -53,8 +53,9 @@ the run's ``--seed``; a permutation of ``n`` items for epoch ``e`` is
   ``[j G, (j + 1) G)`` with ``G = B x world``, rank ``r`` taking the ``B`` rows from ``j G + r B``, so one
   micro-batch may hold the end of one epoch and the start of the next (rows of each read in their own
   epoch's order and shift). A micro-batch ends an epoch when ``(j + 1) G`` reaches or passes a multiple of
-  ``n``; under a token budget with ``drop`` the step so far is discarded then, the straddling micro-batch
-  included (its next-epoch rows are not read again: the row counter only moves on). No epoch is ever cut
+  ``n``; under a token budget that step ends there with ``partial`` (the straddling micro-batch included
+  whole), while with ``drop`` the step so far is discarded, the straddling micro-batch included (its
+  next-epoch rows are not read again: the row counter only moves on). No epoch is ever cut
   short, so fixed K never drops or shortens a packed step.
 * Documents: an epoch's sequences (numbered in document order, see :func:`document_rows`) are read in the
   order ``perm_e`` of ``n = number of sequences``: position ``i`` of epoch ``e`` is sequence ``perm_e[i]``.
@@ -243,7 +244,7 @@ class _Stream:
             epoch = self.position // self.windows
             ended = epoch > self.epoch
             if ended and self.position % self.windows:
-                self.events.add("shuffle: a micro-batch straddles the epoch's end")
+                self.events.add("shuffle: a micro-batch straddles an epoch end")
             self.epoch = epoch
             return ranks, ended
         if self.setting.mode == "packed":
