@@ -56,6 +56,7 @@ LONG_DOCUMENT_EVENTS = {
 SHUFFLE_EVENTS = {
     "shuffle: a shifted epoch",  # packed: an epoch after the first, every window moved 1 .. T - 1 tokens
     "shuffle: the last window moved",  # the corpus's last window, moved: the shift still fits
+    "shuffle: the last window moved onto the corpus's last token",  # ... exactly: the boundary case
     "shuffle: the last window kept in place",  # ... kept: the shift would run past the corpus's end
     "shuffle: a micro-batch straddles an epoch end",  # one micro-batch: the end of an epoch, the next's start
     "shuffle: documents of a later epoch",  # documents: a second epoch, in its own permutation

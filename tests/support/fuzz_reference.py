@@ -228,8 +228,10 @@ class _Stream:
         if moved:
             self.events.add("shuffle: a shifted epoch")
             if window == self.windows - 1:
-                fits = window * self.T + moved + self.T + 1 <= self.size
-                self.events.add(f"shuffle: the last window {'moved' if fits else 'kept in place'}")
+                end = window * self.T + moved + self.T + 1  # one past the moved window's last token
+                self.events.add(f"shuffle: the last window {'moved' if end <= self.size else 'kept in place'}")
+                if end == self.size:
+                    self.events.add("shuffle: the last window moved onto the corpus's last token")
         return shifted_window(self.tokens, self.T, window, moved)
 
     def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
