@@ -2,8 +2,8 @@
 
 Each seed is a random setting trained through ``bigbatch train``'s code path and replayed by a naive
 float64 reference (one forward/backward over every sample of the global step, clip, AdamW, schedule);
-see tests/support/fuzz_reference.py for what is compared and how exactly-zero gradients are handled.
-``make fuzz N=200`` runs random seeds.
+see tests/support/fuzz_reference.py for what is compared, how exactly-zero gradients are handled and the
+shuffled window order (``--shuffle on``) the reference replays. ``make fuzz N=200`` runs random seeds.
 """
 
 from __future__ import annotations
