@@ -176,8 +176,8 @@ def draw(seed: int) -> Setting:
         corpus = _text(rng, windows * global_window + 1 + rng.randint(0, global_window - 1))
         if budget_mode:
             high = 3 * global_window
-            if last_window == "drop":  # every step must fit in one pass over the data (shuffled too: after the
-                # micro-batch that straddles a pass's start, at least `windows` whole ones come before its end)
+            if last_window == "drop":  # every step must fit in one pass over the data (shuffled too: from the
+                # micro-batch after the one that straddles a pass's start to the one that ends it, `windows` or more)
                 high = min(high, windows * global_window)
             token_budget = rng.randint(1, high)
     else:
