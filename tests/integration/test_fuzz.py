@@ -2,22 +2,25 @@
 
 Each seed is a random setting trained through ``bigbatch train``'s code path and replayed by a naive
 float64 reference (one forward/backward over every sample of the global step, clip, AdamW, schedule);
-see tests/support/fuzz_reference.py for what is compared and how exactly-zero gradients are handled.
-``make fuzz N=200`` runs random seeds.
+see tests/support/fuzz_reference.py for what is compared, how exactly-zero gradients are handled and the
+shuffled window order (``--shuffle on``) the reference replays. ``make fuzz N=200`` runs random seeds.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import fuzz
 import pytest
-from fuzz_reference import IGNORE, Outcome, _valid, document_rows, expected_steps
+import torch
+from fuzz_reference import IGNORE, Outcome, _valid, document_rows, expected_steps, permutation, shift, shifted_window
 from fuzz_settings import CLIPS, LAST_WINDOWS, LONG_DOCUMENTS, MODES, PARALLELS, draw
 
 ONE_RANK = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 1]
 TWO_RANKS = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 2]
 PLANTED_SEED = 453  # documents, ragged, K 4 with a short last window, a decaying lr, clipping that bites
+SHUFFLED_PACKED_SEED = 2  # packed, shuffled, B 1 x T 13, 5 windows, K 3 x 4 steps: epochs 0, 1 and 2 are read
 
 
 def explain(outcome: Outcome) -> str:
@@ -50,11 +53,24 @@ LONG_DOCUMENT_EVENTS = {
 }
 
 
+SHUFFLE_EVENTS = {
+    "shuffle: a shifted epoch",  # packed: an epoch after the first, every window moved 1 .. T - 1 tokens
+    "shuffle: the last window moved",  # the corpus's last window, moved: the shift still fits
+    "shuffle: the last window moved onto the corpus's last token",  # ... exactly: the boundary case
+    "shuffle: the last window kept in place",  # ... kept: the shift would run past the corpus's end
+    "shuffle: a micro-batch straddles an epoch end",  # one micro-batch: the end of an epoch, the next's start
+    "shuffle: documents of a later epoch",  # documents: a second epoch, in its own permutation
+}
+
+
 def test_fixed_seeds_cover_every_drawn_choice() -> None:
     settings = [draw(seed) for seed in fuzz.FIXED_SEEDS]
     for world in (1, 2):
         mine = [s for s in settings if s.world == world]
         assert {s.mode for s in mine} == set(MODES)
+        assert {s.shuffle for s in mine} == {True, False}
+        # packed windows shuffled and then shifted in a later epoch, on one and two ranks
+        assert "shuffle: a shifted epoch" in set().union(*(step_events(s.seed) for s in mine))
         assert {bool(s.k) for s in mine} == {True, False}
         assert {s.last_window for s in mine} == set(LAST_WINDOWS)
         assert {s.clip for s in mine} == set(CLIPS)
@@ -66,6 +82,7 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
     assert events >= {"no valid target", "short last window", "partial budget step", "K varies", "dropped"}
     assert events >= LONG_DOCUMENT_EVENTS
+    assert events >= SHUFFLE_EVENTS
 
 
 def test_the_reference_reads_long_documents_as_the_readme_says() -> None:
@@ -88,6 +105,40 @@ def test_the_reference_reads_long_documents_as_the_readme_says() -> None:
     for policy in ("split", "truncate"):
         assert [(x.tolist(), y.tolist()) for x, y, _ in document_rows(b"", b"a", 3, policy)] == [row("___", "___")]
         assert [(x.tolist(), y.tolist()) for x, y, _ in document_rows(b"", b"abcd", 3, policy)] == [row("abc", "bcd")]
+
+
+def test_the_reference_reads_shuffled_windows_as_the_readme_says() -> None:
+    """The reference's shuffled packed windows, worked out by hand on 11 tokens with T = 3 (3 windows)."""
+    tokens = torch.tensor(list(b"abcdefghijk"))
+
+    def window(w: int, moved: int) -> str:
+        inputs, targets = shifted_window(tokens, 3, w, moved)
+        assert inputs[1:].tolist() == targets[:-1].tolist()  # targets are the inputs moved by one token
+        return bytes(inputs.tolist() + targets[-1:].tolist()).decode()
+
+    assert [window(w, 0) for w in range(3)] == ["abcd", "defg", "ghij"]  # the tail "k" is never read unmoved
+    assert [window(w, 1) for w in range(3)] == ["bcde", "efgh", "hijk"]  # the last window fits moved by one
+    assert [window(w, 2) for w in range(3)] == ["cdef", "fghi", "ghij"]  # ... not by two: it stays in place
+    # epoch 0 is never moved; later epochs by 1 .. T - 1, drawn per epoch; every epoch a permutation of its own
+    assert [shift(13, 7, 0), shift(1, 7, 5)] == [0, 0]
+    assert all(1 <= shift(13, 7, e) < 13 for e in range(1, 50)) and len({shift(13, 7, e) for e in range(1, 50)}) > 1
+    orders = [permutation(20, 7, e) for e in range(3)]
+    assert all(sorted(order) == list(range(20)) for order in orders) and len({tuple(o) for o in orders}) == 3
+    # Two ranks of B = 1 over those 3 windows, K = 2: global micro-batch m is rows 2m (rank 0) and 2m + 1 (rank
+    # 1) of the endless stream; row 3 is the first of epoch 1, read in epoch 1's order and moved by its shift.
+    setting = replace(
+        draw(SHUFFLED_PACKED_SEED), world=2, parallel="ddp", micro_batch=1, seq_len=3, k=2, corpus="abcdefghijk"
+    )
+    seed = setting.init_seed
+    first, second = permutation(3, seed, 0), permutation(3, seed, 1)
+    events: set[str] = set()
+    step = expected_steps(setting, 1, events)[0]
+    got = [[bytes(x[0].tolist() + y[0, -1:].tolist()).decode() for x, y in micro] for micro in step]
+    assert got == [
+        [window(first[0], 0), window(first[1], 0)],
+        [window(first[2], 0), window(second[0], shift(3, seed, 1))],
+    ]
+    assert "shuffle: a micro-batch straddles an epoch end" in events and "shuffle: a shifted epoch" in events
 
 
 @pytest.mark.parametrize("seed", ONE_RANK)
@@ -127,3 +178,27 @@ def test_the_fuzzer_catches_a_planted_bug(sabotage: str, caught: str, tmp_path: 
     outcome = fuzz.run_one_rank(setting, tmp_path, sabotage=sabotage)
     assert not outcome.ok
     assert any(caught in problem for problem in outcome.problems), outcome.problems
+
+
+@pytest.mark.parametrize(
+    ("seed", "sabotage", "first_wrong_call"),
+    [
+        (SHUFFLED_PACKED_SEED, "shuffle_off", 0),  # bigbatch reads in the order of the data
+        (SHUFFLED_PACKED_SEED, "shuffle_no_shift", 1),  # epoch 1 not moved: epoch 0 (call 0) is still right
+        # every epoch in epoch 0's order: epoch 1 (rows 5-9) happens to begin with epoch 0's first window, so
+        # call 1 (rows 3-5) is still right
+        (SHUFFLED_PACKED_SEED, "shuffle_first_order", 2),
+        (PLANTED_SEED, "shuffle_first_order", 2),  # documents: the second epoch in the first one's order
+    ],
+)
+def test_the_fuzzer_catches_a_wrong_window_order(
+    seed: int, sabotage: str, first_wrong_call: int, tmp_path: Path
+) -> None:
+    """The reference's shuffled order is bigbatch's to the sample: a loader that drops the shift or reuses the
+    first epoch's order differs exactly from the first step that reads a later epoch, not before."""
+    setting = draw(seed)
+    assert setting.shuffle and setting.world == 1
+    outcome = fuzz.run_one_rank(setting, tmp_path, sabotage=sabotage)
+    assert not outcome.ok
+    differ = f"call {first_wrong_call}: bigbatch's samples differ from the reference's assembly of the step"
+    assert outcome.problems[0] == differ, outcome.problems

@@ -7,8 +7,12 @@
 
 Each seed draws a setting (``fuzz_settings.draw``); bigbatch trains it through ``bigbatch train``'s code
 path (one-rank settings in this process, two-rank settings in one torchrun job per batch of settings);
-``fuzz_reference.compare`` replays it naively and lists any difference. A failing seed is printed with
-the command that reproduces it; the summary gives the settings tried and the worst relative differences.
+``fuzz_reference.compare`` replays it naively and lists any difference. Half the settings read their data
+in bigbatch's default shuffled order (``--shuffle on``: packed windows permuted per epoch and moved in later
+epochs, document sequences permuted per epoch), which the reference replays from its own statement of the
+order, never bigbatch's loader; the other half in the order of the data (``--shuffle off``). A failing seed
+is printed with the command that reproduces it; the summary gives the settings tried and the worst relative
+differences.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (4, 2, 190, 453, 6, 19, 99, 145, 236, 105, 3971, 226)
+FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 99, 145, 236, 105, 3971, 226)
 """What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
-event (short last window, partial budget step, dropped remainder, step without valid targets) occurs, and
-documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies;
-tests/integration/test_fuzz.py checks that."""
+event (short last window, partial budget step, dropped remainder, step without valid targets) occurs,
+documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies,
+and shuffle is on and off on one and on two ranks, with packed windows read in a shifted later epoch on
+both, the last window kept in place and moved (once exactly onto the corpus's last token), a micro-batch
+straddling an epoch's end and documents in a later epoch's order; tests/integration/test_fuzz.py checks that."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
 
@@ -148,8 +154,7 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
     read: dict[int, set[str]] = {}  # what the documents of each setting's first max_steps steps exercised
     for seed, s in settings.items():
         read[seed] = set()
-        if s.mode == "documents":
-            expected_steps(s, s.max_steps, read[seed])
+        expected_steps(s, s.max_steps, read[seed])
     reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
     return "\n".join([
         f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
@@ -166,6 +171,11 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"inside the prompt {reading('split: a later window starts inside the prompt')}), truncate "
         f"{reading('truncate: long document')} (with a masked prompt "
         f"{reading('truncate: long document with a masked prompt')})",
+        f"shuffle on {count(lambda s: s.shuffle)}, off {count(lambda s: not s.shuffle)}; shuffled settings that "
+        f"read a shifted packed epoch {reading('shuffle: a shifted epoch')} (a micro-batch straddling an epoch's "
+        f"end {reading('shuffle: a micro-batch straddles an epoch end')}, the last window kept in "
+        f"place {reading('shuffle: the last window kept in place')}), documents of a later epoch "
+        f"{reading('shuffle: documents of a later epoch')}",
         f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
         f"tolerance {TOL:g}",
         f"worst single tensor: {tensor.worst_tensor[1]:.2e} ({tensor.worst_tensor[0]}, seed {tensor.seed})"

@@ -3,8 +3,9 @@
 For a :class:`~fuzz_settings.Setting` the reference works out on its own, from the raw data and the
 rules the README states, which samples form each global step (documents one per row, padded, prompt
 targets masked, a document longer than T + 1 tokens split into windows of T targets or cut to T + 1;
-packed windows strided over ranks; fixed K, the last window of a document epoch partial or dropped; a
-token budget reached by the micro-batch that crosses it, which is included whole). It checks that
+packed windows strided over ranks or, under ``--shuffle on``, in the seeded order spelt out below; fixed K,
+the last window of a document epoch partial or dropped; a token budget reached by the micro-batch that
+crosses it, which is included whole). It checks that
 bigbatch consumed exactly those samples, then trains a float64 copy of the initial model the plain way: **one** forward/backward over every sample of the global step
 concatenated, loss = (sum of per-token cross-entropy over valid targets) / (number of valid targets),
 global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim >= 2), learning rate
@@ -36,6 +37,30 @@ float32 too, and each bar (parameters, logits, logged loss and norm) is max(1e-5
 fp32 lands from float64 on this setting). Settings where that raises a bar (plain fp32 over 1e-6 away)
 are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
 (mean / K, an off-by-one schedule, no clipping, a step short of a micro-batch) are 1e-3 off or more.
+
+**The shuffled order** (``--shuffle on``, bigbatch's default), as the README states it, replayed here from
+the raw data without bigbatch's loader code (only the constant ``ORDER_SEED_TAG`` is imported). ``seed`` is
+the run's ``--seed``; a permutation of ``n`` items for epoch ``e`` is
+``Generator(PCG64(SeedSequence([seed, e, ORDER_SEED_TAG]))).permutation(n)``.
+
+* Packed: the corpus (L tokens, one shard) is cut into ``n = (L - 1) // T`` windows, window ``w`` being
+  tokens ``[w T, w T + T + 1)`` (T inputs, T shifted targets; the tail past the last is never read). The
+  windows form one endless stream of rows, epoch after epoch: row ``q`` lies in epoch ``e = q // n`` at
+  position ``q % n`` and reads window ``w = perm_e[q % n]`` moved ``shift_e`` tokens later, where ``shift_0 =
+  0`` and, for ``e >= 1`` (and ``T >= 2``), ``shift_e = Generator(PCG64(SeedSequence([seed, e,
+  ORDER_SEED_TAG, 1]))).integers(1, T)``, in ``[1, T)``. A moved window that would run past the corpus's end
+  (only the last window can: ``w T + shift + T + 1 > L``) is read unmoved. Global micro-batch ``j`` is rows
+  ``[j G, (j + 1) G)`` with ``G = B x world``, rank ``r`` taking the ``B`` rows from ``j G + r B``, so one
+  micro-batch may hold the end of one epoch and the start of the next (rows of each read in their own
+  epoch's order and shift). A micro-batch ends an epoch when ``(j + 1) G`` reaches or passes a multiple of
+  ``n``; under a token budget that step ends there with ``partial`` (the straddling micro-batch included
+  whole), while with ``drop`` the step so far is discarded, the straddling micro-batch included (its
+  next-epoch rows are not read again: the row counter only moves on). No epoch is ever cut
+  short, so fixed K never drops or shortens a packed step.
+* Documents: an epoch's sequences (numbered in document order, see :func:`document_rows`) are read in the
+  order ``perm_e`` of ``n = number of sequences``: position ``i`` of epoch ``e`` is sequence ``perm_e[i]``.
+  Epochs, their short last window (padding rows) and ``drop``/``partial`` are as without shuffling; the
+  epoch counter, and with it the permutation, moves on at every epoch's end, a dropped remainder included.
 """
 
 from __future__ import annotations
@@ -44,8 +69,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from fuzz_settings import Setting, non_empty
+
+from bigbatch.data.windows import ORDER_SEED_TAG  # a plain constant: the order's functions are not imported
 
 TOL = 1e-5  # fp32: relative L2 over all parameters (zero-gradient elements masked, see above)
 CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this many times as far as plain fp32
@@ -123,11 +151,35 @@ def document_rows(prompt: bytes, tokens: bytes, T: int, policy: str) -> list[Row
 
 
 
+def permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled order of epoch ``epoch``'s ``n`` items (module docstring)."""
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, ORDER_SEED_TAG])))
+    return [int(i) for i in generator.permutation(n)]
+
+
+def shift(T: int, seed: int, epoch: int) -> int:
+    """How many tokens later epoch ``epoch`` reads every packed window (module docstring)."""
+    if epoch == 0 or T < 2:
+        return 0
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, ORDER_SEED_TAG, 1])))
+    return int(generator.integers(1, T))
+
+
+def shifted_window(tokens: torch.Tensor, T: int, window: int, moved: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window ``window`` of a packed corpus moved ``moved`` tokens later, unless that runs past the end."""
+    start = window * T
+    if start + moved + T + 1 <= len(tokens):
+        start += moved
+    chunk = tokens[start : start + T + 1]
+    return chunk[:-1].clone(), chunk[1:].clone()
+
+
 @dataclass
 class _Stream:
-    """Global micro-batches of the data in order: ``next()`` is every rank's (inputs, targets) and
-    whether this global micro-batch ended a pass over the data. Documents mode reads sequences (a
-    document's rows, in document order); ``events`` collects what the rows read exercised."""
+    """Global micro-batches of the data in order (or in the shuffled order): ``next()`` is every rank's
+    (inputs, targets) and whether this global micro-batch ended a pass over the data. Documents mode reads
+    sequences (a document's rows, in document order or permuted); ``events`` collects what the rows read
+    exercised."""
 
     setting: Setting
     position: int = 0
@@ -137,9 +189,11 @@ class _Stream:
     def __post_init__(self) -> None:
         s = self.setting
         self.B, self.T, self.world = s.micro_batch, s.seq_len, s.world
+        self.orders: dict[int, list[int]] = {}
         if s.mode == "packed":
             self.tokens = torch.tensor(list(s.corpus.encode()), dtype=torch.int64)
             self.size = len(self.tokens)
+            self.windows = (self.size - 1) // self.T
         else:
             self.rows = [
                 row
@@ -151,15 +205,50 @@ class _Stream:
     def docs_left(self) -> int:
         return self.size - self.position
 
+    def _order(self, epoch: int, n: int) -> list[int]:
+        if epoch not in self.orders:
+            self.orders[epoch] = permutation(n, self.setting.init_seed, epoch)
+        return self.orders[epoch]
+
     def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if index >= self.size:  # past the epoch's last sequence: a row of padding
             return torch.zeros(self.T, dtype=torch.int64), torch.full((self.T,), IGNORE, dtype=torch.int64)
+        if self.setting.shuffle:
+            index = self._order(self.epoch, self.size)[index]
+            if self.epoch >= 1:
+                self.events.add("shuffle: documents of a later epoch")
         inputs, targets, events = self.rows[index]
         self.events |= events
         return inputs.clone(), targets.clone()
 
+    def _shuffled_row(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``q`` of the endless stream of shuffled packed windows."""
+        epoch, at = divmod(q, self.windows)
+        window, moved = self._order(epoch, self.windows)[at], shift(self.T, self.setting.init_seed, epoch)
+        if moved:
+            self.events.add("shuffle: a shifted epoch")
+            if window == self.windows - 1:
+                end = window * self.T + moved + self.T + 1  # one past the moved window's last token
+                self.events.add(f"shuffle: the last window {'moved' if end <= self.size else 'kept in place'}")
+                if end == self.size:
+                    self.events.add("shuffle: the last window moved onto the corpus's last token")
+        return shifted_window(self.tokens, self.T, window, moved)
+
     def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         B, T, world = self.B, self.T, self.world
+        if self.setting.mode == "packed" and self.setting.shuffle:
+            first = self.position  # the row counter: it runs on over every epoch
+            ranks = []
+            for r in range(world):
+                rows = [self._shuffled_row(first + r * B + i) for i in range(B)]
+                ranks.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+            self.position += B * world
+            epoch = self.position // self.windows
+            ended = epoch > self.epoch
+            if ended and self.position % self.windows:
+                self.events.add("shuffle: a micro-batch straddles an epoch end")
+            self.epoch = epoch
+            return ranks, ended
         if self.setting.mode == "packed":
             window = B * T
             ranks = []

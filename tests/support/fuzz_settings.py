@@ -1,7 +1,8 @@
 """Random settings for the differential fuzzer (``tests/integration/test_fuzz.py``, ``make fuzz``).
 
 One integer seed gives one :class:`Setting`: the batch arithmetic (data mode,
-micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy),
+micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy,
+window order: ``--shuffle on``, bigbatch's default, or ``off``),
 the optimizer (clipping that bites or not, schedule, AdamW hyper-parameters) and
 the training data itself (a packed text or a ``.jsonl`` of ragged documents with
 masked prompts), all drawn so that the configuration is valid for bigbatch.
@@ -56,6 +57,7 @@ class Setting:
     sync_every_micro_step: bool  # two ranks: reduce after every micro-step instead of once per step
     activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
     long_documents: str  # split (T-target windows) | truncate (first T + 1 tokens): --long-documents
+    shuffle: bool  # --shuffle on (a seeded order per epoch, packed windows moved each later epoch) or off
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -73,6 +75,7 @@ class Setting:
             f"eps {self.eps:g}"
             + (" | sync every micro-step" if self.sync_every_micro_step else "")
             + (" | activation checkpointing" if self.activation_checkpointing else "")
+            + f" | shuffle {'on' if self.shuffle else 'off'}"
         )
 
     def data_path(self, directory: Path) -> Path:
@@ -102,7 +105,7 @@ class Setting:
             "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
             "--last-window", self.last_window, "--long-documents", self.long_documents,
-            "--shuffle", "off",  # the reference assembles steps in the order of the data (README's stated rules)
+            "--shuffle", "on" if self.shuffle else "off",  # the reference replays either order (fuzz_reference)
             "--grad-clip", repr(self.grad_clip),
             "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
             "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps),
@@ -173,7 +176,8 @@ def draw(seed: int) -> Setting:
         corpus = _text(rng, windows * global_window + 1 + rng.randint(0, global_window - 1))
         if budget_mode:
             high = 3 * global_window
-            if last_window == "drop":  # every step must fit in one pass over the data
+            if last_window == "drop":  # every step must fit in one pass over the data (shuffled too: from the
+                # micro-batch after the one that straddles a pass's start to the one that ends it, `windows` or more)
                 high = min(high, windows * global_window)
             token_budget = rng.randint(1, high)
     else:
@@ -207,5 +211,5 @@ def draw(seed: int) -> Setting:
         init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
         # drawn last, so that adding them left every earlier choice of a seed as it was
         sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
-        long_documents=rng.choice(LONG_DOCUMENTS),
+        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5,
     )  # fmt: skip

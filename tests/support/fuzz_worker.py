@@ -25,7 +25,10 @@ from typing import Any
 import torch
 from fuzz_settings import Setting
 
-SABOTAGES = ("", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents")
+SABOTAGES = (
+    "", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents",
+    "shuffle_off", "shuffle_no_shift", "shuffle_first_order",
+)  # fmt: skip
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
 
@@ -59,6 +62,8 @@ def run_bigbatch(
     if sabotage == "other_long_documents":  # bigbatch reads long documents by the policy the setting did not draw
         at = flags.index("--long-documents") + 1
         flags[at] = {"split": "truncate", "truncate": "split"}[flags[at]]
+    if sabotage == "shuffle_off":  # bigbatch reads the data in its order where the setting shuffles
+        flags[flags.index("--shuffle") + 1] = "off"
     args = build_parser().parse_args(["train", *flags])
     trainer = Trainer(config_from_args(args), dist, device)
     initial = full_state(trainer.model)
@@ -89,6 +94,13 @@ def run_bigbatch(
         }  # fmt: skip
         return record
 
+    if sabotage == "shuffle_no_shift":  # later epochs read the first epoch's windows (in their own order)
+        read = loader.windows.read  # type: ignore[union-attr]
+        loader.windows.read = lambda index, pad_token=0, shifts=None: read(index, pad_token)  # type: ignore[union-attr]
+    elif sabotage == "shuffle_first_order":  # every epoch in the first epoch's order
+        orders = getattr(loader, "orders", None) or loader._orders  # type: ignore[union-attr]
+        at = orders.at
+        orders.at = lambda epoch, positions: at(0, positions)
     trainer.next_step = recording_next_step  # type: ignore[method-assign]
     trainer.engine.step = recording_step  # type: ignore[method-assign]
     if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
