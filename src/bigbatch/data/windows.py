@@ -116,6 +116,81 @@ class EpochOrders:
         return order[positions].astype(np.int64)
 
 
+MAX_PASSES_PER_ORDER = 4
+"""At most this many passes over the windows share one shuffled order (beyond a few, spreading the repeats wins
+little and the order's memory grows with it)."""
+MAX_ORDER_ITEMS = 1 << 25
+"""... and one order holds at most this many items (32 Mi: 128 MiB as uint32)."""
+
+
+def passes_per_order(planned_windows: int, count: int) -> int:
+    """How many passes over ``count`` windows one shuffled order spans, for a run planned to read
+    ``planned_windows`` rows (0: unknown): the whole run's passes, so that a window's copies (the pass that reads
+    it unmoved and the later ones that read it shifted) are spread over the run, at most
+    :data:`MAX_PASSES_PER_ORDER` and :data:`MAX_ORDER_ITEMS`. 1 (a new order per pass) for a run of one pass or
+    less, the common case, whose order this leaves as it was."""
+    if count <= 0 or planned_windows <= count:
+        return 1
+    passes = min(-(-planned_windows // count), MAX_PASSES_PER_ORDER)
+    while passes > 1 and passes * count > MAX_ORDER_ITEMS:
+        passes -= 1
+    return passes
+
+
+def pooled_order(count: int, seed: int, block: int, passes: int) -> np.ndarray:
+    """A permutation of ``range(passes * count)`` for block ``block`` (passes ``[block * passes, (block + 1) *
+    passes)``); item ``i`` is window ``i % count`` read in pass ``block * passes + i // count``. With one pass per
+    order it is :func:`epoch_order` of that pass."""
+    if passes == 1:
+        return epoch_order(count, seed, block)
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, block, ORDER_SEED_TAG, 2, passes])))
+    items = passes * count
+    return generator.permutation(items).astype(np.uint32 if items < 2**32 else np.int64)
+
+
+class ShuffledWindowOrder:
+    """Row ``q`` of the endless shuffled stream of a packed split: which window it reads, moved how far.
+
+    Rows come in blocks of ``passes * count``; block ``b`` reads :func:`pooled_order` of ``b``, item ``i`` being
+    window ``i % count`` in pass ``e = b * passes + i // count``, moved :func:`epoch_shift` of ``e`` tokens. Each
+    window is read once per pass, every pass of a block at its own shift, and a block's passes are mixed: a run
+    of 1.5 passes reads fresh text until its end (about a quarter of its last steps), where one order per pass
+    would read only repeats after the first pass, while a draw at random offsets reads a fifth of the text never.
+    With ``passes == 1`` a block is a pass and the order is the one each pass always had."""
+
+    def __init__(self, count: int, seq_len: int, seed: int, passes: int = 1) -> None:
+        if passes < 1:
+            raise ValueError(f"passes per order must be at least 1, got {passes}")
+        self.count = count
+        self.seq_len = seq_len
+        self.seed = seed
+        self.passes = passes
+        self._orders: dict[int, np.ndarray] = {}  # the last two blocks' (a micro-batch may straddle their border)
+
+    def _order(self, block: int) -> np.ndarray:
+        order = self._orders.get(block)
+        if order is None:
+            order = pooled_order(self.count, self.seed, block, self.passes)
+            self._orders = {b: o for b, o in self._orders.items() if b == block - 1}
+            self._orders[block] = order
+        return order
+
+    def at(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(windows, shifts)`` of ``rows`` (int64 arrays of the same length)."""
+        span = self.passes * self.count
+        blocks, positions = rows // span, rows % span
+        windows = np.empty(len(rows), dtype=np.int64)
+        shifts = np.zeros(len(rows), dtype=np.int64)
+        for block in np.unique(blocks).tolist():
+            here = np.flatnonzero(blocks == block)
+            items = self._order(int(block))[positions[here]].astype(np.int64)
+            windows[here] = items % self.count
+            passes = int(block) * self.passes + items // self.count
+            for one_pass in np.unique(passes).tolist():
+                shifts[here[passes == one_pass]] = epoch_shift(self.seq_len, self.seed, int(one_pass))
+        return windows, shifts
+
+
 def spread_sample(count: int, wanted: int) -> np.ndarray:
     """Indices of ``wanted`` items spread uniformly over ``range(count)`` (the middle of each of ``wanted`` equal
     parts); every item when ``count <= wanted``."""
