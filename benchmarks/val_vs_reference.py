@@ -51,10 +51,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 B, T, PRESET = 12, 64, "nano"
 MARKS = (500, 1000, 2000)
+RUN_NAMES = {
+    "shuffle on": "bigbatch, shuffle on",
+    "shuffle off": "bigbatch, shuffle off",
+    "reference": "reference, random windows",
+    "reference same init": "reference, bigbatch's initial weights",
+}
+Curves = dict[str, dict[int, dict[int, float]]]
+"""Run -> step -> seed -> validation loss."""
 
 
-def bigbatch_run(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> dict[int, float]:
-    """Validation loss by step of ``bigbatch train`` (the Trainer) with ``--shuffle shuffle``."""
+def bigbatch_config(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> TrainConfig:
     config = TrainConfig()
     config.model.preset = PRESET
     config.data.data, config.data.cache_dir, config.data.shuffle = data, str(cache), shuffle
@@ -62,18 +69,27 @@ def bigbatch_run(data: str, cache: Path, out: Path, steps: int, eval_every: int,
     config.run.max_steps, config.run.eval_every, config.run.seed = steps, eval_every, seed
     config.run.out, config.run.device = str(out), "cpu"
     config.run.sample_tokens, config.run.noise_scale_every, config.run.compile = 0, 0, "off"
-    Trainer(config).train()
+    return config
+
+
+def bigbatch_run(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> dict[int, float]:
+    """Validation loss by step of ``bigbatch train`` (the Trainer) with ``--shuffle shuffle``."""
+    Trainer(bigbatch_config(data, cache, out, steps, eval_every, seed, shuffle)).train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {int(r["step"]): float(r["val_loss"]) for r in records if r["kind"] == "eval"}
 
 
 def reference_run(
     train_tokens: np.ndarray, windows: list[tuple[torch.Tensor, torch.Tensor]], vocab: int, steps: int,
-    eval_every: int, seed: int,
+    eval_every: int, seed: int, initial: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, float]:
+    """Validation loss by step of the reference with windows at random offsets, from its own initial weights
+    drawn with ``seed`` or from ``initial``."""
     shape = preset(PRESET, vocab_size=vocab)
     torch.manual_seed(seed)
     model = ReferenceGPT(vocab, shape.n_layer, shape.n_head, shape.n_embd, shape.block_size)
+    if initial is not None:
+        model.load_state_dict(initial)
     result = train_reference(
         model, train_tokens, steps=steps, micro_batch=B, seq_len=T, order="random", seed=seed,
         val_windows=windows, eval_every=eval_every,
@@ -81,9 +97,10 @@ def reference_run(
     return dict(result.val_losses)
 
 
-def plot(curves: dict[str, dict[int, list[float]]], path: Path, title: str) -> None:
+def plot(curves: Curves, path: Path, title: str) -> None:
     """Left: each run's mean validation loss over seeds, its standard error shaded. Right: each bigbatch run
-    minus the reference, with the 95% interval of that difference (the goal: at or below zero)."""
+    minus the reference (paired where it can be), with the 95% interval of that difference (the goal: at or
+    below zero)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,36 +110,36 @@ def plot(curves: dict[str, dict[int, list[float]]], path: Path, title: str) -> N
     colors: dict[str, str] = {}
     for name, by_step in curves.items():
         steps = sorted(by_step)
-        means = [statistics.fmean(by_step[s]) for s in steps]
+        means = [statistics.fmean(by_step[s].values()) for s in steps]
         seeds = min(len(by_step[s]) for s in steps)
         label = name if "seed" in name else f"{name} ({seeds} seed{'s' * (seeds > 1)})"
         (line,) = ax.plot(steps, means, marker="o", markersize=3, label=label)
         colors[name] = line.get_color()
         if seeds > 1:  # the standard error of each mean, shaded
-            se = [statistics.stdev(by_step[s]) / math.sqrt(len(by_step[s])) for s in steps]
+            se = [statistics.stdev(by_step[s].values()) / math.sqrt(len(by_step[s])) for s in steps]
             ax.fill_between(steps, [m - e for m, e in zip(means, se, strict=True)],
                             [m + e for m, e in zip(means, se, strict=True)], color=line.get_color(), alpha=0.2)  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats per token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    reference = curves.get("reference, random windows", {})
-    for name, by_step in curves.items():
-        steps = [s for s in sorted(by_step) if s in reference]
-        gaps = [gap(by_step[s], reference[s]) for s in steps]
-        if name.startswith("reference") or not steps or not all(math.isfinite(g.se) for g in gaps):
-            continue  # the difference is shown for runs with several seeds
-        means = [g.mean for g in gaps]
-        diff.plot(steps, means, marker="o", markersize=3, color=colors[name], label=f"{name} minus reference")
-        diff.fill_between(steps, [g.mean - 1.96 * g.se for g in gaps], [g.mean + 1.96 * g.se for g in gaps],
-                          color=colors[name], alpha=0.2, label="95% interval")  # fmt: skip
+    ax.legend(fontsize=7)
+    for name in curves:
+        against = None if name.startswith("reference") else gaps_against(curves, name)
+        if against is None:
+            continue
+        reference, gaps = against
+        steps = sorted(gaps)
+        diff.plot(steps, [gaps[s].mean for s in steps], marker="o", markersize=3, color=colors[name],
+                  label=f"{name} minus {reference}")  # fmt: skip
+        diff.fill_between(steps, [gaps[s].mean - 1.96 * gaps[s].se for s in steps],
+                          [gaps[s].mean + 1.96 * gaps[s].se for s in steps], color=colors[name], alpha=0.15)  # fmt: skip
     diff.axhline(0.0, color="black", lw=1)
     diff.set_xlabel("optimizer step")
     diff.set_ylabel("difference in validation loss (nats)")
-    diff.set_title("bigbatch minus the reference (below 0: bigbatch lower)", fontsize=9)
+    diff.set_title("bigbatch minus the reference, 95% interval shaded (below 0: bigbatch lower)", fontsize=9)
     diff.grid(alpha=0.3)
-    diff.legend(fontsize=8)
+    diff.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -136,30 +153,25 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
     parser.add_argument("--data", default=str(SHAKESPEARE))
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "val-vs-reference.png")
-    parser.add_argument("--runs", nargs="+", default=["shuffle on", "shuffle off", "reference"],
-                        choices=["shuffle on", "shuffle off", "reference"])  # fmt: skip
+    parser.add_argument("--runs", nargs="+", default=["shuffle on", "shuffle off", "reference", "reference same init"],
+                        choices=list(RUN_NAMES))  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", default=[],
                         help="train nothing: combine the JSON files of earlier invocations (e.g. one per run, run "
                         "in parallel) into one table and plot")  # fmt: skip
     args = parser.parse_args()
     if args.merge:
-        curves, seeds = {}, set()
+        curves: Curves = {}
         for path in args.merge:
-            saved = json.loads(path.read_text())
-            seeds.update(saved["seeds"])
-            for name, by_step in saved["val_loss"].items():
-                for step, values in by_step.items():
-                    curves.setdefault(name, {}).setdefault(int(step), []).extend(values)
-        args.seeds = sorted(seeds)
+            for name, by_step in read_curves(path).items():
+                for step, by_seed in by_step.items():
+                    curves.setdefault(name, {}).setdefault(step, {}).update(by_seed)
         return report(curves, args)
     logging.basicConfig(level=logging.WARNING)
     if not Path(args.data).is_file():
         print(f"{args.data} not found; give --data (tiny Shakespeare)", file=sys.stderr)
         return 2
 
-    names = {"shuffle on": "bigbatch, shuffle on", "shuffle off": "bigbatch, shuffle off",
-             "reference": "reference, random windows"}  # fmt: skip
-    curves: dict[str, dict[int, list[float]]] = {names[r]: {} for r in args.runs}
+    curves = {RUN_NAMES[r]: {} for r in args.runs}
     with tempfile.TemporaryDirectory(prefix="val-vs-ref-") as tmp:
         work = Path(tmp)
         dataset = open_dataset(ensure_prepared(args.data, "byte", 0.1, work / "cache"))
@@ -177,69 +189,115 @@ def main() -> int:
         for seed in args.seeds:
             for run in args.runs:
                 started = time.perf_counter()
-                if run == "reference":
+                if run.startswith("reference"):
+                    initial = None
+                    if run == "reference same init":  # bigbatch's initial weights for this seed, untrained
+                        init_config = bigbatch_config(args.data, work / "cache", work / f"init-{seed}", args.steps,
+                                                      args.eval_every, seed, "on")  # fmt: skip
+                        initial = Trainer(init_config).model.state_dict()
                     losses = reference_run(train_tokens, reference_windows, dataset.vocab_size, args.steps,
-                                           args.eval_every, seed)  # fmt: skip
+                                           args.eval_every, seed, initial)  # fmt: skip
                 else:
                     out = work / f"{run.replace(' ', '-')}-{seed}"
                     losses = bigbatch_run(args.data, work / "cache", out, args.steps, args.eval_every, seed,
                                           run.split()[1])  # fmt: skip
                 for step, loss in losses.items():
-                    curves[names[run]].setdefault(step, []).append(loss)
+                    curves[RUN_NAMES[run]].setdefault(step, {})[seed] = loss
                 shown = " ".join(f"{s}:{losses[s]:.4f}" for s in sorted(losses))
-                print(f"seed {seed} | {names[run]:26s} | {time.perf_counter() - started:6.0f}s | {shown}", flush=True)
+                print(f"seed {seed} | {RUN_NAMES[run]:26s} | {time.perf_counter() - started:6.0f}s | {shown}",
+                      flush=True)  # fmt: skip
 
     return report(curves, args)
 
 
+def read_curves(path: Path) -> Curves:
+    """A JSON file this script wrote: ``{run: {step: {seed: loss}}}``, or the earlier form (a list per step, in
+    the order of the file's ``seeds``)."""
+    saved = json.loads(path.read_text())
+    curves: Curves = {}
+    for name, by_step in saved["val_loss"].items():
+        for step, values in by_step.items():
+            pairs = values.items() if isinstance(values, dict) else zip(saved["seeds"], values, strict=False)
+            curves.setdefault(name, {})[int(step)] = {int(seed): float(v) for seed, v in pairs}
+    return curves
+
+
 @dataclass(frozen=True)
 class Gap:
-    """Mean of ours minus mean of the reference, over independent seeds."""
+    """Mean of ours minus the reference's over seeds: paired (the same seed on both sides: the same initial
+    weights, so only the windows differ) or over independent seeds."""
 
     mean: float
-    se: float  # standard error of that difference (Welch: each side's variance over its seeds)
-    spread: float  # the pooled seed-to-seed standard deviation of one run
+    se: float  # its standard error (paired: of the per-seed differences; else Welch's)
+    seeds: int
+    paired: bool
 
 
-def gap(ours: list[float], reference: list[float]) -> Gap:
+def gap(ours: dict[int, float], reference: dict[int, float], paired: bool) -> Gap:
+    if paired:
+        diffs = [ours[seed] - reference[seed] for seed in sorted(set(ours) & set(reference))]
+        se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+        return Gap(statistics.fmean(diffs) if diffs else math.nan, se, len(diffs), True)
+
     def var(values: list[float]) -> float:
         return statistics.variance(values) if len(values) > 1 else math.nan
 
-    se = math.sqrt(var(ours) / len(ours) + var(reference) / len(reference))
-    spread = math.sqrt((var(ours) + var(reference)) / 2)
-    return Gap(statistics.fmean(ours) - statistics.fmean(reference), se, spread)
+    a, b = list(ours.values()), list(reference.values())
+    se = math.sqrt(var(a) / len(a) + var(b) / len(b))
+    return Gap(statistics.fmean(a) - statistics.fmean(b), se, min(len(a), len(b)), False)
 
 
-def report(curves: dict[str, dict[int, list[float]]], args: argparse.Namespace) -> int:
+def gaps_against(curves: Curves, name: str) -> tuple[str, dict[int, Gap]] | None:
+    """``name`` minus the reference at each step: paired with the reference from bigbatch's initial weights
+    where both have at least two common seeds, else against the reference's own initial weights."""
+    for reference, paired in ((RUN_NAMES["reference same init"], True), (RUN_NAMES["reference"], False)):
+        ref = curves.get(reference, {})
+        steps = [s for s in sorted(curves[name]) if s in ref]
+        gaps = {s: gap(curves[name][s], ref[s], paired) for s in steps}
+        if gaps and all(g.seeds > 1 for g in gaps.values()):
+            return reference, gaps
+    return None
+
+
+def describe(g: Gap) -> str:
+    how = "paired" if g.paired else "independent"
+    return f"{g.mean:+.4f} (SE {g.se:.4f}, {g.seeds} {how} seeds)"
+
+
+def report(curves: Curves, args: argparse.Namespace) -> int:
     """The table, the differences against the reference, the goal, the plot and its numbers as JSON."""
-    names = {"reference": "reference, random windows", "shuffle on": "bigbatch, shuffle on"}
     print("\nvalidation loss (mean over seeds), same windows for every run:")
     marks = [m for m in MARKS if m <= args.steps] or [args.steps]
-    print(f"{'run':28s}" + "".join(f"{m:>10d}" for m in marks))
+    print(f"{'run':40s}" + "".join(f"{m:>10d}" for m in marks) + "   seeds")
     for name, by_step in curves.items():
-        print(f"{name:28s}" + "".join(f"{statistics.fmean(by_step[m]):10.4f}" if m in by_step else f"{'-':>10s}"
-                                      for m in marks))  # fmt: skip
-    reference = curves.get(names["reference"])
-    if reference:
-        for name, by_step in curves.items():
-            if name != names["reference"]:
-                gaps = [gap(by_step[m], reference[m]) for m in marks if m in by_step and m in reference]
-                print(f"{name} minus reference: " + ", ".join(f"{g.mean:+.4f} ({f'SE {g.se:.4f}' if math.isfinite(g.se) else 'one seed'})" for g in gaps)
-                      + f" at {', '.join(str(m) for m in marks)} steps")  # fmt: skip
-        final = max(reference)
-        ours = curves.get(names["shuffle on"], {})
-        if final in ours:
-            g = gap(ours[final], reference[final])
-            low, high = g.mean - 1.96 * g.se, g.mean + 1.96 * g.se
-            verdict = ("met" if g.mean <= 0 else "a tie: the 95% interval holds 0" if low <= 0 else "not met")
-            print(f"goal: bigbatch (shuffle on) no higher than the reference after {final} steps: {verdict} "
-                  f"({g.mean:+.4f} nats, 95% interval [{low:+.4f}, {high:+.4f}], {len(ours[final])} and "
-                  f"{len(reference[final])} seeds; seed-to-seed spread {g.spread:.4f} nats)")  # fmt: skip
+        seeds = sorted(set().union(*(set(v) for v in by_step.values())))
+        print(f"{name:40s}" + "".join(f"{statistics.fmean(by_step[m].values()):10.4f}" if m in by_step
+                                      else f"{'-':>10s}" for m in marks) + f"   {len(seeds)}")  # fmt: skip
+    for name in curves:
+        if name.startswith("reference"):
+            continue
+        for reference, paired in ((RUN_NAMES["reference same init"], True), (RUN_NAMES["reference"], False)):
+            if reference in curves:
+                shown = [describe(gap(curves[name][m], curves[reference][m], paired)) for m in marks
+                         if m in curves[name] and m in curves[reference]]  # fmt: skip
+                print(f"{name} minus {reference}: " + ", ".join(shown) + f" at {', '.join(map(str, marks))} steps")
+    ours = RUN_NAMES["shuffle on"]
+    against = gaps_against(curves, ours) if ours in curves else None
+    if against is not None:
+        reference, gaps = against
+        final = max(gaps)
+        g = gaps[final]
+        low, high = g.mean - 1.96 * g.se, g.mean + 1.96 * g.se
+        verdict = "met" if g.mean <= 0 else "a tie: the 95% interval holds 0" if low <= 0 else "not met"
+        print(f"goal: {ours} no higher than the {reference} after {final} steps: {verdict} ({g.mean:+.4f} nats, "
+              f"95% interval [{low:+.4f}, {high:+.4f}], {g.seeds} {'paired' if g.paired else 'independent'} "
+              "seeds)")  # fmt: skip
     title = (f"nano (4x4x128), T={T}, B={B}, K=1, tiny Shakespeare (byte)\nvalidation loss on the whole "
              f"validation split (1,742 windows)\nmean over seeds, shaded: its standard error")  # fmt: skip
     plot(curves, args.plot, title)
-    numbers = {name: {str(s): v for s, v in sorted(by_step.items())} for name, by_step in curves.items()}  # lists
-    args.plot.with_suffix(".json").write_text(json.dumps({"seeds": args.seeds, "val_loss": numbers}, indent=1) + "\n")
+    numbers = {name: {str(step): {str(seed): v for seed, v in sorted(by_seed.items())}
+                      for step, by_seed in sorted(by_step.items())} for name, by_step in curves.items()}  # fmt: skip
+    args.plot.with_suffix(".json").write_text(json.dumps({"val_loss": numbers}, indent=1) + "\n")
     print(f"plot: {args.plot}")
     return 0
 
