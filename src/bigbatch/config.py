@@ -108,8 +108,7 @@ class DataSection:
     shuffle: str = field(
         default="on",
         metadata={
-            "help": "training order: on (a seeded permutation of the windows each epoch, a run planned for several "
-            "epochs mixing up to four in one; packed data: the windows of "
+            "help": "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of "
             "a step depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; "
             "documents: the epoch's sequences) or off (the order of the data)",
             "switch": True,
