@@ -14,27 +14,13 @@ from pathlib import Path
 import fuzz
 import pytest
 import torch
-from fuzz_reference import (
-    IGNORE,
-    Outcome,
-    _valid,
-    block_order,
-    document_rows,
-    expected_steps,
-    permutation,
-    pooled_passes,
-    shift,
-    shifted_window,
-)
+from fuzz_reference import IGNORE, Outcome, _valid, document_rows, expected_steps, permutation, shift, shifted_window
 from fuzz_settings import CLIPS, LAST_WINDOWS, LONG_DOCUMENTS, MODES, PARALLELS, draw
 
 ONE_RANK = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 1]
 TWO_RANKS = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 2]
 PLANTED_SEED = 453  # documents, ragged, K 4 with a short last window, a decaying lr, clipping that bites
-SHUFFLED_PACKED_SEED = 1982  # packed, shuffled, B 3 x T 3, 11 windows, K 4 x 4 steps: 48 rows, planned for 4+ passes,
-# so 4 passes pooled in one order of 44 rows (block 0); call 3 (rows 36-47) reads into block 1
-ONE_PASS_SEED = 4239  # packed, shuffled, B 3 x T 4, 4 windows, budget 6 x 3 steps: planned for 1 pass, one order per
-# pass; call 1 (rows 3-5) straddles the end of epoch 0, epoch 1 begins with epoch 0's first two windows
+SHUFFLED_PACKED_SEED = 2  # packed, shuffled, B 1 x T 13, 5 windows, K 3 x 4 steps: epochs 0, 1 and 2 are read
 
 
 def explain(outcome: Outcome) -> str:
@@ -74,9 +60,6 @@ SHUFFLE_EVENTS = {
     "shuffle: the last window kept in place",  # ... kept: the shift would run past the corpus's end
     "shuffle: a micro-batch straddles an epoch end",  # one micro-batch: the end of an epoch, the next's start
     "shuffle: documents of a later epoch",  # documents: a second epoch, in its own permutation
-    "shuffle: passes pooled in one order",  # packed, a run planned for more than one pass: its passes mixed
-    "shuffle: an earlier pass's window read after a later pass's",  # ... visibly: the property that motivates it
-    "shuffle: a micro-batch straddles a block border (pooled passes)",  # one micro-batch: two pooled orders
 }
 
 
@@ -88,8 +71,6 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
         assert {s.shuffle for s in mine} == {True, False}
         # packed windows shuffled and then shifted in a later epoch, on one and two ranks
         assert "shuffle: a shifted epoch" in set().union(*(step_events(s.seed) for s in mine))
-        # shuffled packed runs planned for one pass or less (one order per pass) and for more (passes pooled)
-        assert {pooled_passes(s) > 1 for s in mine if s.mode == "packed" and s.shuffle} == {True, False}
         assert {bool(s.k) for s in mine} == {True, False}
         assert {s.last_window for s in mine} == set(LAST_WINDOWS)
         assert {s.clip for s in mine} == set(CLIPS)
@@ -143,13 +124,12 @@ def test_the_reference_reads_shuffled_windows_as_the_readme_says() -> None:
     assert all(1 <= shift(13, 7, e) < 13 for e in range(1, 50)) and len({shift(13, 7, e) for e in range(1, 50)}) > 1
     orders = [permutation(20, 7, e) for e in range(3)]
     assert all(sorted(order) == list(range(20)) for order in orders) and len({tuple(o) for o in orders}) == 3
-    # Two ranks of B = 1 over those 3 windows: global micro-batch m is rows 2m (rank 0) and 2m + 1 (rank 1) of the
-    # endless stream. A run planned for at most one pass (1 step of a 9-token budget: 3 rows of 3 windows) reads
-    # each pass in its own permutation: row 3 is the first of epoch 1, read in epoch 1's order, moved by its shift.
-    base = replace(draw(SHUFFLED_PACKED_SEED), world=2, parallel="ddp", micro_batch=1, seq_len=3, corpus="abcdefghijk")
-    setting = replace(base, k=0, token_budget=9, max_steps=1, last_window="partial")
+    # Two ranks of B = 1 over those 3 windows, K = 2: global micro-batch m is rows 2m (rank 0) and 2m + 1 (rank
+    # 1) of the endless stream; row 3 is the first of epoch 1, read in epoch 1's order and moved by its shift.
+    setting = replace(
+        draw(SHUFFLED_PACKED_SEED), world=2, parallel="ddp", micro_batch=1, seq_len=3, k=2, corpus="abcdefghijk"
+    )
     seed = setting.init_seed
-    assert pooled_passes(setting) == 1
     first, second = permutation(3, seed, 0), permutation(3, seed, 1)
     events: set[str] = set()
     step = expected_steps(setting, 1, events)[0]
@@ -159,39 +139,6 @@ def test_the_reference_reads_shuffled_windows_as_the_readme_says() -> None:
         [window(first[2], 0), window(second[0], shift(3, seed, 1))],
     ]
     assert "shuffle: a micro-batch straddles an epoch end" in events and "shuffle: a shifted epoch" in events
-    assert not any("pool" in event for event in events)
-
-    # Planned for more (2 steps of K = 2: 8 rows, 3 windows): P = ceil(8 / 3) = 3 passes in one order of 9 rows,
-    # item i being window i % 3 in pass i // 3 (block 1: pass 3 + i // 3); three steps read rows 0-11, and
-    # global micro-batch 4 (rows 8 and 9) straddles the two orders.
-    setting = replace(base, k=2, token_budget=0, max_steps=2)
-    assert pooled_passes(setting) == 3
-    orders = [block_order(3, seed, block, 3) for block in range(2)]
-    assert all(sorted(order) == list(range(9)) for order in orders) and orders[0] != orders[1]
-    assert block_order(3, seed, 4, 1) == permutation(3, seed, 4)  # one pass per order: the pass's permutation
-
-    def row(q: int) -> str:
-        block, at = divmod(q, 9)
-        item = orders[block][at]
-        return window(item % 3, shift(3, seed, 3 * block + item // 3))
-
-    events = set()
-    steps = expected_steps(setting, 3, events)
-    got_rows = [
-        bytes(x[0].tolist() + y[0, -1:].tolist()).decode() for step in steps for micro in step for x, y in micro
-    ]
-    assert got_rows == [row(q) for q in range(12)]
-    assert [len(step) for step in steps] == [2, 2, 2]
-    assert {
-        "shuffle: passes pooled in one order",
-        "shuffle: an earlier pass's window read after a later pass's",
-        "shuffle: a micro-batch straddles a block border (pooled passes)",
-    } <= events
-    # P from the plan, as build.py works it out: max_steps x tokens per step (the budget, or B T K world) // T
-    # rows against n = 3 windows; ceil(planned / n), at most 4
-    passes = lambda **change: pooled_passes(replace(base, **change))  # noqa: E731
-    assert [passes(k=1, token_budget=0, max_steps=steps) for steps in (1, 2, 3, 5, 50)] == [1, 2, 2, 4, 4]
-    assert [passes(k=0, token_budget=budget, max_steps=1) for budget in (9, 11, 12, 21)] == [1, 1, 2, 3]
 
 
 @pytest.mark.parametrize("seed", ONE_RANK)
@@ -237,22 +184,18 @@ def test_the_fuzzer_catches_a_planted_bug(sabotage: str, caught: str, tmp_path: 
     ("seed", "sabotage", "first_wrong_call"),
     [
         (SHUFFLED_PACKED_SEED, "shuffle_off", 0),  # bigbatch reads in the order of the data
-        (SHUFFLED_PACKED_SEED, "shuffle_unpooled", 0),  # one order per pass where the plan pools four
-        (SHUFFLED_PACKED_SEED, "shuffle_no_shift", 0),  # passes 1-3 not moved: pooled, they are read from call 0
-        (SHUFFLED_PACKED_SEED, "shuffle_first_order", 3),  # every block in block 0's order: block 1 from row 44
-        (ONE_PASS_SEED, "shuffle_no_shift", 1),  # epoch 1 (from row 4) not moved: epoch 0 (call 0) is still right
-        # every epoch in epoch 0's order: epoch 1 happens to begin with epoch 0's first two windows, so call 1
-        # (rows 3-5) is still right
-        (ONE_PASS_SEED, "shuffle_first_order", 2),
+        (SHUFFLED_PACKED_SEED, "shuffle_no_shift", 1),  # epoch 1 not moved: epoch 0 (call 0) is still right
+        # every epoch in epoch 0's order: epoch 1 (rows 5-9) happens to begin with epoch 0's first window, so
+        # call 1 (rows 3-5) is still right
+        (SHUFFLED_PACKED_SEED, "shuffle_first_order", 2),
         (PLANTED_SEED, "shuffle_first_order", 2),  # documents: the second epoch in the first one's order
     ],
 )
 def test_the_fuzzer_catches_a_wrong_window_order(
     seed: int, sabotage: str, first_wrong_call: int, tmp_path: Path
 ) -> None:
-    """The reference's shuffled order is bigbatch's to the sample: a loader that drops the shift, reuses the
-    first epoch's (or pooled block's) order or keeps one order per pass where the plan pools several differs
-    exactly from the first step that reads what it gets wrong, not before."""
+    """The reference's shuffled order is bigbatch's to the sample: a loader that drops the shift or reuses the
+    first epoch's order differs exactly from the first step that reads a later epoch, not before."""
     setting = draw(seed)
     assert setting.shuffle and setting.world == 1
     outcome = fuzz.run_one_rank(setting, tmp_path, sabotage=sabotage)

@@ -8,9 +8,8 @@
 Each seed draws a setting (``fuzz_settings.draw``); bigbatch trains it through ``bigbatch train``'s code
 path (one-rank settings in this process, two-rank settings in one torchrun job per batch of settings);
 ``fuzz_reference.compare`` replays it naively and lists any difference. Half the settings read their data
-in bigbatch's default shuffled order (``--shuffle on``: packed windows permuted per epoch, or up to four epochs
-mixed in one permutation when the run is planned for more than one, and moved in later epochs; document
-sequences permuted per epoch), which the reference replays from its own statement of the
+in bigbatch's default shuffled order (``--shuffle on``: packed windows permuted per epoch and moved in later
+epochs, document sequences permuted per epoch), which the reference replays from its own statement of the
 order, never bigbatch's loader; the other half in the order of the data (``--shuffle off``). A failing seed
 is printed with the command that reproduces it; the summary gives the settings tried and the worst relative
 differences.
@@ -38,16 +37,13 @@ from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (4, 1982, 190, 453, 1083, 4239, 99, 145, 236, 105, 3971, 226, 290)
-"""What CI runs: six one-rank and seven two-rank settings, chosen so that every drawn choice and every step
+FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 99, 145, 236, 105, 3971, 226)
+"""What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
 event (short last window, partial budget step, dropped remainder, step without valid targets) occurs,
 documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies,
 and shuffle is on and off on one and on two ranks, with packed windows read in a shifted later epoch on
 both, the last window kept in place and moved (once exactly onto the corpus's last token), a micro-batch
-straddling an epoch's end and documents in a later epoch's order; shuffled packed runs planned for one pass
-or less (one order per pass: 4239, 290) and for more (passes pooled in one order: 1982, 226) on one and on
-two ranks, a later pass's window read before an earlier pass's, and a micro-batch straddling the border of
-two pooled orders (1982); tests/integration/test_fuzz.py checks that."""
+straddling an epoch's end and documents in a later epoch's order; tests/integration/test_fuzz.py checks that."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
 
@@ -178,9 +174,7 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         f"shuffle on {count(lambda s: s.shuffle)}, off {count(lambda s: not s.shuffle)}; shuffled settings that "
         f"read a shifted packed epoch {reading('shuffle: a shifted epoch')} (a micro-batch straddling an epoch's "
         f"end {reading('shuffle: a micro-batch straddles an epoch end')}, the last window kept in "
-        f"place {reading('shuffle: the last window kept in place')}), with passes pooled in one order "
-        f"{reading('shuffle: passes pooled in one order')} (a micro-batch straddling two orders "
-        f"{reading('shuffle: a micro-batch straddles a block border (pooled passes)')}), documents of a later epoch "
+        f"place {reading('shuffle: the last window kept in place')}), documents of a later epoch "
         f"{reading('shuffle: documents of a later epoch')}",
         f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
         f"tolerance {TOL:g}",

@@ -38,40 +38,27 @@ fp32 lands from float64 on this setting). Settings where that raises a bar (plai
 are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
 (mean / K, an off-by-one schedule, no clipping, a step short of a micro-batch) are 1e-3 off or more.
 
-**The shuffled order** (``--shuffle on``, bigbatch's default), replayed here from the raw data without
-bigbatch's loader code (only the constant ``ORDER_SEED_TAG`` is imported). ``seed`` is the run's ``--seed``;
-``perm(n, [a, b, ...])`` is ``Generator(PCG64(SeedSequence([a, b, ...]))).permutation(n)``.
+**The shuffled order** (``--shuffle on``, bigbatch's default), as the README states it, replayed here from
+the raw data without bigbatch's loader code (only the constant ``ORDER_SEED_TAG`` is imported). ``seed`` is
+the run's ``--seed``; a permutation of ``n`` items for epoch ``e`` is
+``Generator(PCG64(SeedSequence([seed, e, ORDER_SEED_TAG]))).permutation(n)``.
 
 * Packed: the corpus (L tokens, one shard) is cut into ``n = (L - 1) // T`` windows, window ``w`` being
   tokens ``[w T, w T + T + 1)`` (T inputs, T shifted targets; the tail past the last is never read). The
-  windows form one endless stream of rows, pass after pass (a pass, or epoch, reads every window once).
-  Pass ``e`` moves its windows ``shift_e`` tokens later, where ``shift_0 = 0`` and, for ``e >= 1`` (and
-  ``T >= 2``), ``shift_e = Generator(PCG64(SeedSequence([seed, e, ORDER_SEED_TAG, 1]))).integers(1, T)``, in
-  ``[1, T)``. A moved window that would run past the corpus's end (only the last window can: ``w T + shift +
-  T + 1 > L``) is read unmoved.
-
-  **Passes pooled in one order.** A run planned to read more than one pass mixes up to four passes in one
-  permutation. The plan: ``planned = max_steps x S // T`` rows, ``S`` the tokens per step (the token budget,
-  or ``B x T x K x world`` under fixed K). The passes per order: ``P = 1`` when ``planned <= n``, else ``P =
-  min(ceil(planned / n), 4)``, lowered while ``P n > 2**25`` (never, at the fuzzer's sizes). Rows come in
-  blocks of ``P n``: row ``q`` lies in block ``b = q // (P n)`` at position ``q % (P n)`` and reads item ``i =
-  order_b[q % (P n)]``, where ``order_b = perm(P n, [seed, b, ORDER_SEED_TAG, 2, P])`` for ``P > 1``; item
-  ``i`` is window ``i % n`` read in pass ``e = b P + i // n``, so moved ``shift_e``. With ``P = 1`` a block
-  is a pass and ``order_b = perm(n, [seed, b, ORDER_SEED_TAG])``: each pass in a permutation of its own,
-  the order every shuffled run had before passes were pooled. Either way each window is read once in each
-  pass, and with ``P > 1`` a block's passes are mixed (pass 1's windows among pass 0's).
-
-  Global micro-batch ``j`` is rows ``[j G, (j + 1) G)`` with ``G = B x world``, rank ``r`` taking the ``B``
-  rows from ``j G + r B``, so one micro-batch may hold the end of one block and the start of the next (rows
-  of each read in their own block's order). The loader's epoch, which the budget's ``partial`` / ``drop``
-  policy follows, is ``row // n`` however many passes an order pools: a micro-batch ends an epoch when ``(j +
-  1) G`` reaches or passes a multiple of ``n``; under a token budget that step ends there with ``partial``
-  (the straddling micro-batch included whole), while with ``drop`` the step so far is discarded, the
-  straddling micro-batch included (its rows past the epoch's end are not read again: the row counter only
-  moves on). No epoch is ever cut short, so fixed K never drops or shortens a packed step.
-* Documents (never pooled): an epoch's sequences (numbered in document order, see :func:`document_rows`)
-  are read in the order ``perm_e = perm(n, [seed, e, ORDER_SEED_TAG])`` of ``n = number of sequences``:
-  position ``i`` of epoch ``e`` is sequence ``perm_e[i]``.
+  windows form one endless stream of rows, epoch after epoch: row ``q`` lies in epoch ``e = q // n`` at
+  position ``q % n`` and reads window ``w = perm_e[q % n]`` moved ``shift_e`` tokens later, where ``shift_0 =
+  0`` and, for ``e >= 1`` (and ``T >= 2``), ``shift_e = Generator(PCG64(SeedSequence([seed, e,
+  ORDER_SEED_TAG, 1]))).integers(1, T)``, in ``[1, T)``. A moved window that would run past the corpus's end
+  (only the last window can: ``w T + shift + T + 1 > L``) is read unmoved. Global micro-batch ``j`` is rows
+  ``[j G, (j + 1) G)`` with ``G = B x world``, rank ``r`` taking the ``B`` rows from ``j G + r B``, so one
+  micro-batch may hold the end of one epoch and the start of the next (rows of each read in their own
+  epoch's order and shift). A micro-batch ends an epoch when ``(j + 1) G`` reaches or passes a multiple of
+  ``n``; under a token budget that step ends there with ``partial`` (the straddling micro-batch included
+  whole), while with ``drop`` the step so far is discarded, the straddling micro-batch included (its
+  next-epoch rows are not read again: the row counter only moves on). No epoch is ever cut
+  short, so fixed K never drops or shortens a packed step.
+* Documents: an epoch's sequences (numbered in document order, see :func:`document_rows`) are read in the
+  order ``perm_e`` of ``n = number of sequences``: position ``i`` of epoch ``e`` is sequence ``perm_e[i]``.
   Epochs, their short last window (padding rows) and ``drop``/``partial`` are as without shuffling; the
   epoch counter, and with it the permutation, moves on at every epoch's end, a dropped remainder included.
 """
@@ -170,34 +157,6 @@ def permutation(n: int, seed: int, epoch: int) -> list[int]:
     return [int(i) for i in generator.permutation(n)]
 
 
-MAX_POOLED_PASSES = 4  # at most this many passes share one shuffled packed order (module docstring)
-MAX_POOLED_ITEMS = 2**25  # ... and one order holds at most this many items
-
-
-def pooled_passes(setting: Setting) -> int:
-    """``P``: how many passes over the packed windows one shuffled order of ``setting`` mixes, from the rows the
-    run is planned to read (module docstring; 1 for a run of one pass or less)."""
-    n = (len(setting.corpus.encode()) - 1) // setting.seq_len
-    step_tokens = setting.token_budget or setting.micro_batch * setting.seq_len * setting.k * setting.world
-    planned = setting.max_steps * step_tokens // setting.seq_len
-    if n <= 0 or planned <= n:
-        return 1
-    passes = min(math.ceil(planned / n), MAX_POOLED_PASSES)
-    while passes > 1 and passes * n > MAX_POOLED_ITEMS:
-        passes -= 1
-    return passes
-
-
-def block_order(n: int, seed: int, block: int, passes: int) -> list[int]:
-    """The items of block ``block`` in order: a permutation of ``range(passes * n)`` (module docstring); with one
-    pass per order, :func:`permutation` of that pass."""
-    if passes == 1:
-        return permutation(n, seed, block)
-    entropy = [seed, block, ORDER_SEED_TAG, 2, passes]
-    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
-    return [int(i) for i in generator.permutation(passes * n)]
-
-
 def shift(T: int, seed: int, epoch: int) -> int:
     """How many tokens later epoch ``epoch`` reads every packed window (module docstring)."""
     if epoch == 0 or T < 2:
@@ -235,8 +194,6 @@ class _Stream:
             self.tokens = torch.tensor(list(s.corpus.encode()), dtype=torch.int64)
             self.size = len(self.tokens)
             self.windows = (self.size - 1) // self.T
-            self.passes = pooled_passes(s) if s.shuffle else 1
-            self.latest_pass: dict[int, int] = {}  # per block: the latest pass of the rows read so far
         else:
             self.rows = [
                 row
@@ -264,23 +221,10 @@ class _Stream:
         self.events |= events
         return inputs.clone(), targets.clone()
 
-    def _block(self, block: int) -> list[int]:
-        if block not in self.orders:
-            self.orders[block] = block_order(self.windows, self.setting.init_seed, block, self.passes)
-        return self.orders[block]
-
     def _shuffled_row(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``q`` of the endless stream of shuffled packed windows."""
-        n = self.windows
-        block, at = divmod(q, self.passes * n)
-        item = self._block(block)[at]
-        window, one_pass = item % n, block * self.passes + item // n
-        moved = shift(self.T, self.setting.init_seed, one_pass)
-        if self.passes > 1:
-            self.events.add("shuffle: passes pooled in one order")
-            if one_pass < self.latest_pass.get(block, one_pass):  # rows are read in order, rank by rank
-                self.events.add("shuffle: an earlier pass's window read after a later pass's")
-            self.latest_pass[block] = max(one_pass, self.latest_pass.get(block, one_pass))
+        epoch, at = divmod(q, self.windows)
+        window, moved = self._order(epoch, self.windows)[at], shift(self.T, self.setting.init_seed, epoch)
         if moved:
             self.events.add("shuffle: a shifted epoch")
             if window == self.windows - 1:
@@ -298,9 +242,6 @@ class _Stream:
             for r in range(world):
                 rows = [self._shuffled_row(first + r * B + i) for i in range(B)]
                 ranks.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
-            span = self.passes * self.windows  # rows per block
-            if self.passes > 1 and (first + B * world - 1) // span > first // span:  # last row in a later block
-                self.events.add("shuffle: a micro-batch straddles a block border (pooled passes)")
             self.position += B * world
             epoch = self.position // self.windows
             ended = epoch > self.epoch

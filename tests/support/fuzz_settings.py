@@ -57,8 +57,7 @@ class Setting:
     sync_every_micro_step: bool  # two ranks: reduce after every micro-step instead of once per step
     activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
     long_documents: str  # split (T-target windows) | truncate (first T + 1 tokens): --long-documents
-    shuffle: bool  # --shuffle on (a seeded order per epoch or per pooled passes, packed windows moved each later
-    # epoch: fuzz_reference) or off
+    shuffle: bool  # --shuffle on (a seeded order per epoch, packed windows moved each later epoch) or off
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 

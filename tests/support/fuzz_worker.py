@@ -27,7 +27,7 @@ from fuzz_settings import Setting
 
 SABOTAGES = (
     "", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents",
-    "shuffle_off", "shuffle_no_shift", "shuffle_first_order", "shuffle_unpooled",
+    "shuffle_off", "shuffle_no_shift", "shuffle_first_order",
 )  # fmt: skip
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
@@ -49,7 +49,6 @@ def run_bigbatch(
     from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
     from bigbatch.cli import build_parser
     from bigbatch.config import config_from_args
-    from bigbatch.data.windows import ShuffledWindowOrder
     from bigbatch.distributed import DistContext
     from bigbatch.trainer import Trainer
 
@@ -98,18 +97,10 @@ def run_bigbatch(
     if sabotage == "shuffle_no_shift":  # later epochs read the first epoch's windows (in their own order)
         read = loader.windows.read  # type: ignore[union-attr]
         loader.windows.read = lambda index, pad_token=0, shifts=None: read(index, pad_token)  # type: ignore[union-attr]
-    elif sabotage == "shuffle_first_order":  # every epoch (packed: every block of pooled passes) in the first's order
-        order = getattr(loader, "order", None)
-        if isinstance(order, ShuffledWindowOrder):
-            first_block = order._order
-            order._order = lambda block: first_block(0)  # type: ignore[method-assign]
-        else:
-            orders = loader._orders  # type: ignore[union-attr]
-            at = orders.at
-            orders.at = lambda epoch, positions: at(0, positions)
-    elif sabotage == "shuffle_unpooled":  # a new order every pass, however many passes the run is planned for
-        packed = loader.loader  # the loader itself, not its prefetching wrapper
-        packed.order = ShuffledWindowOrder(packed.windows.count, packed.seq_len, packed.seed)  # type: ignore[union-attr]
+    elif sabotage == "shuffle_first_order":  # every epoch in the first epoch's order
+        orders = getattr(loader, "orders", None) or loader._orders  # type: ignore[union-attr]
+        at = orders.at
+        orders.at = lambda epoch, positions: at(0, positions)
     trainer.next_step = recording_next_step  # type: ignore[method-assign]
     trainer.engine.step = recording_step  # type: ignore[method-assign]
     if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
