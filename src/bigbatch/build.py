@@ -111,19 +111,12 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     precision = resolve_precision(config.run.precision, device)
     plan = _plan(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
-    ramp = build_ramp(config, plan)
-    planned_tokens = (
-        ramp.planned_tokens(config.run.max_steps) if ramp is not None
-        else config.run.max_steps * (config.batch.token_budget or plan.tokens_per_step)
-    )  # fmt: skip
-    train_loader = build_loader(
-        config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on",
-        planned_windows=planned_tokens // plan.seq_len,
-    )  # fmt: skip
+    train_loader = build_loader(config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on")
     check_micro_batch_fits(train_loader, plan.micro_batch, dist.world_size)
     val_loader = _val_loader(config, dataset, plan, dist)
 
     parallel = resolve_parallel(config.run.parallel, dist.world_size)
+    ramp = build_ramp(config, plan)
     if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
         say(
             "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
@@ -261,15 +254,14 @@ def _auto_micro_batch(
 def build_loader(
     config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str,
     shuffle: bool = False,
-    planned_windows: int = 0,
 ) -> Loader:
-    """This rank's reader of ``split`` (in a seeded order with ``shuffle``; ``planned_windows``: the rows the run
-    plans to read, see :func:`~bigbatch.data.loader.loader_for`); a documents split without a single valid target
-    is refused."""
+    """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``); a documents split without a
+    single valid target is refused."""
+    step_tokens = config.batch.token_budget or plan.tokens_per_step  # a ramp's target: at most one pass more
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
         long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed,
-        planned_windows=planned_windows,
+        planned_windows=config.run.max_steps * step_tokens // plan.seq_len,
     )  # fmt: skip
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(

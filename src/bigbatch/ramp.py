@@ -138,18 +138,6 @@ class BatchRamp:
         wanted_times_ramp = start * ramp + (target - start) * tokens_seen  # integers: no rounding drift
         return max(1, min(wanted_times_ramp // (ramp * self.unit), self.k_max))
 
-    def planned_tokens(self, steps: int) -> int:
-        """Tokens ``steps`` steps of this ramp train on from the start (auto, whose growth is measured as it
-        goes: at most that, as if every step were at the target)."""
-        if self.spec.auto:
-            return steps * self.plan.tokens_per_step
-        seen = 0
-        for done in range(steps):
-            if seen >= self.spec.ramp_tokens:  # the ramp is over: the target for the steps left
-                return seen + (steps - done) * self.k_max * self.unit
-            seen += self.k(seen) * self.unit
-        return seen
-
     # -- auto ---------------------------------------------------------------------------------------------
 
     def grow(self, noise_scale: float | None) -> tuple[int, int] | None:

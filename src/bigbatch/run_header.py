@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bigbatch import __version__
 from bigbatch.build import RunParts
-from bigbatch.data.loader import DocumentLoader, ShuffledPackedLoader
+from bigbatch.data.loader import DocumentLoader
 
 
 def header_lines(parts: RunParts) -> list[str]:
@@ -65,10 +65,5 @@ def describe_order(parts: RunParts) -> str:
     """How the training windows are read: shuffled per epoch (``--shuffle on``) or in the data's order."""
     if parts.config.data.shuffle == "on":
         unit = "sequences" if parts.documents else f"windows of {parts.plan.seq_len} tokens"
-        seed = parts.config.run.seed
-        passes = parts.train_loader.order.passes if isinstance(parts.train_loader, ShuffledPackedLoader) else 1
-        if passes > 1:  # a run planned for more than one epoch: its repeats spread over it
-            return (f"shuffled: one permutation of the {unit} of {passes} epochs at once, each epoch's windows "
-                    f"moved apart, seed {seed} (--shuffle on)")  # fmt: skip
-        return f"shuffled: a permutation of the {unit} per epoch, seed {seed} (--shuffle on)"
+        return f"shuffled: a permutation of the {unit} per epoch, seed {parts.config.run.seed} (--shuffle on)"
     return "the data's order (--shuffle off)"

@@ -161,16 +161,3 @@ def test_a_changed_ramp_is_refused_unless_allowed() -> None:
         check_ramp_change({"batch": {}}, "4096:1000", False, "runs/x")  # an older checkpoint: no ramp
     note = check_ramp_change(saved, "16K:1M", True, "runs/x")
     assert note is not None and "'32,000:1,000,000' -> '16,000:1,000,000' from the next step" in note
-
-
-@pytest.mark.parametrize("steps", [0, 1, 5, 37, 200])
-@pytest.mark.parametrize(("start", "ramp_tokens"), [(1024, 20_000), (3000, 4096), (4096, 1)])
-def test_planned_tokens_are_what_the_steps_train_on(start: int, ramp_tokens: int, steps: int) -> None:
-    """What a shuffled run sizes its order by (build: the passes it plans to read)."""
-    ramp = BatchRamp(RampSpec(start, ramp_tokens), BatchPlan(2, 64, accumulation_steps=8))
-    seen = 0
-    for _ in range(steps):
-        seen += ramp.k(seen) * ramp.unit
-    assert ramp.planned_tokens(steps) == seen
-    auto = BatchRamp(RampSpec(0, 0, auto=True), BatchPlan(2, 64, accumulation_steps=8))
-    assert auto.planned_tokens(steps) == steps * 2 * 64 * 8  # its growth is measured: at most the target
