@@ -257,11 +257,9 @@ def build_loader(
 ) -> Loader:
     """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``); a documents split without a
     single valid target is refused."""
-    step_tokens = config.batch.token_budget or plan.tokens_per_step  # a ramp's target: at most one pass more
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
         long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed,
-        planned_windows=config.run.max_steps * step_tokens // plan.seq_len,
     )  # fmt: skip
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(

@@ -16,9 +16,8 @@ from bigbatch.data.windows import (
     SHUFFLED,
     EpochOrders,
     PackedWindows,
-    ShuffledWindowOrder,
     check_saved_order,
-    passes_per_order,
+    epoch_shift,
 )
 from bigbatch.errors import DataError
 
@@ -147,13 +146,10 @@ class ShuffledPackedLoader(PackedLoader):
     """The packed reader with a seeded order of ``T``-token windows that is new each epoch and the same for every
     micro-batch size and number of processes (``--shuffle on``, the default).
 
-    The split's windows are numbered once (:class:`~bigbatch.data.windows.PackedWindows`); every epoch (pass) reads
-    each of them once, pass ``e`` moving them ``epoch_shift(T, seed, e)`` tokens later (0 in the first: a repeated
-    pass reads new windows, not the first pass's again), in one endless stream of rows. A run planned for one pass
-    or less reads each pass in the permutation drawn from the run's seed and the pass; a run planned for more
-    (``planned_windows``) mixes its passes, up to four, in one permutation
-    (:class:`~bigbatch.data.windows.ShuffledWindowOrder`), so that its repeats are spread over it.
-    Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B *
+    The split's windows are numbered once (:class:`~bigbatch.data.windows.PackedWindows`); epoch ``e`` reads them in
+    the permutation drawn from the run's seed and ``e``, every window moved ``epoch_shift(T, seed, e)`` tokens later
+    (0 in the first epoch: a repeated epoch reads new windows, not the first epoch's again), and the epochs follow
+    one another as one endless stream of rows. Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B *
     world)`` of that stream and rank ``r`` reads the ``B`` rows that begin ``r * B`` into it. A global step of ``K``
     micro-batches therefore holds rows ``[s * R, (s + 1) * R)`` with ``R = tokens per step / T``: the windows of step
     ``s`` depend only on the seed, the data, ``T`` and the tokens per step, never on how ``R`` is divided into
@@ -170,14 +166,11 @@ class ShuffledPackedLoader(PackedLoader):
         world_size: int = 1,
         name: str = "train",
         seed: int = 0,
-        planned_windows: int = 0,
     ) -> None:
         super().__init__(shards, micro_batch, seq_len, rank, world_size, name=name)  # the same checks
         self.windows = PackedWindows(shards, seq_len)
         self.seed = seed
-        self.order = ShuffledWindowOrder(
-            self.windows.count, seq_len, seed, passes_per_order(planned_windows, self.windows.count)
-        )
+        self.orders = EpochOrders(self.windows.count, seed)
         self.row = 0  # first row of the next global micro-batch in the endless stream of epochs
 
     @property
@@ -192,10 +185,17 @@ class ShuffledPackedLoader(PackedLoader):
         self.row = self.epoch * self.windows.count
 
     def next_micro_batch(self) -> MicroBatch:
+        n = self.windows.count
         rows = self.row + self.rank * self.micro_batch + np.arange(self.micro_batch, dtype=np.int64)
-        picked, shifts = self.order.at(rows)  # each pass after the first moves its windows
+        epochs, positions = rows // n, rows % n
+        picked = np.empty(self.micro_batch, dtype=np.int64)
+        shifts = np.zeros(self.micro_batch, dtype=np.int64)  # each epoch after the first moves its windows
+        for epoch in np.unique(epochs).tolist():
+            here = epochs == epoch
+            picked[here] = self.orders.at(int(epoch), positions[here])
+            shifts[here] = epoch_shift(self.seq_len, self.seed, int(epoch))
         self.row += self.micro_batch * self.world_size
-        self.epoch = self.row // self.windows.count
+        self.epoch = self.row // n
         return self.windows.read(picked, shifts=shifts)
 
     def state_dict(self) -> dict[str, Any]:
@@ -206,7 +206,6 @@ class ShuffledPackedLoader(PackedLoader):
             "epoch": self.epoch,
             "windows": self.windows.count,
             "seed": self.seed,
-            "passes_per_order": self.order.passes,
             "micro_batch": self.micro_batch,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
@@ -219,11 +218,8 @@ class ShuffledPackedLoader(PackedLoader):
                 f"loader state counts {state['windows']} windows of {state.get('seq_len')} tokens, this split has "
                 f"{self.windows.count} of {self.seq_len}; was the data changed?"
             )
-        self.seed = int(state["seed"])  # the order the run was started with (a state saved before orders spanned
-        # several passes had one per pass)
-        self.order = ShuffledWindowOrder(
-            self.windows.count, self.seq_len, self.seed, int(state.get("passes_per_order", 1))
-        )
+        self.seed = int(state["seed"])  # the order the run was started with
+        self.orders = EpochOrders(self.windows.count, self.seed)
         self.row = int(state["row"])
         self.epoch = self.row // self.windows.count
 
@@ -249,14 +245,11 @@ def loader_for(
     long_documents: str = "split",
     shuffle: bool = False,
     seed: int = 0,
-    planned_windows: int = 0,
 ) -> PackedLoader | DocumentLoader:
     """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
     with its end-of-text token; documents longer than a sequence by ``long_documents``), else the packed stream.
     ``shuffle``: a seeded order per epoch (packed: of ``T``-token windows, see :class:`ShuffledPackedLoader`;
-    documents: of the epoch's sequences), else the order of the data. ``planned_windows``: the rows (``T``-token
-    windows) the run is planned to read, from which a shuffled packed order spans one or more passes
-    (:func:`~bigbatch.data.windows.passes_per_order`; 0: one per pass)."""
+    documents: of the epoch's sequences), else the order of the data."""
     name = name or split
     if dataset.meta.mode == "documents":
         pad = dataset.meta.eot_token or 0
@@ -266,9 +259,7 @@ def loader_for(
             shuffle=shuffle, seed=seed,
         )  # fmt: skip
     if shuffle:
-        return ShuffledPackedLoader(
-            dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed, planned_windows
-        )
+        return ShuffledPackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed)
     return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)
 
 
