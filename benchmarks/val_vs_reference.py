@@ -6,18 +6,23 @@
 The setting of issue 14: the nano shape (4 layers, 4 heads, 128 wide), T=64, B=12, K=1, tiny Shakespeare with
 the byte tokenizer and bigbatch's 10% validation split, 2,000 steps, bigbatch's default optimizer settings
 (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1, 20 warmup steps, cosine to 10% at the last step, clip 1.0).
-Three runs per seed:
+Four runs per seed (``--runs`` picks some):
 
 * bigbatch ``--shuffle on`` (the default): the ``bigbatch train`` path (:class:`~bigbatch.trainer.Trainer`);
 * bigbatch ``--shuffle off``: the same, windows in the order of the data;
 * the reference (``benchmarks/reference_gpt.py``, a minimal GPT-2 and the plainest loop) with windows at
-  random offsets, the way the minimal scripts sample them, seeded with the same seed.
+  random offsets, the way the minimal scripts sample them, seeded with the same seed (``reference``);
+* the same reference starting from bigbatch's initial weights for that seed (``reference same init``): with
+  the weights shared, a seed's two runs differ only in their windows, so their difference is paired. The
+  verdict uses it where present.
 
 Every evaluation of every run scores the same windows: all the ``T``-token windows of the validation split
 (tiny Shakespeare's 111,540 validation tokens are below bigbatch's 131,072-token default, so bigbatch's own
 evaluation reads the whole split; the reference is given the same windows). The script prints the validation
-loss of each run at each evaluation, the difference bigbatch minus reference at 500, 1,000 and 2,000 steps,
-and writes a plot of the curves (and their numbers as JSON beside it).
+loss of each run at each evaluation, the difference bigbatch minus reference at 500, 1,000 and 2,000 steps with
+its standard error, the verdict on the goal (no higher after the last step) with its 95% interval, and writes a
+plot of the curves and the difference (and their numbers, per seed, as JSON beside it). Runs in parallel
+processes, one per run and seed range, are combined with ``--merge A.json B.json ...``.
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ def plot(curves: Curves, path: Path, title: str) -> None:
     diff.axhline(0.0, color="black", lw=1)
     diff.set_xlabel("optimizer step")
     diff.set_ylabel("difference in validation loss (nats)")
-    diff.set_title("bigbatch minus the reference, 95% interval shaded (below 0: bigbatch lower)", fontsize=9)
+    diff.set_title("bigbatch minus the reference (95% interval shaded)", fontsize=9)
     diff.grid(alpha=0.3)
     diff.legend(fontsize=7)
     fig.tight_layout()
