@@ -1,6 +1,6 @@
 """bigbatch's ``bigbatch train`` path (the Trainer) against a minimal reference GPT loop, side by side, on CPU.
 
-    python benchmarks/speed_vs_reference.py [--quick] [--rounds N] [--steps N]
+    python benchmarks/speed_vs_reference.py [--quick] [--rounds N] [--steps N] [--shuffle off|on]
 
 The nano shape (4 layers, 4 heads, 128 wide) on tiny Shakespeare with the demo's byte tokenizer (vocabulary
 256 for both), the same optimizer settings (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1 on matrices,
@@ -9,8 +9,9 @@ clip 1.0, warmup + cosine), at three settings: (T=64, B=12, K=1), (T=64, B=12, K
 Each round builds a Trainer exactly as ``bigbatch train`` does (prepared data, run directory, metrics.jsonl,
 step lines logged at INFO into a discarded stream, the noise-scale meter at its default, the final checkpoint;
 evaluation and sampling off, as the reference has none) and a :class:`reference_gpt.ReferenceGPT` starting from
-the Trainer's initial parameters, reading the same windows in the same (sequential) order. The two run one
-after the other, which goes first swapping every round; in each, tokens/s is taken from the end of step 1 to
+the Trainer's initial parameters, reading the same windows in the same (sequential) order (bigbatch with
+``--shuffle off``; ``--shuffle on`` times bigbatch's default shuffled windows against random offsets instead).
+The two run one after the other, which goes first swapping every round; in each, tokens/s is taken from the end of step 1 to
 the end of the last step, by the wall clock and by this process's CPU time (all threads; the steadier measure
 on a shared machine, where other processes take the cores). The script prints the median over rounds of each,
 their ratio against the goal (bigbatch >= 1.02x the reference), and the largest parameter difference after the same steps. The reference
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import sys
@@ -49,9 +51,10 @@ GOAL = 1.02
 STEP_BUDGET_S = 4.0  # CPU seconds of training per side and round: steps per round follow from it
 
 
-def make_config(dataset: Path, out: Path, T: int, B: int, K: int, steps: int) -> TrainConfig:
+def make_config(dataset: Path, out: Path, T: int, B: int, K: int, steps: int, shuffle: str = "off") -> TrainConfig:
     config = TrainConfig()  # the demo's defaults otherwise (nano, lr, warmup, noise scale, log every step)
     config.data.data = str(dataset)
+    config.data.shuffle = shuffle  # off: the reference's sequential windows, the same data and arithmetic
     config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = B, T, B * T * K
     config.run.max_steps = steps
     config.run.out = str(out)
@@ -93,11 +96,13 @@ def one_round(
     steps: int,
     bigbatch_first: bool,
     same_kernels: bool = False,
+    shuffle: str = "off",
 ) -> tuple[tuple[float, float], tuple[float, float], float]:
     """Tokens per second and per CPU second of the Trainer and of the reference, and their largest absolute
     parameter difference after. ``same_kernels``: the reference uses the AdamW kernel the Trainer's optimizer
-    uses (fused or not), so that the two do the same arithmetic."""
-    trainer = Trainer(make_config(dataset, out, T, B, K, steps))
+    uses (fused or not), so that the two do the same arithmetic. ``shuffle`` on: bigbatch's default shuffled
+    windows against the reference's random offsets (other windows: the parameters differ)."""
+    trainer = Trainer(make_config(dataset, out, T, B, K, steps, shuffle))
     cfg = trainer.model_config
     reference = ReferenceGPT(cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size)
     reference.load_state_dict(trainer.model.state_dict())  # the same initial parameters
@@ -108,7 +113,8 @@ def one_round(
 
     def run_reference() -> None:
         train_reference(
-            reference, tokens, steps=steps, micro_batch=B, seq_len=T, accum=K, order="sequential",
+            reference, tokens, steps=steps, micro_batch=B, seq_len=T, accum=K,
+            order="random" if shuffle == "on" else "sequential",
             lr=opt.lr, min_lr_ratio=opt.min_lr_ratio, warmup_steps=opt.warmup_steps, weight_decay=opt.weight_decay,
             betas=(opt.beta1, opt.beta2), eps=opt.eps, grad_clip=opt.grad_clip,
             fused=bool(trainer.parts.optimizer.defaults.get("fused")) if same_kernels else None,
@@ -129,6 +135,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per setting")
     parser.add_argument("--steps", type=int, default=0, help="steps per round (0: about 4 CPU-s of training)")
     parser.add_argument("--quick", action="store_true", help="2 rounds per setting")
+    parser.add_argument("--shuffle", choices=["off", "on"], default="off",
+                        help="off (default): both read the same windows in order, and their parameters are compared; "
+                        "on: bigbatch's default shuffled windows against the reference's random offsets")  # fmt: skip
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     # Step lines go where the CLI sends them (INFO), into a discarded stream: formatting them is part of the path.
@@ -156,24 +165,31 @@ def main() -> None:
             theirs: list[tuple[float, float]] = []
             diffs: list[float] = []
             for r in range(rounds):
-                a, b, d = one_round(dataset, tokens, root / f"run-{T}-{B}-{K}-{r}", T, B, K, steps, r % 2 == 0)
+                a, b, d = one_round(dataset, tokens, root / f"run-{T}-{B}-{K}-{r}", T, B, K, steps, r % 2 == 0,
+                                    shuffle=args.shuffle)  # fmt: skip
                 ours.append(a)
                 theirs.append(b)
                 diffs.append(d)
-            _, _, same_diff = one_round(dataset, tokens, root / f"same-{T}-{B}-{K}", T, B, K, 5, True, True)
+            same_diff = math.nan  # other windows: nothing to compare
+            if args.shuffle == "off":
+                _, _, same_diff = one_round(dataset, tokens, root / f"same-{T}-{B}-{K}", T, B, K, 5, True, True)
             wall = statistics.median(x[0] for x in ours), statistics.median(x[0] for x in theirs)
             cpu = statistics.median(x[1] for x in ours), statistics.median(x[1] for x in theirs)
             ratio, cpu_ratio = wall[0] / wall[1], cpu[0] / cpu[1]
             ratios.append((ratio, cpu_ratio))
             verdict = "met" if ratio >= GOAL else "NOT met"
+            compared = (
+                f"    max |parameter difference| after the same steps: {max(diffs):.1e} (the reference's AdamW "
+                f"kernel, torch's default); {same_diff:.1e} after 5 steps with the Trainer's AdamW kernel"
+                + (" (bitwise identical)" if same_diff == 0 else "")
+                if args.shuffle == "off" else "    (shuffled: other windows on each side, parameters not compared)"
+            )  # fmt: skip
             print(
                 f"T={T:<3} B={B:<2} K={K}  ({B * T * K:>6,} tokens/step, {rounds} rounds x {steps} steps)\n"
                 f"    tokens/s      bigbatch {wall[0]:8,.0f}  reference {wall[1]:8,.0f}  ratio {ratio:.3f} "
                 f"(goal >= {GOAL}: {verdict})\n"
                 f"    tokens/CPU-s  bigbatch {cpu[0]:8,.0f}  reference {cpu[1]:8,.0f}  ratio {cpu_ratio:.3f}\n"
-                f"    max |parameter difference| after the same steps: {max(diffs):.1e} (the reference's AdamW "
-                f"kernel, torch's default); {same_diff:.1e} after 5 steps with the Trainer's AdamW kernel"
-                + (" (bitwise identical)" if same_diff == 0 else ""),
+                + compared,
                 flush=True,
             )
     print("ratios (tokens/s; tokens/CPU-s): " + ", ".join(f"{r:.3f}; {c:.3f}" for r, c in ratios))
