@@ -201,3 +201,26 @@ def test_documents_shuffle_reads_every_sequence_once_per_epoch_over_all_ranks() 
             seen += [int(row[0]) for row in loader.next_micro_batch().inputs if int(row[0]) != 0]
     assert sorted(seen) == list(range(1, 12))
     assert seen != list(range(1, 12))
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 8])
+def test_reading_windows_is_the_slice_of_each_window_moved_unless_it_would_overrun(seq_len: int) -> None:
+    """PackedWindows.read gathers each shard's rows at once; row by row it must be the plain slice: window i of a
+    shard at [i*T, i*T + T + 1), moved by its shift unless that runs past the shard's end; -1 is padding."""
+    rng = np.random.default_rng(seq_len)
+    data = [rng.integers(0, 50, size=n).astype(np.uint16) for n in (seq_len * 5 + 1, 0, seq_len * 3 + 2, 7, 40)]
+    windows = PackedWindows(data, seq_len)
+    for _ in range(20):
+        index = rng.integers(-1, windows.count, size=9)
+        shifts = rng.integers(0, seq_len, size=9)
+        batch = windows.read(index, pad_token=3, shifts=shifts)
+        for row, (window, shift) in enumerate(zip(index.tolist(), shifts.tolist(), strict=True)):
+            if window < 0:
+                assert (batch.inputs[row] == 3).all() and (batch.targets[row] == -100).all()
+                continue
+            shard = int(np.searchsorted(windows.first, window, side="right")) - 1
+            start = (window - int(windows.first[shard])) * seq_len
+            if start + shift + seq_len + 1 <= len(data[shard]):
+                start += shift
+            expected = torch.from_numpy(data[shard][start : start + seq_len + 1].astype(np.int64))
+            assert torch.equal(batch.inputs[row], expected[:-1]) and torch.equal(batch.targets[row], expected[1:])

@@ -68,15 +68,15 @@ class PackedWindows:
         inputs = torch.full((len(index), T), pad_token, dtype=torch.int64)
         targets = torch.full((len(index), T), IGNORE_INDEX, dtype=torch.int64)
         shard_of = np.searchsorted(self.first, index, side="right") - 1
-        for row, (window, shard) in enumerate(zip(index.tolist(), shard_of.tolist(), strict=True)):
-            if window < 0:
-                continue
-            start = (window - int(self.first[shard])) * T
-            if start + int(moved[row]) + T + 1 <= len(self.shards[shard]):
-                start += int(moved[row])
-            chunk = torch.from_numpy(np.asarray(self.shards[shard][start : start + T + 1], dtype=np.int64))
-            inputs[row] = chunk[:-1]
-            targets[row] = chunk[1:]
+        real = index >= 0
+        for shard in np.unique(shard_of[real]).tolist():  # one gather per shard, not a slice per row
+            rows = np.flatnonzero(real & (shard_of == shard))
+            data = self.shards[shard]
+            starts = (index[rows] - int(self.first[shard])) * T
+            starts += np.where(starts + moved[rows] + T + 1 <= len(data), moved[rows], 0)
+            chunk = torch.from_numpy(np.asarray(data[starts[:, None] + np.arange(T + 1)], dtype=np.int64))  # (n, T+1)
+            inputs[rows] = chunk[:, :-1]
+            targets[rows] = chunk[:, 1:]
         return MicroBatch(inputs, targets)
 
 
