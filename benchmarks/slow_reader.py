@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_config import cpu_run_config  # noqa: E402
+
 T, B, K = 64, 12, 2
 STEPS, ROUNDS = 12, 4  # steps per run (the first not timed); rounds
 SLOW = 0.8  # a read takes this share of one micro-batch's compute
@@ -33,14 +37,7 @@ SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" 
 
 
 def make_config(dataset: Path, out: Path) -> TrainConfig:
-    config = TrainConfig()
-    config.data.data = str(dataset)
-    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = B, T, B * T * K
-    config.run.max_steps = STEPS
-    config.run.out = str(out)
-    config.run.device = "cpu"
-    config.run.eval_every = 0
-    config.run.sample_tokens = 0
+    config = cpu_run_config(dataset, out, B, T, K, STEPS)
     config.run.noise_scale_every = 0
     config.optim.warmup_steps = 2
     return config

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_config import cpu_run_config  # noqa: E402
 from reference_gpt import ReferenceGPT, train_reference  # noqa: E402
 
 from bigbatch.config import TrainConfig  # noqa: E402
@@ -52,15 +53,8 @@ STEP_BUDGET_S = 4.0  # CPU seconds of training per side and round: steps per rou
 
 
 def make_config(dataset: Path, out: Path, T: int, B: int, K: int, steps: int, shuffle: str = "off") -> TrainConfig:
-    config = TrainConfig()  # the demo's defaults otherwise (nano, lr, warmup, noise scale, log every step)
-    config.data.data = str(dataset)
+    config = cpu_run_config(dataset, out, B, T, K, steps)
     config.data.shuffle = shuffle  # off: the reference's sequential windows, the same data and arithmetic
-    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = B, T, B * T * K
-    config.run.max_steps = steps
-    config.run.out = str(out)
-    config.run.device = "cpu"
-    config.run.eval_every = 0
-    config.run.sample_tokens = 0
     return config
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +40,9 @@ from bigbatch.data.shards import TokenDataset
 from bigbatch.model import GPT, preset
 from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_config import cpu_run_config  # noqa: E402
 
 PRESET, B, T, K = "nano", 8, 128, 4
 STEPS = 5  # optimizer steps per round; the first of each round is not timed
@@ -61,16 +65,9 @@ def write_corpus(directory: Path) -> Path:
 
 
 def make_config(dataset: Path, out: Path) -> TrainConfig:
-    config = TrainConfig()
+    config = cpu_run_config(dataset, out, B, T, K, STEPS)
     config.model.preset = PRESET
-    config.data.data = str(dataset)
     config.data.cache_dir = str(out.parent / "cache")
-    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = B, T, B * T * K
-    config.run.max_steps = STEPS
-    config.run.out = str(out)
-    config.run.device = "cpu"
-    config.run.eval_every = 0
-    config.run.sample_tokens = 0
     config.run.save_every = 0  # the last step is always saved
     return config
 

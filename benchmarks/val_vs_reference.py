@@ -50,6 +50,7 @@ from bigbatch.model import preset
 from bigbatch.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_config import cpu_run_config  # noqa: E402
 from reference_gpt import ReferenceGPT, train_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,13 +68,11 @@ Curves = dict[str, dict[int, dict[int, float]]]
 
 
 def bigbatch_config(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> TrainConfig:
-    config = TrainConfig()
+    config = cpu_run_config(data, out, B, T, 1, steps)
     config.model.preset = PRESET
-    config.data.data, config.data.cache_dir, config.data.shuffle = data, str(cache), shuffle
-    config.batch.micro_batch, config.batch.seq_len, config.batch.total_batch_tokens = B, T, B * T
-    config.run.max_steps, config.run.eval_every, config.run.seed = steps, eval_every, seed
-    config.run.out, config.run.device = str(out), "cpu"
-    config.run.sample_tokens, config.run.noise_scale_every, config.run.compile = 0, 0, "off"
+    config.data.cache_dir, config.data.shuffle = str(cache), shuffle
+    config.run.eval_every, config.run.seed = eval_every, seed
+    config.run.noise_scale_every, config.run.compile = 0, "off"
     return config
 
 
@@ -144,7 +143,8 @@ def plot(curves: Curves, path: Path, title: str) -> None:
     diff.set_ylabel("difference in validation loss (nats)")
     diff.set_title("bigbatch minus the reference (95% interval shaded)", fontsize=9)
     diff.grid(alpha=0.3)
-    diff.legend(fontsize=7)
+    if diff.get_legend_handles_labels()[0]:  # a difference needs two seeds of a run and the reference
+        diff.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
