@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch.nn as nn
 from bigbatch.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.batch import StepPolicy
-from bigbatch.config import TrainConfig
+from bigbatch.config import TrainConfig, resolve_seq_len
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints
@@ -43,6 +43,7 @@ from bigbatch.ramp import BatchRamp, parse_ramp
 from bigbatch.resume import find_resume_checkpoint, initial_schedule
 from bigbatch.rng import seed_rank_generators
 from bigbatch.run_identity import default_run_dir
+from bigbatch.run_lock import RunDirLock, lock_run_dir
 
 Loader = PackedLoader | DocumentLoader
 Say = Callable[..., None]
@@ -73,6 +74,8 @@ class RunParts:
     val_loader: ValidationWindows | None  # the fixed windows every evaluation scores
     peak_flops: float | None  # per device, for MFU; None when unknown
     ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.ramp)
+    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (see bigbatch.run_lock); released by the trainer
+    seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
 
     @property
     def documents(self) -> bool:
@@ -94,11 +97,29 @@ def seed_everything(seed: int) -> None:
 def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say: Say) -> RunParts:
     """Every part of the run, on every rank alike (rank 0 prepares data; the others wait and find it)."""
     config.validate()
+    seq_len_auto = not config.batch.seq_len
+    config = resolve_seq_len(config)  # from here on (run directory, plan, loaders, saved config) the number
     seed_everything(config.run.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    run_dir, resume_from = _run_dir(config, dist)
+    run_dir, run_lock = _run_dir(config, dist, say)
+    try:
+        return replace(_build_parts(config, dist, device, say, run_dir, run_lock), seq_len_auto=seq_len_auto)
+    except BaseException:  # a run refused or failed while building leaves its directory free
+        if run_lock is not None:
+            run_lock.release()
+        raise
+
+
+def _build_parts(
+    config: TrainConfig, dist: DistContext, device: torch.device, say: Say, run_dir: Path, run_lock: RunDirLock | None
+) -> RunParts:
+    """Everything after the run directory is chosen and held (see :func:`build_run`)."""
+    resume_from = find_resume_checkpoint(run_dir, config.run.resume, config.run.overwrite, dist.is_main)
+    dist.barrier()
+    if config.data.cache_dir:
+        require_creatable_dir(Path(config.data.cache_dir), "cache directory")
     dataset = open_dataset(_prepared_data(config, dist))
     check_requested_tokenizer(dataset.meta, config.data.tokenizer, dataset.directory)
     bpe_json = None
@@ -158,20 +179,32 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
         config=config, dist=dist, device=device, run_dir=run_dir, resume_from=resume_from, dataset=dataset,
         fingerprints=dataset_fingerprints(dataset), bpe_json=bpe_json, model=model, train_model=train_model,
         parallel=parallel, optimizer=optimizer, engine=engine, plan=plan, policy=policy,
-        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops, ramp=ramp,
+        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops, ramp=ramp, run_lock=run_lock,
     )  # fmt: skip
 
 
-def _run_dir(config: TrainConfig, dist: DistContext) -> tuple[Path, Path | None]:
-    """The run directory (rank 0's choice when defaulted) and the checkpoint to resume from, if any."""
-    out = config.run.out or str(default_run_dir(config))  # the same settings find the same run again
-    run_dir = Path(dist.broadcast_object(out))
-    require_own_dir(run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
-    resume_from = find_resume_checkpoint(run_dir, config.run.resume, config.run.overwrite, dist.is_main)
-    dist.barrier()
-    if config.data.cache_dir:
-        require_creatable_dir(Path(config.data.cache_dir), "cache directory")
-    return run_dir, resume_from
+def chosen_run_dir(config: TrainConfig) -> Path:
+    """``--out``, or the default directory of these settings (the same settings find the same run again)."""
+    return Path(config.run.out) if config.run.out else default_run_dir(config)
+
+
+def _run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path, RunDirLock | None]:
+    """The run directory (rank 0's choice when defaulted), held by rank 0 (or its launcher) from here to the end
+    of the run; every rank raises the same one-line error when another process holds it."""
+    run_dir = Path(dist.broadcast_object(str(chosen_run_dir(config))))
+    run_lock, refusal = None, None
+    if dist.is_main:  # alone: the others would see the directory half-made
+        try:
+            require_own_dir(run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
+            run_lock = lock_run_dir(run_dir, config.run.wait_for_lock, say)
+        except ConfigError as exc:  # not bigbatch's directory, or in use
+            refusal = exc
+    message = dist.broadcast_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if message is not None:
+        raise ConfigError(message)
+    return run_dir, run_lock
 
 
 def prepare_data(config: TrainConfig) -> Path:

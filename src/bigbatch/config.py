@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from bigbatch.ranges import (
     POSITIVE,
     POSITIVE_INT,
     POSITIVE_INT_OR_AUTO,
+    POSITIVE_OR_AUTO,
     PROBABILITY,
     SEED,
     Range,
@@ -46,16 +47,25 @@ SWITCH_VALUES = SWITCH.values
 
 
 def _opt(
-    default: Any, help: str, flag: str | None = None, range: Range | None = None, choices: Choices | None = None
+    default: Any, help: str, flag: str | None = None, range: Range | None = None, choices: Choices | None = None,
+    legacy_zero: bool = False,
 ) -> Any:
     """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
     field declares its allowed :class:`~bigbatch.ranges.Range`, a closed choice its
-    :class:`~bigbatch.choices.Choices`: both are checked for flags, TOML files and Python alike."""
+    :class:`~bigbatch.choices.Choices`: both are checked for flags, TOML files and Python alike.
+
+    A range that takes ``auto`` makes an auto field: ``auto`` is stored as 0 and resolved where it is used.
+    ``legacy_zero``: config files from before the word ``auto`` wrote 0 for it; a file's 0 still reads as auto
+    (the flag refuses 0)."""
     metadata: dict[str, Any] = {"help": help}
     if flag:
         metadata["flag"] = flag
     if range is not None:
         metadata["range"] = range
+        if range.auto:
+            metadata["auto"] = True
+    if legacy_zero:
+        metadata["legacy_zero"] = True
     if choices is not None:
         metadata["choices"] = choices
     return field(default=default, metadata=metadata)
@@ -64,7 +74,9 @@ def _opt(
 @dataclass
 class ModelSection:
     preset: str = _opt("nano", f"model preset: {', '.join(MODEL_PRESET_NAMES)}", flag="model")
-    block_size: int = _opt(0, "maximum context length; 0 keeps the preset's", range=NON_NEGATIVE_INT)
+    block_size: int = _opt(
+        0, "maximum context length; auto: the preset's", range=POSITIVE_INT_OR_AUTO, legacy_zero=True,
+    )
     dropout: float = _opt(
         0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)", range=PROBABILITY,
     )
@@ -90,7 +102,10 @@ class DataSection:
         "name than the dataset's is an error)",
     )
     val_fraction: float = _opt(
-        0.1, "share of the token stream held out for validation when preparing raw text", range=PROBABILITY,
+        0.1,
+        "share of the token stream held out for validation when preparing raw text; 0 holds none out (then set "
+        "--eval-every 0)",
+        range=PROBABILITY,
     )
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
     data_mode: str = _opt(
@@ -130,12 +145,20 @@ class BatchSection:
             "range": POSITIVE_INT_OR_AUTO,
         },
     )
-    memory_budget: float = _opt(0.0, "MiB a training step may use on CPU, for --micro-batch auto", range=NON_NEGATIVE)
-    seq_len: int = _opt(256, "tokens per sequence (T)", range=POSITIVE_INT)
+    memory_budget: float = _opt(
+        0.0,
+        "MiB a training step may use on CPU, for --micro-batch auto; auto: none given (CUDA probes what fits in the "
+        "device's memory; on CPU --micro-batch auto then asks for one)",
+        range=POSITIVE_OR_AUTO, legacy_zero=True,
+    )
+    seq_len: int = _opt(
+        0, "tokens per sequence (T); auto: the model's block size (the preset's, --block-size or --init-from's)",
+        range=POSITIVE_INT_OR_AUTO,
+    )
     token_budget: int = _opt(
         0,
         "valid target tokens per step; when set, K varies per step (the micro-batch that reaches the budget is "
-        "included whole) and total_batch_tokens is not used; 0 = fixed K",
+        "included whole) and total_batch_tokens is not used; 0 disables it (K fixed by total_batch_tokens)",
         range=NON_NEGATIVE_INT,
     )
     last_window: str = _opt(
@@ -154,14 +177,17 @@ class BatchSection:
 @dataclass
 class OptimSection:
     lr: float = _opt(2e-3, "peak learning rate (after warmup)", range=POSITIVE)
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr", range=FRACTION)
-    warmup_steps: int = _opt(20, "linear warmup steps", range=NON_NEGATIVE_INT)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr; 0 decays to zero", range=FRACTION)
+    warmup_steps: int = _opt(20, "linear warmup steps; 0: none", range=NON_NEGATIVE_INT)
     decay_steps: int = _opt(
-        0, "step at which cosine decay reaches the minimum; 0 means max_steps", range=NON_NEGATIVE_INT,
+        0, "step at which cosine decay reaches the minimum; auto: max_steps", range=POSITIVE_INT_OR_AUTO,
+        legacy_zero=True,
     )
-    weight_decay: float = _opt(0.1, "AdamW weight decay on matrices and embeddings", range=NON_NEGATIVE)
-    beta1: float = _opt(0.9, "AdamW beta1", range=PROBABILITY)
-    beta2: float = _opt(0.95, "AdamW beta2", range=PROBABILITY)
+    weight_decay: float = _opt(
+        0.1, "AdamW weight decay on matrices and embeddings; 0 disables", range=NON_NEGATIVE,
+    )
+    beta1: float = _opt(0.9, "AdamW beta1; 0: no moving average of the gradient", range=PROBABILITY)
+    beta2: float = _opt(0.95, "AdamW beta2; 0: no moving average of its square", range=PROBABILITY)
     eps: float = _opt(1e-8, "AdamW epsilon", range=POSITIVE)
     grad_clip: float = _opt(
         1.0, "clip the global gradient norm to this after accumulation; 0 disables", range=NON_NEGATIVE,
@@ -176,7 +202,7 @@ class RunSection:
         "run directory (default: runs/<model>-<hash of the run's settings>, so the same command continues the "
         "same run)",
     )
-    seed: int = _opt(1337, "random seed", range=SEED)
+    seed: int = _opt(1337, "random seed, any integer from 0 to 2**63 - 1", range=SEED)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16", choices=PRECISION)
     compile: str = field(
@@ -199,7 +225,8 @@ class RunSection:
     )
     collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error", range=POSITIVE)
     peak_flops: float = _opt(
-        0.0, "peak FLOP/s per device for MFU; 0 looks the GPU up (A100, H100, H200)", range=NON_NEGATIVE,
+        0.0, "peak FLOP/s per device for MFU; auto: looked up by the GPU's name (A100, H100, H200; others: no MFU)",
+        range=POSITIVE_OR_AUTO, legacy_zero=True,
     )
     tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
     wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
@@ -215,7 +242,9 @@ class RunSection:
             "range": POSITIVE_INT_OR_AUTO,
         },
     )
-    save_every: int = _opt(0, "checkpoint every N steps; the final step is always saved", range=NON_NEGATIVE_INT)
+    save_every: int = _opt(
+        0, "checkpoint every N steps; the final step is always saved (0: only the final step)", range=NON_NEGATIVE_INT,
+    )
     keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
     resume: str = _opt(
         "auto",
@@ -224,6 +253,11 @@ class RunSection:
         choices=RESUME,
     )
     overwrite: bool = _opt(False, "with --resume never: delete the run directory's checkpoints and logs, start over")
+    wait_for_lock: bool = _opt(
+        False,
+        "when another process is training in the run directory: wait until it ends, then continue its run, instead "
+        "of refusing",
+    )
     max_consecutive_skips: int = _opt(
         5, "abort after this many consecutive steps with a non-finite gradient", range=POSITIVE_INT,
     )
@@ -298,7 +332,7 @@ class TrainConfig:
         if self.optim.decay_steps and self.optim.decay_steps < self.optim.warmup_steps:
             raise ConfigError(
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
-                "raise decay_steps or set it to 0 (= max_steps)"
+                "raise decay_steps or set it to auto (= max_steps)"
             )
         from bigbatch.ramp import check_ramp_settings
 
@@ -364,17 +398,23 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, che
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
-            if value == "auto" and _field_meta(section_cls, key).get("auto"):
-                value = 0  # stored as 0, resolved by the trainer
-            elif isinstance(value, bool) and _field_meta(section_cls, key).get("switch"):
+            meta = _field_meta(section_cls, key)
+            legacy_auto = meta.get("legacy_zero") and _is_zero(value)  # an older file's 0 for auto
+            if meta.get("auto") and (value == "auto" or legacy_auto):
+                value = _field_type(section_cls, key)(0)  # stored as 0, resolved where it is used
+            elif isinstance(value, bool) and meta.get("switch"):
                 value = "on" if value else "off"
             else:
                 name = f"{origin}: {section}.{key}"
                 value = _check_type(name, value, _field_type(section_cls, key))
-                declared: Range | None = _field_meta(section_cls, key).get("range")
+                declared: Range | None = meta.get("range")
                 if check_ranges and declared is not None:
                     declared.check(f"{name} (--{_flag(_field(section_cls, key))})", value)
             setattr(target, key, value)
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def load_toml(path: Path | str) -> dict[str, Any]:
@@ -396,7 +436,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"[{section}]")
         for f in fields(section_cls):
             kind = _field_type(section_cls, f.name)
+            auto = f.metadata.get("auto", False)
             default = f.default if f.default is not MISSING else None
+            if auto and _is_zero(default):
+                default = "auto"
             help_text = f"{f.metadata['help']} (default: {default!r})"
             dest = f"{section}.{f.name}"
             if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
@@ -414,12 +457,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                     default=argparse.SUPPRESS, help=help_text,
                 )
             else:
-                auto = f.metadata.get("auto", False)
                 declared: Range | None = f.metadata.get("range")
                 group.add_argument(
                     f"--{_flag(f)}", dest=dest, type=declared.argtype() if declared else kind,
                     default=argparse.SUPPRESS,
-                    metavar="INT|auto" if auto else kind.__name__.upper(), help=help_text,
+                    metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(), help=help_text,
                 )
 
 
@@ -442,3 +484,25 @@ def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
     config = TrainConfig()
     apply_mapping(config, mapping, origin="checkpoint config", check_ranges=False)
     return config
+
+
+def model_block_size(config: TrainConfig) -> int:
+    """The context length of the model ``config`` trains, from the settings alone (no weights are read):
+    ``--init-from``'s config.json ``n_positions``, else ``--block-size``, else the preset's."""
+    if config.model.init_from:
+        from bigbatch.model.hf import read_hf_gpt_config
+
+        return read_hf_gpt_config(config.model.init_from).block_size
+    if config.model.block_size:
+        return config.model.block_size
+    from bigbatch.model import preset
+
+    return preset(config.model.preset).block_size
+
+
+def resolve_seq_len(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``seq_len`` auto (stored 0) replaced by the model's block size (a copy), or ``config`` itself
+    when ``seq_len`` is set; everything that plans, reads or names a run uses the resolved one."""
+    if config.batch.seq_len:
+        return config
+    return replace(config, batch=replace(config.batch, seq_len=model_block_size(config)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 from bigbatch.atomic_file import write_atomically, write_text_atomically
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError, PlanError
 from bigbatch.plan import BatchPlan, parse_count, plan_batch
+from bigbatch.run_lock import hold_directory
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +390,6 @@ def measure_critical_batch(
     each for ``budget`` tokens, evaluate all on the same validation windows and find the critical batch; write
     ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/``. Every check runs before any
     training."""
-    from bigbatch.checkpoint import checkpoint_path
     from bigbatch.distributed import resolve_device
     from bigbatch.evaluate import evaluate_checkpoint
 
@@ -414,6 +415,25 @@ def measure_critical_batch(
     parent_loss, eval_tokens = evaluate(parent.checkpoint)  # also: the data has a validation split, before training
     base = run_dir / OUT_DIR / f"step_{parent.step:07d}-lr_{lr_rule}"
     base.mkdir(parents=True, exist_ok=True)
+    with hold_directory(base, "critical-batch directory", wait=False, say=_say):  # one measurement writes it
+        return _measure(run_dir, base, parent, (parent_loss, eval_tokens), plans, budget, tolerance, lr_rule,
+                        eval_batches, device, plot, evaluate)  # fmt: skip
+
+
+def _say(message: str, *args: Any, level: int = logging.INFO) -> None:
+    log.log(level, message, *args)
+
+
+def _measure(
+    run_dir: Path, base: Path, parent: _Parent, parent_scored: tuple[float, int], plans: list[BatchPlan],
+    budget: int, tolerance: float, lr_rule: str, eval_batches: int, device: str, plot: bool,
+    evaluate: Callable[[Path], tuple[float, int]],
+) -> CriticalBatchResult:
+    """Train and score every branch of :func:`measure_critical_batch` in ``base`` (held), write the result."""
+    from bigbatch.checkpoint import checkpoint_path
+
+    sizes = [plan.tokens_per_step for plan in plans]
+    (parent_loss, eval_tokens), mb, seq_len = parent_scored, plans[0].micro_batch, parent.seq_len
     log.info(
         "critical-batch: branching %s at step %d (%s tokens) at %s tokens per step, %s tokens each, in %s",
         run_dir, parent.step, f"{parent.tokens_seen:,}", ", ".join(f"{s:,}" for s in sizes), f"{budget:,}", base,

@@ -11,7 +11,7 @@ process can catch), must not leave workers running and writing checkpoints, so e
 
 Polite stops still work: the agent runs in its own session, and the launcher forwards SIGINT/SIGTERM to it
 once (the agent asks the workers to stop with SIGTERM: they finish the step, save and exit); a second signal
-kills the agent, and with it the workers, at once.
+(a second apart or more: a double tap is one press) kills the agent, and with it the workers, at once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
+
+from bigbatch.signals import REPEAT_GRACE_SECONDS
 
 LAUNCHER_ENV = "BIGBATCH_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
@@ -58,20 +60,22 @@ def run_supervised(command: Sequence[str]) -> int:
 
     env = {**os.environ, LAUNCHER_ENV: str(launcher)}
     agent = subprocess.Popen(list(command), env=env, preexec_fn=preexec, start_new_session=True)
-    forwarded: list[int] = []
+    forwarded: list[tuple[int, float]] = []  # (signal, when)
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        if forwarded:  # a second request: stop now (the workers die with the agent)
-            agent.kill()
-        else:
+        if not forwarded:
             agent.send_signal(signum)
-        forwarded.append(signum)
+        elif time.monotonic() - forwarded[0][1] >= REPEAT_GRACE_SECONDS:  # a second request: stop now
+            agent.kill()  # the workers die with the agent
+        else:
+            return  # a double tap of the first request
+        forwarded.append((signum, time.monotonic()))
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = agent.wait()
         if forwarded and code != 0:  # torchrun ends with 1 after a stop request: report the request itself
-            return 128 + forwarded[0]
+            return 128 + forwarded[0][0]
         return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
     finally:
         for sig, handler in previous.items():

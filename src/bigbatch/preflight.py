@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bigbatch.config import TrainConfig
+from bigbatch.config import TrainConfig, resolve_seq_len
 from bigbatch.errors import require_creatable_dir
 
 
@@ -25,6 +25,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     from bigbatch.ramp import BatchRamp, parse_ramp
     from bigbatch.resume import find_resume_checkpoint
 
+    config = resolve_seq_len(config)  # seq_len auto -> the model's block size, as the workers' build_run does
     run, data, batch = config.run, config.data, config.batch
     check_optional_loggers(bool(run.tensorboard), str(run.wandb or ""))
     resolve_device(run.device)  # e.g. cuda asked for where there is none

@@ -101,8 +101,8 @@ POSITIVE_INT = Range(int, 1)
 NON_NEGATIVE_INT = Range(int, 0)
 POSITIVE_INT_OR_AUTO = Range(int, 1, auto=True)
 POSITIVE = Range(float, 0, low_open=True)
+POSITIVE_OR_AUTO = Range(float, 0, low_open=True, auto=True)
 NON_NEGATIVE = Range(float, 0)
 FRACTION = Range(float, 0, 1)  # [0, 1]
 PROBABILITY = Range(float, 0, 1, high_open=True)  # [0, 1): dropout, held-out share, AdamW betas
-VOCAB_OR_DEFAULT = Range(int, 0)  # 0 keeps the model's own vocabulary
 MEMORY_K = Range(int, 2)  # bigbatch memory compares the peak of K micro-steps with one

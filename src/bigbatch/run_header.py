@@ -9,6 +9,9 @@ from bigbatch.data.loader import DocumentLoader
 
 def header_lines(parts: RunParts) -> list[str]:
     meta, cfg = parts.dataset.meta, parts.model.config
+    plan = f"plan | {describe_plan(parts)}"
+    if parts.seq_len_auto:  # no --seq-len: say where the number came from
+        plan += f" | seq_len {parts.plan.seq_len} (the model's block size)"
     lines = [
         f"bigbatch {__version__} | device {parts.device} | precision {parts.engine.precision} | parallel "
         f"{parts.parallel} | run {parts.run_dir}",
@@ -17,7 +20,7 @@ def header_lines(parts: RunParts) -> list[str]:
         f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
         f"parameters | {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide | vocab {cfg.vocab_size} | "
         f"block {cfg.block_size}",
-        f"plan | {describe_plan(parts)}",
+        plan,
     ]
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bigbatch.config import TrainConfig
+from bigbatch.config import TrainConfig, resolve_seq_len
 
 MAY_CHANGE: frozenset[str] = frozenset(
     {
@@ -50,6 +50,7 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.keep_checkpoints",
         "run.resume",
         "run.overwrite",
+        "run.wait_for_lock",
         "run.max_consecutive_skips",
         "run.log_every",
         "run.noise_scale_every",
@@ -83,13 +84,16 @@ def _flat(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def identity_settings(config: TrainConfig) -> dict[str, Any]:
-    """``{section.key: value}`` of the settings that define the run (everything not in :data:`MAY_CHANGE`)."""
-    return {k: v for k, v in _flat(config.to_dict()).items() if k not in MAY_CHANGE}
+    """``{section.key: value}`` of the settings that define the run (everything not in :data:`MAY_CHANGE`); a
+    seq_len of auto counts as the number it resolves to (the same run as that number given)."""
+    return {k: v for k, v in _flat(resolve_seq_len(config).to_dict()).items() if k not in MAY_CHANGE}
 
 
-LEGACY_VALUES: dict[str, Any] = {"data.shuffle": "off"}
-"""Defining settings added with a default that computes something else than the bigbatch before them did, and the
-value that reproduces it: a run made before the setting existed read its windows in order."""
+LEGACY_VALUES: dict[str, Any] = {"data.shuffle": "off", "batch.seq_len": 256}
+"""Defining settings whose default computes something else than the bigbatch before it did, and the value that
+reproduces the old default: a run made before ``--shuffle`` read its windows in order; before seq_len auto (the
+model's block size) the default seq_len was 256, so a run at 256 (the nano preset's block size) keeps its
+directory."""
 
 
 def settings_fingerprint(config: TrainConfig) -> str:

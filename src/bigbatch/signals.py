@@ -5,25 +5,39 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+REPEAT_GRACE_SECONDS = 1.0
+"""A second Ctrl-C this soon after the first is the same press (a double tap), not a request to abort."""
+
 
 class StopRequest:
-    """Records the first SIGTERM/SIGINT; a second SIGINT interrupts at once (the usual Ctrl-C twice)."""
+    """Records the first SIGTERM/SIGINT and calls ``announce(signum)`` at once (so the user sees that the stop is
+    under way); a second SIGINT, at least :data:`REPEAT_GRACE_SECONDS` later, interrupts at once (the usual
+    Ctrl-C twice: abort without saving)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(
+        self, announce: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.signum = 0
+        self._announce, self._clock = announce, clock
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
+        if self.signum:
+            if signum == signal.SIGINT and self._clock() - self._first_at >= REPEAT_GRACE_SECONDS:
+                raise KeyboardInterrupt
+            return  # already stopping
+        self.signum, self._first_at = signum, self._clock()
+        if self._announce is not None:
+            self._announce(signum)
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

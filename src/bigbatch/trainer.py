@@ -99,8 +99,18 @@ class Trainer:
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
         self.config, self.dist = config, dist or DistContext()
         device = device or resolve_device(config.run.device, self.dist.local_rank)
-        self.parts: RunParts = build_run(config, self.dist, device, self._say)
+        self.parts: RunParts = build_run(config, self.dist, device, self._say)  # holds the run directory
+        self.config = self.parts.config  # with seq_len resolved
         self.run_dir = self.parts.run_dir
+        try:
+            self._restore(branch_from, prefetch)
+        except BaseException:
+            self.close()
+            raise
+
+    def _restore(self, branch_from: Path | None, prefetch: bool) -> None:
+        """The state to start from: the run's own checkpoint, a branch's parent, or a fresh start."""
+        config = self.config
         self.state = TrainState(self.parts)
         # The next step's micro-batches are read (and pinned for CUDA) by a background thread while this one
         # computes; checkpoints save the position after the micro-batches trained on (``prefetch=False``:
@@ -123,6 +133,19 @@ class Trainer:
                 level=logging.WARNING,
             )  # fmt: skip
         self.completed = self.resumed_from is not None and self.state.step >= config.run.max_steps
+        self._saved_step = self.state.step if self.resumed_from is not None else 0  # the newest checkpoint's step
+        self._in_step = False  # inside an engine step: what a stop request waits for
+
+    def close(self) -> None:
+        """Give the run directory up (:meth:`train` does when it ends): another process may train in it now."""
+        if self.parts.run_lock is not None:
+            self.parts.run_lock.release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def engine(self) -> AccumulationEngine:
@@ -155,6 +178,13 @@ class Trainer:
         return next_step(self.loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
+        """Train to ``max_steps`` (or a stop signal), then give the run directory up."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> TrainResult:
         run = self.config.run
         if self.completed:
             self._say(
@@ -174,9 +204,12 @@ class Trainer:
         self.progress.update(self.state.step)
         seen = _Progress()
         try:
-            with StopRequest() as stop:
+            with StopRequest(self._announce_stop) as stop:
                 while self.state.step < run.max_steps and not seen.stopped_by:
                     self._train_one_step(seen, stop, metrics)
+        except KeyboardInterrupt:
+            self._say_aborted()
+            raise
         finally:
             self.loader.close()  # stop reading ahead
             self.progress.close()
@@ -197,7 +230,9 @@ class Trainer:
             self._check_stop(seen, stop, saved=False)
             return
         seen.empty_steps.reset()
+        self._in_step = True
         record = seen.record = self.engine.step(step.micro_batches, step.n_valid)  # pinned for CUDA by the loader
+        self._in_step = False
         step_mfu = self._mfu(record.tokens_per_s)
         if metrics:
             metrics.write_step(record, mfu=step_mfu)
@@ -217,9 +252,10 @@ class Trainer:
             seen.rates.append(record.tokens_per_s)
         last = record.step == run.max_steps
         at_eval = self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last)
-        if record.step % run.log_every == 0 or last:
+        if record.step % run.log_every == 0 or last or stop.signum:
             noise = self.engine.noise_scale.estimate if self.engine.noise_scale and (at_eval or last) else None
-            self._say(format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu, noise_scale=noise))
+            line = format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu, noise_scale=noise)
+            self._say("%s%s", line, " | stopping: saving a checkpoint" if stop.signum and not last else "")
         if at_eval:
             self._evaluate(seen, stop, metrics)
         if record.noise is not None:
@@ -227,8 +263,9 @@ class Trainer:
         saved = last or bool(run.save_every and record.step % run.save_every == 0)
         if saved:
             self.state.save(self._say)
+            self._saved_step = record.step
         assert self.progress is not None
-        self.progress.update(record.step, record.tokens_per_s)
+        self.progress.update(record.step, record.tokens_per_s, extra="stopping after this step" if stop.signum else "")
         self._check_stop(seen, stop, saved)
 
     def _grow_auto_ramp(self) -> None:
@@ -283,10 +320,42 @@ class Trainer:
             return
         if not saved:
             self.state.save(self._say)
+            self._saved_step = self.state.step
         self._say(
             "stopped by %s after step %d; checkpoint saved in %s; run the same command to resume",
             signal.Signals(seen.stopped_by).name, self.state.step, self.run_dir, level=logging.WARNING,
         )  # fmt: skip
+
+    def _announce_stop(self, signum: int) -> None:
+        """At once, from the signal handler (rank 0, on the console): what the first Ctrl-C/SIGTERM will do."""
+        if not self.dist.is_main:
+            return
+        step = self.state.step + (1 if self._in_step else 0)
+        if self._saved_step:
+            kept = f"the newest checkpoint is step {self._saved_step}"
+        else:
+            kept = f"no checkpoint yet: the {step} steps so far would be lost" if step else "nothing trained yet"
+        if self.progress is not None:
+            self.progress.clear()
+        sys.stderr.write(
+            f"bigbatch: {signal.Signals(signum).name}: stopping after step {step} and saving a checkpoint; press "
+            f"Ctrl-C again to abort without saving ({kept})\n"
+        )
+        sys.stderr.flush()
+
+    def _say_aborted(self) -> None:
+        """After a second Ctrl-C: what was kept."""
+        if self._saved_step:
+            self._say(
+                "aborted without saving during step %d: the run continues from its newest checkpoint, step %d in %s; "
+                "run the same command to resume", self.state.step + 1, self._saved_step, self.run_dir,
+                level=logging.WARNING,
+            )  # fmt: skip
+        else:
+            self._say(
+                "aborted without saving during step %d: no checkpoint was saved, the run starts over next time "
+                "(--save-every N keeps one every N steps)", self.state.step + 1, level=logging.WARNING,
+            )  # fmt: skip
 
     def _finish(self, seen: _Progress) -> TrainResult:
         """The end-of-run sample and summary line."""

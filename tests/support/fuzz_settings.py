@@ -48,7 +48,7 @@ class Setting:
     lr: float
     min_lr_ratio: float
     warmup_steps: int
-    decay_steps: int  # 0 = max_steps
+    decay_steps: int  # 0: auto (= max_steps)
     weight_decay: float
     beta1: float
     beta2: float
@@ -108,7 +108,7 @@ class Setting:
             "--shuffle", "on" if self.shuffle else "off",  # the reference replays either order (fuzz_reference)
             "--grad-clip", repr(self.grad_clip),
             "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
-            "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps),
+            "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps or "auto"),
             "--weight-decay", repr(self.weight_decay), "--beta1", repr(self.beta1), "--beta2", repr(self.beta2),
             "--eps", repr(self.eps), "--seed", str(self.init_seed), "--parallel", self.parallel,
             "--device", "cpu", "--precision", "fp32", "--no-compile", "--eval-every", "0", "--sample-tokens", "0",

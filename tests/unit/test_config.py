@@ -92,7 +92,7 @@ def test_compile_switch_accepts_booleans_and_rejects_other_words() -> None:
 def test_every_ready_config_loads_validates_and_divides() -> None:
     from pathlib import Path
 
-    from bigbatch.config import load_toml
+    from bigbatch.config import load_toml, resolve_seq_len
     from bigbatch.model import preset
     from bigbatch.plan import plan_batch
 
@@ -101,7 +101,7 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     names = sorted(p.name for p in folder.glob("*.toml"))
     assert names == ["demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml"]
     for name in names:
-        config = config_from_dict(load_toml(folder / name))
+        config = resolve_seq_len(config_from_dict(load_toml(folder / name)))
         config.validate()
         assert config.batch.seq_len <= preset(config.model.preset).block_size, name
         if not config.batch.token_budget:

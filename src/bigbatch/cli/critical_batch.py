@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from bigbatch.errors import BigBatchError
 from bigbatch.ranges import NON_NEGATIVE, POSITIVE_INT
 
 HELP = "measure the critical batch: branch short runs from a run's checkpoint at several tokens per step"
@@ -19,18 +20,40 @@ DESCRIPTION = (
 )
 
 
+def _sizes(text: str) -> list[int]:
+    """``--tokens-per-step``: at least two positive counts, refused at parse time like every other flag."""
+    from bigbatch.critical_batch import parse_sizes
+
+    try:
+        return parse_sizes(text)
+    except BigBatchError as exc:
+        message = str(exc).removeprefix("--tokens-per-step").lstrip(": ")  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def _budget(text: str) -> int:
+    """``--budget``: a positive count such as 512Ki."""
+    from bigbatch.plan import parse_count
+
+    try:
+        return parse_count(text)
+    except BigBatchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bigbatch.critical_batch import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
 
     parser.add_argument("run", type=Path, metavar="RUN", help="the run directory to branch from (its newest "
                         "checkpoint)")
-    parser.add_argument("--tokens-per-step", required=True, metavar="N,N,...",
+    parser.add_argument("--tokens-per-step", required=True, metavar="N,N,...", type=_sizes,
                         help="comma-separated tokens per step, e.g. 16Ki,32Ki,64Ki,128Ki (Ki = 1,024; K = 1,000)")
-    parser.add_argument("--budget", required=True, metavar="TOKENS",
+    parser.add_argument("--budget", required=True, metavar="TOKENS", type=_budget,
                         help="tokens each branch trains on (e.g. 512Ki); a whole number of steps at every size")
     parser.add_argument("--tolerance", type=NON_NEGATIVE.argtype(), default=DEFAULT_TOLERANCE,
                         help="a size is as good as the smallest when its loss is at most (1 + tolerance) times the "
-                        f"smallest's (default: {DEFAULT_TOLERANCE}, i.e. {DEFAULT_TOLERANCE * 100:g}%%)")
+                        f"smallest's; 0: no higher at all (default: {DEFAULT_TOLERANCE}, i.e. "
+                        f"{DEFAULT_TOLERANCE * 100:g}%%)")
     parser.add_argument("--lr-rule", choices=LR_RULES, default=DEFAULT_LR_RULE,
                         help="the branch's constant learning rate: the run's at the branch point times "
                         "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)")
@@ -45,19 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.critical_batch import RESULT_FILE, Interrupted, measure_critical_batch, parse_sizes
-    from bigbatch.errors import ConfigError, PlanError
-    from bigbatch.plan import parse_count
+    from bigbatch.critical_batch import RESULT_FILE, Interrupted, measure_critical_batch
 
-    sizes = parse_sizes(args.tokens_per_step)
-    try:
-        budget = parse_count(args.budget)
-    except PlanError as exc:
-        raise ConfigError(f"--budget: {exc}") from None
     try:
         result = measure_critical_batch(
-            args.run, sizes, budget, tolerance=args.tolerance, lr_rule=args.lr_rule, micro_batch=args.micro_batch,
-            eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot, step=args.step,
+            args.run, args.tokens_per_step, args.budget, tolerance=args.tolerance, lr_rule=args.lr_rule,
+            micro_batch=args.micro_batch, eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot,
+            step=args.step,
         )  # fmt: skip
     except Interrupted as stop:
         logging.getLogger(__name__).warning(

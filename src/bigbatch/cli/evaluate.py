@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
     parser.add_argument("--split", default="val", choices=("val", "train"))
     parser.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
-                        help="micro-batches' worth of windows, spread uniformly over the split (default: the run's "
-                        "eval_batches, i.e. its own validation windows; 0 reads the whole split)")  # fmt: skip
+                        help="micro-batches' worth of windows, spread uniformly over the split; 0: no limit, the "
+                        "whole split (default: the run's eval_batches, i.e. its own validation windows)")  # fmt: skip
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
                         help="sequences per micro-batch (default: the run's)")  # fmt: skip
     parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from bigbatch.cli.common import add_precision
-from bigbatch.ranges import MEMORY_K, POSITIVE_INT
+from bigbatch.ranges import AUTO, MEMORY_K, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."
 DESCRIPTION = (
@@ -18,7 +18,8 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="nano", help="preset (default: nano)")
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=256)
+    parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
+                        help="tokens per sequence; auto: the preset's block size (default: auto)")  # fmt: skip
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
     parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
     parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens)")
@@ -33,17 +34,19 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.accumulate import resolve_precision
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import plot_memory, sweep_memory
+    from bigbatch.model import preset
     from bigbatch.outputs import require_new_file
 
     if args.plot:
         require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
+    seq_len = preset(args.model).block_size if args.seq_len == AUTO else args.seq_len
     device = resolve_device(args.device)
     sweep = sweep_memory(
-        args.model, args.seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,
+        args.model, seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,
         precision=resolve_precision(args.precision, device), activation_checkpointing=args.activation_checkpointing,
     )
     print(sweep.format())
     if args.plot:
-        plot_memory(sweep.rows, args.plot, f"{args.model}, seq_len {args.seq_len}, {device.type}")
+        plot_memory(sweep.rows, args.plot, f"{args.model}, seq_len {seq_len}, {device.type}")
         print(f"plot: {args.plot}")
     return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bigbatch.cli.common import add_precision
 from bigbatch.errors import BigBatchError, PlanError
-from bigbatch.ranges import POSITIVE_INT, VOCAB_OR_DEFAULT
+from bigbatch.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "derive K (or micro-batch, or devices) from a token budget; memory and step time"
 DESCRIPTION = (
@@ -30,8 +30,9 @@ def _count(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step", type=_count,
                         help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (T); required unless "
-                        "--from-run gives the run's")  # fmt: skip
+    parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
+                        help="tokens per sequence (T); auto: the run's with --from-run, else the --model preset's "
+                        "block size (default: auto)")  # fmt: skip
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
     parser.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
     parser.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
@@ -40,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
                         "run's")  # fmt: skip
     parser.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
-    parser.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
-                        help="vocabulary (default: the preset's, 50257)")  # fmt: skip
+    parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
+                        help="vocabulary; auto: the preset's, 50257 (default: auto)")  # fmt: skip
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
@@ -54,24 +55,31 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.plan import solve_plan
     from bigbatch.plan_report import report_plan
 
+    vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the preset's
     if args.from_run is not None:
-        return _from_run(args)
-    if args.seq_len is None:
-        raise PlanError("give --seq-len (or --from-run RUN_DIR to take the run's)")
-    solved = solve_plan(args.seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
+        return _from_run(args, vocab_size)
+    seq_len = args.seq_len
+    if seq_len == AUTO:
+        if not args.model:
+            raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
+        from bigbatch.model import preset
+
+        seq_len = preset(args.model).block_size
+        print(f"seq_len {seq_len} (the {args.model} model's block size)")
+    solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     ramp = None
     if args.batch_ramp:
         from bigbatch.ramp import BatchRamp, check_ramp_settings, format_ramp_table
 
         spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
         ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
-    print(report_plan(solved, args.model, args.vocab_size, args.precision, args.device, args.measure))
+    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure))
     if ramp:
         print(ramp)
     return 0
 
 
-def _from_run(args: argparse.Namespace) -> int:
+def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     """``--from-run``: tokens per step from the run's measured noise scale; K derived for the devices given."""
     from bigbatch.noise_report import plan_from_run
     from bigbatch.plan_report import report_plan
@@ -79,7 +87,8 @@ def _from_run(args: argparse.Namespace) -> int:
     for given, flag in ((args.tokens_per_step, "--tokens-per-step"), (args.k, "--k")):
         if given is not None:
             raise PlanError(f"--from-run derives tokens per step and K from the run's noise scale; leave out {flag}")
-    solved, lines = plan_from_run(args.from_run, args.micro_batch, args.seq_len, args.devices)
+    seq_len = None if args.seq_len == AUTO else args.seq_len  # None: the run's
+    solved, lines = plan_from_run(args.from_run, args.micro_batch, seq_len, args.devices)
     print("\n".join(lines))
-    print(report_plan(solved, args.model, args.vocab_size, args.precision, args.device, args.measure))
+    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure))
     return 0

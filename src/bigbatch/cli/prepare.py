@@ -6,10 +6,11 @@ import argparse
 from pathlib import Path
 
 from bigbatch.choices import DATA_MODE, TOKENIZER_NAMES
-from bigbatch.ranges import NON_NEGATIVE_INT, PROBABILITY
+from bigbatch.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY
 
 HELP = "tokenize text into token shards"
 DESCRIPTION = None
+SHARD_TOKENS = 100_000_000  # bigbatch.data.prepare.DEFAULT_SHARD_TOKENS, without importing numpy for --help
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,11 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
     parser.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1,
-                        help="held-out share (default: 0.1)")  # fmt: skip
-    parser.add_argument("--shard-tokens", type=NON_NEGATIVE_INT.argtype(), default=0,
-                        help="tokens per shard (default: 100M)")  # fmt: skip
-    parser.add_argument("--workers", type=NON_NEGATIVE_INT.argtype(), default=0,
-                        help="tokenizer processes (default: one per core)")  # fmt: skip
+                        help="held-out share; 0 holds none out (default: 0.1)")  # fmt: skip
+    parser.add_argument("--shard-tokens", type=POSITIVE_INT.argtype(), default=SHARD_TOKENS,
+                        help=f"tokens per shard (default: {SHARD_TOKENS:,})")  # fmt: skip
+    parser.add_argument("--workers", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
+                        help="tokenizer processes; auto: one per CPU core (at most 32) for a large corpus and a "
+                        "tokenizer other than byte, else 1 (default: auto)")  # fmt: skip
     parser.add_argument(
         "--mode", default="packed", choices=DATA_MODE,
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
@@ -34,16 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.data.prepare import DEFAULT_SHARD_TOKENS, prepare_dataset, prepared_notes
+    from bigbatch.data.prepare import prepare_dataset, prepared_notes
 
     meta = prepare_dataset(
         args.source,
         args.out,
         tokenizer_name=args.tokenizer,
         val_fraction=args.val_fraction,
-        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        shard_tokens=args.shard_tokens,
         mode=args.mode,
-        workers=args.workers or None,
+        workers=None if args.workers == AUTO else args.workers,
     )
     print(
         f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "

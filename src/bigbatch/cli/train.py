@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
+from typing import Any
 
 from bigbatch.config import add_config_arguments
 
@@ -17,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def say(message: str, *args: Any, level: int = logging.INFO) -> None:
+    logging.getLogger("bigbatch.train").log(level, message, *args)
+
+
 def run(args: argparse.Namespace) -> int:
     from bigbatch.config import config_from_args
     from bigbatch.distributed import distributed_session, launched_by_torchrun
@@ -28,10 +34,13 @@ def run(args: argparse.Namespace) -> int:
         print(config.to_toml(), end="")
         return 0
     if config.run.nproc > 1 and not launched_by_torchrun():
+        from bigbatch.build import chosen_run_dir
         from bigbatch.preflight import check_before_launch
+        from bigbatch.run_lock import held_for_workers
 
         check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
-        return relaunch_under_torchrun(config.run.nproc, "train", args.argv)
+        with held_for_workers(chosen_run_dir(config), config.run.wait_for_lock, say):  # for the whole job
+            return relaunch_under_torchrun(config.run.nproc, "train", args.argv)
     with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
         result = Trainer(config, dist, device).train()
     return 128 + result.stopped_by if result.stopped_by else 0  # the shell's convention for a signal

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bigbatch.atomic_file import write_text_atomically
 from bigbatch.cli.common import add_precision
-from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, PROBABILITY, SEED, VOCAB_OR_DEFAULT
+from bigbatch.ranges import AUTO, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY, SEED
 
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
 DESCRIPTION = (
@@ -26,11 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2,
                         help="sequences per micro-batch (default: 2)")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64, help="tokens per sequence (default: 64)")
-    parser.add_argument("--vocab-size", type=VOCAB_OR_DEFAULT.argtype(), default=0,
-                        help="vocabulary (default: the model's)")  # fmt: skip
+    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64,
+                        help="tokens per sequence, at most the model's block size (default: 64, which every preset "
+                        "holds)")  # fmt: skip
+    parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
+                        help="vocabulary; auto: the model's (default: auto)")  # fmt: skip
     parser.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0,
-                        help="preset dropout (disabled for the comparison)")  # fmt: skip
+                        help="preset dropout probability, 0: none (disabled for the comparison) "
+                        "(default: 0)")  # fmt: skip
     parser.add_argument(
         "--ragged", action=argparse.BooleanOptionalAction, default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
@@ -43,12 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
     parser.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5,
-                        help="parameters listed, worst first (default: 5)")  # fmt: skip
+                        help="parameters listed, worst first; 0 lists none (default: 5)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
     parser.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1,
                         help="processes: >1 checks DDP across ranks via torchrun")  # fmt: skip
-    parser.add_argument("--seed", type=SEED.argtype(), default=0)
+    parser.add_argument("--seed", type=SEED.argtype(), default=0,
+                        help="random seed, any integer from 0 to 2**63 - 1 (default: 0)")  # fmt: skip
     parser.add_argument("--device", default="cpu")
 
 
@@ -62,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
         require_new_file(args.json, "--json", args.overwrite)
     if args.nproc > 1 and not launched_by_torchrun():
         return relaunch_under_torchrun(args.nproc, "verify", args.argv)
+    vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the model's
     settings = VerifySettings(
         model=args.model, factory=args.factory, k=args.k, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        vocab_size=args.vocab_size, dropout=args.dropout, ragged=args.ragged, precision=args.precision,
+        vocab_size=vocab_size, dropout=args.dropout, ragged=args.ragged, precision=args.precision,
         splits=tuple(name.strip() for name in args.splits.split(",") if name.strip()), tolerance=args.tolerance,
         seed=args.seed, device=args.device,
     )

@@ -17,7 +17,6 @@ from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.data.split import SPLIT_RULE
 from bigbatch.data.tokenizers import is_bpe
-from bigbatch.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,6 @@ def ensure_prepared(
     if is_prepared_dataset(target):
         return target
     log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
-    try:
-        prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode,
-                        bpe_json=bpe_json if is_bpe(tokenizer_name) else None)  # fmt: skip
-    except (DataError, OSError):
-        if is_prepared_dataset(target):  # another process prepared the same source at the same time
-            return target
-        raise
+    prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode,
+                    bpe_json=bpe_json if is_bpe(tokenizer_name) else None, wait_for_lock=True)  # fmt: skip
     return target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from bigbatch.errors import DataError
 
+log = logging.getLogger(__name__)
 BUILTIN = "builtin"
 """Name of the built-in corpus: the Python standard library's top-level ``.py`` sources."""
 
@@ -64,8 +66,29 @@ def _is_hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
 
 
+def text_files(files: list[Path]) -> list[Path]:
+    """``files`` without the binary ones (a NUL byte in the first 8 KiB), which a directory of text often holds
+    beside it (images, archives); how many were skipped is said once, as a warning."""
+    kept: list[Path] = []
+    binary: list[Path] = []
+    for path in files:
+        try:
+            with path.open("rb") as handle:
+                head = handle.read(_BINARY_PROBE_BYTES)
+        except OSError as exc:
+            raise DataError(f"cannot read {path}: {exc.strerror}; check the path and its permissions") from exc
+        (binary if b"\x00" in head else kept).append(path)
+    if binary:
+        log.warning(
+            "skipped %d binary file%s (e.g. %s): not text (a NUL byte in the first %d KiB)",
+            len(binary), "" if len(binary) == 1 else "s", binary[0], _BINARY_PROBE_BYTES // 1024,
+        )  # fmt: skip
+    return kept
+
+
 def read_documents(files: list[Path]) -> Iterator[Document]:
-    """Each readable text file as one document; binary files (NUL bytes) are skipped.
+    """Each readable text file as one document; binary files (NUL bytes) are skipped (see :func:`text_files`,
+    which says so).
 
     A ``.jsonl`` file holds one document per line: ``{"text": ...}``, or
     ``{"prompt": ..., "completion": ...}`` where the prompt's targets are masked.

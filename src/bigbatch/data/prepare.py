@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bigbatch.choices import DATA_MODE
-from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source
+from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
 from bigbatch.data.encode import encoded_documents, worker_count
 from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
 from bigbatch.data.progress import CorpusProgress
@@ -35,12 +35,13 @@ from bigbatch.data.resumable import (
     skip_done,
     write_lengths,
 )
-from bigbatch.data.shards import DatasetMeta, token_dtype
+from bigbatch.data.shards import DatasetMeta, is_prepared_dataset, token_dtype
 from bigbatch.data.split import SPLIT_RULE, SPLIT_SEED, document_splits, packed_splits
 from bigbatch.data.text import InvalidUTF8, split_text
 from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.locking import FileLock, Holder, LockBusy, acquire
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def prepare_dataset(
     mode: str = "packed",
     workers: int | None = None,
     bpe_json: str | None = None,
+    wait_for_lock: bool = False,
 ) -> DatasetMeta:
     """Tokenize ``source`` into ``out_dir``.
 
@@ -91,14 +93,47 @@ def prepare_dataset(
 
     The directory is built under a temporary name and renamed into place, so a
     failed run leaves nothing half-written; an existing non-empty ``out_dir`` is
-    never overwritten.
+    never overwritten. One process at a time prepares ``out_dir`` (:func:`preparation_lock`); with
+    ``wait_for_lock`` another one waits for it and returns what it prepared.
     """
     _check_settings(val_fraction, shard_tokens, mode, workers)
     out = Path(out_dir)
+    _refuse_existing(out)
+    require_creatable_dir(out, "dataset directory")
+    with preparation_lock(out, wait_for_lock):
+        if wait_for_lock and is_prepared_dataset(out):  # the process waited for prepared it
+            return DatasetMeta.from_file(out)
+        _refuse_existing(out)
+        return _prepare(source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json)
+
+
+def _refuse_existing(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out} already exists and is not empty; choose a new --out or remove it first")
-    require_creatable_dir(out, "dataset directory")
 
+
+def preparation_lock(out: Path, wait: bool) -> FileLock:
+    """Held while ``out`` is prepared (``.NAME.lock`` beside it): one process prepares a dataset; another one
+    refuses, or with ``wait`` waits and then finds it prepared."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def waiting(holder: Holder | None) -> None:
+        log.info("waiting for %s, which is preparing %s", holder.describe() if holder else "another process", out)
+
+    try:
+        return acquire(out.parent / f".{out.name}.lock", wait=wait, on_wait=waiting)
+    except LockBusy as exc:
+        who = exc.holder.describe() if exc.holder else "another process"
+        raise DataError(
+            f"{out} is being prepared by another process ({who}); wait for it to finish, or choose another --out"
+        ) from None
+
+
+def _prepare(
+    source: str, out: Path, tokenizer_name: str, val_fraction: float, shard_tokens: int, mode: str,
+    workers: int | None, bpe_json: str | None,
+) -> DatasetMeta:
+    """:func:`prepare_dataset` once ``out`` is held and known to be new."""
     tokenizer: Tokenizer | None = None
     if is_bpe(tokenizer_name):
         bpe_vocab_size(tokenizer_name)  # a bad name fails before any work
@@ -107,7 +142,7 @@ def prepare_dataset(
     else:
         tokenizer = get_tokenizer(tokenizer_name)
     hf = is_hf_source(source)
-    files = [] if hf else resolve_source(source)
+    files = [] if hf else text_files(resolve_source(source))
 
     def documents() -> Iterator[Document]:
         return hf_documents(source) if hf else read_documents(files)
