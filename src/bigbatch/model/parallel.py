@@ -1,4 +1,4 @@
-"""How the GPT is sharded: FSDP2 wraps each transformer block, then the root (see
+"""How the models are sharded: FSDP2 wraps each transformer block, then the root (see
 :func:`bigbatch.distributed.wrap_model`, which knows nothing of the model's layout)."""
 
 from __future__ import annotations
@@ -6,11 +6,15 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bigbatch.model.gpt import GPT
+from bigbatch.model.llama import Llama
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules that FSDP2 shards as units before the root: a GPT's transformer blocks (its
-    embeddings, final norm and tied head stay with the root). Another model gives none: only the root."""
+    """The submodules that FSDP2 shards as units before the root: a GPT's transformer blocks, a Llama's
+    decoder layers (their embeddings, final norm and head stay with the root). Another model gives none: only
+    the root."""
     if isinstance(model, GPT):
         return list(model.transformer.h)  # the blocks
+    if isinstance(model, Llama):
+        return list(model.model.layers)
     return []
