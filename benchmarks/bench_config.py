@@ -1,10 +1,40 @@
-"""The ``bigbatch train`` settings the benchmarks time the Trainer with (imported by them, not a benchmark)."""
+"""The ``bigbatch train`` settings the benchmarks time the Trainer with, and the corpus they measure on (imported
+by them, not a benchmark)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from bigbatch.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+"""Where CI keeps tiny Shakespeare, beside the checkout (never inside it): the corpus of the README's numbers."""
+TINY_SHAKESPEARE_BYTES = 1_115_394
+
+
+def generated_corpus(directory: Path, n_bytes: int = TINY_SHAKESPEARE_BYTES) -> tuple[Path, str]:
+    """The tests' deterministic English-like text (tests/support/text_corpus.py) written into ``directory``, and
+    a line that says so."""
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    from text_corpus import text_corpus
+
+    path = directory / "generated.txt"
+    path.write_bytes(text_corpus(n_bytes))
+    return path, f"corpus: generated English-like text (tests/support/text_corpus.py), {n_bytes:,} bytes"
+
+
+def bench_corpus(given: str | None, directory: Path) -> tuple[Path, str, bool]:
+    """The corpus a benchmark measures on, a line saying which, and whether it is tiny Shakespeare's stand-in:
+    ``given`` (``--corpus``) when there is one; else tiny Shakespeare beside the checkout when it is there; else
+    the generated text of the same size, and the line says that its numbers are not the README's."""
+    if given is not None:
+        return Path(given), f"corpus: {given} (--corpus)", False
+    if TINY_SHAKESPEARE.is_file():
+        return TINY_SHAKESPEARE, f"corpus: tiny Shakespeare, {TINY_SHAKESPEARE}", False
+    path, line = generated_corpus(directory)
+    return path, f"{line}, as {TINY_SHAKESPEARE} is absent: not the README's corpus", True
 
 
 def cpu_run_config(data: Path | str, out: Path | str, micro_batch: int, seq_len: int, k: int, steps: int) -> TrainConfig:

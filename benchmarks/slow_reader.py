@@ -1,8 +1,9 @@
 """Data loading off the critical path: the Trainer's step time with an artificially slow reader, on CPU.
 
-    python benchmarks/slow_reader.py
+    python benchmarks/slow_reader.py [--corpus PATH]
 
-The nano model on tiny Shakespeare (byte tokenizer), T=64, B=12, K=2. First the compute time per step is
+The nano model on tiny Shakespeare (byte tokenizer; ``--corpus`` another text; without either, the tests' generated
+English-like text of the same size, and the script says so), T=64, B=12, K=2. First the compute time per step is
 measured with the ordinary reader; then every micro-batch read is made to wait ``SLOW`` x the compute time of
 one micro-batch (a sleep, which like real file or network I/O leaves the processor to the training thread).
 The Trainer runs with its read-ahead thread (the default) and with ``prefetch=False``; each round runs the three
@@ -13,6 +14,7 @@ the ratio stays near 1; read inline it is about ``1 + SLOW``.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import statistics
 import sys
@@ -28,12 +30,11 @@ from bigbatch.data.cache import ensure_prepared
 from bigbatch.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_config import cpu_run_config  # noqa: E402
+from bench_config import bench_corpus, cpu_run_config  # noqa: E402
 
 T, B, K = 64, 12, 2
 STEPS, ROUNDS = 12, 4  # steps per run (the first not timed); rounds
 SLOW = 0.8  # a read takes this share of one micro-batch's compute
-SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def make_config(dataset: Path, out: Path) -> TrainConfig:
@@ -71,11 +72,14 @@ def step_time(dataset: Path, out: Path, delay: float, prefetch: bool) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bigbatch-slow-reader-") as tmp:
         root = Path(tmp)
-        corpus = root / "tinyshakespeare.txt"
-        corpus.write_bytes(SHAKESPEARE.read_bytes())
+        corpus, corpus_line, _ = bench_corpus(args.corpus, root)
+        print(corpus_line, flush=True)
         dataset = ensure_prepared(str(corpus), "byte", 0.1, root / "cache")
         runs = 0
 

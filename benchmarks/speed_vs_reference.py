@@ -1,9 +1,10 @@
 """bigbatch's ``bigbatch train`` path (the Trainer) against a minimal reference GPT loop, side by side, on CPU.
 
-    python benchmarks/speed_vs_reference.py [--quick] [--rounds N] [--steps N] [--shuffle off|on]
+    python benchmarks/speed_vs_reference.py [--quick] [--rounds N] [--steps N] [--shuffle off|on] [--corpus PATH]
 
-The nano shape (4 layers, 4 heads, 128 wide) on tiny Shakespeare with the demo's byte tokenizer (vocabulary
-256 for both), the same optimizer settings (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1 on matrices,
+The nano shape (4 layers, 4 heads, 128 wide) on tiny Shakespeare (``--corpus`` another text; without either, the
+tests' generated English-like text of the same size, and the script says so) with the demo's byte tokenizer
+(vocabulary 256 for both), the same optimizer settings (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1 on matrices,
 clip 1.0, warmup + cosine), at three settings: (T=64, B=12, K=1), (T=64, B=12, K=4) and (T=256, B=16, K=4).
 
 Each round builds a Trainer exactly as ``bigbatch train`` does (prepared data, run directory, metrics.jsonl,
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_config import cpu_run_config  # noqa: E402
+from bench_config import bench_corpus, cpu_run_config  # noqa: E402
 from reference_gpt import ReferenceGPT, train_reference  # noqa: E402
 
 from bigbatch.config import TrainConfig  # noqa: E402
@@ -47,7 +48,6 @@ from bigbatch.data.shards import TokenDataset  # noqa: E402
 from bigbatch.trainer import Trainer  # noqa: E402
 
 SETTINGS = [(64, 12, 1), (64, 12, 4), (256, 16, 4)]  # (T, B, K)
-SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 GOAL = 1.02
 STEP_BUDGET_S = 4.0  # CPU seconds of training per side and round: steps per round follow from it
 
@@ -132,19 +132,19 @@ def main() -> None:
     parser.add_argument("--shuffle", choices=["off", "on"], default="off",
                         help="off (default): both read the same windows in order, and their parameters are compared; "
                         "on: bigbatch's default shuffled windows against the reference's random offsets")  # fmt: skip
+    parser.add_argument("--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)")
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     # Step lines go where the CLI sends them (INFO), into a discarded stream: formatting them is part of the path.
     handler = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115
     logging.getLogger().addHandler(handler)
     logging.getLogger().setLevel(logging.INFO)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; nano on tiny Shakespeare, byte tokenizer",
-          flush=True)
     ratios: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(prefix="bigbatch-speed-") as tmp:
         root = Path(tmp)
-        corpus = root / "tinyshakespeare.txt"
-        corpus.write_bytes(SHAKESPEARE.read_bytes())
+        corpus, corpus_line, _ = bench_corpus(args.corpus, root)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; nano, byte tokenizer; {corpus_line}",
+              flush=True)
         dataset = ensure_prepared(str(corpus), "byte", 0.1, root / "cache")  # once, before timing
         shards = TokenDataset(dataset).shard_arrays("train")
         if len(shards) != 1:

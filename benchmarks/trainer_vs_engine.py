@@ -2,8 +2,10 @@
 
     python benchmarks/trainer_vs_engine.py
 
-The Trainer reads a prepared dataset (a corpus written to a temporary
-directory and prepared once, before timing), writes metrics.jsonl, formats its
+The Trainer reads a prepared dataset (the tests' generated English-like text,
+tests/support/text_corpus.py: byte-level windows cost the same whatever the
+text, so the same corpus on every machine; written to a temporary directory
+and prepared once, before timing), writes metrics.jsonl, formats its
 step line (logging at WARNING, so nothing is printed) and saves a checkpoint at
 the end; evaluation and sampling are off. The engine alone gets the same
 model preset, optimizer, schedule and batch plan, fed with micro-batches built
@@ -20,7 +22,6 @@ does not affect.
 from __future__ import annotations
 
 import logging
-import random
 import statistics
 import sys
 import tempfile
@@ -42,28 +43,12 @@ from bigbatch.optim import CosineSchedule, build_adamw
 from bigbatch.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_config import cpu_run_config  # noqa: E402
+from bench_config import cpu_run_config, generated_corpus  # noqa: E402
 
 PRESET, B, T, K = "nano", 8, 128, 4
 STEPS = 5  # optimizer steps per round; the first of each round is not timed
 ROUNDS, MIN_ROUNDS, BUDGET_S = 8, 3, 25.0  # short rounds interleave finely; fewer when the machine is busy
 GOAL = 0.97  # trainer tokens/s >= 97% of the engine's
-SHAKESPEARE = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare.txt"
-
-
-def write_corpus(directory: Path) -> Path:
-    """tinyshakespeare if this checkout has it, else ~300 KB of generated words."""
-    path = directory / "corpus.txt"
-    if SHAKESPEARE.is_file():
-        path.write_bytes(SHAKESPEARE.read_bytes())
-    else:
-        rng = random.Random(0)
-        words = ["the", "model", "batch", "step", "gradient", "token", "loss", "of", "and", "a", "to", "is"]
-        lines = (" ".join(rng.choice(words) for _ in range(12)) for _ in range(4000))
-        path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def make_config(dataset: Path, out: Path) -> TrainConfig:
     config = cpu_run_config(dataset, out, B, T, K, STEPS)
     config.model.preset = PRESET
@@ -131,7 +116,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     with tempfile.TemporaryDirectory(prefix="bigbatch-bench-") as tmp:
         root = Path(tmp)
-        corpus = write_corpus(root)
+        corpus, corpus_line = generated_corpus(root, 300_000)
         dataset = ensure_prepared(str(corpus), "byte", 0.1, root / "cache")  # once, before timing
         loader = PackedLoader(TokenDataset(dataset).shard_arrays("train"), B, T)
         batches = [loader.next_micro_batch() for _ in range(STEPS * K)]  # the Trainer's first STEPS steps
@@ -155,6 +140,7 @@ def main() -> None:
     n = len(rates["trainer"])
     print(f"{PRESET} model, micro_batch {B} x seq_len {T} x K {K} = {B * T * K:,} tokens/step, {n} rounds of "
           f"{STEPS} steps each (step 1 of a round not timed), interleaved, medians over rounds")
+    print(f"  {corpus_line}")
     for name, values in rates.items():
         spread = f"(rounds {min(values):,.0f} .. {max(values):,.0f})"
         print(f"  {name:<13} {statistics.median(values):10,.0f} tokens/s  {spread}")

@@ -1,7 +1,7 @@
 """Learning per step: bigbatch's validation loss against the minimal reference's, on the same validation windows.
 
     OMP_NUM_THREADS=1 python benchmarks/val_vs_reference.py [--steps 2000] [--eval-every 250] [--seeds 1337]
-        [--plot docs/val-vs-reference.png]
+        [--data PATH] [--plot docs/val-vs-reference.png]
 
 The setting of issue 14: the nano shape (4 layers, 4 heads, 128 wide), T=64, B=12, K=1, tiny Shakespeare with
 the byte tokenizer and bigbatch's 10% validation split, 2,000 steps, bigbatch's default optimizer settings
@@ -23,6 +23,10 @@ loss of each run at each evaluation, the difference bigbatch minus reference at 
 its standard error, the verdict on the goal (no higher after the last step) with its 95% interval, and writes a
 plot of the curves and the difference (and their numbers, per seed, as JSON beside it). Runs in parallel
 processes, one per run and seed range, are combined with ``--merge A.json B.json ...``.
+
+``--data`` (or ``--corpus``) defaults to tiny Shakespeare beside the checkout (``../shared/data``). Without it,
+the script trains on the tests' generated English-like text of the same size, says so, and writes the plot only
+where ``--plot`` says: the README's numbers and docs/val-vs-reference.png are tiny Shakespeare's.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ from bigbatch.model import preset
 from bigbatch.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_config import cpu_run_config  # noqa: E402
+from bench_config import bench_corpus, cpu_run_config  # noqa: E402
 from reference_gpt import ReferenceGPT, train_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DOCS_PLOT = ROOT / "docs" / "val-vs-reference.png"
 B, T, PRESET = 12, 64, "nano"
 MARKS = (500, 1000, 2000)
 RUN_NAMES = {
@@ -156,15 +160,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
-    parser.add_argument("--data", default=str(SHAKESPEARE))
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "val-vs-reference.png")
+    parser.add_argument("--data", "--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)")
+    parser.add_argument("--plot", type=Path, help=f"default: {DOCS_PLOT.relative_to(ROOT)}, unless the corpus is generated")
     parser.add_argument("--runs", nargs="+", default=["shuffle on", "shuffle off", "reference", "reference same init"],
                         choices=list(RUN_NAMES))  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", default=[],
                         help="train nothing: combine the JSON files of earlier invocations (e.g. one per run, run "
                         "in parallel) into one table and plot")  # fmt: skip
     args = parser.parse_args()
+    args.corpus_name = "tiny Shakespeare"
     if args.merge:
+        args.plot = args.plot or DOCS_PLOT
         curves: Curves = {}
         for path in args.merge:
             for name, by_step in read_curves(path).items():
@@ -172,14 +178,23 @@ def main() -> int:
                     curves.setdefault(name, {}).setdefault(step, {}).update(by_seed)
         return report(curves, args)
     logging.basicConfig(level=logging.WARNING)
-    if not Path(args.data).is_file():
+    if args.data is not None and not Path(args.data).is_file():
         print(f"{args.data} not found; give --data (tiny Shakespeare)", file=sys.stderr)
         return 2
 
     curves = {RUN_NAMES[r]: {} for r in args.runs}
     with tempfile.TemporaryDirectory(prefix="val-vs-ref-") as tmp:
         work = Path(tmp)
-        dataset = open_dataset(ensure_prepared(args.data, "byte", 0.1, work / "cache"))
+        corpus, corpus_line, generated = bench_corpus(args.data, work)
+        print(corpus_line, flush=True)
+        if generated:
+            args.corpus_name = "generated text"
+        elif args.data is not None:
+            args.corpus_name = Path(args.data).name
+        if args.plot is None and not generated:
+            args.plot = DOCS_PLOT
+        data = str(corpus)
+        dataset = open_dataset(ensure_prepared(data, "byte", 0.1, work / "cache"))
         val = validation_windows(dataset, "val", B, T, eval_batches=0, whole=True)
         assert val.whole
         windows = PackedWindows(dataset.shard_arrays("val"), T)
@@ -197,14 +212,14 @@ def main() -> int:
                 if run.startswith("reference"):
                     initial = None
                     if run == "reference same init":  # bigbatch's initial weights for this seed, untrained
-                        init_config = bigbatch_config(args.data, work / "cache", work / f"init-{seed}", args.steps,
+                        init_config = bigbatch_config(data, work / "cache", work / f"init-{seed}", args.steps,
                                                       args.eval_every, seed, "on")  # fmt: skip
                         initial = Trainer(init_config).model.state_dict()
                     losses = reference_run(train_tokens, reference_windows, dataset.vocab_size, args.steps,
                                            args.eval_every, seed, initial)  # fmt: skip
                 else:
                     out = work / f"{run.replace(' ', '-')}-{seed}"
-                    losses = bigbatch_run(args.data, work / "cache", out, args.steps, args.eval_every, seed,
+                    losses = bigbatch_run(data, work / "cache", out, args.steps, args.eval_every, seed,
                                           run.split()[1])  # fmt: skip
                 for step, loss in losses.items():
                     curves[RUN_NAMES[run]].setdefault(step, {})[seed] = loss
@@ -297,8 +312,12 @@ def report(curves: Curves, args: argparse.Namespace) -> int:
         print(f"goal: {ours} no higher than the {reference} after {final} steps: {verdict} ({g.mean:+.4f} nats, "
               f"95% interval [{low:+.4f}, {high:+.4f}], {g.seeds} {'paired' if g.paired else 'independent'} "
               "seeds)")  # fmt: skip
-    title = (f"nano (4x4x128), T={T}, B={B}, K=1, tiny Shakespeare (byte)\nvalidation loss on the whole "
-             f"validation split (1,742 windows)\nmean over seeds, shaded: its standard error")  # fmt: skip
+    if args.plot is None:
+        print(f"plot: none written ({args.corpus_name} is not the corpus of {DOCS_PLOT.relative_to(ROOT)}; give --plot)")
+        return 0
+    windows = " (1,742 windows)" if args.corpus_name == "tiny Shakespeare" else ""
+    title = (f"nano (4x4x128), T={T}, B={B}, K=1, {args.corpus_name} (byte)\nvalidation loss on the whole "
+             f"validation split{windows}\nmean over seeds, shaded: its standard error")  # fmt: skip
     plot(curves, args.plot, title)
     numbers = {name: {str(step): {str(seed): v for seed, v in sorted(by_seed.items())}
                       for step, by_seed in sorted(by_step.items())} for name, by_step in curves.items()}  # fmt: skip

@@ -19,12 +19,14 @@ from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import ConfigError, require_creatable_dir
 
 RUN_MARKER = ".bigbatch-run"
+RUN_LOCK = ".bigbatch-lock"  # held while a process trains in the run (see bigbatch.run_lock)
 REPORT_MARKER = ".bigbatch-report"
 
 
 def is_legacy_run(path: Path) -> bool:
-    """A run directory from before markers: it holds bigbatch's checkpoints or metrics log."""
-    return (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
+    """A run directory without a marker: from before markers (it holds bigbatch's checkpoints or metrics log), or
+    one a run has just created and holds (its lock)."""
+    return (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file() or (path / RUN_LOCK).is_file()
 
 
 def is_legacy_report(path: Path) -> bool:

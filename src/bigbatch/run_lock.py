@@ -17,9 +17,7 @@ from pathlib import Path
 
 from bigbatch.errors import ConfigError
 from bigbatch.locking import FileLock, Holder, LockBusy, acquire, environment_for_workers, inherited
-from bigbatch.outputs import RUN_MARKER, mark_own_dir
-
-RUN_LOCK = ".bigbatch-lock"
+from bigbatch.outputs import RUN_LOCK
 
 Say = Callable[..., None]
 
@@ -30,7 +28,7 @@ class RunDirInUse(ConfigError):
 
 class RunDirLock:
     """The held lock of one run directory; :meth:`release` also removes a directory this lock created and
-    nothing else wrote into (a run refused after choosing its directory leaves no empty run behind)."""
+    nothing wrote into (a run refused after choosing its directory leaves no empty directory behind)."""
 
     def __init__(self, run_dir: Path, lock: FileLock, created: bool) -> None:
         self.run_dir, self.lock, self.created = run_dir, lock, created
@@ -39,9 +37,7 @@ class RunDirLock:
         self.lock.release()
         if self.created:
             try:
-                if [p.name for p in self.run_dir.iterdir()] == [RUN_MARKER]:
-                    (self.run_dir / RUN_MARKER).unlink()
-                    self.run_dir.rmdir()
+                self.run_dir.rmdir()  # only when empty
             except OSError:
                 pass  # written into meanwhile, or gone: leave it as it is
             self.created = False
@@ -54,7 +50,7 @@ def lock_run_dir(run_dir: Path, wait: bool, say: Say) -> RunDirLock:
     if held is not None:
         return RunDirLock(run_dir, held, created=False)
     created = not run_dir.exists()
-    mark_own_dir(run_dir, RUN_MARKER, "run")
+    run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (run_files.py)
     return RunDirLock(run_dir, hold_directory(run_dir, "run directory", wait, say), created)
 
 

@@ -35,8 +35,12 @@ class StopRequest:
             if signum == signal.SIGINT and self._clock() - self._first_at >= REPEAT_GRACE_SECONDS:
                 raise KeyboardInterrupt
             return  # already stopping
+        self.request(signum, announce=True)
+
+    def request(self, signum: int, announce: bool) -> None:
+        """Stop at the end of this step as on ``signum``; ``announce``: tell the user at once."""
         self.signum, self._first_at = signum, self._clock()
-        if self._announce is not None:
+        if announce and self._announce is not None:
             self._announce(signum)
 
     def __enter__(self) -> StopRequest:
@@ -51,10 +55,16 @@ class StopRequest:
         self._previous.clear()
 
 
-def polite_stop_listening() -> bool:
-    """Whether a :class:`StopRequest` (the training loop) is what SIGTERM reaches now; outside the loop SIGTERM
+def listening_stop_request() -> StopRequest | None:
+    """The :class:`StopRequest` (the training loop) that SIGTERM reaches now, or ``None``: outside the loop SIGTERM
     unwinds (:func:`sigterm_unwinds`) or kills."""
-    return isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), StopRequest)
+    handler = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return handler if isinstance(handler, StopRequest) else None
+
+
+def polite_stop_listening() -> bool:
+    """Whether the training loop is what SIGTERM reaches now (see :func:`listening_stop_request`)."""
+    return listening_stop_request() is not None
 
 
 class Terminated(KeyboardInterrupt):

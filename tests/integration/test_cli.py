@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_one_line_error, run_main
+from text_corpus import text_corpus
 
 from bigbatch.cli import main
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 CORPUS_BYTES = 60_000
 SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 
@@ -41,11 +41,7 @@ def _isolated_cwd_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def corpus_text() -> bytes:
-    if SHAKESPEARE.is_file():
-        return SHAKESPEARE.read_bytes()[:CORPUS_BYTES]
-    words = "ROMEO JULIET thou art the sun and moon whose light doth shine upon the world".split()
-    lines = [" ".join(words[(i + j) % len(words)] for j in range(9)) for i in range(CORPUS_BYTES // 50)]
-    return ("\n".join(lines) + "\n").encode()[:CORPUS_BYTES]
+    return text_corpus(CORPUS_BYTES)
 
 
 @pytest.fixture(scope="module")

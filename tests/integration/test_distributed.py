@@ -21,9 +21,9 @@ from bigbatch.optim import build_adamw, constant_schedule
 pytestmark = pytest.mark.slow
 
 
-def reference(ragged: bool) -> tuple[torch.nn.Module, list]:
-    """One process, all 2K micro-batches of each step."""
-    model = dist_worker.make_model()
+def reference(ragged: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, list]:
+    """One process, all 2K micro-batches of each step (in float64: how far fp32 itself lands from exact)."""
+    model = dist_worker.make_model().to(dtype)
     engine = AccumulationEngine(model, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0)
     records = [engine.step(dist_worker.global_step_batches(s, 2, ragged)) for s in range(dist_worker.STEPS)]
     return model, records
@@ -55,7 +55,9 @@ def test_two_ranks_match_one_process_with_twice_the_micro_batches(
     model, records = reference(ragged)
     distributed = dist_worker.make_model()
     distributed.load_state_dict(got["state"])
-    assert_parameters_match(distributed, model)
+    # The bar follows the setting's conditioning: without ragged targets fp32 itself lands 1.4e-5 from exact here,
+    # so a flat 1e-5 would hold for one machine's rounding only (exactness.assert_parameters_match).
+    assert_parameters_match(distributed, model, exact=reference(ragged, torch.float64)[0])
     # The logged loss is the exact global token-weighted mean; the norm is the global norm.
     assert got["losses"] == pytest.approx([r.loss for r in records], rel=1e-5)
     assert got["norms"] == pytest.approx([r.grad_norm for r in records], rel=1e-5)

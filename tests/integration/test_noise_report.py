@@ -184,8 +184,15 @@ def test_a_real_run_end_to_end(tmp_path: Path) -> None:
     ])  # fmt: skip
     assert code == 0, out + err
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "noise_scale" in r] == list(range(1, 9))
+    # A smoothed estimate is usable once positive, which 8 noisy measurements make likely but no draw promises:
+    # the commands are held to what the run logged either way (the synthetic runs above cover both cases).
     usable = [r for r in records if r["kind"] == "step" and r.get("noise_scale", 0) > 0]
-    assert usable, "no usable estimate in 8 measured steps"
+    if not usable:
+        line = assert_one_line_error(*run_main(["plan", "--from-run", str(run)]))
+        assert "has 8 noise-scale measurements but no usable estimate" in line
+        assert run_main(["report", str(run)])[0] == 0 and not (run / "report" / NOISE_PLOT).exists()
+        return
     last = usable[-1]
     code, out, err = run_main(["plan", "--from-run", str(run)])
     assert code == 0, err

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from pathlib import Path
 
 import torch
+from text_corpus import text_corpus
 
 from bigbatch.accumulate import token_loss_sum
 from bigbatch.batch import IGNORE_INDEX, MicroBatch
@@ -40,16 +40,10 @@ def assert_one_line_error(code: int, out: str, err: str) -> str:
     return lines[0]
 
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-
-
 def corpus_bytes(limit: int = 60_000) -> bytes:
-    """The first ``limit`` bytes of ../shared's tinyshakespeare; without it, numbered lines (never periodic,
-    so train and validation splits differ)."""
-    if SHAKESPEARE.is_file():
-        return SHAKESPEARE.read_bytes()[:limit]
-    lines = "".join(f"line {i}: to be or not to be, {i * i % 97} is it.\n" for i in range(limit // 30 + 1))
-    return lines.encode()[:limit]
+    """The first ``limit`` bytes of the tests' own English-like corpus (text_corpus.py): the same on every machine,
+    never periodic, so train and validation splits differ."""
+    return text_corpus(limit)
 
 
 def mean_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

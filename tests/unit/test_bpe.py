@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from text_corpus import text_corpus_str
 
 import bigbatch.data.encode as encode_module
 import bigbatch.data.text as text_module
@@ -21,8 +22,6 @@ from bigbatch.data.tokenizers import BPE_FILE, get_tokenizer, train_bpe
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.trainer import Trainer
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-
 TRICKY = [
     "héllo wörld, naïve café — “quotes” and ‘apostrophes’\n",
     "日本語のテキスト、中文文本，한국어 텍스트\n",
@@ -35,14 +34,7 @@ TRICKY = [
 
 
 def corpus_text(limit: int = 200_000) -> str:
-    if SHAKESPEARE.is_file():
-        return SHAKESPEARE.read_text(encoding="utf-8")[:limit]
-    # Without the shared corpus: words of random syllables, varied enough for hundreds of merges.
-    rng = random.Random(0)
-    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"]
-    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3_000)]
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + "." for _ in range(6_000)]
-    return "\n".join(lines)[:limit]
+    return text_corpus_str(limit)
 
 
 @pytest.fixture(scope="module")

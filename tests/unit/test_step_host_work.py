@@ -84,9 +84,16 @@ def test_gradients_left_over_before_a_step_do_not_leak_into_it(tiny_model: GPT) 
         assert torch.equal(a, b)
 
 
+def same_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to fp32 rounding, relative to the tensor's scale: matmuls of 61 and of 64 vocabulary rows need not
+    add their products in the same order (the BLAS picks kernels and blocking by shape, CPU and thread count), so
+    bitwise equality is one machine's outcome, not a property. A wrong row or a lost gradient is far larger."""
+    return bool((a - b).abs().max() <= 1e-5 * b.abs().max())
+
+
 def test_padded_vocabulary_logits_on_cpu_are_contiguous_and_the_same_numbers(tiny_model: GPT) -> None:
     """The head multiplies by its first vocab_size rows only: no slice of padded logits to copy, same values and
-    gradients as the padded matmul cut back."""
+    gradients (to rounding) as the padded matmul cut back."""
     assert tiny_model.config.padded_vocab_size > tiny_model.config.vocab_size  # 61 -> 64
     inputs, targets = random_batch(3, 16)
     logits = tiny_model(inputs)
@@ -98,8 +105,8 @@ def test_padded_vocabulary_logits_on_cpu_are_contiguous_and_the_same_numbers(tin
     for block in tiny_model.transformer.h:
         h = block(h)
     padded = tiny_model.lm_head(tiny_model.transformer.ln_f(h))[..., : tiny_model.config.vocab_size]
-    assert torch.equal(padded, logits)
+    assert same_to_rounding(padded, logits)
     padded.sum().backward()
     for name, p in tiny_model.named_parameters():
-        assert torch.equal(p.grad, grads[name]), name  # type: ignore[arg-type]
+        assert same_to_rounding(p.grad, grads[name]), name  # type: ignore[arg-type]
     assert not tiny_model.transformer.wte.weight.grad[tiny_model.config.vocab_size :].any()  # type: ignore[index]

@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from bigbatch.signals import polite_stop_listening
+from bigbatch.signals import listening_stop_request
 
 
 class CurrentStdoutHandler(logging.StreamHandler):
@@ -34,8 +34,10 @@ class CurrentStdoutHandler(logging.StreamHandler):
             super().handleError(record)
             return
         silence_stdout()
-        if polite_stop_listening():  # inside the training loop: finish the step, save, stop
-            signal.raise_signal(signal.SIGTERM)
+        stop = listening_stop_request()
+        if stop is not None:  # inside the training loop: finish the step, save, stop, as on SIGTERM
+            if not stop.signum:  # nobody asked at the console, so nothing is announced there
+                stop.request(signal.SIGTERM, announce=False)
             return
         raise BrokenPipeError(errno.EPIPE, "output pipe closed")
 
