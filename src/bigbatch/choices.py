@@ -48,6 +48,8 @@ SHUFFLE = Choices("shuffle", ("on", "off"))
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 
 # Open sets, named here so that the command line's help needs neither torch nor the data package:
-# tests/test_choices.py checks that they match the tokenizers and the model presets they describe.
-TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB")
-MODEL_PRESET_NAMES = ("pico", "nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt-1b")
+# tests/integration/test_cli_structure.py checks that they match the tokenizers and the model presets they describe.
+TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB", "file:PATH")
+MODEL_PRESET_NAMES = (
+    "pico", "nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt-1b", "llama-pico", "llama-nano", "llama3.2-1b",
+)  # fmt: skip

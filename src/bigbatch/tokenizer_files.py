@@ -1,16 +1,19 @@
 """The tokenizer a run owns: Hugging Face tokenizer files in the run directory and in exports.
 
 The tokenizer of a prepared dataset lives beside its shards, in a cache that may move or be cleared. A run
-keeps its own copy in ``RUN_DIR/tokenizer/`` (written when training starts), a ``bpe:VOCAB`` checkpoint also
-carries its ``tokenizer.json`` inside, and ``bigbatch export`` writes the same files next to the model:
+keeps its own copy in ``RUN_DIR/tokenizer/`` (written when training starts), a ``bpe:VOCAB`` (or ``file:PATH``)
+checkpoint also carries its ``tokenizer.json`` inside, and ``bigbatch export`` writes the same files next to the
+model:
 
 * ``tokenizer.json`` (Hugging Face ``tokenizers``), ``tokenizer_config.json``, ``special_tokens_map.json``:
   ``transformers.AutoTokenizer.from_pretrained(DIR)`` loads them;
-* for ``gpt2`` and ``bpe:VOCAB`` also ``vocab.json`` + ``merges.txt`` (the slow ``GPT2Tokenizer`` files);
+* for ``gpt2`` and ``bpe:VOCAB`` also ``vocab.json`` + ``merges.txt`` (the slow ``GPT2Tokenizer`` files; not for
+  ``file:PATH``, whose pre-tokenizer may not be GPT-2's);
 * ``bigbatch_tokenizer.json``: bigbatch's name for the tokenizer and its fingerprint.
 
 ``byte`` is written as a byte-level BPE without merges (token id = byte value), ``gpt2`` is converted from
-tiktoken's encoding (its merges recovered from the ranks).
+tiktoken's encoding (its merges recovered from the ranks), ``file:PATH`` is its ``tokenizer.json`` as it was
+read (so every copy has the original's fingerprint) with its end-of-text token as ``eos_token``.
 """
 
 from __future__ import annotations
@@ -29,9 +32,14 @@ from bigbatch.data.tokenizers import (
     BPE_FILE,
     EOT_TEXT,
     BPETokenizer,
+    FileTokenizer,
     Tokenizer,
+    carries_tokenizer_json,
+    file_tokenizer_path,
     get_tokenizer,
     is_bpe,
+    is_file_tokenizer,
+    read_eos_token,
 )
 from bigbatch.errors import BigBatchError, CheckpointError
 from bigbatch.fileperm import apply_umask
@@ -118,12 +126,16 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
     """Write the tokenizer files into ``directory`` (which exists)."""
     text = hf_tokenizer_json(tokenizer)
     document = json.loads(text)
-    eot = EOT_TEXT if tokenizer.eot_token is not None else None
-    special = {"bos_token": eot, "eos_token": eot, "unk_token": eot} if eot else {}
+    own = isinstance(tokenizer, FileTokenizer)  # a model's own: its file as it is, and its end-of-text token
+    if isinstance(tokenizer, FileTokenizer):
+        special = {"eos_token": tokenizer.eot_text} if tokenizer.eot_text else {}
+    else:
+        eot = EOT_TEXT if tokenizer.eot_token is not None else None
+        special = {"bos_token": eot, "eos_token": eot, "unk_token": eot} if eot else {}
     config: dict[str, Any] = {
         "tokenizer_class": "GPT2TokenizerFast" if tokenizer.name == "gpt2" else "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
-        "add_prefix_space": False,
+        **({} if own else {"add_prefix_space": False}),  # a setting transformers would apply to its pre-tokenizer
         "clean_up_tokenization_spaces": False,
         **special,
     }
@@ -134,7 +146,7 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
         INFO_FILE: json.dumps({"name": tokenizer.name, "fingerprint": _fingerprint(tokenizer.name, text)}) + "\n",
     }
     model = document.get("model", {})
-    if tokenizer.name != "byte" and model.get("type") == "BPE":
+    if tokenizer.name != "byte" and not own and model.get("type") == "BPE":
         vocab = dict(model.get("vocab", {}))
         for added in document.get("added_tokens", []):
             vocab.setdefault(added["content"], added["id"])
@@ -146,7 +158,7 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
 
 
 def _fingerprint(name: str, text: str) -> str:
-    return tokenizer_json_fingerprint(text) if is_bpe(name) else tokenizer_fingerprint(name)
+    return tokenizer_json_fingerprint(text) if carries_tokenizer_json(name) else tokenizer_fingerprint(name)
 
 
 def _fingerprint_of(tokenizer: Tokenizer) -> str:
@@ -195,31 +207,43 @@ def run_dir_of(checkpoint: Path) -> Path | None:
 
 def checkpoint_tokenizer(document: dict[str, Any], location: Path) -> Tokenizer:
     """The tokenizer a checkpoint's model was trained with: from its run directory, from the checkpoint itself
-    (``bpe:VOCAB``), or from the dataset directory it was trained on, in that order; a ``bpe`` one is checked
-    against the checkpoint's tokenizer fingerprint."""
+    (``bpe:VOCAB``), or from the dataset directory it was trained on, in that order; a ``file:PATH`` one from its
+    run directory, its dataset, PATH, then the checkpoint. A ``tokenizer.json`` is checked against the
+    checkpoint's tokenizer fingerprint."""
     name = str(document.get("tokenizer", "byte"))
-    if not is_bpe(name):
+    if not carries_tokenizer_json(name):
         return get_tokenizer(name)
     expected = str((document.get("fingerprints") or {}).get("tokenizer") or "")
     run_dir = run_dir_of(location)
-    candidates: list[tuple[str, str]] = []
-    if run_dir is not None and (run_dir / RUN_TOKENIZER_DIR / BPE_FILE).is_file():
-        path = run_dir / RUN_TOKENIZER_DIR / BPE_FILE
-        candidates.append((str(path), path.read_text(encoding="utf-8")))
-    if document.get("tokenizer_json"):
-        candidates.append(("the checkpoint", str(document["tokenizer_json"])))
+    embedded = document.get("tokenizer_json")
     dataset = document.get("dataset")
-    if dataset and (Path(dataset) / BPE_FILE).is_file():
-        path = Path(dataset) / BPE_FILE
-        candidates.append((str(path), path.read_text(encoding="utf-8")))
-    for where, text in candidates:
+    candidates: list[tuple[str, str, str | None]] = []  # where, its tokenizer.json, the eos_token beside it
+
+    def add(path: Path) -> None:
+        if path.is_file():
+            candidates.append((str(path), path.read_text(encoding="utf-8"), read_eos_token(path.parent)))
+
+    if run_dir is not None:
+        add(run_dir / RUN_TOKENIZER_DIR / BPE_FILE)
+    if embedded and is_bpe(name):
+        candidates.append(("the checkpoint", str(embedded), None))
+    if dataset:
+        add(Path(dataset) / BPE_FILE)
+    if is_file_tokenizer(name):
+        add(file_tokenizer_path(name))
+        if embedded:  # last: no tokenizer_config.json travels with it, so its end-of-text token is guessed
+            candidates.append(("the checkpoint", str(embedded), None))
+    for where, text, eos in candidates:
         if expected and tokenizer_json_fingerprint(text) != expected:
             log.warning("the tokenizer in %s is not the one the model was trained with (fingerprint); skipped", where)
             continue
+        if is_file_tokenizer(name):
+            return FileTokenizer.from_str(name, text, eos, where=where)
         return BPETokenizer.from_str(name, text)
+    original = f", not at {file_tokenizer_path(name)}" if is_file_tokenizer(name) else ""
     raise CheckpointError(
         f"the {name} tokenizer of this model was not found: not in the run directory ({RUN_TOKENIZER_DIR}/), "
-        f"not in the checkpoint, and not in its dataset {dataset or '(unknown)'}; restore one of them"
+        f"not in the checkpoint{original}, and not in its dataset {dataset or '(unknown)'}; restore one of them"
     )
 
 

@@ -5,8 +5,9 @@ checkpoint carries the fingerprints of the data it was trained on, so a model is
 evaluated on, tokens of another tokenizer that happens to have the same name (``bpe:4096`` trained on other
 text), and a change of the training data on resume is noticed.
 
-* tokenizer: ``byte`` and ``gpt2`` are fixed vocabularies, fingerprinted by name; a ``bpe:VOCAB`` tokenizer by
-  the canonical JSON of its ``tokenizer.json`` (the same tokenizer saved compactly or pretty-printed matches).
+* tokenizer: ``byte`` and ``gpt2`` are fixed vocabularies, fingerprinted by name; a ``bpe:VOCAB`` or
+  ``file:PATH`` tokenizer by the canonical JSON of its ``tokenizer.json`` (the same tokenizer saved compactly or
+  pretty-printed matches; a ``file:PATH`` one moved elsewhere matches, another file at the same PATH does not).
 * data: SHA-256 over every shard file of the dataset (tokens, document offsets, masks) in the order
   ``meta.json`` lists them. Foreign token shards (build-nanogpt, llm.c), read in place and possibly huge, are
   fingerprinted by file name, size and the first and last MiB of each file.
@@ -15,38 +16,48 @@ text), and a change of the training data on resume is noticed.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.shards import SPLITS, document_mask_name, document_offsets_name
-from bigbatch.data.tokenizers import BPE_FILE, is_bpe
+from bigbatch.data.tokenizers import (
+    BPE_FILE,
+    FINGERPRINT_LENGTH,
+    carries_tokenizer_json,
+    file_tokenizer_fingerprint,
+    file_tokenizer_path,
+    is_file_tokenizer,
+)
+from bigbatch.data.tokenizers import tokenizer_json_fingerprint as tokenizer_json_fingerprint  # kept importable here
 from bigbatch.errors import DataError
 
-LENGTH = 16  # hex digits kept
+LENGTH = FINGERPRINT_LENGTH  # hex digits kept
 _CHUNK = 1 << 20
 _SAMPLE = 1 << 20
 
 
-def tokenizer_json_fingerprint(text: str) -> str:
-    """The fingerprint of a Hugging Face ``tokenizer.json`` document, independent of its formatting."""
-    try:
-        canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    except json.JSONDecodeError:
-        canonical = text
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:LENGTH]
-
-
 def tokenizer_fingerprint(name: str, directory: Path | None = None) -> str:
-    """The fingerprint of tokenizer ``name``; a ``bpe:VOCAB`` one is read from ``directory/tokenizer.json``."""
-    if is_bpe(name):
-        if directory is None or not (Path(directory) / BPE_FILE).is_file():
-            return ""
-        try:
-            return tokenizer_json_fingerprint((Path(directory) / BPE_FILE).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"cannot read {Path(directory) / BPE_FILE}: {exc}; re-run bigbatch prepare") from exc
-    return hashlib.sha256(f"bigbatch-tokenizer:{name}".encode()).hexdigest()[:LENGTH]
+    """The fingerprint of tokenizer ``name``; a ``bpe:VOCAB`` or ``file:PATH`` one is read from the dataset's copy
+    in ``directory/tokenizer.json``, a ``file:PATH`` one without such a copy from PATH ("" when there is none)."""
+    if not carries_tokenizer_json(name):
+        return hashlib.sha256(f"bigbatch-tokenizer:{name}".encode()).hexdigest()[:LENGTH]
+    if directory is not None and (Path(directory) / BPE_FILE).is_file():
+        return file_tokenizer_fingerprint(Path(directory) / BPE_FILE)
+    return file_tokenizer_fingerprint(file_tokenizer_path(name)) if is_file_tokenizer(name) else ""
+
+
+def tokenizer_cache_key(name: str) -> str:
+    """What of a tokenizer goes into the cache key of raw text prepared with it: the name, or for ``file:PATH``
+    the content of the file (the same file moved is the same tokenizer; another file at PATH is not)."""
+    if not is_file_tokenizer(name):
+        return name
+    fingerprint = tokenizer_fingerprint(name)
+    if not fingerprint:
+        raise DataError(
+            f"{file_tokenizer_path(name)} is missing: the {name} tokenizer is read from there; restore the file or "
+            "point --tokenizer file:PATH at its new place"
+        )
+    return f"file:{fingerprint}"
 
 
 def prepared_data_fingerprint(directory: Path, shards: dict[str, list[str]], mode: str, masked: bool) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bigbatch.choices import DATA_MODE
+from bigbatch.data.tokenizers import BPE_FILE, file_tokenizer_fingerprint, file_tokenizer_path, is_file_tokenizer
 from bigbatch.errors import DataError
 
 META_FILE = "meta.json"
@@ -125,8 +126,24 @@ def check_token_range(shards: Iterable[tuple[object, np.ndarray]], vocab_size: i
 
 def check_requested_tokenizer(meta: DatasetMeta, requested: str, directory: Path | str) -> None:
     """Refuse a ``--tokenizer`` other than ``auto`` that names another tokenizer than the dataset's own: the
-    tokens on disk were made by the dataset's tokenizer, and the flag cannot change them."""
-    if requested in ("", "auto") or requested == meta.tokenizer:
+    tokens on disk were made by the dataset's tokenizer, and the flag cannot change them. A ``file:PATH`` one is
+    compared by content (see ``data/fingerprint.py``): the same file elsewhere is the dataset's tokenizer, another
+    file at the same PATH is not."""
+    if requested in ("", "auto"):
+        return
+    if is_file_tokenizer(requested) and is_file_tokenizer(meta.tokenizer):
+        wanted = file_tokenizer_fingerprint(file_tokenizer_path(requested))
+        if not wanted:
+            raise DataError(f"--tokenizer {requested}: {file_tokenizer_path(requested)} is missing; fix the path")
+        held = str(meta.fingerprints.get("tokenizer") or "") or file_tokenizer_fingerprint(Path(directory) / BPE_FILE)
+        if wanted == held:
+            return
+        raise DataError(
+            f"--tokenizer {requested} contradicts the data: {directory} holds tokens of another tokenizer.json "
+            f"(fingerprint {held or 'unknown'}, the file's is {wanted}); drop --tokenizer, or point --data at raw "
+            "text to prepare it with this one"
+        )
+    if requested == meta.tokenizer:
         return
     raise DataError(
         f"--tokenizer {requested} contradicts the data: {directory} holds {meta.tokenizer} tokens; drop --tokenizer "

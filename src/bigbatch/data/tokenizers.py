@@ -1,12 +1,18 @@
-"""Tokenizers: a byte-level one that needs nothing, GPT-2 BPE through tiktoken, and a byte-level BPE trained
-on the corpus itself (``bpe:VOCAB``, Hugging Face ``tokenizers``) and kept beside the shards as ``tokenizer.json``."""
+"""Tokenizers: a byte-level one that needs nothing, GPT-2 BPE through tiktoken, a byte-level BPE trained
+on the corpus itself (``bpe:VOCAB``, Hugging Face ``tokenizers``) and kept beside the shards as ``tokenizer.json``,
+and a Hugging Face ``tokenizer.json`` brought with a model (``file:PATH``, see :class:`FileTokenizer`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 
 
@@ -178,16 +184,190 @@ def train_bpe(name: str, texts: Iterable[str], show_progress: bool = False) -> B
     return BPETokenizer(name, tokenizer)
 
 
-TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB")
+FILE_PREFIX = "file:"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+"""Beside a ``tokenizer.json``: transformers' settings, of which only ``eos_token`` is read here."""
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+"""End-of-text tokens looked for when no ``tokenizer_config.json`` names one (GPT-2, Llama 3, Llama 2, Gemma)."""
+
+
+class FileTokenizer(BPETokenizer):
+    """A Hugging Face ``tokenizer.json`` brought with a model: ``file:PATH``, where PATH is the file (or the
+    directory that holds it), loaded offline with the ``tokenizers`` library.
+
+    Its identity is the content of the file, not its path (see ``data/fingerprint.py``): the text is kept as it
+    was read, and every copy (beside the shards, in the run directory, in a checkpoint) is that text, so a copy
+    has the fingerprint of the original. The end-of-text token is ``eos_token`` of a ``tokenizer_config.json``
+    beside the file, else the first of :data:`EOS_CANDIDATES` in the vocabulary, else none.
+
+    Encoding is :class:`BPETokenizer`'s (no special tokens added, special-token text in a document stays text),
+    which also encodes it in prepare's worker processes from :meth:`to_str`. Lossless for byte-level tokenizers
+    (GPT-2, Llama 3); others (SentencePiece-style Metaspace, WordPiece) may add a prefix space at the start of
+    each 128 KiB piece or map unknown characters to an unknown token.
+    """
+
+    def __init__(self, name: str, tokenizer: Any, text: str | None = None, eos_token: str | None = None) -> None:
+        super().__init__(name, tokenizer)
+        self._text = text if text is not None else str(tokenizer.to_str())
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self.vocab_size, max(ids, default=-1) + 1)  # ids may leave gaps
+        self.eot_text: str | None = None
+        self.eot_token = None
+        for candidate in ([eos_token] if eos_token else []) + list(EOS_CANDIDATES):
+            token = tokenizer.token_to_id(candidate)
+            if token is not None:  # an eos_token missing from the vocabulary: the candidates decide
+                self.eot_text, self.eot_token = candidate, int(token)
+                break
+
+    @classmethod
+    def from_file(cls, name: str, path: Path) -> FileTokenizer:
+        """The tokenizer in ``path`` (a ``tokenizer.json``), with the end-of-text token of the
+        ``tokenizer_config.json`` beside it."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(
+                f"cannot read the tokenizer {path} ({type(exc).__name__}); give --tokenizer file:PATH of a Hugging "
+                "Face tokenizer.json (or the directory that holds it)"
+            ) from exc
+        return cls.from_str(name, text, read_eos_token(Path(path).parent), where=str(path))
+
+    @classmethod
+    def from_str(cls, name: str, text: str, eos_token: str | None = None, where: str = "") -> FileTokenizer:
+        try:
+            tokenizer = _hf_tokenizers().Tokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises plain Exceptions on a damaged or foreign file
+            detail = (str(exc).splitlines() or [""])[0][:120]
+            raise DataError(
+                f"{where or name} is not a Hugging Face tokenizer.json that this tokenizers library reads "
+                f"({type(exc).__name__}: {detail}); give the tokenizer.json that save_pretrained wrote"
+            ) from exc
+        return cls(name, tokenizer, text, eos_token)
+
+    def to_str(self) -> str:
+        return self._text
+
+    def save(self, path: Path) -> None:
+        """``path`` (the text as it was read) and, beside it, a ``tokenizer_config.json`` that names the
+        end-of-text token, so a copy loads with the same one."""
+        write_text_atomically(Path(path), self._text)
+        config = {"eos_token": self.eot_text} if self.eot_text is not None else {}
+        write_text_atomically(Path(path).parent / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+
+
+def read_eos_token(directory: Path) -> str | None:
+    """``eos_token`` of ``directory/tokenizer_config.json`` (a string, or transformers' ``{"content": ...}``),
+    or ``None`` when there is no such file or setting."""
+    try:
+        config = json.loads((Path(directory) / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # no config (a bare tokenizer.json) or an unreadable one: the candidates decide
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def is_file_tokenizer(name: str) -> bool:
+    return name.startswith(FILE_PREFIX)
+
+
+def carries_tokenizer_json(name: str) -> bool:
+    """Whether the tokenizer is a ``tokenizer.json`` (``bpe:VOCAB``, ``file:PATH``): identified by its content,
+    kept beside the shards, in the run directory and in checkpoints."""
+    return is_bpe(name) or is_file_tokenizer(name)
+
+
+def file_tokenizer_path(name: str) -> Path:
+    """The ``tokenizer.json`` that ``file:PATH`` names (PATH itself, or ``PATH/tokenizer.json`` for a
+    directory)."""
+    text = name[len(FILE_PREFIX) :]
+    if not text:
+        raise ConfigError(
+            f"tokenizer {name!r}: write file:PATH with the path of a Hugging Face tokenizer.json or of the "
+            "directory that holds it"
+        )
+    path = Path(text).expanduser()
+    return path / BPE_FILE if path.is_dir() else path
+
+
+def file_tokenizer_name(path: Path | str) -> str:
+    """``file:`` and the absolute path of ``path``; symbolic links are kept (a Hugging Face cache snapshot links
+    to its blobs, and ``tokenizer_config.json`` is beside the link, not beside the blob)."""
+    return FILE_PREFIX + os.path.abspath(Path(path).expanduser())
+
+
+def tokenizer_label(name: str) -> str:
+    """A short name for file and directory names: ``bpe4096``; ``file-DIR`` for ``file:.../DIR/tokenizer.json``."""
+    if is_file_tokenizer(name):
+        path = Path(name[len(FILE_PREFIX) :])
+        base = path.parent.name if path.name == BPE_FILE else path.name
+        return "file-" + (re.sub(r"[^\w.-]+", "_", base).strip("_") or "tokenizer")
+    return re.sub(r"[^\w.-]+", "_", name.replace(":", ""))
+
+
+def model_dir_tokenizer(directory: Path | str) -> str | None:
+    """The tokenizer name (``file:/abs/DIR/tokenizer.json``) of a model directory that holds a
+    ``tokenizer.json`` (what ``tokenizer.save_pretrained`` writes), else ``None``."""
+    path = Path(directory).expanduser() / BPE_FILE
+    return file_tokenizer_name(path) if path.is_file() else None
+
+
+def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, tokenizer: str = "the tokenizer") -> None:
+    """Refuse a tokenizer whose ids can reach past the model's vocabulary (a :class:`ConfigError`); a smaller
+    tokenizer is fine: models pad their vocabulary (GPT-2 to a multiple, Llama beyond its special tokens)."""
+    if tokenizer_vocab > model_vocab:
+        raise ConfigError(
+            f"{tokenizer} has {tokenizer_vocab:,} tokens but the model's vocabulary is {model_vocab:,}: ids "
+            f"{model_vocab:,} and up would have no embedding; use the model's own tokenizer (--tokenizer auto) or a "
+            f"model with at least {tokenizer_vocab:,} tokens"
+        )
+
+
+FINGERPRINT_LENGTH = 16  # hex digits kept, as for every fingerprint of data/fingerprint.py
+
+
+def tokenizer_json_fingerprint(text: str) -> str:
+    """The fingerprint of a Hugging Face ``tokenizer.json`` document, independent of its formatting (here, not in
+    data/fingerprint.py, so that shards.py can compare tokenizers without importing what reads shards)."""
+    try:
+        canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except json.JSONDecodeError:
+        canonical = text
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:FINGERPRINT_LENGTH]
+
+
+def file_tokenizer_fingerprint(path: Path) -> str:
+    """:func:`tokenizer_json_fingerprint` of the file ``path``; "" when it is missing."""
+    if not path.is_file():
+        return ""
+    try:
+        return tokenizer_json_fingerprint(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read the tokenizer {path} ({exc}); restore the file") from exc
+
+
+TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB", "file:PATH")
 
 
 def get_tokenizer(name: str, directory: Path | None = None) -> Tokenizer:
-    """A tokenizer by name: ``byte``, ``gpt2`` or ``bpe:VOCAB``. ``directory`` is the prepared dataset it belongs
-    to, where a tokenizer trained on that data (``bpe:VOCAB``) keeps its ``tokenizer.json``."""
+    """A tokenizer by name: ``byte``, ``gpt2``, ``bpe:VOCAB`` or ``file:PATH``. ``directory`` is the prepared
+    dataset it belongs to, where a tokenizer trained on that data (``bpe:VOCAB``) keeps its ``tokenizer.json``,
+    and a ``file:PATH`` one its copy (used first: the tokens were made with it, and PATH may have moved)."""
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         return TiktokenGPT2Tokenizer()
+    if is_file_tokenizer(name):
+        if directory is not None and (Path(directory) / BPE_FILE).is_file():
+            return FileTokenizer.from_file(name, Path(directory) / BPE_FILE)
+        path = file_tokenizer_path(name)
+        if not path.is_file():
+            raise DataError(
+                f"{path} is missing: the {name} tokenizer is read from there; restore the file or point "
+                "--tokenizer file:PATH at its new place"
+            )
+        return FileTokenizer.from_file(file_tokenizer_name(path), path)
     if is_bpe(name):
         bpe_vocab_size(name)
         if directory is None:
