@@ -9,7 +9,7 @@ import torch
 
 from bigbatch.errors import ConfigError
 from bigbatch.memory import MiB, measure
-from bigbatch.model import GPTConfig
+from bigbatch.model import ModelConfig
 from bigbatch.plan import exact_micro_batches
 from bigbatch.rng import preserved_rng
 
@@ -46,7 +46,7 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
 
 @preserved_rng()  # a probe: the caller's generators are left as they were
 def choose_micro_batch(
-    config: GPTConfig, candidates: list[int], seq_len: int, k: int, device: torch.device, precision: str,
+    config: ModelConfig, candidates: list[int], seq_len: int, k: int, device: torch.device, precision: str,
     memory_budget_mib: float, activation_checkpointing: bool = False,
 ) -> int:
     """CUDA: probe forward + backward + optimizer step and catch out-of-memory. CPU: measured peak (fixed part

@@ -19,13 +19,15 @@ from typing import Any
 from bigbatch.build import Say
 from bigbatch.checkpoint import load_checkpoint
 from bigbatch.errors import CheckpointError
-from bigbatch.resume import check_tokenizer, data_changed
+from bigbatch.model import family_of
+from bigbatch.resume import check_family, check_tokenizer, data_changed
 from bigbatch.train_state import TrainState
 
 
 def check_branchable(document: dict[str, Any], state: TrainState, parent: Path) -> None:
     """Refuse a parent checkpoint whose model, tokenizer, sequence length or data differ from the branch's."""
     p = state.parts
+    check_family(document, family_of(p.model), f"cannot branch from {parent}: it")
     saved_model = document.get("model_config", {})
     diffs = [f"{k} {saved_model.get(k)} -> {v}" for k, v in p.model.config.to_dict().items() if saved_model.get(k) != v]
     if diffs:

@@ -33,7 +33,9 @@ from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
-from bigbatch.model import GPT, GPTConfig, fsdp_units, load_hf_gpt2, preset
+from bigbatch.model import LanguageModel, ModelConfig, fsdp_units, model_preset
+from bigbatch.model import build_model as build_from_shape
+from bigbatch.model.pretrained import load_pretrained
 from bigbatch.noise_probe import small_grad_probe
 from bigbatch.noise_scale import NoiseScale, decay_for_window, unavailable_reason
 from bigbatch.optim import build_adamw
@@ -63,7 +65,7 @@ class RunParts:
     dataset: Dataset  # a prepared or foreign token dataset
     fingerprints: dict[str, str]  # of the dataset's tokenizer and tokens
     bpe_json: str | None  # a bpe:VOCAB tokenizer travels inside each checkpoint (it is small)
-    model: GPT
+    model: LanguageModel  # GPT or Llama
     train_model: nn.Module
     parallel: str
     optimizer: torch.optim.Optimizer
@@ -220,28 +222,30 @@ def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
     return path if path is not None else prepare_data(config)
 
 
-def build_model(config: TrainConfig, vocab_size: int) -> GPT:
-    """The preset with the data's vocabulary, or the pretrained GPT-2 of ``--init-from``."""
+def build_model(config: TrainConfig, vocab_size: int) -> LanguageModel:
+    """The preset (GPT or Llama) with the data's vocabulary, or the pretrained GPT-2 or Llama of ``--init-from``."""
     if config.model.init_from:
-        model = load_hf_gpt2(config.model.init_from)
+        model = load_pretrained(config.model.init_from)  # its config.json's model_type decides the family
         if model.config.vocab_size != vocab_size:
+            hint = " (e.g. --tokenizer gpt2)" if model.config.vocab_size == 50257 else ""
             raise ConfigError(
                 f"--init-from {config.model.init_from} has vocabulary {model.config.vocab_size} but the data's "
-                f"tokenizer has {vocab_size}; prepare the data with the matching tokenizer (e.g. --tokenizer gpt2)"
+                f"tokenizer has {vocab_size}; prepare the data with the matching tokenizer{hint}"
             )
         if config.model.dropout:
             raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
         check_seq_len(config, model.config.block_size, f"init from {config.model.init_from}")
         return model
-    return GPT(preset_shape(config, vocab_size))
+    return build_from_shape(preset_shape(config, vocab_size))
 
 
-def preset_shape(config: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The preset's shape with the data's vocabulary, ``--block-size`` and dropout; ``seq_len`` must fit it."""
+def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The preset's shape (either family) with the data's vocabulary, ``--block-size`` and dropout; ``seq_len``
+    must fit it."""
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
     if config.model.block_size:
         overrides["block_size"] = config.model.block_size
-    shape = preset(config.model.preset, **overrides)
+    shape = model_preset(config.model.preset, **overrides)
     check_seq_len(config, shape.block_size, f"the {config.model.preset} model")
     return shape
 
@@ -255,7 +259,7 @@ def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:
 
 
 def _plan(
-    config: TrainConfig, model: GPT, dist: DistContext, device: torch.device, precision: str, say: Say
+    config: TrainConfig, model: LanguageModel, dist: DistContext, device: torch.device, precision: str, say: Say
 ) -> BatchPlan:
     """K and the micro-batch (measured with ``--micro-batch auto``); one micro-batch per step's unit with a budget."""
     batch = config.batch
@@ -266,7 +270,7 @@ def _plan(
 
 
 def _auto_micro_batch(
-    config: TrainConfig, model: GPT, dist: DistContext, device: torch.device, precision: str, say: Say
+    config: TrainConfig, model: LanguageModel, dist: DistContext, device: torch.device, precision: str, say: Say
 ) -> int:
     """Rank 0 finds the largest micro-batch that fits and keeps tokens per step exact; every rank uses it."""
     batch = config.batch

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from bigbatch.atomic_file import write_atomically
-from bigbatch.errors import CheckpointError
-from bigbatch.model.gpt import GPT, GPTConfig
+from bigbatch.errors import BigBatchError, CheckpointError
+from bigbatch.model import FAMILIES, LanguageModel, build_model, config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +161,24 @@ def load_checkpoint(location: Path | str, map_location: str | torch.device = "cp
     return document
 
 
-def model_from_checkpoint(document: dict[str, Any]) -> GPT:
-    """Rebuild the :class:`~bigbatch.model.GPT` stored in a loaded checkpoint."""
+def model_family(document: dict[str, Any]) -> str:
+    """The family of a loaded checkpoint's model: its ``model_family``, or ``gpt`` (checkpoints from before Llama
+    record none)."""
+    family = document.get("model_family", "gpt")
+    if family not in FAMILIES:
+        raise CheckpointError(
+            f"the checkpoint holds a model of family {family!r}, which this bigbatch does not know (it knows "
+            f"{', '.join(FAMILIES)}); use the bigbatch that wrote it"
+        )
+    return str(family)
+
+
+def model_from_checkpoint(document: dict[str, Any]) -> LanguageModel:
+    """Rebuild the model (GPT or Llama, by ``model_family``) stored in a loaded checkpoint."""
+    family = model_family(document)
     try:
-        model = GPT(GPTConfig(**document["model_config"]))
+        model = build_model(config_from_dict(family, document["model_config"]))
         model.load_state_dict(document["model"])
-    except (KeyError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"the checkpoint's model does not match its stored shape: {exc}") from exc
+    except (KeyError, TypeError, RuntimeError, BigBatchError) as exc:
+        raise CheckpointError(f"the checkpoint's {family} model does not match its stored shape: {exc}") from exc
     return model

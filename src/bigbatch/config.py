@@ -45,6 +45,10 @@ from bigbatch.ranges import (
 
 SWITCH_VALUES = SWITCH.values
 
+INIT_FROM_AUTO_SEQ_LEN_CAP = 8192
+"""seq_len auto with ``--init-from`` is the directory's context length, at most this: Llama 3.2 declares 131,072
+positions, and sequences that long rarely fit a training step (``--seq-len`` asks for more)."""
+
 
 def _opt(
     default: Any, help: str, flag: str | None = None, range: Range | None = None, choices: Choices | None = None,
@@ -84,7 +88,9 @@ class ModelSection:
         False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
     )
     init_from: str = _opt(
-        "", "start from a local Hugging Face GPT-2 directory (config.json + model.safetensors); replaces the preset"
+        "",
+        "start from a local Hugging Face GPT-2 or Llama directory (config.json + model.safetensors; its model_type "
+        "decides); replaces the preset",
     )
 
 
@@ -152,7 +158,9 @@ class BatchSection:
         range=POSITIVE_OR_AUTO, legacy_zero=True,
     )
     seq_len: int = _opt(
-        0, "tokens per sequence (T); auto: the model's block size (the preset's, --block-size or --init-from's)",
+        0,
+        "tokens per sequence (T); auto: the model's block size (the preset's, --block-size or --init-from's; "
+        f"--init-from's at most {INIT_FROM_AUTO_SEQ_LEN_CAP:,})",
         range=POSITIVE_INT_OR_AUTO,
     )
     token_budget: int = _opt(
@@ -488,21 +496,29 @@ def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
 
 def model_block_size(config: TrainConfig) -> int:
     """The context length of the model ``config`` trains, from the settings alone (no weights are read):
-    ``--init-from``'s config.json ``n_positions``, else ``--block-size``, else the preset's."""
+    ``--init-from``'s config.json (GPT-2 ``n_positions``, Llama ``max_position_embeddings``), else
+    ``--block-size``, else the preset's."""
     if config.model.init_from:
-        from bigbatch.model.hf import read_hf_gpt_config
+        from bigbatch.model.pretrained import read_pretrained_config
 
-        return read_hf_gpt_config(config.model.init_from).block_size
+        return read_pretrained_config(config.model.init_from).block_size
     if config.model.block_size:
         return config.model.block_size
-    from bigbatch.model import preset
+    from bigbatch.model import model_preset
 
-    return preset(config.model.preset).block_size
+    return model_preset(config.model.preset).block_size
+
+
+def auto_seq_len(config: TrainConfig) -> int:
+    """What seq_len auto resolves to: the model's block size; with ``--init-from`` at most
+    :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` (a preset's or ``--block-size``'s is the user's own choice)."""
+    block_size = model_block_size(config)
+    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if config.model.init_from else block_size
 
 
 def resolve_seq_len(config: TrainConfig) -> TrainConfig:
-    """``config`` with ``seq_len`` auto (stored 0) replaced by the model's block size (a copy), or ``config`` itself
+    """``config`` with ``seq_len`` auto (stored 0) replaced by :func:`auto_seq_len` (a copy), or ``config`` itself
     when ``seq_len`` is set; everything that plans, reads or names a run uses the resolved one."""
     if config.batch.seq_len:
         return config
-    return replace(config, batch=replace(config.batch, seq_len=model_block_size(config)))
+    return replace(config, batch=replace(config.batch, seq_len=auto_seq_len(config)))

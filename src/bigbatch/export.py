@@ -1,4 +1,5 @@
-"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 model directory."""
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face model directory (GPT-2 or Llama
+layout, by the run's model family)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from bigbatch.errors import BigBatchError
-from bigbatch.model.hf import save_hf_gpt2
+from bigbatch.model import Llama
+from bigbatch.model.pretrained import hf_class_name, save_pretrained
 from bigbatch.tokenizer_files import export_tokenizer
 
 
@@ -18,12 +20,13 @@ def export_hf(run: Path, out: Path) -> str:
     path = resolve_checkpoint(run)
     document = load_checkpoint(path)
     model = model_from_checkpoint(document)
-    save_hf_gpt2(model, out)
+    save_pretrained(model, out)
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
     cfg = model.config
+    layout = "Llama" if isinstance(model, Llama) else "GPT-2"
     return (
-        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face GPT-2 layout: config.json + "
+        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {layout} layout: config.json + "
         f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
         f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
-        "transformers.GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained"
+        f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained"
     )

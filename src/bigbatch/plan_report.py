@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bigbatch.memory import MiB, MicroStepMeasurement, estimate_memory
-from bigbatch.model import GPTConfig
+from bigbatch.model import ModelConfig
 from bigbatch.plan import SolvedPlan
 
 
@@ -14,7 +14,7 @@ def _mib(n: float) -> str:
 def format_plan(
     solved: SolvedPlan,
     model_name: str | None = None,
-    model_config: GPTConfig | None = None,
+    model_config: ModelConfig | None = None,
     precision: str = "fp32",
     measured: MicroStepMeasurement | None = None,
 ) -> str:
@@ -72,16 +72,16 @@ def report_plan(
     from bigbatch.accumulate import resolve_precision
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import measure
-    from bigbatch.model import preset
+    from bigbatch.model import model_preset
 
     if not model_name:
         return format_plan(solved, model_name, None, "fp32", None)
     device = resolve_device(device_name)
     resolved = resolve_precision(precision, device)
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
-    model_config = preset(model_name, **overrides)
+    model_config = model_preset(model_name, **overrides)
     if solved.plan.seq_len > model_config.block_size:
-        model_config = preset(model_name, block_size=solved.plan.seq_len, **overrides)
+        model_config = model_preset(model_name, block_size=solved.plan.seq_len, **overrides)
     measured = None
     if measure_step:
         measured = measure(model_config, solved.plan.micro_batch, solved.plan.seq_len,

@@ -11,6 +11,7 @@ from bigbatch.checkpoint import (
     CHECKPOINT_DIR,
     latest_valid_checkpoint,
     list_checkpoints,
+    model_family,
 )
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.metrics import METRICS_FILE
@@ -43,8 +44,22 @@ def find_resume_checkpoint(run_dir: Path, resume: str, overwrite: bool, is_main:
     return found
 
 
-def check_compatible(document: dict[str, Any], model_config: dict[str, Any], tokenizer: str, batch: Any) -> None:
-    """Refuse a checkpoint whose model, tokenizer, sequence length or step size differs from this run's."""
+def check_family(document: dict[str, Any], family: str, what: str) -> None:
+    """Refuse a checkpoint whose model family (gpt, llama) is not ``family``; ``what`` names the checkpoint."""
+    saved = model_family(document)
+    if saved != family:
+        raise CheckpointError(
+            f"{what} holds a {saved} model but this run builds a {family} model; use the run's own --model (or "
+            "--init-from), or a new --out"
+        )
+
+
+def check_compatible(
+    document: dict[str, Any], family: str, model_config: dict[str, Any], tokenizer: str, batch: Any
+) -> None:
+    """Refuse a checkpoint whose model family or shape, tokenizer, sequence length or step size differs from
+    this run's."""
+    check_family(document, family, "the checkpoint")
     saved_model = document.get("model_config", {})
     diffs = [f"{k} {saved_model.get(k)} -> {v}" for k, v in model_config.items() if saved_model.get(k) != v]
     if diffs:

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 from bigbatch import __version__
 from bigbatch.build import RunParts
+from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
 from bigbatch.data.loader import DocumentLoader
+from bigbatch.model import LlamaConfig, ModelConfig
 
 
 def header_lines(parts: RunParts) -> list[str]:
     meta, cfg = parts.dataset.meta, parts.model.config
     plan = f"plan | {describe_plan(parts)}"
     if parts.seq_len_auto:  # no --seq-len: say where the number came from
-        plan += f" | seq_len {parts.plan.seq_len} (the model's block size)"
+        if parts.plan.seq_len < cfg.block_size:  # --init-from's context, capped (see config.auto_seq_len)
+            plan += (
+                f" | seq_len {parts.plan.seq_len} (the model's block size {cfg.block_size:,}, capped at "
+                f"{INIT_FROM_AUTO_SEQ_LEN_CAP:,}; --seq-len sets it)"
+            )
+        else:
+            plan += f" | seq_len {parts.plan.seq_len} (the model's block size)"
     lines = [
         f"bigbatch {__version__} | device {parts.device} | precision {parts.engine.precision} | parallel "
         f"{parts.parallel} | run {parts.run_dir}",
         f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train {meta.tokens.get('train', 0):,} tokens "
         f"| val {meta.tokens.get('val', 0):,} tokens",
         f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
-        f"parameters | {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide | vocab {cfg.vocab_size} | "
-        f"block {cfg.block_size}",
+        f"parameters | {describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
         plan,
     ]
     if parts.ramp is not None:
@@ -30,6 +37,16 @@ def header_lines(parts: RunParts) -> list[str]:
     if parts.val_loader is not None:
         lines.append(f"validation | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
     return lines
+
+
+def describe_shape(cfg: ModelConfig) -> str:
+    """Layers, heads and width; for a Llama also its key/value heads and MLP width."""
+    if isinstance(cfg, LlamaConfig):
+        return (
+            f"llama: {cfg.n_layer} layers, {cfg.n_head} heads ({cfg.n_kv_head} key/value), {cfg.n_embd} wide, "
+            f"ffn {cfg.ffn_hidden}"
+        )
+    return f"{cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide"
 
 
 def describe_plan(parts: RunParts) -> str:

@@ -18,6 +18,7 @@ from bigbatch.build import RunParts, Say
 from bigbatch.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoints, save_checkpoint
 from bigbatch.errors import CheckpointError, DataError
 from bigbatch.metrics import truncate_metrics
+from bigbatch.model import family_of
 from bigbatch.optim import CosineSchedule
 from bigbatch.ramp import check_ramp_change
 from bigbatch.resume import check_compatible, check_settings, check_tokenizer, data_changed, resumed_schedule
@@ -92,6 +93,7 @@ class TrainState:
         """What the run is, for readers of the checkpoint (sample, export, eval, resume)."""
         p = self.parts
         return {
+            "model_family": family_of(p.model),  # gpt or llama: which class model_config builds
             "model_config": p.model.config.to_dict(),
             "config": p.config.to_dict(),
             "tokenizer": p.dataset.meta.tokenizer,
@@ -137,7 +139,7 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
     check_settings(document, config, p.run_dir)
     ramp_note = check_ramp_change(document.get("config", {}), config.batch.batch_ramp,
                                   config.run.allow_ramp_change, p.run_dir)  # fmt: skip
-    check_compatible(document, p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch)
+    check_compatible(document, family_of(p.model), p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch)
     check_tokenizer(document.get("fingerprints") or {}, p.fingerprints, p.dataset.meta.tokenizer,
                     f"this run's data {p.dataset.directory}")  # fmt: skip
     changed = data_changed(document, p.fingerprints, config.data.data)

@@ -26,7 +26,7 @@ from bigbatch.distributed import DistContext, resolve_device, unwrap
 from bigbatch.errors import BigBatchError, TrainingError
 from bigbatch.evaluate import ValidationResult, validation_result
 from bigbatch.metrics import MetricsSink, check_optional_loggers, format_noise_scale, format_step, mfu, open_metrics
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.model import LanguageModel, ModelConfig
 from bigbatch.model.sampling import sample_text
 from bigbatch.plan import BatchPlan
 from bigbatch.progress import ProgressBar
@@ -152,11 +152,11 @@ class Trainer:
         return self.parts.engine
 
     @property
-    def model(self) -> GPT:
+    def model(self) -> LanguageModel:
         return self.parts.model
 
     @property
-    def model_config(self) -> GPTConfig:
+    def model_config(self) -> ModelConfig:
         return self.parts.model.config
 
     @property

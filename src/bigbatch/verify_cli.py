@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from bigbatch.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError
-from bigbatch.model import GPT, preset
+from bigbatch.model import build_model, model_preset
 from bigbatch.verify import DistributedReport, EquivalenceReport, VerifyLossFn
 
 
@@ -54,7 +54,7 @@ def preset_case(name: str, vocab_size: int, dropout: float) -> VerifyCase:
     overrides: dict[str, float | int] = {"dropout": dropout}
     if vocab_size:
         overrides["vocab_size"] = vocab_size
-    return VerifyCase(GPT(preset(name, **overrides)))
+    return VerifyCase(build_model(model_preset(name, **overrides)))
 
 
 def token_batch(

@@ -321,7 +321,7 @@ def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["bigbatch: error: no-such-hf-dir is not a directory; give a "
-                                                  "Hugging Face GPT-2 directory"], result.stderr  # fmt: skip
+                                                  "Hugging Face GPT-2 or Llama directory"], result.stderr  # fmt: skip
     assert "Traceback" not in result.stdout + result.stderr
     assert snapshot(workspace) == before
 

@@ -112,10 +112,10 @@ def test_choice_messages_keep_their_wording() -> None:
 def test_names_the_parser_lists_match_the_library() -> None:
     """The torch-free copies the help uses: the tokenizers and model presets they describe."""
     from bigbatch.data.tokenizers import TOKENIZER_NAMES
-    from bigbatch.model import MODEL_PRESETS
+    from bigbatch.model import LLAMA_PRESETS, MODEL_PRESETS
 
     assert choices.TOKENIZER_NAMES == TOKENIZER_NAMES
-    assert sorted(choices.MODEL_PRESET_NAMES) == sorted(MODEL_PRESETS)
+    assert sorted(choices.MODEL_PRESET_NAMES) == sorted([*MODEL_PRESETS, *LLAMA_PRESETS])
 
 
 def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@
     make fuzz SEED=1234        # one seed, e.g. a counterexample
     OMP_NUM_THREADS=1 .venv/bin/python tests/support/fuzz.py --seed 1234 --seed 99 --verbose
 
-Each seed draws a setting (``fuzz_settings.draw``); bigbatch trains it through ``bigbatch train``'s code
+Each seed draws a setting (``fuzz_settings.draw``), the model family among its choices; bigbatch trains it through ``bigbatch train``'s code
 path (one-rank settings in this process, two-rank settings in one torchrun job per batch of settings);
 ``fuzz_reference.compare`` replays it naively and lists any difference. Half the settings read their data
 in bigbatch's default shuffled order (``--shuffle on``: packed windows permuted per epoch and moved in later
@@ -38,7 +38,8 @@ from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
 FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 99, 145, 236, 105, 3971, 226)
-"""What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice and every step
+"""What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice (both model families,
+GPT-2's pico and llama-pico, on one and on two ranks, a Llama under DDP and under FSDP2) and every step
 event (short last window, partial budget step, dropped remainder, step without valid targets) occurs,
 documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies,
 and shuffle is on and off on one and on two ranks, with packed windows read in a shifted later epoch on
@@ -158,6 +159,7 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
     reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
     return "\n".join([
         f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
+        f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}"
         f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
         f"fsdp: {count(lambda s: s.parallel == 'fsdp')} | packed {count(lambda s: s.mode == 'packed')}, "
         f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "

@@ -9,10 +9,12 @@ crosses it, which is included whole). It checks that
 bigbatch consumed exactly those samples, then trains a float64 copy of the initial model the plain way: **one** forward/backward over every sample of the global step
 concatenated, loss = (sum of per-token cross-entropy over valid targets) / (number of valid targets),
 global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim >= 2), learning rate
-from a hand-written warmup + cosine formula. The GPT forward is written out here too (explicit causal
-softmax attention, tanh GELU, LayerNorm), reading the same parameter names.
+from a hand-written warmup + cosine formula. The forward of each model family is written out here too,
+reading the same parameter names: GPT-2 (learned positions, explicit causal softmax attention, tanh GELU,
+LayerNorm) and Llama (rotary positions computed here in float64 from the README's convention, each query head
+reading key/value head ``h // group``, SwiGLU, RMSNorm, no biases).
 
-**The key bias, and other exactly-zero gradients.** Each attention's ``c_attn.bias`` holds query, key
+**The key bias, and other exactly-zero gradients.** Each GPT attention's ``c_attn.bias`` holds query, key
 and value slices. The key slice adds ``q . b_k`` to every score of a query, the same constant for all
 keys, which softmax cancels: the loss does not depend on it and its true gradient is exactly zero. In
 float64 the reference's is ~1e-17, so the reference never moves it (AdamW: m = v = 0, no step); in
@@ -21,8 +23,8 @@ moves of up to about lr per step that mean nothing. Data can add more such eleme
 target of a step sits at position 0 of its row (a batch of one-token completions), no query or key
 weight receives any gradient either. So rather than a hard-coded exception, the reference finds them:
 an element whose float64 gradient is below ``NULL_GRAD`` (1e-12) x the global gradient norm on every
-step has an exact gradient of zero. Those elements (the key-bias slices always among them, which is
-asserted) are masked out of the 1e-5 relative comparison and held instead to the absolute bound that
+step has an exact gradient of zero (a Llama has no biases; the data can still give it such elements). Those
+elements (a GPT's key-bias slices always among them, which is asserted) are masked out of the 1e-5 relative comparison and held instead to the absolute bound that
 AdamW's normalisation allows for pure noise: at most sum_t lr_t x max|m_hat|/sqrt(v_hat) (computed
 from the betas; ~lr per step). What the masked elements do to the model is then checked directly:
 bigbatch's final model, masked elements and all, must give the same logits as the reference's final
@@ -80,6 +82,7 @@ CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this ma
 NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the global norm is zero to rounding
 IGNORE = -100
 LN_EPS = 1e-5
+EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # the table a tied head shares
 
 
 @dataclass
@@ -415,6 +418,62 @@ def gpt_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, n_head: int, vocab
     return (x @ p["transformer.wte.weight"].T)[..., :vocab]
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def llama_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """(B, T) token ids -> (B, T, vocab) logits of a Llama with parameters ``p``: RoPE (dimension i of a head
+    turned with dimension i + D/2 by position x base^(-2i/D)), grouped-query attention, SwiGLU, RMSNorm; the head
+    is ``lm_head.weight``, or the token table when tied (then ``p`` holds only the table)."""
+    assert config.get("rope_scaling") is None, "the fuzzer's Llama has no rope scaling"
+    B, T = idx.shape
+    H, KV, C = int(config["n_head"]), int(config["n_kv_head"]), int(config["n_embd"])
+    D, eps = C // H, float(config["norm_eps"])
+    x = p["model.embed_tokens.weight"][idx]  # (B, T, C)
+    half = D // 2
+    speed = float(config["rope_base"]) ** (-torch.arange(half, dtype=torch.float64) * 2 / D)  # (D/2,)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * speed[None, :]  # (T, D/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+
+    def turn(t: torch.Tensor) -> torch.Tensor:  # (B, heads, T, D): each pair (i, i + D/2) turned by its angle
+        a, b = t[..., :half], t[..., half:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    kv_of_head = [h // (H // KV) for h in range(H)]  # query head h reads key/value head h // group
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    layer = 0
+    while f"model.layers.{layer}.input_layernorm.weight" in p:
+        w = f"model.layers.{layer}."
+        a = _rms_norm(x, p[w + "input_layernorm.weight"], eps)
+        q = (a @ p[w + "self_attn.q_proj.weight"].T).reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = (a @ p[w + "self_attn.k_proj.weight"].T).reshape(B, T, KV, D).transpose(1, 2)  # (B, KV, T, D)
+        v = (a @ p[w + "self_attn.v_proj.weight"].T).reshape(B, T, KV, D).transpose(1, 2)
+        q, k = turn(q), turn(k)
+        k, v = k[:, kv_of_head], v[:, kv_of_head]  # (B, H, T, D)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        weights = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+        y = (weights @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + y @ p[w + "self_attn.o_proj.weight"].T
+        m = _rms_norm(x, p[w + "post_attention_layernorm.weight"], eps)
+        gate, up = m @ p[w + "mlp.gate_proj.weight"].T, m @ p[w + "mlp.up_proj.weight"].T
+        x = x + (_silu(gate) * up) @ p[w + "mlp.down_proj.weight"].T
+        layer += 1
+    x = _rms_norm(x, p["model.norm.weight"], eps)
+    return x @ p.get("lm_head.weight", p["model.embed_tokens.weight"]).T
+
+
+def model_logits(family: str, p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+    """The logits of the family's reference forward."""
+    if family == "llama":
+        return llama_logits(p, idx, config)
+    return gpt_logits(p, idx, int(config["n_head"]), int(config["vocab_size"]))
+
+
 def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(sum of -log p(target) over targets != -100) / their number."""
     valid = targets != IGNORE
@@ -432,11 +491,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _parameters(state: dict[str, torch.Tensor], problems: list[str], what: str) -> dict[str, torch.Tensor]:
-    """Float64 copies, the tied LM head checked equal to the token table and dropped."""
-    params = {name: value.detach().double().clone() for name, value in state.items() if name != "lm_head.weight"}
-    if "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]):
-        problems.append(f"{what}: lm_head.weight is no longer tied to transformer.wte.weight")
+def _parameters(
+    state: dict[str, torch.Tensor], problems: list[str], what: str, family: str, tied: bool
+) -> dict[str, torch.Tensor]:
+    """Float64 copies; a tied LM head checked equal to the token table and dropped (an untied one is kept)."""
+    table = EMBEDDING[family]
+    params = {
+        name: value.detach().double().clone() for name, value in state.items() if not (tied and name == "lm_head.weight")
+    }
+    if tied and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state[table]):
+        problems.append(f"{what}: lm_head.weight is no longer tied to {table}")
     return params
 
 
@@ -452,8 +516,7 @@ def replay(
     setting: Setting,
     initial: dict[str, torch.Tensor],
     steps: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
-    n_head: int,
-    vocab: int,
+    config: dict[str, Any],
     dtype: torch.dtype = torch.float64,
 ) -> tuple[dict[str, torch.Tensor], list[StepLog], dict[str, torch.Tensor]]:
     """Train a copy of ``initial`` on ``steps`` (per optimizer step: every sample of the global step, as
@@ -461,14 +524,13 @@ def replay(
     parameter the elements whose gradient was zero (to rounding) on every step."""
     params = {name: value.detach().to(dtype).clone().requires_grad_(True) for name, value in initial.items()}
     names = list(params)
-    params["transformer.wte.weight"].shape[1]
     m = {name: torch.zeros_like(v) for name, v in params.items()}
     v2 = {name: torch.zeros_like(v) for name, v in params.items()}
     logs = []
     null = {name: torch.ones_like(v, dtype=torch.bool) for name, v in params.items()}
     for t, (x, y) in enumerate(steps, start=1):
         lr = learning_rate(setting, t - 1)
-        loss, n = mean_token_loss(gpt_logits(params, x, n_head, vocab), y)  # ONE forward over the whole step
+        loss, n = mean_token_loss(model_logits(setting.family, params, x, config), y)  # ONE forward, whole step
         grads = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names]), strict=True))
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
         for name, g in grads.items():
@@ -529,15 +591,19 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
     out = Outcome(seed=setting.seed)
     problems = out.problems
     config = result["model_config"]
-    n_head, vocab, c = int(config["n_head"]), int(config["vocab_size"]), int(config["n_embd"])
+    c, family = int(config["n_embd"]), setting.family
+    tied = family == "gpt" or bool(config["tie_embeddings"])
+    if result.get("model_family") != family:
+        problems.append(f"bigbatch built a {result.get('model_family')} model, the setting draws {family}")
+        return out
     calls = result["steps"]
     problems += check_composition(setting, calls)
     if result["steps_done"] != setting.max_steps:
         problems.append(f"bigbatch took {result['steps_done']} optimizer steps, not {setting.max_steps}")
-    initial = _parameters(result["initial"], problems, "initial state")
-    final = _parameters(result["final"], problems, "final state")
+    initial = _parameters(result["initial"], problems, "initial state", family, tied)
+    final = _parameters(result["final"], problems, "final state", family, tied)
     if result.get("checkpoint") is not None:
-        saved = _parameters(result["checkpoint"], problems, "checkpoint")
+        saved = _parameters(result["checkpoint"], problems, "checkpoint", family, tied)
         if set(saved) != set(final) or any(not torch.equal(saved[k], final[k]) for k in final):
             problems.append("the saved checkpoint's model differs from the trained model")
     if set(final) != set(initial):
@@ -553,9 +619,9 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
         elif call["records"][0] is not None:  # else reported by check_composition
             batches.append((x, y))
             records.append(call["records"][0])
-    reference, logs, null = replay(setting, initial, batches, n_head, vocab)
+    reference, logs, null = replay(setting, initial, batches, config)
     # The same replay in float32: how far plain fp32 arithmetic lands from float64 on this setting.
-    reference32, logs32, _ = replay(setting, initial, batches, n_head, vocab, dtype=torch.float32)
+    reference32, logs32, _ = replay(setting, initial, batches, config, dtype=torch.float32)
     out.steps = len(logs)
     cond_loss = max((abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(logs32, logs, strict=True)), default=0.0)
     cond_norm = max((abs(a.norm - b.norm) / b.norm for a, b in zip(logs32, logs, strict=True)), default=0.0)
@@ -598,9 +664,9 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
     if batches:  # bigbatch's model, masked elements and all, against the reference's
         x = batches[-1][0]
         with torch.no_grad():
-            want = gpt_logits(reference, x, n_head, vocab)
-            out.logits_rel = _rel(gpt_logits(final, x, n_head, vocab), want)
-            cond_logits = _rel(gpt_logits(reference32, x, n_head, vocab), want)
+            want = model_logits(family, reference, x, config)
+            out.logits_rel = _rel(model_logits(family, final, x, config), want)
+            cond_logits = _rel(model_logits(family, reference32, x, config), want)
         check("the final logits", out.logits_rel, cond_logits)
     if setting.clip == "tight" and out.clipped_steps != out.steps:
         problems.append(f"clipping was to bite on every step but bit on {out.clipped_steps} of {out.steps}")

@@ -1,6 +1,7 @@
 """Random settings for the differential fuzzer (``tests/integration/test_fuzz.py``, ``make fuzz``).
 
-One integer seed gives one :class:`Setting`: the batch arithmetic (data mode,
+One integer seed gives one :class:`Setting`: the model family (GPT-2's ``pico`` or ``llama-pico``), the batch
+arithmetic (data mode,
 micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy,
 window order: ``--shuffle on``, bigbatch's default, or ``off``),
 the optimizer (clipping that bites or not, schedule, AdamW hyper-parameters) and
@@ -24,7 +25,8 @@ PARALLELS = ("none", "ddp", "fsdp")
 LAST_WINDOWS = ("partial", "drop")
 CLIPS = ("off", "loose", "tight")
 LONG_DOCUMENTS = ("split", "truncate")  # documents mode: a document longer than T + 1 tokens (inert when packed)
-PRESET = "pico"  # 2 layers, 2 heads, 32 wide, block 64: the fuzzer's model
+FAMILIES = ("gpt", "llama")
+PRESETS = {"gpt": "pico", "llama": "llama-pico"}  # 2 layers, 2 heads, 32 wide, block 64: the fuzzer's models
 MAX_SEQ_LEN = 32
 # Printable ASCII without the NUL byte: one byte = one token with the byte tokenizer, and token 0 (the
 # document loader's padding) never occurs inside a document, so a padded row's length is visible.
@@ -58,6 +60,7 @@ class Setting:
     activation_checkpointing: bool  # recompute each block in backward (the gradient must not change)
     long_documents: str  # split (T-target windows) | truncate (first T + 1 tokens): --long-documents
     shuffle: bool  # --shuffle on (a seeded order per epoch, packed windows moved each later epoch) or off
+    family: str  # gpt (pico: learned positions, LayerNorm, GELU, biases) | llama (llama-pico: RoPE, 1 k/v head, SwiGLU)
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -68,7 +71,7 @@ class Setting:
             longest = max(len((p or "").encode()) + len(t.encode()) for p, t in self.documents)
             data += f", longest {longest} tokens, long documents {self.long_documents}"
         return (
-            f"seed {self.seed}: {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
+            f"seed {self.seed}: {PRESETS[self.family]} | {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
             f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
             f"{self.max_steps} steps lr {self.lr:.2g} warmup {self.warmup_steps} decay {self.decay_steps} "
             f"min {self.min_lr_ratio:g} wd {self.weight_decay:g} betas ({self.beta1:g}, {self.beta2:g}) "
@@ -101,7 +104,7 @@ class Setting:
         else:
             sizing = ["--token-budget", str(self.token_budget)]
         return [
-            "--model", PRESET, "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
+            "--model", PRESETS[self.family], "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
             "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
             "--last-window", self.last_window, "--long-documents", self.long_documents,
@@ -211,5 +214,5 @@ def draw(seed: int) -> Setting:
         init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
         # drawn last, so that adding them left every earlier choice of a seed as it was
         sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
-        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5,
+        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5, family=rng.choice(FAMILIES),
     )  # fmt: skip

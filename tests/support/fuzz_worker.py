@@ -7,9 +7,9 @@ In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many 
     torchrun --nproc-per-node 2 tests/support/fuzz_worker.py SETTINGS.json OUT_DIR
 
 Rank 0 writes ``OUT_DIR/seed_<seed>.pt`` per setting (or ``seed_<seed>.error`` with the traceback) as
-soon as it is done. Recorded per setting: the initial and final full model state, and per call of the
-trainer's ``next_step`` every rank's micro-batches, the valid-target count the trainer derived,
-the loader's epoch before and after, and the engine's :class:`StepRecord` when a step was taken.
+soon as it is done. Recorded per setting: the model's family and shape, the initial and final full model
+state, and per call of the trainer's ``next_step`` every rank's micro-batches, the valid-target count the
+trainer derived, the loader's epoch before and after, and the engine's :class:`StepRecord` when a step was taken.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def run_bigbatch(
     from bigbatch.cli import build_parser
     from bigbatch.config import config_from_args
     from bigbatch.distributed import DistContext
+    from bigbatch.model import family_of
     from bigbatch.trainer import Trainer
 
     assert sabotage in SABOTAGES, sabotage
@@ -120,6 +121,7 @@ def run_bigbatch(
     checkpoint = load_checkpoint(resolve_checkpoint(result.run_dir))["model"] if dist.is_main else None
     gathered = dist.all_gather_object(calls)
     model_config = trainer.model_config.to_dict()
+    model_family = family_of(trainer.model)
     del trainer
     gc.collect()  # DDP/FSDP objects sit in reference cycles: free them while the process group lives
     if not dist.is_main:
@@ -134,7 +136,8 @@ def run_bigbatch(
         })  # fmt: skip
     assert all(len(g) == len(gathered[0]) for g in gathered), "ranks assembled different numbers of steps"
     return {
-        "setting": setting.to_json(), "model_config": model_config, "initial": initial, "final": final,
+        "setting": setting.to_json(), "model_family": model_family, "model_config": model_config,
+        "initial": initial, "final": final,
         "checkpoint": checkpoint, "steps": steps, "steps_done": result.steps, "world": dist.world_size,
     }  # fmt: skip
 

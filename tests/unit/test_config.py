@@ -93,22 +93,28 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     from pathlib import Path
 
     from bigbatch.config import load_toml, resolve_seq_len
-    from bigbatch.model import preset
+    from bigbatch.model import model_preset
     from bigbatch.plan import plan_batch
 
     folder = Path(__file__).resolve().parents[2] / "configs"
-    worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8}
+    worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8, "llama-1b-8gpu.toml": 8}
     names = sorted(p.name for p in folder.glob("*.toml"))
-    assert names == ["demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml"]
+    assert names == [
+        "demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml", "llama-1b-8gpu.toml"
+    ]  # fmt: skip
     for name in names:
         config = resolve_seq_len(config_from_dict(load_toml(folder / name)))
         config.validate()
-        assert config.batch.seq_len <= preset(config.model.preset).block_size, name
+        assert config.batch.seq_len <= model_preset(config.model.preset).block_size, name
         if not config.batch.token_budget:
             plan = plan_batch(config.batch.total_batch_tokens, config.batch.micro_batch, config.batch.seq_len,
                               worlds.get(name, 1))  # fmt: skip
             if name == "gpt-1b-8gpu.toml":
                 assert plan.accumulation_steps == 4
+            if name == "llama-1b-8gpu.toml":
+                assert config.model.preset == "llama3.2-1b" and config.model.activation_checkpointing
+                assert config.run.parallel == "fsdp" and config.run.precision == "bf16"
+                assert plan.tokens_per_step == 2_097_152 and plan.seq_len == 4096 and plan.accumulation_steps == 8
             if name == "gpt2-124m.toml":
                 assert plan.accumulation_steps == 4 and plan.tokens_per_step == 524_288
 

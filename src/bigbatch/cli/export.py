@@ -1,20 +1,21 @@
-"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 model."""
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 or Llama model."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-HELP = "write a run's newest valid checkpoint as a Hugging Face GPT-2 model"
+HELP = "write a run's newest valid checkpoint as a Hugging Face model (GPT-2 or Llama)"
 DESCRIPTION = (
-    "Write the model of the newest valid checkpoint (config.json + model.safetensors), loadable "
-    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR)."
+    "Write the model of the newest valid checkpoint (config.json + model.safetensors) and its tokenizer, loadable "
+    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
-    parser.add_argument("--format", default="hf", choices=("hf",), help="hf: Hugging Face GPT-2 layout (default)")
+    parser.add_argument("--format", default="hf", choices=("hf",),
+                        help="hf: the Hugging Face layout of the run's model, GPT-2 or Llama (default)")  # fmt: skip
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) output directory")
 
 

@@ -17,7 +17,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="nano", help="preset (default: nano)")
+    parser.add_argument("--model", default="nano", help="preset, GPT or Llama (default: nano)")
     parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
                         help="tokens per sequence; auto: the preset's block size (default: auto)")  # fmt: skip
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
@@ -34,12 +34,12 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.accumulate import resolve_precision
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import plot_memory, sweep_memory
-    from bigbatch.model import preset
+    from bigbatch.model import model_preset
     from bigbatch.outputs import require_new_file
 
     if args.plot:
         require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
-    seq_len = preset(args.model).block_size if args.seq_len == AUTO else args.seq_len
+    seq_len = model_preset(args.model).block_size if args.seq_len == AUTO else args.seq_len
     device = resolve_device(args.device)
     sweep = sweep_memory(
         args.model, seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,

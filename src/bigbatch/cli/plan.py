@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per step from the gradient noise scale measured by a run (the smoothed "
                         "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
                         "run's")  # fmt: skip
-    parser.add_argument("--model", help="a preset, for memory (and with --measure, step time)")
+    parser.add_argument("--model", help="a preset (GPT or Llama), for memory (and with --measure, step time)")
     parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
-                        help="vocabulary; auto: the preset's, 50257 (default: auto)")  # fmt: skip
+                        help="vocabulary; auto: the preset's, 50257 (llama3.2-1b: 128256) (default: auto)")  # fmt: skip
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
     if seq_len == AUTO:
         if not args.model:
             raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
-        from bigbatch.model import preset
+        from bigbatch.model import model_preset
 
-        seq_len = preset(args.model).block_size
+        seq_len = model_preset(args.model).block_size
         print(f"seq_len {seq_len} (the {args.model} model's block size)")
     solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     ramp = None

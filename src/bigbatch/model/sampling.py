@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.errors import BigBatchError
-from bigbatch.model.gpt import GPT
+from bigbatch.model import LanguageModel
 
 NEWLINE = 10  # the start token of an empty prompt when the vocabulary has no end-of-text token (bytes, GPT-2)
 
@@ -34,7 +34,7 @@ def prompt_ids(tokenizer: PromptTokenizer, prompt: str, vocab_size: int) -> list
 
 
 def _next_token(
-    model: GPT,
+    model: LanguageModel,
     idx: torch.Tensor,
     temperature: float,
     top_k: int | None,
@@ -55,7 +55,7 @@ def _next_token(
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: LanguageModel,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -74,7 +74,7 @@ def generate(
 
 
 def generate_stream(
-    model: GPT,
+    model: LanguageModel,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -127,7 +127,7 @@ class TextTokenizer(PromptTokenizer, Protocol):
 
 
 def sample_text(
-    model: GPT, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int, seed: int, device: torch.device,
+    model: LanguageModel, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int, seed: int, device: torch.device,
     temperature: float = 0.8, top_k: int = 50,
 ) -> str:
     """The text ``model`` writes after ``prompt`` (the prompt itself not included), reproducibly from ``seed``."""
