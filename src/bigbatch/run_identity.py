@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bigbatch.config import TrainConfig, resolve_seq_len
+from bigbatch.config import TrainConfig, config_from_dict, resolve_seq_len
+from bigbatch.errors import BigBatchError
 
 MAY_CHANGE: frozenset[str] = frozenset(
     {
@@ -118,10 +119,16 @@ def default_run_dir(config: TrainConfig) -> Path:
 def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     """``key saved -> now`` for each defining setting where the saved run's config differs from ``config``.
 
-    A key missing from the saved config (written by an older bigbatch) counts as its default value.
+    A key missing from the saved config (written by an older bigbatch) counts as its default value then: its
+    :data:`LEGACY_VALUES` value where the default has changed since, else today's default.
     """
-    defaults = _flat(TrainConfig().to_dict())
+    defaults = {**_flat(TrainConfig().to_dict()), **LEGACY_VALUES}
     saved_flat = _flat(saved) if isinstance(saved, dict) else {}
+    if saved_flat.get("batch.seq_len") == 0:  # saved as auto: the saved model's block size, resolved as now
+        try:
+            saved_flat["batch.seq_len"] = resolve_seq_len(config_from_dict(saved)).batch.seq_len
+        except BigBatchError:  # a saved model that cannot be read here: compared as saved
+            pass
     diffs = []
     for key, value in identity_settings(config).items():
         if key in RESUME_CHECKED:
