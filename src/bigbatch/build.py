@@ -24,10 +24,16 @@ from bigbatch.batch import StepPolicy
 from bigbatch.config import TrainConfig, resolve_seq_len
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import Dataset, open_dataset
-from bigbatch.data.fingerprint import dataset_fingerprints
+from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
 from bigbatch.data.loader import DocumentLoader, PackedLoader, loader_for
 from bigbatch.data.shards import check_requested_tokenizer
-from bigbatch.data.tokenizers import get_tokenizer, is_bpe
+from bigbatch.data.tokenizers import (
+    carries_tokenizer_json,
+    check_tokenizer_fits,
+    get_tokenizer,
+    is_file_tokenizer,
+    model_dir_tokenizer,
+)
 from bigbatch.data.validation import ValidationWindows, validation_windows
 from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
@@ -124,11 +130,13 @@ def _build_parts(
         require_creatable_dir(Path(config.data.cache_dir), "cache directory")
     dataset = open_dataset(_prepared_data(config, dist))
     check_requested_tokenizer(dataset.meta, config.data.tokenizer, dataset.directory)
+    fingerprints = dataset_fingerprints(dataset)
+    _say_tokenizer(config, dataset.meta.tokenizer, fingerprints["tokenizer"], say)
     bpe_json = None
-    if is_bpe(dataset.meta.tokenizer):
+    if carries_tokenizer_json(dataset.meta.tokenizer):  # bpe:VOCAB and a model's own file:PATH travel in checkpoints
         bpe_json = get_tokenizer(dataset.meta.tokenizer, dataset.directory).to_str()  # type: ignore[attr-defined]
 
-    model = build_model(config, dataset.vocab_size).to(device)
+    model = build_model(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
     dataset.check_token_ids(model.config.vocab_size)
     precision = resolve_precision(config.run.precision, device)
@@ -179,7 +187,7 @@ def _build_parts(
     )
     return RunParts(
         config=config, dist=dist, device=device, run_dir=run_dir, resume_from=resume_from, dataset=dataset,
-        fingerprints=dataset_fingerprints(dataset), bpe_json=bpe_json, model=model, train_model=train_model,
+        fingerprints=fingerprints, bpe_json=bpe_json, model=model, train_model=train_model,
         parallel=parallel, optimizer=optimizer, engine=engine, plan=plan, policy=policy,
         train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops, ramp=ramp, run_lock=run_lock,
     )  # fmt: skip
@@ -212,7 +220,30 @@ def _run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path, Ru
 def prepare_data(config: TrainConfig) -> Path:
     """The run's prepared dataset: raw text prepared into the cache once, or a dataset directory as it is."""
     data = config.data
-    return ensure_prepared(data.data, data.tokenizer, data.val_fraction, data.cache_dir or None, mode=data.data_mode)
+    return ensure_prepared(data.data, data_tokenizer(config), data.val_fraction, data.cache_dir or None,
+                           mode=data.data_mode)  # fmt: skip
+
+
+def data_tokenizer(config: TrainConfig) -> str:
+    """``--tokenizer``; ``auto`` with ``--init-from`` a directory that holds a tokenizer.json is that file."""
+    if config.data.tokenizer in ("", "auto") and config.model.init_from:
+        return model_dir_tokenizer(config.model.init_from) or config.data.tokenizer
+    return config.data.tokenizer
+
+
+def _say_tokenizer(config: TrainConfig, used: str, used_fingerprint: str, say: Say) -> None:
+    """One line on what ``--tokenizer auto`` chose for ``--init-from``."""
+    if not config.model.init_from or config.data.tokenizer not in ("", "auto"):
+        return
+    own = model_dir_tokenizer(config.model.init_from)
+    if own is None:
+        say("--tokenizer auto: %s has no tokenizer.json; using the data's %s tokenizer, as without --init-from",
+            config.model.init_from, used, level=logging.WARNING)  # fmt: skip
+    elif tokenizer_fingerprint(own) == used_fingerprint:
+        say("--tokenizer auto: the model's own tokenizer, %s", own.removeprefix("file:"))
+    else:
+        say("--tokenizer auto: %s holds %s tokens, not those of %s's tokenizer.json; training on them",
+            config.data.data, used, config.model.init_from, level=logging.WARNING)  # fmt: skip
 
 
 def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
@@ -222,11 +253,14 @@ def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
     return path if path is not None else prepare_data(config)
 
 
-def build_model(config: TrainConfig, vocab_size: int) -> LanguageModel:
+def build_model(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:
     """The preset (GPT or Llama) with the data's vocabulary, or the pretrained GPT-2 or Llama of ``--init-from``."""
     if config.model.init_from:
         model = load_pretrained(config.model.init_from)  # its config.json's model_type decides the family
-        if model.config.vocab_size != vocab_size:
+        if is_file_tokenizer(tokenizer):  # a model's own tokenizer may be smaller than its (padded) vocabulary
+            what = f"the tokenizer {tokenizer.removeprefix('file:')}"
+            check_tokenizer_fits(vocab_size, model.config.vocab_size, what)
+        elif model.config.vocab_size != vocab_size:
             hint = " (e.g. --tokenizer gpt2)" if model.config.vocab_size == 50257 else ""
             raise ConfigError(
                 f"--init-from {config.model.init_from} has vocabulary {model.config.vocab_size} but the data's "

@@ -90,7 +90,7 @@ class ModelSection:
     init_from: str = _opt(
         "",
         "start from a local Hugging Face GPT-2 or Llama directory (config.json + model.safetensors; its model_type "
-        "decides); replaces the preset",
+        "decides); replaces the preset; its tokenizer.json, when present, is what --tokenizer auto uses",
     )
 
 
@@ -103,9 +103,10 @@ class DataSection:
     )
     tokenizer: str = _opt(
         "auto",
-        "tokenizer for raw text: byte (no download), gpt2 (tiktoken) or bpe:VOCAB (byte-level BPE trained on the "
-        "data, e.g. bpe:4096); auto: byte for raw text, the dataset's own for prepared or token-shard data (another "
-        "name than the dataset's is an error)",
+        "tokenizer for raw text: byte (no download), gpt2 (tiktoken), bpe:VOCAB (byte-level BPE trained on the "
+        "data, e.g. bpe:4096) or file:PATH (a Hugging Face tokenizer.json, or the directory holding one); auto: with "
+        "--init-from, that directory's tokenizer.json when it has one, else byte for raw text; the dataset's own for "
+        "prepared or token-shard data (another name than the dataset's is an error)",
     )
     val_fraction: float = _opt(
         0.1,

@@ -13,6 +13,7 @@ from bigbatch.checkpoint import (
     list_checkpoints,
     model_family,
 )
+from bigbatch.data.tokenizers import is_file_tokenizer
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.metrics import METRICS_FILE
 from bigbatch.optim import CosineSchedule
@@ -67,7 +68,8 @@ def check_compatible(
             f"the checkpoint's model differs from this run's ({', '.join(diffs)}); use the same --model and data, "
             "or a new --out"
         )
-    if document.get("tokenizer") != tokenizer:
+    saved = str(document.get("tokenizer") or "")
+    if saved != tokenizer and not (is_file_tokenizer(saved) and is_file_tokenizer(tokenizer)):  # by content below
         raise CheckpointError(
             f"the checkpoint was trained with the {document.get('tokenizer')} tokenizer, this run's data uses "
             f"{tokenizer}; use the same data, or a new --out"

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
-from bigbatch.data.fingerprint import tokenizer_json_fingerprint
+from bigbatch.data.fingerprint import tokenizer_cache_key, tokenizer_json_fingerprint
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.data.split import SPLIT_RULE
-from bigbatch.data.tokenizers import is_bpe
+from bigbatch.data.tokenizers import is_bpe, tokenizer_label
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ def ensure_prepared(
     if not raw and foreign_files(data):
         return path  # token shards from build-nanogpt or llm.c: read as they are
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    key = _source_fingerprint(data, tokenizer_name, val_fraction, mode)
+    key = _source_fingerprint(data, tokenizer_cache_key(tokenizer_name), val_fraction, mode)
     if bpe_json and is_bpe(tokenizer_name):
         key = hashlib.sha256(f"{key}:{tokenizer_json_fingerprint(bpe_json)}".encode()).hexdigest()[:16]
     if is_hf_source(data):
         label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
     else:
         label = "builtin" if data == BUILTIN else Path(data).name.replace("*", "_") or "data"
-    target = cache / f"{label}-{tokenizer_name.replace(':', '')}-{mode}-{key}"
+    target = cache / f"{label}-{tokenizer_label(tokenizer_name)}-{mode}-{key}"
     if is_prepared_dataset(target):
         return target
     log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
