@@ -39,8 +39,9 @@ from bigbatch.distributed import DistContext, resolve_parallel, wrap_model
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
-from bigbatch.model import LanguageModel, ModelConfig, fsdp_units, model_preset
+from bigbatch.model import HFConfig, LanguageModel, ModelConfig, fsdp_units, hf_shape, is_hf_name, model_preset
 from bigbatch.model import build_model as build_from_shape
+from bigbatch.model.hf_causal import HF_PREFIX, CompiledOrEager, HFCausalLM, build_hf_model, training_notes
 from bigbatch.model.pretrained import load_pretrained
 from bigbatch.noise_probe import small_grad_probe
 from bigbatch.noise_scale import NoiseScale, decay_for_window, unavailable_reason
@@ -52,6 +53,7 @@ from bigbatch.resume import find_resume_checkpoint, initial_schedule
 from bigbatch.rng import seed_rank_generators
 from bigbatch.run_identity import default_run_dir
 from bigbatch.run_lock import RunDirLock, lock_run_dir
+from bigbatch.verify.inputs import scan_cross_sample_modules
 
 Loader = PackedLoader | DocumentLoader
 Say = Callable[..., None]
@@ -138,6 +140,7 @@ def _build_parts(
 
     model = build_model(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
+    check_exactness(model, config.model.preset, say)
     dataset.check_token_ids(model.config.vocab_size)
     precision = resolve_precision(config.run.precision, device)
     plan = _plan(config, model, dist, device, precision, say)
@@ -157,7 +160,10 @@ def _build_parts(
         model, parallel, dist, device, config.run.sync_every_micro_step, precision, units=fsdp_units(model)
     )
     compile_model = config.run.compile == "on" or (config.run.compile == "auto" and device.type == "cuda")
-    train_model: nn.Module = torch.compile(wrapped) if compile_model else wrapped  # type: ignore[assignment]
+    train_model: nn.Module = wrapped
+    if compile_model:  # an hf: model may be of an architecture that does not compile: it then trains eagerly
+        compiled = CompiledOrEager(wrapped) if isinstance(model, HFCausalLM) else torch.compile(wrapped)
+        train_model = compiled  # type: ignore[assignment]
     opt = config.optim
     optimizer = build_adamw(  # after wrapping: FSDP2 replaces parameters with sharded ones
         model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps
@@ -224,26 +230,35 @@ def prepare_data(config: TrainConfig) -> Path:
                            mode=data.data_mode)  # fmt: skip
 
 
+def model_directory(config: TrainConfig) -> str:
+    """The directory the model comes from (``--init-from DIR`` or ``--model hf:DIR``), or ``""`` for a preset."""
+    if config.model.init_from:
+        return config.model.init_from
+    return config.model.preset[len(HF_PREFIX) :] if is_hf_name(config.model.preset) else ""
+
+
 def data_tokenizer(config: TrainConfig) -> str:
-    """``--tokenizer``; ``auto`` with ``--init-from`` a directory that holds a tokenizer.json is that file."""
-    if config.data.tokenizer in ("", "auto") and config.model.init_from:
-        return model_dir_tokenizer(config.model.init_from) or config.data.tokenizer
+    """``--tokenizer``; ``auto`` with a model directory that holds a tokenizer.json is that file."""
+    directory = model_directory(config)
+    if config.data.tokenizer in ("", "auto") and directory:
+        return model_dir_tokenizer(directory) or config.data.tokenizer
     return config.data.tokenizer
 
 
 def _say_tokenizer(config: TrainConfig, used: str, used_fingerprint: str, say: Say) -> None:
-    """One line on what ``--tokenizer auto`` chose for ``--init-from``."""
-    if not config.model.init_from or config.data.tokenizer not in ("", "auto"):
+    """One line on what ``--tokenizer auto`` chose for a model directory."""
+    directory = model_directory(config)
+    if not directory or config.data.tokenizer not in ("", "auto"):
         return
-    own = model_dir_tokenizer(config.model.init_from)
+    own = model_dir_tokenizer(directory)
     if own is None:
-        say("--tokenizer auto: %s has no tokenizer.json; using the data's %s tokenizer, as without --init-from",
-            config.model.init_from, used, level=logging.WARNING)  # fmt: skip
+        say("--tokenizer auto: %s has no tokenizer.json; using the data's %s tokenizer, as for a preset",
+            directory, used, level=logging.WARNING)  # fmt: skip
     elif tokenizer_fingerprint(own) == used_fingerprint:
         say("--tokenizer auto: the model's own tokenizer, %s", own.removeprefix("file:"))
     else:
         say("--tokenizer auto: %s holds %s tokens, not those of %s's tokenizer.json; training on them",
-            config.data.data, used, config.model.init_from, level=logging.WARNING)  # fmt: skip
+            config.data.data, used, directory, level=logging.WARNING)  # fmt: skip
 
 
 def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
@@ -270,18 +285,57 @@ def build_model(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> La
             raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
         check_seq_len(config, model.config.block_size, f"init from {config.model.init_from}")
         return model
-    return build_from_shape(preset_shape(config, vocab_size))
+    shape = preset_shape(config, vocab_size)
+    if isinstance(shape, HFConfig):  # hf:DIR: its weights when the directory has them, else seeded from config.json
+        return build_hf_model(shape, weights=True)
+    return build_from_shape(shape)
 
 
 def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:
     """The preset's shape (either family) with the data's vocabulary, ``--block-size`` and dropout; ``seq_len``
-    must fit it."""
+    must fit it. ``hf:DIR``: see :func:`hf_run_shape`."""
+    if is_hf_name(config.model.preset):
+        return hf_run_shape(config, vocab_size)
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
     if config.model.block_size:
         overrides["block_size"] = config.model.block_size
     shape = model_preset(config.model.preset, **overrides)
     check_seq_len(config, shape.block_size, f"the {config.model.preset} model")
     return shape
+
+
+def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
+    """``--model hf:DIR``'s shape, its config.json's: the data's tokens must fit its vocabulary and seq_len its
+    context; a model bigbatch cannot train exactly is refused here, before any weight is read."""
+    name = config.model.preset
+    shape = hf_shape(name)
+    if config.model.block_size:
+        raise ConfigError(f"--block-size does not apply to {name}: its context length is its config.json's "
+                          f"({shape.block_size:,})")  # fmt: skip
+    if config.model.dropout:
+        raise ConfigError(f"--dropout does not apply to {name}: its config.json sets its dropout; leave --dropout at 0")
+    check_tokenizer_fits(vocab_size, shape.vocab_size, "the data's tokenizer")
+    refusal, _ = training_notes(shape)
+    if refusal:
+        raise ConfigError(refusal)
+    check_seq_len(config, shape.block_size, name)
+    return shape
+
+
+def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
+    """Refuse a model with a module that mixes the samples of a batch (BatchNorm and kin in training mode): its
+    micro-batches cannot add up to the big batch. Say what an ``hf:`` mixture of experts leaves out."""
+    coupled = scan_cross_sample_modules(model)
+    if coupled:
+        first = coupled[0]
+        raise ConfigError(
+            f"{name} cannot be trained exactly: its module {first.module} ({first.kind}) {first.detail}, so "
+            f"micro-batches cannot add up to the big batch (bigbatch verify --model {name} shows it)"
+        )
+    if isinstance(model.config, HFConfig):
+        _, warning = training_notes(model.config)
+        if warning:
+            say("%s", warning, level=logging.WARNING)
 
 
 def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:

@@ -77,7 +77,10 @@ def _opt(
 
 @dataclass
 class ModelSection:
-    preset: str = _opt("nano", f"model preset: {', '.join(MODEL_PRESET_NAMES)}", flag="model")
+    preset: str = _opt(
+        "nano", f"model preset: {', '.join(MODEL_PRESET_NAMES)}; or hf:DIR, a local Hugging Face causal LM",
+        flag="model",
+    )
     block_size: int = _opt(
         0, "maximum context length; auto: the preset's", range=POSITIVE_INT_OR_AUTO, legacy_zero=True,
     )
@@ -161,7 +164,7 @@ class BatchSection:
     seq_len: int = _opt(
         0,
         "tokens per sequence (T); auto: the model's block size (the preset's, --block-size or --init-from's; "
-        f"--init-from's at most {INIT_FROM_AUTO_SEQ_LEN_CAP:,})",
+        f"--init-from's and hf:DIR's at most {INIT_FROM_AUTO_SEQ_LEN_CAP:,})",
         range=POSITIVE_INT_OR_AUTO,
     )
     token_budget: int = _opt(
@@ -338,6 +341,11 @@ class TrainConfig:
                 if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
                     continue
                 declared.check(f"--{_flag(f)} ({section}.{f.name})", value)
+        if self.model.init_from and self.model.preset.startswith("hf:"):
+            raise ConfigError(
+                f"--init-from and --model {self.model.preset} both name a model directory; give one (--model hf:DIR "
+                "loads the directory's weights itself)"
+            )
         if self.optim.decay_steps and self.optim.decay_steps < self.optim.warmup_steps:
             raise ConfigError(
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
@@ -511,10 +519,11 @@ def model_block_size(config: TrainConfig) -> int:
 
 
 def auto_seq_len(config: TrainConfig) -> int:
-    """What seq_len auto resolves to: the model's block size; with ``--init-from`` at most
+    """What seq_len auto resolves to: the model's block size; with ``--init-from`` or ``--model hf:DIR`` at most
     :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` (a preset's or ``--block-size``'s is the user's own choice)."""
     block_size = model_block_size(config)
-    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if config.model.init_from else block_size
+    directory = config.model.init_from or config.model.preset.startswith("hf:")
+    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if directory else block_size
 
 
 def resolve_seq_len(config: TrainConfig) -> TrainConfig:

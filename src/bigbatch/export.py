@@ -1,5 +1,5 @@
 """``bigbatch export``: a run's newest valid checkpoint as a Hugging Face model directory (GPT-2 or Llama
-layout, by the run's model family)."""
+layout, by the run's model family; an ``hf:DIR`` model in its own architecture's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from bigbatch.errors import BigBatchError
-from bigbatch.model import Llama
+from bigbatch.model import HFCausalLM, Llama
 from bigbatch.model.pretrained import hf_class_name, save_pretrained
 from bigbatch.tokenizer_files import export_tokenizer
 
@@ -24,6 +24,8 @@ def export_hf(run: Path, out: Path) -> str:
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
     cfg = model.config
     layout = "Llama" if isinstance(model, Llama) else "GPT-2"
+    if isinstance(model, HFCausalLM):  # its own save_pretrained: the architecture it was trained as
+        layout = model.config.architecture
     return (
         f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {layout} layout: config.json + "
         f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "

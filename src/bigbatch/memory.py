@@ -27,12 +27,24 @@ from typing import TextIO
 
 import torch
 
-from bigbatch.errors import BigBatchError
-from bigbatch.model import GPTConfig, LlamaConfig, ModelConfig, build_model, config_from_dict, family_of, model_preset
+from bigbatch.errors import BigBatchError, ConfigError
+from bigbatch.model import (
+    GPTConfig,
+    HFConfig,
+    LlamaConfig,
+    ModelConfig,
+    build_model,
+    config_from_dict,
+    family_of,
+    is_hf_name,
+    model_preset,
+)
 from bigbatch.progress import ProgressBar
 from bigbatch.rng import preserved_rng
 
 MiB = 2**20
+
+HF_ESTIMATE_UNAVAILABLE = "the analytic memory estimate is unavailable for hf: models (any architecture)"
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,9 @@ class MemoryEstimate:
 def estimate_memory(config: ModelConfig, micro_batch: int, seq_len: int, precision: str = "fp32") -> MemoryEstimate:
     """Shapes-only estimate: fp32 parameters, gradients and AdamW moments; activations of one micro-batch, the
     layers' (:func:`gpt_layer_bytes_per_token` or :func:`llama_layer_bytes_per_token`) plus fp32 logits and their
-    gradient."""
+    gradient. Not for ``hf:DIR`` (a :class:`ConfigError`): its layers are not known here, only measured."""
+    if isinstance(config, HFConfig):
+        raise ConfigError(HF_ESTIMATE_UNAVAILABLE)
     with torch.device("meta"):
         n = build_model(config).num_params(non_embedding=False)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
@@ -261,7 +275,8 @@ if __name__ == "__main__":
 
 
 def memory_report(rows: list[MicroStepMeasurement], estimate_activations: dict[int, int]) -> str:
-    """The table of ``bigbatch memory``, with the linearity and K-flatness checks."""
+    """The table of ``bigbatch memory``, with the linearity and K-flatness checks (an estimate left out of
+    ``estimate_activations`` reads n/a)."""
     lines = [
         f"{'micro-batch':>11} {'fixed MiB':>10} {'activations':>12} {'estimate':>9} {'fwd+bwd':>9} {'optimizer':>9} "
         f"{'step K=2':>9} {f'step K={rows[0].k}':>9} {'micro-step':>10}",
@@ -269,7 +284,7 @@ def memory_report(rows: list[MicroStepMeasurement], estimate_activations: dict[i
     for r in rows:
         lines.append(
             f"{r.micro_batch:>11} {r.fixed / MiB:>10.1f} {r.forward_peak / MiB:>12.1f} "
-            f"{estimate_activations[r.micro_batch] / MiB:>9.1f} {r.backward_peak / MiB:>9.1f} "
+            f"{_mib_or_na(estimate_activations.get(r.micro_batch)):>9} {r.backward_peak / MiB:>9.1f} "
             f"{r.optimizer_peak / MiB:>9.1f} {r.step_peak_k2 / MiB:>9.1f} {r.step_peak_k / MiB:>9.1f} "
             f"{r.micro_step_seconds * 1000:>8.0f}ms"
         )
@@ -285,6 +300,10 @@ def memory_report(rows: list[MicroStepMeasurement], estimate_activations: dict[i
         "(gradients are held across micro-steps; activations are freed after each)"
     )
     return "\n".join(lines)
+
+
+def _mib_or_na(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / MiB:.1f}"
 
 
 def plot_memory(rows: list[MicroStepMeasurement], path: Path, title: str) -> Path:
@@ -333,7 +352,8 @@ class MemorySweep:
         how = "allocator peaks" if self.device.type == "cuda" else "peak resident memory of a fresh process per size"
         checkpointing = " | activation checkpointing" if self.activation_checkpointing else ""
         header = f"{self.model} | seq_len {self.seq_len} | {self.precision} | {self.device} ({how}){checkpointing}"
-        return header + "\n" + memory_report(self.rows, self.estimates)
+        note = f"\nestimate: {HF_ESTIMATE_UNAVAILABLE}" if is_hf_name(self.model) else ""
+        return header + "\n" + memory_report(self.rows, self.estimates) + note
 
 
 def sweep_memory(
@@ -344,7 +364,8 @@ def sweep_memory(
 
     Progress goes to ``stream`` (default: stderr): a redrawn bar on a terminal, else a line per size."""
     stream = sys.stderr if stream is None else stream
-    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size else {}))
+    hf = is_hf_name(model)  # hf:DIR: its config.json's vocabulary, whatever --vocab-size says
+    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not hf else {}))
     if seq_len > config.block_size:
         raise BigBatchError(f"--seq-len {seq_len} exceeds the {model} block size {config.block_size}")
     sizes = micro_batch_sizes(max_micro_batch)
@@ -358,5 +379,5 @@ def sweep_memory(
                 bar.update(i + 1, extra=f"measured micro-batch {size}")
             else:
                 stream.write(f"measured micro-batch {size}\n")
-    estimates = {s: estimate_memory(config, s, seq_len, precision).activations for s in sizes}
+    estimates = {} if hf else {s: estimate_memory(config, s, seq_len, precision).activations for s in sizes}
     return MemorySweep(model, seq_len, precision, device, activation_checkpointing, rows, estimates)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from bigbatch.memory import MiB, MicroStepMeasurement, estimate_memory
-from bigbatch.model import ModelConfig
+from bigbatch.errors import ConfigError
+from bigbatch.memory import HF_ESTIMATE_UNAVAILABLE, MiB, MicroStepMeasurement, estimate_memory
+from bigbatch.model import HFConfig, ModelConfig
 from bigbatch.plan import SolvedPlan
 
 
@@ -38,7 +39,10 @@ def format_plan(
             f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens"
             + (f" ({plan.tokens_per_step / 1e6:.1f}M)" if plan.tokens_per_step >= 100_000 else "")
         )
-    if model_config is not None:
+    if isinstance(model_config, HFConfig):
+        rows.append((f"model {model_name}", f"hf {model_config.architecture}"))
+        notes.append(HF_ESTIMATE_UNAVAILABLE + ("; --measure measures it" if measured is None else ""))
+    elif model_config is not None:
         estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
         rows += [
             (f"model {model_name}", f"{estimate.params // 4 / 1e6:,.1f}M parameters"),
@@ -81,6 +85,10 @@ def report_plan(
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
     model_config = model_preset(model_name, **overrides)
     if solved.plan.seq_len > model_config.block_size:
+        if isinstance(model_config, HFConfig):  # its context is its config.json's: it cannot grow here
+            raise ConfigError(
+                f"--seq-len {solved.plan.seq_len} exceeds {model_name}'s context length {model_config.block_size:,}"
+            )
         model_config = model_preset(model_name, block_size=solved.plan.seq_len, **overrides)
     measured = None
     if measure_step:

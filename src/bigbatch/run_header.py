@@ -6,7 +6,7 @@ from bigbatch import __version__
 from bigbatch.build import RunParts
 from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
 from bigbatch.data.loader import DocumentLoader
-from bigbatch.model import LlamaConfig, ModelConfig
+from bigbatch.model import HFConfig, LlamaConfig, ModelConfig
 
 
 def header_lines(parts: RunParts) -> list[str]:
@@ -40,7 +40,12 @@ def header_lines(parts: RunParts) -> list[str]:
 
 
 def describe_shape(cfg: ModelConfig) -> str:
-    """Layers, heads and width; for a Llama also its key/value heads and MLP width."""
+    """Layers, heads and width; for a Llama also its key/value heads and MLP width; for ``hf:DIR`` the
+    transformers class it is."""
+    if isinstance(cfg, HFConfig):
+        kv = f" ({cfg.n_kv_head} key/value)" if cfg.n_kv_head != cfg.n_head else ""
+        experts = f", {cfg.experts} experts" if cfg.experts else ""
+        return f"hf {cfg.architecture}: {cfg.n_layer} layers, {cfg.n_head} heads{kv}, {cfg.n_embd} wide{experts}"
     if isinstance(cfg, LlamaConfig):
         return (
             f"llama: {cfg.n_layer} layers, {cfg.n_head} heads ({cfg.n_kv_head} key/value), {cfg.n_embd} wide, "

@@ -112,6 +112,8 @@ def settings_fingerprint(config: TrainConfig) -> str:
 def default_run_dir(config: TrainConfig) -> Path:
     """``runs/<model>-<fingerprint>``: the identical command finds the same directory again."""
     label = Path(config.model.init_from).name if config.model.init_from else config.model.preset
+    if label.startswith("hf:"):  # hf:DIR: the directory's own name, not its whole path
+        label = "hf-" + Path(label[3:]).name
     label = re.sub(r"[^\w.-]+", "_", label).strip("._") or "run"
     return Path(DEFAULT_RUNS_DIR) / f"{label}-{settings_fingerprint(config)}"
 

@@ -1,6 +1,6 @@
 """The differential fuzzer (tests/support/fuzz.py) on its fixed seeds, and proof that it catches planted bugs.
 
-Each seed is a random setting (a GPT-2 or a Llama among its choices) trained through ``bigbatch train``'s code
+Each seed is a random setting (a GPT-2, a Llama or transformers' Llama through hf:DIR among its choices) trained through ``bigbatch train``'s code
 path and replayed by a naive float64 reference (one forward/backward over every sample of the global step, clip,
 AdamW, schedule); see tests/support/fuzz_reference.py for what is compared, how exactly-zero gradients are
 handled and the shuffled window order (``--shuffle on``) the reference replays. ``make fuzz N=200`` runs random
@@ -68,7 +68,7 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
     settings = [draw(seed) for seed in fuzz.FIXED_SEEDS]
     for world in (1, 2):
         mine = [s for s in settings if s.world == world]
-        assert {s.family for s in mine} == set(FAMILIES)  # GPT-2's pico and llama-pico
+        assert {s.family for s in mine} == set(FAMILIES)  # GPT-2's pico, llama-pico and transformers' Llama
         assert {s.mode for s in mine} == set(MODES)
         assert {s.shuffle for s in mine} == {True, False}
         # packed windows shuffled and then shifted in a later epoch, on one and two ranks
@@ -81,6 +81,7 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
         assert "split: long document" in set().union(*(step_events(s.seed) for s in mine))
     assert {s.parallel for s in settings} == set(PARALLELS)
     assert {s.parallel for s in settings if s.family == "llama" and s.world == 2} == {"ddp", "fsdp"}
+    assert {s.parallel for s in settings if s.family == "hf" and s.world == 2} == {"ddp", "fsdp"}
     assert any(s.sync_every_micro_step for s in settings) and any(s.activation_checkpointing for s in settings)
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
     assert events >= {"no valid target", "short last window", "partial budget step", "K varies", "dropped"}

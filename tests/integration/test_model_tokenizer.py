@@ -41,9 +41,10 @@ def gpt2_dir(root: Path, vocab_size: int, with_tokenizer: bool, text: str) -> Pa
     return directory
 
 
-def args(root: Path, model: Path, *extra: str) -> list[str]:
+def args(root: Path, model: Path, *extra: str, hf: bool = False) -> list[str]:
+    source = ["--model", f"hf:{model}"] if hf else ["--init-from", str(model)]
     return [
-        "train", "--init-from", str(model), "--data", str(root / "c.txt"), "--micro-batch", "2", "--seq-len", "32",
+        "train", *source, "--data", str(root / "c.txt"), "--micro-batch", "2", "--seq-len", "32",
         "--total-batch-tokens", "128", "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0",
         "--cache-dir", str(root / "cache"), "--out", str(root / "run"), *extra,
     ]  # fmt: skip
@@ -81,9 +82,17 @@ def test_auto_uses_the_model_directorys_own_tokenizer_offline(tmp_path: Path, te
     assert "resumed from" in out
 
 
-def test_a_directory_without_a_tokenizer_falls_back_and_says_so(tmp_path: Path, text: str) -> None:
+def test_an_hf_model_directory_brings_its_tokenizer_too(tmp_path: Path, text: str) -> None:
+    model = gpt2_dir(tmp_path, 320, with_tokenizer=True, text=text)
+    code, out, err = run_main(args(tmp_path, model, hf=True))
+    assert code == 0, err
+    assert f"--tokenizer auto: the model's own tokenizer, {model / 'tokenizer.json'}" in out
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_a_directory_without_a_tokenizer_falls_back_and_says_so(tmp_path: Path, text: str, hf: bool) -> None:
     model = gpt2_dir(tmp_path, 256, with_tokenizer=False, text=text)
-    code, out, err = run_main(args(tmp_path, model))
+    code, out, err = run_main(args(tmp_path, model, hf=hf))
     assert code == 0, err
     assert f"--tokenizer auto: {model} has no tokenizer.json; using the data's byte tokenizer" in out
 

@@ -37,9 +37,10 @@ from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 99, 145, 236, 105, 3971, 226)
-"""What CI runs: six one-rank and six two-rank settings, chosen so that every drawn choice (both model families,
-GPT-2's pico and llama-pico, on one and on two ranks, a Llama under DDP and under FSDP2) and every step
+FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 19, 99, 145, 236, 105, 3971, 226, 48, 75)
+"""What CI runs: seven one-rank and eight two-rank settings, chosen so that every drawn choice (the three model
+families, GPT-2's pico, llama-pico and transformers' Llama through hf:DIR, on one and on two ranks, a Llama under
+DDP and under FSDP2, the hf family under DDP and under FSDP2 with activation checkpointing) and every step
 event (short last window, partial budget step, dropped remainder, step without valid targets) occurs,
 documents longer than seq_len + 1 (one with a masked prompt) are read under both long-document policies,
 and shuffle is on and off on one and on two ranks, with packed windows read in a shifted later epoch on
@@ -159,7 +160,8 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
     reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
     return "\n".join([
         f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
-        f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}"
+        f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}, "
+        f"hf {count(lambda s: s.family == 'hf')}"
         f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
         f"fsdp: {count(lambda s: s.parallel == 'fsdp')} | packed {count(lambda s: s.mode == 'packed')}, "
         f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "

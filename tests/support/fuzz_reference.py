@@ -12,7 +12,10 @@ global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim
 from a hand-written warmup + cosine formula. The forward of each model family is written out here too,
 reading the same parameter names: GPT-2 (learned positions, explicit causal softmax attention, tanh GELU,
 LayerNorm) and Llama (rotary positions computed here in float64 from the README's convention, each query head
-reading key/value head ``h // group``, SwiGLU, RMSNorm, no biases).
+reading key/value head ``h // group``, SwiGLU, RMSNorm, no biases). The ``hf`` family is transformers' own
+``LlamaForCausalLM`` behind bigbatch's adapter: the same parameter names under ``hf_model.``, read by this Llama
+forward with the shape taken by hand from its config.json (:func:`hf_as_llama`), so transformers' implementation
+is checked against the reference too.
 
 **The key bias, and other exactly-zero gradients.** Each GPT attention's ``c_attn.bias`` holds query, key
 and value slices. The key slice adds ``q . b_k`` to every score of a query, the same constant for all
@@ -83,6 +86,7 @@ NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the globa
 IGNORE = -100
 LN_EPS = 1e-5
 EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # the table a tied head shares
+HF_PREFIX = "hf_model."  # where bigbatch's adapter (--model hf:DIR) holds the transformers model
 
 
 @dataclass
@@ -467,9 +471,27 @@ def llama_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str
     return x @ p.get("lm_head.weight", p["model.embed_tokens.weight"]).T
 
 
+def hf_as_llama(hf: dict[str, Any]) -> dict[str, Any]:
+    """The reference Llama's shape of a transformers Llama config.json (fuzz_settings.HF_CONFIG), read by hand."""
+    assert hf["model_type"] == "llama" and hf.get("rope_scaling") is None, hf
+    return {
+        "n_head": hf["num_attention_heads"], "n_kv_head": hf["num_key_value_heads"], "n_embd": hf["hidden_size"],
+        "norm_eps": hf["rms_norm_eps"], "rope_base": hf["rope_theta"], "rope_scaling": None,
+        "tie_embeddings": hf["tie_word_embeddings"], "vocab_size": hf["vocab_size"],
+    }  # fmt: skip
+
+
+def _unprefixed(state: dict[str, torch.Tensor], problems: list[str], what: str) -> dict[str, torch.Tensor]:
+    """The transformers model's own parameter names of the adapter's state."""
+    outside = sorted(name for name in state if not name.startswith(HF_PREFIX))
+    if outside:
+        problems.append(f"{what}: parameters outside {HF_PREFIX}: {outside}")
+    return {name.removeprefix(HF_PREFIX): value for name, value in state.items()}
+
+
 def model_logits(family: str, p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
-    """The logits of the family's reference forward."""
-    if family == "llama":
+    """The logits of the family's reference forward (the hf family's: the Llama's)."""
+    if family in ("llama", "hf"):
         return llama_logits(p, idx, config)
     return gpt_logits(p, idx, int(config["n_head"]), int(config["vocab_size"]))
 
@@ -590,12 +612,15 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
     (tolerances: ``TOL``, or ``CONDITIONING_SLACK`` x what plain fp32 does on an ill-conditioned setting)."""
     out = Outcome(seed=setting.seed)
     problems = out.problems
-    config = result["model_config"]
-    c, family = int(config["n_embd"]), setting.family
-    tied = family == "gpt" or bool(config["tie_embeddings"])
+    config, family = result["model_config"], setting.family
     if result.get("model_family") != family:
         problems.append(f"bigbatch built a {result.get('model_family')} model, the setting draws {family}")
         return out
+    if family == "hf":  # from here on the reference's own Llama, on the transformers model's parameters
+        config, family = hf_as_llama(config["hf_config"]), "llama"
+        result = {**result, **{key: _unprefixed(result[key], problems, key) for key in ("initial", "final", "checkpoint")
+                               if result.get(key) is not None}}  # fmt: skip
+    c, tied = int(config["n_embd"]), family == "gpt" or bool(config["tie_embeddings"])
     calls = result["steps"]
     problems += check_composition(setting, calls)
     if result["steps_done"] != setting.max_steps:

@@ -1,7 +1,7 @@
 """Random settings for the differential fuzzer (``tests/integration/test_fuzz.py``, ``make fuzz``).
 
-One integer seed gives one :class:`Setting`: the model family (GPT-2's ``pico`` or ``llama-pico``), the batch
-arithmetic (data mode,
+One integer seed gives one :class:`Setting`: the model family (GPT-2's ``pico``, ``llama-pico``, or the same Llama
+shape as a transformers ``LlamaForCausalLM`` trained through ``--model hf:DIR``), the batch arithmetic (data mode,
 micro-batch, K or a token budget, world size, DDP or FSDP2, last-window policy, long-document policy,
 window order: ``--shuffle on``, bigbatch's default, or ``off``),
 the optimizer (clipping that bites or not, schedule, AdamW hyper-parameters) and
@@ -25,8 +25,16 @@ PARALLELS = ("none", "ddp", "fsdp")
 LAST_WINDOWS = ("partial", "drop")
 CLIPS = ("off", "loose", "tight")
 LONG_DOCUMENTS = ("split", "truncate")  # documents mode: a document longer than T + 1 tokens (inert when packed)
-FAMILIES = ("gpt", "llama")
-PRESETS = {"gpt": "pico", "llama": "llama-pico"}  # 2 layers, 2 heads, 32 wide, block 64: the fuzzer's models
+FAMILIES = ("gpt", "llama", "hf")
+PRESETS = {"gpt": "pico", "llama": "llama-pico", "hf": "hf:LlamaForCausalLM"}  # 2 layers, 2 heads, 32 wide, block 64
+HF_DIR = "hf-llama"  # beside the data: the hf family's config.json (no weights: --seed initialises it)
+HF_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "attention_dropout": 0.0, "initializer_range": 0.02,
+}  # fmt: skip
+"""llama-pico's shape in transformers' terms (the reference reads it as its own Llama: fuzz_reference.hf_as_llama)."""
 MAX_SEQ_LEN = 32
 # Printable ASCII without the NUL byte: one byte = one token with the byte tokenizer, and token 0 (the
 # document loader's padding) never occurs inside a document, so a padded row's length is visible.
@@ -61,6 +69,7 @@ class Setting:
     long_documents: str  # split (T-target windows) | truncate (first T + 1 tokens): --long-documents
     shuffle: bool  # --shuffle on (a seeded order per epoch, packed windows moved each later epoch) or off
     family: str  # gpt (pico: learned positions, LayerNorm, GELU, biases) | llama (llama-pico: RoPE, 1 k/v head, SwiGLU)
+    # | hf (llama-pico's shape as transformers' LlamaForCausalLM, through --model hf:DIR)
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -85,7 +94,11 @@ class Setting:
         return directory / ("corpus.txt" if self.mode == "packed" else "docs.jsonl")
 
     def write_data(self, directory: Path) -> Path:
-        """Write the training data into ``directory``: the text, or one JSON line per document."""
+        """Write the training data into ``directory``: the text, or one JSON line per document (and for the hf
+        family its model's config.json)."""
+        if self.family == "hf":
+            (directory / HF_DIR).mkdir(exist_ok=True)
+            (directory / HF_DIR / "config.json").write_text(json.dumps(HF_CONFIG))
         path = self.data_path(directory)
         if self.mode == "packed":
             path.write_text(self.corpus)
@@ -103,8 +116,9 @@ class Setting:
             sizing = ["--total-batch-tokens", str(self.micro_batch * self.seq_len * self.k * self.world)]
         else:
             sizing = ["--token-budget", str(self.token_budget)]
+        model = f"hf:{data.parent / HF_DIR}" if self.family == "hf" else PRESETS[self.family]
         return [
-            "--model", PRESETS[self.family], "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
+            "--model", model, "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
             "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
             "--last-window", self.last_window, "--long-documents", self.long_documents,
@@ -214,5 +228,12 @@ def draw(seed: int) -> Setting:
         init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
         # drawn last, so that adding them left every earlier choice of a seed as it was
         sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
-        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5, family=rng.choice(FAMILIES),
+        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5, family=_family(rng),
     )  # fmt: skip
+
+
+def _family(rng: random.Random) -> str:
+    """gpt or llama, each half the time; a llama is trained as the hf family half the time (drawn after: the hf
+    family came later, and every earlier choice of a seed stayed as it was)."""
+    family = rng.choice(FAMILIES[:2])
+    return "hf" if family == "llama" and rng.random() < 0.5 else family

@@ -17,12 +17,14 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="nano", help="preset, GPT or Llama (default: nano)")
+    parser.add_argument("--model", default="nano",
+                        help="preset, GPT or Llama, or hf:DIR (a Hugging Face causal LM) (default: nano)")  # fmt: skip
     parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
                         help="tokens per sequence; auto: the preset's block size (default: auto)")  # fmt: skip
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
     parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
-    parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens)")
+    parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256,
+                        help="default: 256 (byte tokens); hf:DIR: its own")  # fmt: skip
     parser.add_argument("--activation-checkpointing", action="store_true")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
@@ -32,14 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bigbatch.accumulate import resolve_precision
+    from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
     from bigbatch.distributed import resolve_device
     from bigbatch.memory import plot_memory, sweep_memory
-    from bigbatch.model import model_preset
+    from bigbatch.model import is_hf_name, model_preset
     from bigbatch.outputs import require_new_file
 
     if args.plot:
         require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
     seq_len = model_preset(args.model).block_size if args.seq_len == AUTO else args.seq_len
+    if args.seq_len == AUTO and is_hf_name(args.model):  # a directory's context may be 131,072: capped as in train
+        seq_len = min(seq_len, INIT_FROM_AUTO_SEQ_LEN_CAP)
     device = resolve_device(args.device)
     sweep = sweep_memory(
         args.model, seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per step from the gradient noise scale measured by a run (the smoothed "
                         "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
                         "run's")  # fmt: skip
-    parser.add_argument("--model", help="a preset (GPT or Llama), for memory (and with --measure, step time)")
+    parser.add_argument("--model", help="a preset (GPT or Llama) or hf:DIR, for memory (and with --measure, step "
+                        "time)")  # fmt: skip
     parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
                         help="vocabulary; auto: the preset's, 50257 (llama3.2-1b: 128256) (default: auto)")  # fmt: skip
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
@@ -62,10 +63,15 @@ def run(args: argparse.Namespace) -> int:
     if seq_len == AUTO:
         if not args.model:
             raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
-        from bigbatch.model import model_preset
+        from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
+        from bigbatch.model import is_hf_name, model_preset
 
         seq_len = model_preset(args.model).block_size
-        print(f"seq_len {seq_len} (the {args.model} model's block size)")
+        if is_hf_name(args.model) and seq_len > INIT_FROM_AUTO_SEQ_LEN_CAP:  # capped as train caps it
+            seq_len = INIT_FROM_AUTO_SEQ_LEN_CAP
+            print(f"seq_len {seq_len} (the {args.model} model's block size, capped; --seq-len sets it)")
+        else:
+            print(f"seq_len {seq_len} (the {args.model} model's block size)")
     solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     ramp = None
     if args.batch_ramp:

@@ -19,7 +19,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="nano", help="model preset, GPT or Llama (default: nano)")
+    parser.add_argument("--model", default="nano", help="model preset, GPT or Llama, or hf:DIR (default: nano)")
     parser.add_argument(
         "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
     )

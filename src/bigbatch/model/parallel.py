@@ -6,15 +6,18 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bigbatch.model.gpt import GPT
+from bigbatch.model.hf_causal import HFCausalLM
 from bigbatch.model.llama import Llama
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The submodules that FSDP2 shards as units before the root: a GPT's transformer blocks, a Llama's
-    decoder layers (their embeddings, final norm and head stay with the root). Another model gives none: only
-    the root."""
+    decoder layers, a Hugging Face model's decoder layers (their embeddings, final norm and head stay with the
+    root). Another model gives none: only the root."""
     if isinstance(model, GPT):
         return list(model.transformer.h)  # the blocks
     if isinstance(model, Llama):
         return list(model.model.layers)
+    if isinstance(model, HFCausalLM):
+        return model.decoder_layers()
     return []

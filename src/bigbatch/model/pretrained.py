@@ -9,6 +9,7 @@ from pathlib import Path
 from bigbatch.errors import CheckpointError
 from bigbatch.model.gpt import GPT, GPTConfig
 from bigbatch.model.hf import _read_config, load_hf_gpt2, read_hf_gpt_config, save_hf_gpt2
+from bigbatch.model.hf_causal import HFCausalLM, save_hf_model
 from bigbatch.model.llama import Llama, LlamaConfig
 from bigbatch.model.llama_hf import load_hf_llama, read_hf_llama_config, save_hf_llama
 
@@ -44,13 +45,18 @@ def load_pretrained(directory: Path | str) -> GPT | Llama:
     return load_hf_gpt2(directory)
 
 
-def hf_class_name(model: GPT | Llama) -> str:
+def hf_class_name(model: GPT | Llama | HFCausalLM) -> str:
     """The transformers class that loads ``model``'s export."""
+    if isinstance(model, HFCausalLM):
+        return model.config.architecture
     return "LlamaForCausalLM" if isinstance(model, Llama) else "GPT2LMHeadModel"
 
 
-def save_pretrained(model: GPT | Llama, directory: Path | str) -> Path:
-    """Write ``model`` in its family's Hugging Face layout (config.json + model.safetensors)."""
+def save_pretrained(model: GPT | Llama | HFCausalLM, directory: Path | str) -> Path:
+    """Write ``model`` in its family's Hugging Face layout (config.json + model.safetensors); a Hugging Face
+    model through its own ``save_pretrained``."""
+    if isinstance(model, HFCausalLM):
+        return save_hf_model(model, directory)
     if isinstance(model, Llama):
         return save_hf_llama(model, directory)
     return save_hf_gpt2(model, directory)

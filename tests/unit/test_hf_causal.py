@@ -1,0 +1,179 @@
+"""The ``hf`` family's pieces, without training: the shape read from config.json, the exactness rules (a mixture of
+experts warned about, routing with a capacity or a batch-coupled module refused), activation checkpointing, FSDP2
+units, parameter counts, the compile fallback and the run directory's name."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from hf_models import hf_config, save_hf
+
+from bigbatch.build import check_exactness
+from bigbatch.config import TrainConfig
+from bigbatch.errors import ConfigError
+from bigbatch.model import HFCausalLM, HFConfig, build_model, config_from_dict, family_of, fsdp_units, model_preset
+from bigbatch.model.hf_causal import CompiledOrEager, training_notes
+from bigbatch.run_identity import default_run_dir
+
+pytest.importorskip("transformers")
+
+LLAMA_JSON: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 256, "intermediate_size": 64,
+}  # fmt: skip
+
+
+def test_the_shape_comes_from_either_naming_of_config_json() -> None:
+    llama = HFConfig("dir", LLAMA_JSON)
+    assert (llama.block_size, llama.vocab_size, llama.n_layer, llama.n_head, llama.n_kv_head, llama.n_embd) == (
+        64, 256, 2, 4, 2, 32
+    )
+    assert llama.head_dim == 8 and llama.architecture == "LlamaForCausalLM" and llama.experts == 0
+    gpt2 = HFConfig("dir", {"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16, "n_positions": 40,
+                            "vocab_size": 300})  # fmt: skip
+    assert (gpt2.block_size, gpt2.n_layer, gpt2.n_kv_head, gpt2.architecture) == (40, 3, 2, "GPT2LMHeadModel")
+    assert HFConfig.from_dict(llama.to_dict()) == llama and family_of(llama) == "hf"
+    assert config_from_dict("hf", llama.to_dict()) == llama
+    with pytest.raises(ConfigError, match=r"^dir/config.json gives no context length \(looked for "):
+        HFConfig("dir", {**LLAMA_JSON, "max_position_embeddings": None})
+
+
+def test_an_override_that_would_change_the_shape_is_refused(tmp_path: Path) -> None:
+    save_hf("llama", tmp_path / "m", weights=False)
+    name = f"hf:{tmp_path / 'm'}"
+    assert model_preset(name, dropout=0.0, vocab_size=256).vocab_size == 256  # the model's own: fine
+    with pytest.raises(ConfigError, match=r"the vocabulary of hf:.* is its config.json's, not bigbatch's to change"):
+        model_preset(name, vocab_size=512)
+    with pytest.raises(ConfigError, match="the dropout of"):
+        model_preset(name, dropout=0.1)
+
+
+def test_a_mixture_of_experts_is_warned_about_and_a_capacity_refused() -> None:
+    assert training_notes(HFConfig("d", LLAMA_JSON)) == (None, None)
+    moe = {**LLAMA_JSON, "model_type": "qwen2_moe", "num_experts": 8, "router_aux_loss_coef": 0.001}
+    refusal, warning = training_notes(HFConfig("d", moe))
+    assert refusal is None and warning == (
+        "Qwen2MoeForCausalLM is a mixture of 8 experts: its load-balancing loss (router_aux_loss_coef 0.001) is left "
+        "out: bigbatch's loss is the token-weighted cross-entropy only (the router still routes each token on its "
+        "own, so that gradient stays exact)"
+    )
+    refusal, _ = training_notes(HFConfig("d", {**moe, "capacity_factor": 1.25}))
+    assert refusal is not None and "with a capacity (capacity_factor 1.25)" in refusal
+    assert "depends on the rest of the batch" in refusal
+
+
+def test_a_batch_coupled_module_anywhere_is_refused_in_one_line() -> None:
+    torch.manual_seed(0)
+    model = build_model(HFConfig("d", LLAMA_JSON))
+    assert isinstance(model, HFCausalLM)
+    check_exactness(model, "hf:d", lambda *a, **k: None)  # dense, no batch statistics: nothing to say
+    model.hf_model.model.layers[1].extra_norm = nn.BatchNorm1d(32)  # type: ignore[union-attr,index]
+    with pytest.raises(ConfigError) as caught:
+        check_exactness(model, "hf:d", lambda *a, **k: None)
+    assert str(caught.value).startswith(
+        "hf:d cannot be trained exactly: its module hf_model.model.layers.1.extra_norm (BatchNorm1d) normalizes "
+        "with statistics of the whole batch in training mode"
+    )
+    assert "bigbatch verify --model hf:d" in str(caught.value)
+
+
+@pytest.mark.parametrize(("kind", "units"), [("gpt2", "transformer.h"), ("llama", "model.layers")])
+def test_fsdp_units_are_the_decoder_layers(kind: str, units: str) -> None:
+    import transformers
+
+    model = HFCausalLM(HFConfig("d", hf_config(kind).to_dict()),
+                       transformers.AutoModelForCausalLM.from_config(hf_config(kind)))  # fmt: skip
+    expected = list(model.hf_model.get_submodule(units))
+    assert len(expected) == 2 and fsdp_units(model) == expected
+
+
+def test_parameter_counts_and_flops() -> None:
+    import transformers
+
+    gpt2 = HFCausalLM(HFConfig("d", hf_config("gpt2").to_dict()),
+                      transformers.AutoModelForCausalLM.from_config(hf_config("gpt2")))  # fmt: skip
+    total = sum(p.numel() for p in gpt2.parameters())
+    assert gpt2.num_params(non_embedding=False) == total
+    assert gpt2.num_params() == total  # tied: the token table is also the head's matmul
+    llama = HFCausalLM(HFConfig("d", LLAMA_JSON), transformers.AutoModelForCausalLM.from_config(hf_config("llama")))
+    assert llama.num_params() == llama.num_params(non_embedding=False) - 256 * 32  # untied input table left out
+    assert llama.flops_per_token(64) == 6 * llama.num_params() + 12 * 2 * 4 * 8 * 64
+
+
+def test_activation_checkpointing_is_transformers_own_and_keeps_the_gradient() -> None:
+    torch.manual_seed(0)
+    model = build_model(HFConfig("d", LLAMA_JSON))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def gradient() -> list[torch.Tensor]:
+        model.zero_grad()
+        model(x).logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = gradient()
+    model.activation_checkpointing = True
+    assert model.hf_model.is_activation_checkpointing  # type: ignore[union-attr]
+    for got, want in zip(gradient(), plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    model.activation_checkpointing = False
+    assert not model.hf_model.is_activation_checkpointing  # type: ignore[union-attr]
+
+
+def test_activation_checkpointing_is_refused_where_the_model_has_none() -> None:
+    inner = nn.Linear(2, 2)
+    inner.config = object()  # type: ignore[assignment]  # no output_router_logits
+    model = HFCausalLM(HFConfig("d", LLAMA_JSON), inner)
+    model.activation_checkpointing = False  # off stays off, silently
+    with pytest.raises(ConfigError, match="LlamaForCausalLM does not support activation checkpointing"):
+        model.activation_checkpointing = True
+
+
+def test_a_model_that_does_not_compile_trains_eagerly_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken(nn.Module):
+        def forward(self, *args: Any) -> Any:
+            raise RuntimeError("backend exploded\nwith a long trace")
+
+    monkeypatch.setattr(torch, "compile", lambda module: Broken())
+    eager = nn.Linear(3, 2)
+    wrapped = CompiledOrEager(eager)
+    x = torch.ones(1, 3)
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(wrapped(x), eager(x))
+        assert torch.equal(wrapped(x), eager(x))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "torch.compile does not work for this model (RuntimeError: backend exploded); training without it "
+        "(--no-compile skips the attempt)"
+    ]
+
+
+def test_the_default_run_directory_is_named_after_the_model_directory(tmp_path: Path) -> None:
+    save_hf("qwen2", tmp_path / "Qwen2.5-0.5B", weights=False)
+    config = TrainConfig()
+    config.model.preset = f"hf:{tmp_path / 'Qwen2.5-0.5B'}"
+    assert default_run_dir(config).name.startswith("hf-Qwen2.5-0.5B-")
+
+
+def test_seq_len_auto_of_an_hf_directory_is_its_context_capped(tmp_path: Path) -> None:
+    from bigbatch.config import resolve_seq_len
+
+    for positions, expected in ((64, 64), (131_072, 8192)):
+        save_hf("llama", tmp_path / str(positions), weights=False, max_position_embeddings=positions)
+        config = TrainConfig()
+        config.model.preset = f"hf:{tmp_path / str(positions)}"
+        assert resolve_seq_len(config).batch.seq_len == expected
+
+
+def test_init_from_beside_an_hf_model_is_one_line(tmp_path: Path) -> None:
+    from helpers import assert_one_line_error, run_main
+
+    code, out, err = run_main(["train", "--model", f"hf:{tmp_path}", "--init-from", str(tmp_path)])
+    line = assert_one_line_error(code, out, err)
+    assert "--init-from and --model hf:" in line and "give one" in line
