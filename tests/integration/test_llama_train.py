@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from exactness import assert_parameters_match
-from helpers import assert_one_line_error, corpus_bytes, mean_loss, run_main
+from exactness import assert_big_batch_updates, capture_training
+from helpers import assert_one_line_error, corpus_bytes, run_main
 from reliability_runs import cli_args, final_model, run_cli, step_losses
 
 from bigbatch import checkpoint as ckpt
 from bigbatch.config import TrainConfig
 from bigbatch.model import Llama, llama_preset
-from bigbatch.optim import build_adamw
 from bigbatch.trainer import Trainer
 
 TRAIN = ["--seq-len", "32", "--micro-batch", "4", "--total-batch-tokens", "256", "--sample-tokens", "0"]
@@ -74,19 +73,6 @@ def test_a_llama_run_says_its_shape_and_logs_mfu_and_the_noise_scale(run: tuple[
     assert any(r.get("noise_scale") is not None for r in records if r["kind"] == "step")
 
 
-def capture_steps(trainer: Trainer) -> list[list[Any]]:
-    """Every step's micro-batches, as the engine receives them."""
-    steps: list[list[Any]] = []
-    inner = trainer.engine.step
-
-    def spy(micro_batches: Any, n_valid: int | None = None) -> Any:
-        steps.append([mb.to("cpu") for mb in micro_batches])
-        return inner(micro_batches, n_valid)
-
-    trainer.engine.step = spy  # type: ignore[method-assign]
-    return steps
-
-
 @pytest.mark.usefixtures("isolated")
 def test_accumulated_llama_updates_equal_one_giant_batch(workspace: Path, tmp_path: Path) -> None:
     """llama-pico, K = 4 micro-batches of 2 x 32, 4 steps with warmup, decay and clipping: every step's update is
@@ -104,29 +90,9 @@ def test_accumulated_llama_updates_equal_one_giant_batch(workspace: Path, tmp_pa
     config.run.out = str(tmp_path / "run")
     trainer = Trainer(config)
     assert isinstance(trainer.model, Llama) and trainer.plan.accumulation_steps == 4
-    initial = copy.deepcopy(trainer.model)
-    steps = capture_steps(trainer)
-    trainer.train()
-    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
-    logged = [r for r in map(json.loads, lines) if r["kind"] == "step"]
+    initial, steps, logged = capture_training(trainer)
     assert [len(s) for s in steps] == [r["micro_batches"] for r in logged] == [4, 4, 4, 4]
-
-    exact = copy.deepcopy(initial).double()
-    for model in (initial, exact):
-        optimizer = build_adamw(model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-        for s, micro_batches in enumerate(steps):
-            inputs = torch.cat([mb.inputs for mb in micro_batches])
-            targets = torch.cat([mb.targets for mb in micro_batches])
-            optimizer.zero_grad(set_to_none=True)
-            loss = mean_loss(model, inputs, targets)  # ONE forward over the whole step
-            assert loss.item() == pytest.approx(logged[s]["loss"], rel=1e-5)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            assert norm.item() == pytest.approx(logged[s]["grad_norm"], rel=1e-4)
-            for group in optimizer.param_groups:
-                group["lr"] = logged[s]["lr"]
-            optimizer.step()
-    assert_parameters_match(trainer.model, initial, exact)  # type: ignore[arg-type]
+    assert_big_batch_updates(trainer.model, initial, steps, logged)
     assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight  # still tied
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from typing import Any
+
+import pytest
 import torch
 
 from bigbatch.model import GPT
@@ -48,3 +53,50 @@ def assert_parameters_match(model: GPT, reference: GPT, exact: torch.nn.Module |
             assert (k - k_ref).abs().max().item() <= 1e-5, name
             continue
         assert rel_diff(p, p_ref) <= bar(p_ref, p_exact), name
+
+
+def capture_training(trainer: Any) -> tuple[torch.nn.Module, list[list[Any]], list[dict[str, Any]]]:
+    """Train ``trainer`` (a :class:`bigbatch.trainer.Trainer`): a copy of its initial model, every step's
+    micro-batches as the engine received them, and the step records of its metrics log."""
+    initial = copy.deepcopy(trainer.model)
+    steps: list[list[Any]] = []
+    inner = trainer.engine.step
+
+    def spy(micro_batches: Any, n_valid: int | None = None) -> Any:
+        steps.append([mb.to("cpu") for mb in micro_batches])
+        return inner(micro_batches, n_valid)
+
+    trainer.engine.step = spy
+    trainer.train()
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    return initial, steps, [r for r in map(json.loads, lines) if r["kind"] == "step"]
+
+
+def assert_big_batch_updates(
+    trained: torch.nn.Module, initial: torch.nn.Module, steps: list[list[Any]], logged: list[dict[str, Any]],
+    check_norm: bool = True,
+) -> None:
+    """Replay every step as ONE forward and backward over all its sequences (loss = sum of per-token losses / that
+    step's valid targets), clipped to 1, one AdamW step at the logged learning rate: ``trained``'s parameters. The
+    replay runs in float64 as well: how far fp32 itself lands from exact sets the bar where that is above ``TOL``."""
+    from helpers import mean_loss
+
+    from bigbatch.optim import build_adamw
+
+    exact = copy.deepcopy(initial).double()
+    for model in (initial, exact):
+        optimizer = build_adamw(model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+        for s, micro_batches in enumerate(steps):
+            inputs = torch.cat([mb.inputs for mb in micro_batches])
+            targets = torch.cat([mb.targets for mb in micro_batches])
+            optimizer.zero_grad(set_to_none=True)
+            loss = mean_loss(model, inputs, targets)  # one forward over the whole step: sum / its valid targets
+            assert loss.item() == pytest.approx(logged[s]["loss"], rel=1e-5)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if check_norm:
+                assert norm.item() == pytest.approx(logged[s]["grad_norm"], rel=1e-4)
+            for group in optimizer.param_groups:
+                group["lr"] = logged[s]["lr"]
+            optimizer.step()
+    assert_parameters_match(trained, initial, exact)  # type: ignore[arg-type]
