@@ -3,8 +3,11 @@ by them, not a benchmark)."""
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from bigbatch.config import TrainConfig
 
@@ -51,3 +54,27 @@ def cpu_run_config(data: Path | str, out: Path | str, micro_batch: int, seq_len:
     config.run.eval_every = 0
     config.run.sample_tokens = 0
     return config
+
+
+def interleaved_step_rates(
+    engines: dict[str, Any], batches: list[Any], rounds: int, min_rounds: int, budget_s: float
+) -> tuple[dict[str, float], int]:
+    """Median training tokens/s of each engine over interleaved rounds (one warm-up round first; the order flips
+    every round so neither side always runs on a warmer cache), and the rounds timed: at least ``min_rounds``,
+    fewer than ``rounds`` once ``budget_s`` is spent (a busy machine makes rounds slow)."""
+    tokens = sum(mb.inputs.numel() for mb in batches)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    timed, deadline = 0, float("inf")
+    order = list(engines)
+    for r in range(rounds + 1):  # round 0 is warm-up
+        if r == 1:
+            deadline = time.perf_counter() + budget_s
+        if r > min_rounds and time.perf_counter() > deadline:
+            break
+        for name in order if r % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            engines[name].step(batches, n_valid=tokens)
+            if r:
+                rates[name].append(tokens / (time.perf_counter() - started))
+        timed += 1 if r else 0
+    return {name: statistics.median(values) for name, values in rates.items()}, timed

@@ -12,12 +12,11 @@ script prints the median tokens/s of each and the ratio hf / native.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bench_config import interleaved_step_rates
 
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.batch import MicroBatch
@@ -46,22 +45,7 @@ def main() -> None:
         for name, model in models.items()
     }
 
-    rates: dict[str, list[float]] = {name: [] for name in models}
-    rounds, deadline = 0, float("inf")
-    order = list(models)
-    for r in range(ROUNDS + 1):  # round 0 is warm-up
-        if r == 1:
-            deadline = time.perf_counter() + BUDGET_S
-        if r > MIN_ROUNDS and time.perf_counter() > deadline:
-            break
-        for name in order if r % 2 == 0 else order[::-1]:
-            started = time.perf_counter()
-            engines[name].step(batches, n_valid=K * B * T)
-            if r:
-                rates[name].append(K * B * T / (time.perf_counter() - started))
-        rounds += 1 if r else 0
-
-    median = {name: statistics.median(values) for name, values in rates.items()}
+    median, rounds = interleaved_step_rates(engines, batches, ROUNDS, MIN_ROUNDS, BUDGET_S)
     print(f"llama-nano, micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
           f"{rounds} interleaved rounds (after 1 warm-up), medians; same weights (largest logit difference "
           f"{gap:.1e})")  # fmt: skip

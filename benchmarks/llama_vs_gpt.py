@@ -11,10 +11,8 @@ tokens/s of each, the ratio llama / gpt, and their parameters and FLOPs per toke
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from bench_config import interleaved_step_rates
 
 from bigbatch.accumulate import AccumulationEngine
 from bigbatch.batch import MicroBatch
@@ -38,22 +36,7 @@ def main() -> None:
     tokens = torch.randint(0, 256, (K, B, T + 1), generator=torch.Generator().manual_seed(1))
     batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
 
-    rates: dict[str, list[float]] = {family: [] for family in PRESETS}
-    rounds, deadline = 0, float("inf")
-    order = list(PRESETS)
-    for r in range(ROUNDS + 1):  # round 0 is warm-up
-        if r == 1:
-            deadline = time.perf_counter() + BUDGET_S
-        if r > MIN_ROUNDS and time.perf_counter() > deadline:
-            break
-        for family in order if r % 2 == 0 else order[::-1]:
-            started = time.perf_counter()
-            engines[family].step(batches, n_valid=K * B * T)
-            if r:
-                rates[family].append(K * B * T / (time.perf_counter() - started))
-        rounds += 1 if r else 0
-
-    median = {family: statistics.median(values) for family, values in rates.items()}
+    median, rounds = interleaved_step_rates(engines, batches, ROUNDS, MIN_ROUNDS, BUDGET_S)
     print(f"micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
           f"{rounds} interleaved rounds (after 1 warm-up), medians")  # fmt: skip
     for family, name in PRESETS.items():
