@@ -21,7 +21,7 @@ import torch.nn as nn
 from bigbatch.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.batch import StepPolicy
-from bigbatch.config import TrainConfig, resolve_seq_len
+from bigbatch.config import TrainConfig, model_directory, resolve_seq_len
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
@@ -41,7 +41,7 @@ from bigbatch.faults import fault_from_env, with_fault
 from bigbatch.metrics import device_peak_flops
 from bigbatch.model import HFConfig, LanguageModel, ModelConfig, fsdp_units, hf_shape, is_hf_name, model_preset
 from bigbatch.model import build_model as build_from_shape
-from bigbatch.model.hf_causal import HF_PREFIX, CompiledOrEager, HFCausalLM, build_hf_model, training_notes
+from bigbatch.model.hf_causal import CompiledOrEager, HFCausalLM, build_hf_model, training_notes
 from bigbatch.model.pretrained import load_pretrained
 from bigbatch.noise_probe import small_grad_probe
 from bigbatch.noise_scale import NoiseScale, decay_for_window, unavailable_reason
@@ -228,13 +228,6 @@ def prepare_data(config: TrainConfig) -> Path:
     data = config.data
     return ensure_prepared(data.data, data_tokenizer(config), data.val_fraction, data.cache_dir or None,
                            mode=data.data_mode)  # fmt: skip
-
-
-def model_directory(config: TrainConfig) -> str:
-    """The directory the model comes from (``--init-from DIR`` or ``--model hf:DIR``), or ``""`` for a preset."""
-    if config.model.init_from:
-        return config.model.init_from
-    return config.model.preset[len(HF_PREFIX) :] if is_hf_name(config.model.preset) else ""
 
 
 def data_tokenizer(config: TrainConfig) -> str:

@@ -522,8 +522,14 @@ def auto_seq_len(config: TrainConfig) -> int:
     """What seq_len auto resolves to: the model's block size; with ``--init-from`` or ``--model hf:DIR`` at most
     :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` (a preset's or ``--block-size``'s is the user's own choice)."""
     block_size = model_block_size(config)
-    directory = config.model.init_from or config.model.preset.startswith("hf:")
-    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if directory else block_size
+    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if model_directory(config) else block_size
+
+
+def model_directory(config: TrainConfig) -> str:
+    """The directory the model comes from (``--init-from DIR`` or ``--model hf:DIR``), or ``""`` for a preset."""
+    if config.model.init_from:
+        return config.model.init_from
+    return config.model.preset.removeprefix("hf:") if config.model.preset.startswith("hf:") else ""
 
 
 def resolve_seq_len(config: TrainConfig) -> TrainConfig:
