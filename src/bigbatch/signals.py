@@ -62,11 +62,6 @@ def listening_stop_request() -> StopRequest | None:
     return handler if isinstance(handler, StopRequest) else None
 
 
-def polite_stop_listening() -> bool:
-    """Whether the training loop is what SIGTERM reaches now (see :func:`listening_stop_request`)."""
-    return listening_stop_request() is not None
-
-
 class Terminated(KeyboardInterrupt):
     """SIGTERM outside the training loop (prepare, eval, sample, memory sweeps, start-up): it unwinds the stack
     as Ctrl-C does, so clean-ups run (a half-prepared dataset is removed), and the CLI exits 143."""
