@@ -38,8 +38,37 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 CountFn = Callable[[Any], int]
 """``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
 
+def computes_loss(model: nn.Module) -> bool:
+    """Whether ``model`` (perhaps inside DDP, ``torch.compile`` or the compile fallback) is one of bigbatch's
+    families, whose ``forward(idx, targets, positions)`` returns the summed loss itself."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if getattr(type(model), "computes_loss", False):
+            return True
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "eager", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        model = inner
+    return False
+
+
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Sum of next-token cross-entropies over valid targets, for a model returning ``(logits, ...)``."""
+    """Sum of next-token cross-entropies over valid targets.
+
+    bigbatch's own families compute it in their forward (from the final hidden states, in chunks, with packed
+    documents' positions); any other model returning ``(logits, ...)`` or an output with ``.logits`` is scored
+    from its whole logits (and cannot take packed rows)."""
+    positions = getattr(batch, "positions", None)
+    if computes_loss(model):
+        if positions is None:
+            return model(batch.inputs, targets=batch.targets)
+        return model(batch.inputs, targets=batch.targets, positions=positions)
+    if positions is not None:
+        raise ValueError(
+            f"{type(model).__name__} does not take packed rows (positions): its forward has no way to keep the "
+            "documents apart; use --pack off"
+        )
     output = model(batch.inputs)
     if hasattr(output, "logits"):  # Hugging Face model outputs
         output = output.logits
@@ -114,6 +143,9 @@ class StepRecord:
     dt: float  # seconds
     skipped: bool = False  # non-finite gradient: no update was applied
     noise: NoiseSample | None = None  # the gradient noise scale, on the steps that measure it
+    # Documents: the shares of the step's positions that are padding and masked prompt tokens (the trainer's).
+    padding_share: float | None = None
+    prompt_share: float | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -48,18 +48,32 @@ IGNORE_INDEX = -100
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: ``targets`` are ``inputs`` shifted by one token; ``-100`` marks no loss."""
+    """One micro-batch: ``targets`` are ``inputs`` shifted by one token; ``-100`` marks no loss.
+
+    ``positions`` (packed documents only) is each input token's position within its own document, 0 at every
+    document's first token: a row holds several documents back to back, attention stays within each (a new
+    document begins wherever the position is 0) and learned or rotary positions restart with it. The padding at a
+    row's end is a segment of its own, also counted from 0, whose targets are all ``-100``. ``None``: one sequence
+    per row, positions ``0..T-1``. ``padding`` counts the positions of this micro-batch that hold no document
+    token (only metrics read it)."""
 
     inputs: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64
+    positions: torch.Tensor | None = None  # (B, T) int64
+    padding: int = 0
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)
         return MicroBatch(
-            self.inputs.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking)
+            self.inputs.to(device, non_blocking=non_blocking),
+            self.targets.to(device, non_blocking=non_blocking),
+            positions,
+            self.padding,
         )
 
     def pin_memory(self) -> MicroBatch:
-        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory())
+        positions = None if self.positions is None else self.positions.pin_memory()
+        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory(), positions, self.padding)
 
 
 def count_valid_targets(batch: MicroBatch) -> int:
@@ -76,10 +90,24 @@ def global_valid_targets(
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One optimizer step: this rank's micro-batches and the valid targets of the whole step (all ranks)."""
+    """One optimizer step: this rank's micro-batches and the valid targets of the whole step (all ranks); for
+    documents also the step's positions and those of them that are padding (all ranks; 0 for a token stream,
+    where every position is a valid target)."""
 
     micro_batches: list[MicroBatch]
     n_valid: int
+    positions: int = 0
+    padding: int = 0
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the step's positions that hold no document token."""
+        return self.padding / self.positions if self.positions else 0.0
+
+    @property
+    def prompt_share(self) -> float:
+        """Share of the step's positions that hold a document token without loss (a masked prompt)."""
+        return (self.positions - self.padding - self.n_valid) / self.positions if self.positions else 0.0
 
     @property
     def k(self) -> int:
@@ -145,13 +173,22 @@ def next_step(source: MicroBatchSource, policy: StepPolicy, dist: DistContext, d
         return dist.sum_int(count_valid_targets(batch), device)
 
     if policy.token_budget:
-        return _budget_step(source, policy, count_global)
+        step = _budget_step(source, policy, count_global)
+        if per_micro_batch is not None:
+            return step
+        padding = dist.sum_int(sum(batch.padding for batch in step.micro_batches), device)
+        return StepBatch(step.micro_batches, step.n_valid, _global_positions(step.micro_batches, dist), padding)
     batches = _fixed_k_batches(source, policy)
     if per_micro_batch is not None:
-        n_valid = len(batches) * per_micro_batch
-    else:
-        n_valid = global_valid_targets(batches, dist, device, count_valid_targets)  # type: ignore[arg-type]
-    return StepBatch(batches, n_valid)
+        return StepBatch(batches, len(batches) * per_micro_batch)
+    local_valid = sum(count_valid_targets(batch) for batch in batches)
+    n_valid, padding = dist.sum_ints([local_valid, sum(batch.padding for batch in batches)], device)
+    return StepBatch(batches, n_valid, _global_positions(batches, dist), padding)
+
+
+def _global_positions(batches: Sequence[MicroBatch], dist: DistContext) -> int:
+    """Positions of the step on all ranks: every rank reads the same number of micro-batches of one shape."""
+    return sum(batch.inputs.numel() for batch in batches) * dist.world_size
 
 
 def _fixed_k_batches(source: MicroBatchSource, policy: StepPolicy) -> list[MicroBatch]:

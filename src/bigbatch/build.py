@@ -141,13 +141,19 @@ def _build_parts(
     model = build_model(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
     check_exactness(model, config.model.preset, say)
+    model.chunked_loss = chunked_loss(config, model, say)
+    pack = packs_documents(config, dataset, model, say)
     dataset.check_token_ids(model.config.vocab_size)
     precision = resolve_precision(config.run.precision, device)
     plan = _plan(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
-    train_loader = build_loader(config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on")
+    train_loader = build_loader(
+        config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on", pack=pack
+    )
     check_micro_batch_fits(train_loader, plan.micro_batch, dist.world_size)
-    val_loader = _val_loader(config, dataset, plan, dist)
+    if isinstance(train_loader, DocumentLoader):
+        train_loader.pack_auto = config.data.pack == "auto"
+    val_loader = _val_loader(config, dataset, plan, dist, pack)
 
     parallel = resolve_parallel(config.run.parallel, dist.world_size)
     ramp = build_ramp(config, plan)
@@ -331,6 +337,39 @@ def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
             say("%s", warning, level=logging.WARNING)
 
 
+def chunked_loss(config: TrainConfig, model: LanguageModel, say: Say) -> bool:
+    """``--chunked-loss`` where the model's head can be taken apart from its trunk (every native model; an ``hf:``
+    model whose logits are its head's linear map of the last hidden state), said once where it cannot."""
+    if not config.model.chunked_loss:
+        return False
+    if isinstance(model, HFCausalLM) and not model.head_detachable:
+        say(
+            "%s: its logits are not its output head's linear map of the last hidden state (e.g. a soft cap or a "
+            "scale after the head), so the loss is computed from the whole logits (--chunked-loss has no effect)",
+            config.model.preset, level=logging.WARNING,
+        )  # fmt: skip
+        return False
+    return True
+
+
+def packs_documents(config: TrainConfig, dataset: Dataset, model: LanguageModel, say: Say) -> bool:
+    """Whether documents are packed into rows (``--pack``; auto: on); never for a packed token stream. An ``hf:``
+    model whose attention ignores ``position_ids`` cannot keep packed documents apart: refused with ``on``, said
+    and left unpacked with ``auto``."""
+    if dataset.meta.mode != "documents" or config.data.pack == "off":
+        return False
+    if isinstance(model, HFCausalLM) and not model.packs_documents:
+        reason = (
+            f"{config.model.preset}: {model.config.architecture} in transformers does not confine attention to each "
+            "document from position_ids, so packed documents would attend to one another"
+        )
+        if config.data.pack == "on":
+            raise ConfigError(f"--pack on: {reason}; use --pack off")
+        say("%s: one document per row (--pack off)", reason, level=logging.WARNING)
+        return False
+    return True
+
+
 def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:
     if config.batch.seq_len > block_size:
         raise ConfigError(
@@ -364,6 +403,7 @@ def _auto_micro_batch(
         choice = choose_micro_batch(
             model.config, candidates, batch.seq_len, k=2, device=device, precision=precision,
             memory_budget_mib=batch.memory_budget, activation_checkpointing=model.activation_checkpointing,
+            chunked_loss=model.chunked_loss,
         )  # fmt: skip
         say("auto micro-batch: %d (largest that fits among %s)", choice, candidates)
     return int(dist.broadcast_object(choice))
@@ -371,13 +411,13 @@ def _auto_micro_batch(
 
 def build_loader(
     config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str,
-    shuffle: bool = False,
+    shuffle: bool = False, pack: bool = False,
 ) -> Loader:
-    """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``); a documents split without a
-    single valid target is refused."""
+    """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``; documents packed into rows
+    with ``pack``); a documents split without a single valid target is refused."""
     loader = loader_for(
         dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
-        long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed,
+        long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed, pack=pack,
     )  # fmt: skip
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
@@ -389,7 +429,7 @@ def build_loader(
 
 
 def _val_loader(
-    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext
+    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, pack: bool = False
 ) -> ValidationWindows | None:
     if config.run.eval_every == 0:
         return None
@@ -398,7 +438,7 @@ def _val_loader(
     try:
         windows = validation_windows(
             dataset, "val", plan.micro_batch, plan.seq_len, config.run.eval_batches, dist.rank, dist.world_size,
-            long_documents=config.data.long_documents,
+            long_documents=config.data.long_documents, pack=pack,
         )  # fmt: skip
         if isinstance(windows.source, DocumentLoader) and windows.source.valid_targets == 0:
             raise DataError(
@@ -413,13 +453,15 @@ def _val_loader(
 def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> None:
     """Refuse a documents split smaller than one global micro-batch: every micro-batch would hold the whole
     split plus rows of padding, so every step would repeat it K times."""
-    n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences
+    n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences (rows)
     if n_seq is not None and micro_batch * world_size > n_seq:
         per_process = f" x {world_size} processes" if world_size > 1 else ""
+        unit, what = ("row", "documents packed into rows") if loader.pack else ("sequence", "documents after the "
+                                                                                "long-document policy")  # fmt: skip
         raise ConfigError(
-            f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} sequences per micro-batch, "
-            f"but the training split holds only {n_seq} sequence{'s' if n_seq != 1 else ''} (documents after the "
-            f"long-document policy); use --micro-batch {max(1, n_seq // world_size)} or less, or more data"
+            f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} {unit}s per micro-batch, "
+            f"but the training split holds only {n_seq} {unit}{'s' if n_seq != 1 else ''} ({what}); use "
+            f"--micro-batch {max(1, n_seq // world_size)} or less, or more data"
         )
 
 

@@ -44,6 +44,7 @@ LONG_DOCUMENTS = Choices("long_documents", ("split", "truncate"))
 RESUME = Choices("resume", ("auto", "never"))
 SWITCH = Choices("compile", ("auto", "on", "off"))
 SHUFFLE = Choices("shuffle", ("on", "off"))
+PACK = Choices("pack", ("auto", "on", "off"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

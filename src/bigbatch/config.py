@@ -22,6 +22,7 @@ from bigbatch.choices import (
     LAST_WINDOW,
     LONG_DOCUMENTS,
     MODEL_PRESET_NAMES,
+    PACK,
     PARALLEL,
     PRECISION,
     RESUME,
@@ -90,6 +91,12 @@ class ModelSection:
     activation_checkpointing: bool = _opt(
         False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
     )
+    chunked_loss: bool = _opt(
+        True,
+        "compute the head and the loss in chunks of rows, never holding the whole (micro_batch, seq_len, vocab) "
+        "logits (the same numbers to rounding; an hf: model whose logits are not its head's linear map uses the "
+        "whole logits)",
+    )
     init_from: str = _opt(
         "",
         "start from a local Hugging Face GPT-2 or Llama directory (config.json + model.safetensors; its model_type "
@@ -129,6 +136,13 @@ class DataSection:
         "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
         "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
         choices=LONG_DOCUMENTS,
+    )
+    pack: str = _opt(
+        "auto",
+        "documents mode: on (rows of seq_len filled with whole documents back to back, attention and positions "
+        "within each; a long document's windows as --long-documents split makes them), off (one padded document "
+        "per row); auto: on for a new run, and what the run started with on resume",
+        choices=PACK,
     )
     shuffle: str = field(
         default="on",

@@ -101,6 +101,13 @@ class DistContext:
             return value
         return int(self.all_reduce_sum(torch.tensor([value], dtype=torch.int64, device=device)).item())
 
+    def sum_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """Several integers, each summed over ranks, in one small all-reduce (none for one process)."""
+        if self.world_size == 1:
+            return list(values)
+        summed = self.all_reduce_sum(torch.tensor(values, dtype=torch.int64, device=device))
+        return [int(v) for v in summed.tolist()]
+
     def max_int(self, value: int, device: torch.device) -> int:
         """The largest of every rank's ``value`` (e.g. a stop signal any rank received); itself for one process."""
         if self.world_size == 1:

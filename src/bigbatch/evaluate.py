@@ -136,8 +136,10 @@ def evaluate_checkpoint(
         # the run's long-document policy (a run from before the policy existed truncated long documents)
         long_documents = str(data_cfg.get("long_documents", "truncate"))
         # by default the run's own windows, as its evaluations read them; batches=0: the whole split
+        # documents packed into rows as the run packed them (a run from before packing read one per row)
+        pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
         loader = validation_windows(dataset, split, micro_batch, seq_len, run_batches if batches is None else batches,
-                                    long_documents=long_documents, whole=batches == 0)  # fmt: skip
+                                    long_documents=long_documents, whole=batches == 0, pack=pack)  # fmt: skip
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
     if getattr(loader.source, "valid_targets", 1) == 0:

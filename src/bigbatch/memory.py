@@ -39,6 +39,7 @@ from bigbatch.model import (
     is_hf_name,
     model_preset,
 )
+from bigbatch.model.head_loss import largest_chunk
 from bigbatch.progress import ProgressBar
 from bigbatch.rng import preserved_rng
 
@@ -59,10 +60,13 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
 
-def estimate_memory(config: ModelConfig, micro_batch: int, seq_len: int, precision: str = "fp32") -> MemoryEstimate:
+def estimate_memory(
+    config: ModelConfig, micro_batch: int, seq_len: int, precision: str = "fp32", chunked_loss: bool = True
+) -> MemoryEstimate:
     """Shapes-only estimate: fp32 parameters, gradients and AdamW moments; activations of one micro-batch, the
-    layers' (:func:`gpt_layer_bytes_per_token` or :func:`llama_layer_bytes_per_token`) plus fp32 logits and their
-    gradient. Not for ``hf:DIR`` (a :class:`ConfigError`): its layers are not known here, only measured."""
+    layers' (:func:`gpt_layer_bytes_per_token` or :func:`llama_layer_bytes_per_token`) plus the head and loss
+    (:func:`head_loss_bytes`). Not for ``hf:DIR`` (a :class:`ConfigError`): its layers are not known here, only
+    measured."""
     if isinstance(config, HFConfig):
         raise ConfigError(HF_ESTIMATE_UNAVAILABLE)
     with torch.device("meta"):
@@ -73,10 +77,20 @@ def estimate_memory(config: ModelConfig, micro_batch: int, seq_len: int, precisi
     else:
         per_token = gpt_layer_bytes_per_token(config, act_bytes)
     tokens = micro_batch * seq_len
-    logits = 2 * tokens * config.padded_vocab_size * 4
+    head = head_loss_bytes(config, tokens, chunked_loss)
     return MemoryEstimate(
-        params=4 * n, grads=4 * n, optimizer=8 * n, activations=config.n_layer * per_token * tokens + logits
+        params=4 * n, grads=4 * n, optimizer=8 * n, activations=config.n_layer * per_token * tokens + head
     )
+
+
+def head_loss_bytes(config: GPTConfig | LlamaConfig, tokens: int, chunked_loss: bool = True) -> int:
+    """What the head and the loss hold at the forward's end for ``tokens`` positions. Whole logits: the fp32
+    logits and the log-softmax saved for backward. Chunked (:mod:`bigbatch.model.head_loss`): the rows' gradient
+    (fp32, ``C`` per token), the head's gradient (``V x C``, once) and a chunk of logits in flight."""
+    vocab = config.vocab_size
+    if not chunked_loss:
+        return 2 * tokens * config.padded_vocab_size * 4
+    return tokens * config.n_embd * 4 + vocab * config.n_embd * 4 + largest_chunk(tokens, vocab) * vocab * 4
 
 
 def gpt_layer_bytes_per_token(config: GPTConfig, act_bytes: int) -> int:
@@ -155,7 +169,7 @@ class _CudaPeak:
 @preserved_rng()
 def measure_in_process(
     config: ModelConfig, micro_batch: int, seq_len: int, k: int, device: torch.device, precision: str = "fp32",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, chunked_loss: bool = True,
 ) -> MicroStepMeasurement:
     """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`).
 
@@ -169,6 +183,7 @@ def measure_in_process(
     torch.manual_seed(0)
     model = build_model(config).to(device)
     model.activation_checkpointing = activation_checkpointing
+    model.chunked_loss = chunked_loss
     optimizer = build_adamw(model, lr=1e-4)
     for p in model.parameters():  # create AdamW's moments now, so the phases below do not
         p.grad = torch.zeros_like(p)
@@ -230,15 +245,17 @@ def measure_in_process(
 
 def measure(
     config: ModelConfig, micro_batch: int, seq_len: int, k: int = 4, device: torch.device | str = "cpu",
-    precision: str = "fp32", activation_checkpointing: bool = False,
+    precision: str = "fp32", activation_checkpointing: bool = False, chunked_loss: bool = True,
 ) -> MicroStepMeasurement:
     """Measure one micro-batch size: in this process on CUDA, in a fresh process on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        return measure_in_process(config, micro_batch, seq_len, k, device, precision, activation_checkpointing)
+        return measure_in_process(
+            config, micro_batch, seq_len, k, device, precision, activation_checkpointing, chunked_loss
+        )
     request = {
         "family": family_of(config), "config": config.to_dict(), "micro_batch": micro_batch, "seq_len": seq_len, "k": k,
-        "precision": precision, "activation_checkpointing": activation_checkpointing,
+        "precision": precision, "activation_checkpointing": activation_checkpointing, "chunked_loss": chunked_loss,
     }  # fmt: skip
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
@@ -266,6 +283,7 @@ def _probe_main() -> None:
     result = measure_in_process(
         config_from_dict(request["family"], request["config"]), request["micro_batch"], request["seq_len"],
         request["k"], torch.device("cpu"), request["precision"], request["activation_checkpointing"],
+        request["chunked_loss"],
     )
     sys.stdout.write(json.dumps(asdict(result)) + "\n")  # the parent reads this line
 
@@ -344,6 +362,7 @@ class MemorySweep:
     precision: str
     device: torch.device
     activation_checkpointing: bool
+    chunked_loss: bool
     rows: list[MicroStepMeasurement]
     estimates: dict[int, int]
 
@@ -351,14 +370,17 @@ class MemorySweep:
         """The header line and the table of ``bigbatch memory``."""
         how = "allocator peaks" if self.device.type == "cuda" else "peak resident memory of a fresh process per size"
         checkpointing = " | activation checkpointing" if self.activation_checkpointing else ""
-        header = f"{self.model} | seq_len {self.seq_len} | {self.precision} | {self.device} ({how}){checkpointing}"
+        loss = "" if self.chunked_loss else " | whole logits (--no-chunked-loss)"
+        header = (
+            f"{self.model} | seq_len {self.seq_len} | {self.precision} | {self.device} ({how}){checkpointing}{loss}"
+        )
         note = f"\nestimate: {HF_ESTIMATE_UNAVAILABLE}" if is_hf_name(self.model) else ""
         return header + "\n" + memory_report(self.rows, self.estimates) + note
 
 
 def sweep_memory(
     model: str, seq_len: int, max_micro_batch: int, *, k: int, vocab_size: int, device: torch.device, precision: str,
-    activation_checkpointing: bool = False, stream: TextIO | None = None,
+    activation_checkpointing: bool = False, chunked_loss: bool = True, stream: TextIO | None = None,
 ) -> MemorySweep:
     """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
 
@@ -374,10 +396,13 @@ def sweep_memory(
         for i, size in enumerate(sizes):
             bar.update(i, extra=f"measuring micro-batch {size}")
             rows.append(measure(config, size, seq_len, k=k, device=device, precision=precision,
-                                activation_checkpointing=activation_checkpointing))  # fmt: skip
+                                activation_checkpointing=activation_checkpointing,
+                                chunked_loss=chunked_loss))  # fmt: skip
             if bar.enabled:
                 bar.update(i + 1, extra=f"measured micro-batch {size}")
             else:
                 stream.write(f"measured micro-batch {size}\n")
-    estimates = {} if hf else {s: estimate_memory(config, s, seq_len, precision).activations for s in sizes}
-    return MemorySweep(model, seq_len, precision, device, activation_checkpointing, rows, estimates)
+    estimates = {} if hf else {
+        s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes
+    }
+    return MemorySweep(model, seq_len, precision, device, activation_checkpointing, chunked_loss, rows, estimates)

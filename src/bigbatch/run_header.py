@@ -32,6 +32,7 @@ def header_lines(parts: RunParts) -> list[str]:
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
     if isinstance(parts.train_loader, DocumentLoader):
+        lines.append(f"documents | {describe_positions(parts.train_loader)}")
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
     lines.append(f"order | {describe_order(parts)}")
     if parts.val_loader is not None:
@@ -70,13 +71,30 @@ def describe_plan(parts: RunParts) -> str:
     return p.describe()
 
 
+def describe_positions(loader: DocumentLoader) -> str:
+    """Where one epoch's positions go, as read and the other way: e.g. ``packed into 1,210 rows of 512 (--pack
+    on): 2.1% padding, 24.0% masked prompts, 73.9% valid targets (one per row: 56.3% padding)``."""
+    padding, prompt = loader.position_shares()
+    other_padding, _ = loader.position_shares(packed=not loader.pack)
+    if loader.pack:
+        how = f"packed into {loader.n_sequences:,} rows of {loader.seq_len} (--pack on)"
+        other = f"one per row: {other_padding:.1%} padding"
+    else:
+        how = f"{loader.n_sequences:,} sequences, one per row of {loader.seq_len} (--pack off)"
+        other = f"--pack on: {other_padding:.1%} padding"
+    return (
+        f"{how}: {padding:.1%} padding, {prompt:.1%} masked prompts, {1 - padding - prompt:.1%} valid targets "
+        f"({other})"
+    )
+
+
 def describe_long_documents(loader: DocumentLoader) -> str:
     """The long-document policy of a documents-mode training split and what it costs."""
     total = loader.valid_targets + loader.dropped_targets
     longer = f"{loader.long_document_count:,} of {loader.n_docs:,} documents longer than seq_len+1={loader.seq_len + 1}"
     if loader.long_documents == "split":
         return (
-            f"split into seq_len windows ({loader.n_sequences:,} sequences; {longer}) | "
+            f"split into seq_len windows ({loader.sequence_count:,} sequences; {longer}) | "
             f"0 of {total:,} target tokens dropped"
         )
     share = loader.dropped_targets / total if total else 0.0

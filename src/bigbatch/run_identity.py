@@ -27,6 +27,7 @@ from bigbatch.errors import BigBatchError
 MAY_CHANGE: frozenset[str] = frozenset(
     {
         "model.activation_checkpointing",
+        "model.chunked_loss",
         "data.cache_dir",
         "data.data",  # checked through the data fingerprint (see bigbatch.resume.check_data)
         "batch.micro_batch",

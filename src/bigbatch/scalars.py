@@ -35,6 +35,9 @@ def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     MFU when known and the noise-scale fields (flattened) on the steps that measure it."""
     values = asdict(record)
     del values["noise"]  # flattened below, on the steps that measure it
+    for share in ("padding_share", "prompt_share"):  # documents only
+        if values[share] is None:
+            del values[share]
     values["tokens_per_s"] = record.tokens_per_s
     if mfu is not None:
         values["mfu"] = mfu

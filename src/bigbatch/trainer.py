@@ -60,6 +60,9 @@ class _Progress:
     consecutive_skips: int = 0
     empty_steps: EmptyStepGuard = field(default_factory=EmptyStepGuard)
     stopped_by: int = 0
+    positions: int = 0  # documents: positions of the steps trained (all ranks), and of them padding, masked prompts
+    padding: int = 0
+    prompt: int = 0
 
     @property
     def mean_rate(self) -> float:
@@ -231,7 +234,13 @@ class Trainer:
             return
         seen.empty_steps.reset()
         self._in_step = True
-        record = seen.record = self.engine.step(step.micro_batches, step.n_valid)  # pinned for CUDA by the loader
+        record = self.engine.step(step.micro_batches, step.n_valid)  # pinned for CUDA by the loader
+        if step.positions:  # documents: where the step's positions went
+            record = replace(record, padding_share=step.padding_share, prompt_share=step.prompt_share)
+            seen.positions += step.positions
+            seen.padding += step.padding
+            seen.prompt += step.positions - step.padding - step.n_valid
+        seen.record = record
         self._in_step = False
         step_mfu = self._mfu(record.tokens_per_s)
         if metrics:
@@ -377,6 +386,12 @@ class Trainer:
             f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "", seen.record.loss,
             f" | val loss {seen.val_loss:.4f}" if seen.val_loss is not None else "",
         )  # fmt: skip
+        if seen.positions:
+            self._say(
+                "positions | %s trained on: %.1f%% padding, %.1f%% masked prompts, %.1f%% valid targets",
+                f"{seen.positions:,}", 100 * seen.padding / seen.positions, 100 * seen.prompt / seen.positions,
+                100 * (seen.positions - seen.padding - seen.prompt) / seen.positions,
+            )  # fmt: skip
         self._say_noise_scale(seen.record)
         return self._result(seen, sample)
 

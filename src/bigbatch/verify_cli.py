@@ -12,6 +12,7 @@ from bigbatch.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError
 from bigbatch.model import build_model, model_preset
 from bigbatch.verify import DistributedReport, EquivalenceReport, VerifyLossFn
+from bigbatch.verify.packing import packed_documents
 
 
 @dataclass
@@ -21,6 +22,7 @@ class VerifyCase:
     model: nn.Module
     batch: tuple[torch.Tensor, ...] | None = None
     loss_fn: VerifyLossFn | None = None
+    unpacked: tuple[torch.Tensor, ...] | None = None  # packed batch: the same documents one per row
 
 
 def load_factory(spec: str) -> VerifyCase:
@@ -78,9 +80,10 @@ def model_vocab_size(model: nn.Module) -> int | None:
 
 def build_case(
     factory: str | None, preset_name: str, vocab_size: int, dropout: float, seed: int, samples: int, seq_len: int,
-    ragged: bool,
+    ragged: bool, packed: bool = False,
 ) -> VerifyCase:
-    """The model (a preset or ``factory``) with its batch: the factory's own, or ``samples`` random sequences."""
+    """The model (a preset or ``factory``) with its batch: the factory's own, or ``samples`` random sequences
+    (with ``packed``, rows packed with random documents, and the same documents one per row)."""
     torch.manual_seed(seed)  # the same model on every rank
     case = load_factory(factory) if factory else preset_case(preset_name, vocab_size, dropout)
     if case.batch is None:
@@ -88,7 +91,12 @@ def build_case(
         if not vocab:
             raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
         generator = torch.Generator().manual_seed(seed)
-        case.batch = token_batch(samples, seq_len, vocab, ragged, generator)
+        if packed:
+            case.batch, case.unpacked = packed_documents(samples, seq_len, vocab, generator)
+        else:
+            case.batch = token_batch(samples, seq_len, vocab, ragged, generator)
+    elif packed:
+        raise BigBatchError("--packed builds its own batch; the factory returned one (leave --packed off)")
     return case
 
 
@@ -104,6 +112,7 @@ class VerifySettings:
     vocab_size: int = 0
     dropout: float = 0.0
     ragged: bool = True
+    packed: bool = False  # rows packed with several documents, checked against one document per row too
     precision: str = "fp32"
     splits: tuple[str, ...] = ("equal", "unequal", "permuted")
     tolerance: float | None = None
@@ -117,12 +126,13 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
     from bigbatch.verify import check_equivalence
 
     s = settings
-    case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged)
+    case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged,
+                      s.packed)  # fmt: skip
     assert case.batch is not None  # build_case gives every case a batch
     try:
         return check_equivalence(
             case.model, case.batch, loss_fn=case.loss_fn, k=s.k, precision=s.precision, tolerance=s.tolerance,
-            device=resolve_device(s.device), seed=s.seed, splits=list(s.splits),
+            device=resolve_device(s.device), seed=s.seed, splits=list(s.splits), unpacked=case.unpacked,
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc
@@ -137,7 +147,7 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
     s = settings
     with distributed_session(s.device) as (dist, device):
         case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed,
-                          s.k * s.micro_batch * dist.world_size, s.seq_len, s.ragged)  # fmt: skip
+                          s.k * s.micro_batch * dist.world_size, s.seq_len, s.ragged, s.packed)  # fmt: skip
         assert case.batch is not None  # build_case gives every case a batch
         report = check_distributed_equivalence(
             case.model, case.batch, dist, loss_fn=case.loss_fn, k=s.k, device=device, tolerance=s.tolerance or 1e-5,

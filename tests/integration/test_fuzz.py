@@ -79,9 +79,13 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
         assert {s.long_documents for s in mine if s.mode == "documents"} == set(LONG_DOCUMENTS)
         # documents longer than seq_len + 1 are actually read under split on one and two ranks
         assert "split: long document" in set().union(*(step_events(s.seed) for s in mine))
+        # documents packed several to a row (and one per row) on one and two ranks
+        assert {s.pack for s in mine if s.mode == "documents"} == {True, False}
+        assert "pack: a row holds several documents" in set().union(*(step_events(s.seed) for s in mine))
     assert {s.parallel for s in settings} == set(PARALLELS)
     assert {s.parallel for s in settings if s.family == "llama" and s.world == 2} == {"ddp", "fsdp"}
     assert {s.parallel for s in settings if s.family == "hf" and s.world == 2} == {"ddp", "fsdp"}
+    assert any(s.family == "hf" and s.pack for s in settings)  # transformers' attention from position_ids
     assert any(s.sync_every_micro_step for s in settings) and any(s.activation_checkpointing for s in settings)
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
     assert events >= {"no valid target", "short last window", "partial budget step", "K varies", "dropped"}
@@ -177,7 +181,7 @@ def test_two_ranks_match_the_naive_giant_batch(seed: int, two_rank_outcomes: dic
     ],
 )
 def test_the_fuzzer_catches_a_planted_bug(sabotage: str, caught: str, tmp_path: Path) -> None:
-    setting = draw(PLANTED_SEED)
+    setting = replace(draw(PLANTED_SEED), pack=False)  # one document per row: a K of 4 is read whole
     assert setting.mode == "documents" and setting.k == 4 and setting.clip == "tight"
     outcome = fuzz.run_one_rank(setting, tmp_path, sabotage=sabotage)
     assert not outcome.ok
@@ -200,9 +204,20 @@ def test_the_fuzzer_catches_a_wrong_window_order(
 ) -> None:
     """The reference's shuffled order is bigbatch's to the sample: a loader that drops the shift or reuses the
     first epoch's order differs exactly from the first step that reads a later epoch, not before."""
-    setting = draw(seed)
+    setting = replace(draw(seed), pack=False)
     assert setting.shuffle and setting.world == 1
     outcome = fuzz.run_one_rank(setting, tmp_path, sabotage=sabotage)
     assert not outcome.ok
     differ = f"call {first_wrong_call}: bigbatch's samples differ from the reference's assembly of the step"
     assert outcome.problems[0] == differ, outcome.problems
+
+
+def test_the_fuzzer_catches_packed_documents_that_see_each_other(tmp_path: Path) -> None:
+    """Packed rows trained without their positions (one causal sequence per row, learned or rotary positions
+    running on across documents) take the same samples but another gradient than each document on its own."""
+    setting = draw(PLANTED_SEED)
+    assert setting.mode == "documents" and setting.pack
+    outcome = fuzz.run_one_rank(setting, tmp_path, sabotage="pack_without_positions")
+    assert not outcome.ok
+    assert not any("samples differ" in problem for problem in outcome.problems), outcome.problems
+    assert any("the parameters:" in problem or "logged loss" in problem for problem in outcome.problems)

@@ -95,10 +95,11 @@ def test_preserved_rng_restores_every_generator_even_after_an_error() -> None:
 
 
 def in_process_measure(config: Any, micro_batch: int, seq_len: int, k: int = 4, device: Any = "cpu",
-                       precision: str = "fp32", activation_checkpointing: bool = False) -> Any:  # fmt: skip
+                       precision: str = "fp32", activation_checkpointing: bool = False,
+                       chunked_loss: bool = True) -> Any:  # fmt: skip
     """:func:`bigbatch.memory.measure` as it runs on CUDA: in this process."""
     return bigbatch.memory.measure_in_process(
-        config, micro_batch, seq_len, k, torch.device(device), precision, activation_checkpointing
+        config, micro_batch, seq_len, k, torch.device(device), precision, activation_checkpointing, chunked_loss
     )
 
 

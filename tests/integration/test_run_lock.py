@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,8 @@ def test_a_later_run_nproc_or_waiting_run_meets_the_holder(corpus: Path, tmp_pat
         others.append(waiting)
         waiting.wait_for(f"run directory {out} is in use by pid {holder.process.pid} on host ")
         polite_stop(holder, out)
-        stopped_at = len(steps_logged(out))
+        # the holder's last step, from its own words: the waiting run may already have logged more by now
+        stopped_at = int(re.search(r"stopped by SIGINT after step (\d+)", holder.output).group(1))  # type: ignore[union-attr]
         waiting.wait_for(f"at step {stopped_at} (")  # "resumed from ... at step N": continues the holder's run
         wait_for_steps(out, stopped_at + 2, [waiting])
         polite_stop(waiting, out)

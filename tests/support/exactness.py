@@ -89,8 +89,10 @@ def assert_big_batch_updates(
         for s, micro_batches in enumerate(steps):
             inputs = torch.cat([mb.inputs for mb in micro_batches])
             targets = torch.cat([mb.targets for mb in micro_batches])
+            packed = micro_batches[0].positions is not None  # documents packed into rows
+            positions = torch.cat([mb.positions for mb in micro_batches]) if packed else None
             optimizer.zero_grad(set_to_none=True)
-            loss = mean_loss(model, inputs, targets)  # one forward over the whole step: sum / its valid targets
+            loss = mean_loss(model, inputs, targets, positions)  # one forward over the whole step: sum / valid targets
             assert loss.item() == pytest.approx(logged[s]["loss"], rel=1e-5)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -197,17 +197,67 @@ class _Stream:
         s = self.setting
         self.B, self.T, self.world = s.micro_batch, s.seq_len, s.world
         self.orders: dict[int, list[int]] = {}
+        self.plans: dict[int, list[list[int]]] = {}
+        self.taken: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # packed: per row read, its documents alone
         if s.mode == "packed":
             self.tokens = torch.tensor(list(s.corpus.encode()), dtype=torch.int64)
-            self.size = len(self.tokens)
-            self.windows = (self.size - 1) // self.T
+            self._size = len(self.tokens)
+            self.windows = (self._size - 1) // self.T
         else:
             self.rows = [
                 row
                 for p, t in non_empty(s.documents)
                 for row in document_rows((p or "").encode(), (p or "").encode() + t.encode(), self.T, s.long_documents)
             ]
-            self.size = len(self.rows)
+            self._size = len(self.rows)
+            # a sequence's positions: its non-padding inputs (no document holds token 0, the padding)
+            self.lengths = [int((inputs != 0).sum()) for inputs, _, _ in self.rows]
+
+    @property
+    def packs(self) -> bool:
+        return self.setting.mode == "documents" and self.setting.pack
+
+    @property
+    def size(self) -> int:
+        """Tokens (packed corpus), sequences (documents one per row) or the rows of this epoch (packed documents)."""
+        return len(self._plan(self.epoch)) if self.packs else self._size
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        """The sequences of each row of epoch ``epoch``: the epoch's order (shuffled or not) packed by the fill rule
+        the README states, taken from bigbatch as a pure function (``pack_rows``, unit-tested on its own): which
+        documents share a row decides nothing about the gradient, which the reference computes one per row."""
+        if epoch not in self.plans:
+            import numpy as np
+
+            from bigbatch.data.packing import pack_rows
+
+            n = len(self.rows)
+            order = self._order(epoch, n) if self.setting.shuffle else list(range(n))
+            starts, members = pack_rows(np.asarray(self.lengths, dtype=np.int64), np.asarray(order), self.T)
+            self.plans[epoch] = [[int(m) for m in members[a:b]] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        return self.plans[epoch]
+
+    def _packed_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``index`` of this epoch's packing: its sequences' positions back to back, then padding; the
+        sequences alone (each in its own padded row) go to ``taken``, for the replay."""
+        plan = self._plan(self.epoch)
+        members = plan[index] if index < len(plan) else []
+        inputs = torch.zeros(self.T, dtype=torch.int64)
+        targets = torch.full((self.T,), IGNORE, dtype=torch.int64)
+        used, alone = 0, []
+        for member in members:
+            row_inputs, row_targets, events = self.rows[member]
+            n = self.lengths[member]
+            inputs[used : used + n], targets[used : used + n] = row_inputs[:n], row_targets[:n]
+            used += n
+            alone.append((row_inputs.clone(), row_targets.clone()))
+            self.events |= events
+        if len(members) > 1:
+            self.events.add("pack: a row holds several documents")
+        if self.setting.shuffle and self.epoch >= 1:
+            self.events.add("shuffle: documents of a later epoch")
+        self.taken.append(alone)
+        return inputs, targets
 
     def docs_left(self) -> int:
         return self.size - self.position
@@ -218,6 +268,8 @@ class _Stream:
         return self.orders[epoch]
 
     def _row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packs:
+            return self._packed_row(index)
         if index >= self.size:  # past the epoch's last sequence: a row of padding
             return torch.zeros(self.T, dtype=torch.int64), torch.full((self.T,), IGNORE, dtype=torch.int64)
         if self.setting.shuffle:
@@ -281,15 +333,18 @@ def _valid(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 
 def expected_steps(
-    setting: Setting, calls: int, events: set[str] | None = None
+    setting: Setting, calls: int, events: set[str] | None = None,
+    alone: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
 ) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets). ``events``
     collects ``dropped`` when an incomplete last window was skipped, and what the documents read exercised
-    (see :func:`document_rows`)."""
+    (see :func:`document_rows`). Packed documents: ``alone`` receives, per step, each of its documents in its
+    own padded row (inputs, targets), which is what the replay trains on."""
     events = set() if events is None else events
     stream = _Stream(setting, events=events)
     steps = []
     for _ in range(calls):
+        first_taken = len(stream.taken)
         step: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         if setting.k:  # fixed K; a document epoch's last, incomplete step is partial or dropped
             k = setting.k
@@ -314,8 +369,11 @@ def expected_steps(
                         break
                     assert passes < 2, "the draw guarantees that a budget fits in one pass"
                     step, total = [], 0  # the pass's incomplete remainder is skipped
+                    first_taken = len(stream.taken)
                     events.add("dropped")
         steps.append(step)
+        if alone is not None:
+            alone.append([document for row in stream.taken[first_taken:] for document in row])
     return steps
 
 
@@ -636,9 +694,13 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
         return out
 
     batches, records = [], []
-    for call, want in zip(calls, expected_steps(setting, len(calls)), strict=True):
+    alone: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for s, (call, want) in enumerate(zip(calls, expected_steps(setting, len(calls), alone=alone), strict=True)):
         x = torch.cat([xr for micro in want for xr, _ in micro])  # every sample of the global step
         y = torch.cat([yr for micro in want for _, yr in micro])
+        if setting.mode == "documents" and setting.pack and alone[s]:  # packed rows: each document on its own
+            x = torch.stack([xd for xd, _ in alone[s]])
+            y = torch.stack([yd for _, yd in alone[s]])
         if int((y != IGNORE).sum()) == 0:
             out.skipped_empty += 1
         elif call["records"][0] is not None:  # else reported by check_composition

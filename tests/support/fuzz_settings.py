@@ -70,6 +70,7 @@ class Setting:
     shuffle: bool  # --shuffle on (a seeded order per epoch, packed windows moved each later epoch) or off
     family: str  # gpt (pico: learned positions, LayerNorm, GELU, biases) | llama (llama-pico: RoPE, 1 k/v head, SwiGLU)
     # | hf (llama-pico's shape as transformers' LlamaForCausalLM, through --model hf:DIR)
+    pack: bool  # documents mode: --pack on (documents back to back in rows, attention within each) or off
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -78,7 +79,7 @@ class Setting:
         data = f"{len(self.corpus)} bytes" if self.mode == "packed" else f"{len(self.documents)} docs"
         if self.mode == "documents":
             longest = max(len((p or "").encode()) + len(t.encode()) for p, t in self.documents)
-            data += f", longest {longest} tokens, long documents {self.long_documents}"
+            data += f", longest {longest} tokens, long documents {self.long_documents}, pack {'on' if self.pack else 'off'}"
         return (
             f"seed {self.seed}: {PRESETS[self.family]} | {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
             f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
@@ -123,6 +124,7 @@ class Setting:
             "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
             "--last-window", self.last_window, "--long-documents", self.long_documents,
             "--shuffle", "on" if self.shuffle else "off",  # the reference replays either order (fuzz_reference)
+            "--pack", "on" if self.pack else "off",  # documents: the reference packs the same rows, trains unpacked
             "--grad-clip", repr(self.grad_clip),
             "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
             "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps or "auto"),
@@ -150,6 +152,13 @@ def document_valid_targets(prompt: str | None, text: str, seq_len: int) -> int:
     p = len((prompt or "").encode())
     n = p + len(text.encode())
     return max(0, min(n, seq_len + 1) - max(p, 1))
+
+
+def document_positions(prompt: str | None, text: str, seq_len: int, long_documents: str) -> int:
+    """Positions (targets, masked or not) one document fills: all its tokens but the first (``split``), or at
+    most ``seq_len`` of them (``truncate``)."""
+    n = len((prompt or "").encode()) + len(text.encode())
+    return max(0, n - 1) if long_documents == "split" else max(0, min(n - 1, seq_len))
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -219,16 +228,26 @@ def draw(seed: int) -> Setting:
     max_steps = rng.randint(1, 4)
     warmup = rng.randint(0, max_steps)
     decay = rng.choice([0, rng.randint(max(warmup, 1), max_steps + 2)])
+    lr, min_lr_ratio = round(10 ** rng.uniform(-4.0, -2.5), 7), rng.choice([0.0, 0.1, 0.5, 1.0])
+    weight_decay, beta1 = rng.choice([0.0, 0.1, 0.5]), rng.choice([0.9, 0.8])
+    beta2, eps, init_seed = rng.choice([0.95, 0.999]), rng.choice([1e-8, 1e-6]), rng.randrange(2**31)
+    # drawn last, so that adding them left every earlier choice of a seed as it was
+    sync_every_micro_step = world == 2 and rng.random() < 0.25
+    activation_checkpointing = rng.random() < 0.2
+    long_documents, shuffle, family = rng.choice(LONG_DOCUMENTS), rng.random() < 0.5, _family(rng)
+    pack = mode == "documents" and rng.random() < 0.5
+    if pack:  # enough rows: any packing of the documents' positions needs at least ceil(positions / T) rows
+        more = random.Random(seed + 1)  # its own stream: the other choices of a seed stay as they were
+        needed = B * world * (k if k and last_window == "drop" else 1)
+        while math.ceil(sum(document_positions(p, t, T, long_documents) for p, t in documents) / T) < needed:
+            documents += tuple(_documents(more, T))
     return Setting(
         seed=seed, mode=mode, world=world, parallel=parallel, micro_batch=B, seq_len=T, k=k,
         token_budget=token_budget, last_window=last_window, clip=clip, grad_clip=grad_clip, max_steps=max_steps,
-        lr=round(10 ** rng.uniform(-4.0, -2.5), 7), min_lr_ratio=rng.choice([0.0, 0.1, 0.5, 1.0]),
-        warmup_steps=warmup, decay_steps=decay, weight_decay=rng.choice([0.0, 0.1, 0.5]),
-        beta1=rng.choice([0.9, 0.8]), beta2=rng.choice([0.95, 0.999]), eps=rng.choice([1e-8, 1e-6]),
-        init_seed=rng.randrange(2**31), corpus=corpus, documents=documents,
-        # drawn last, so that adding them left every earlier choice of a seed as it was
-        sync_every_micro_step=world == 2 and rng.random() < 0.25, activation_checkpointing=rng.random() < 0.2,
-        long_documents=rng.choice(LONG_DOCUMENTS), shuffle=rng.random() < 0.5, family=_family(rng),
+        lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup, decay_steps=decay, weight_decay=weight_decay,
+        beta1=beta1, beta2=beta2, eps=eps, init_seed=init_seed, corpus=corpus, documents=documents,
+        sync_every_micro_step=sync_every_micro_step, activation_checkpointing=activation_checkpointing,
+        long_documents=long_documents, shuffle=shuffle, family=family, pack=pack,
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from fuzz_settings import Setting
 
 SABOTAGES = (
     "", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents",
-    "shuffle_off", "shuffle_no_shift", "shuffle_first_order",
+    "shuffle_off", "shuffle_no_shift", "shuffle_first_order", "pack_without_positions",
 )  # fmt: skip
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
@@ -45,7 +45,7 @@ def run_bigbatch(
 ) -> dict | None:
     """Train ``setting`` with bigbatch; the record on rank 0 (``None`` on other ranks)."""
     from bigbatch.accumulate import token_loss_sum
-    from bigbatch.batch import StepBatch, count_valid_targets
+    from bigbatch.batch import MicroBatch, StepBatch, count_valid_targets
     from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
     from bigbatch.cli import build_parser
     from bigbatch.config import config_from_args
@@ -85,7 +85,7 @@ def run_bigbatch(
             "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
             "n_valid": n_valid, "epoch_before": epoch, "epoch_after": loader.epoch, "record": None,
         })  # fmt: skip
-        return StepBatch(batches, n_valid)
+        return StepBatch(batches, n_valid, step.positions, step.padding)
 
     def recording_step(micro_batches: list, n_valid: int | None = None) -> Any:
         record = engine_step(micro_batches, n_valid)
@@ -115,6 +115,8 @@ def run_bigbatch(
         trainer.engine.schedule = lambda step: schedule(step + 1)
     elif sabotage == "no_clip":
         trainer.engine.grad_clip = 0.0
+    elif sabotage == "pack_without_positions":  # packed rows trained as one sequence each: documents see each other
+        trainer.engine.loss_fn = lambda model, mb: token_loss_sum(model, MicroBatch(mb.inputs, mb.targets))
 
     result = trainer.train()
     final = full_state(trainer.model)

@@ -46,6 +46,9 @@ def corpus_bytes(limit: int = 60_000) -> bytes:
     return text_corpus(limit)
 
 
-def mean_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss over valid targets, from bigbatch's one loss definition (a sum)."""
-    return token_loss_sum(model, MicroBatch(inputs, targets)) / (targets != IGNORE_INDEX).sum()
+def mean_loss(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean next-token loss over valid targets, from bigbatch's one loss definition (a sum); ``positions`` for
+    rows packed with several documents."""
+    return token_loss_sum(model, MicroBatch(inputs, targets, positions)) / (targets != IGNORE_INDEX).sum()

@@ -29,8 +29,10 @@ def test_activation_estimate_counts_the_llama_layer_by_hand() -> None:
     attention = (c + 2 * c + c + c) * 4  # queries, keys and values repeated to 4 heads, output, o_proj's input
     mlp = 4 * ffn * 4  # gate, SiLU, up, product
     assert llama_layer_bytes_per_token(config, 4) == norms + attention + mlp
-    logits = 2 * 256 * 4  # fp32 logits and their gradient
-    assert estimate_memory(config, 1, 1).activations == 4 * (norms + attention + mlp) + logits
+    head = c * 4 + 256 * c * 4 + 256 * 4  # chunked loss: the row's gradient, the head's, a chunk of logits
+    assert estimate_memory(config, 1, 1).activations == 4 * (norms + attention + mlp) + head
+    logits = 2 * 256 * 4  # the whole logits: fp32 logits and the log-softmax saved for backward
+    assert estimate_memory(config, 1, 1, chunked_loss=False).activations == 4 * (norms + attention + mlp) + logits
     # bf16: the residual stream and the norms' statistics stay fp32, the rest halves
     assert llama_layer_bytes_per_token(config, 2) == 2 * (2 * c * 4 + c * 2) + (attention + mlp) // 2
     # Without grouping keys and values are kv wide themselves (no copy repeated to every head)

@@ -252,7 +252,7 @@ def test_train_on_masked_documents_with_a_token_budget(tmp_path: Path, capsys: p
     out = tmp_path / "run"
     code = main([
         "train", "--data", str(source), "--data-mode", "documents", "--model", "pico", "--seq-len", "32",
-        "--micro-batch", "4", "--token-budget", "40", "--max-steps", "4", "--eval-every", "2",
+        "--micro-batch", "4", "--token-budget", "40", "--max-steps", "4", "--eval-every", "2", "--pack", "off",
         "--sample-tokens", "0", "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
     ])  # fmt: skip
     printed = capsys.readouterr().out

@@ -309,3 +309,44 @@ def test_verification_leaves_the_callers_generators_alone() -> None:
     assert torch.equal(before["torch"], after["torch"])
     assert torch.equal(before["python_state"], after["python_state"])
     assert torch.equal(before["numpy_keys"], after["numpy_keys"]) and before["numpy_pos"] == after["numpy_pos"]
+
+
+def test_packed_rows_give_the_gradient_of_one_document_per_row(capsys: pytest.CaptureFixture) -> None:
+    assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "24", "--packed",
+                 "--splits", "equal"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "packed rows vs the same documents one per row: relative L2 difference" in out
+    assert "verdict: EQUIVALENT" in out
+
+
+def test_attention_that_crosses_documents_is_caught_by_the_packed_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bigbatch.model.gpt as gpt_module
+    from bigbatch.verify.packing import packed_documents
+
+    monkeypatch.setattr(gpt_module, "document_causal_mask", lambda positions: None)  # plain causal: rows mix
+    packed, unpacked = packed_documents(4, 24, verify_factories.VOCAB, torch.Generator().manual_seed(0))
+    report = check_equivalence(gpt(), packed, k=2, splits=["equal"], unpacked=unpacked)
+    assert report.packing_rel_diff is not None and report.packing_rel_diff > 1e-3
+    assert not report.equivalent
+    assert any("cross document boundaries" in reason for reason in report.reasons)
+    assert report.total_rel_diff <= 1e-5  # accumulation itself stays exact: only packing is wrong
+
+
+def test_packed_documents_are_the_same_documents_one_per_row() -> None:
+    from bigbatch.verify.packing import packed_documents
+
+    (inputs, targets, positions), (one_inputs, one_targets) = packed_documents(
+        6, 32, 50, torch.Generator().manual_seed(1)
+    )
+    documents = []  # cut the packed rows at every position 0; the padding segments hold no target
+    for row in range(inputs.shape[0]):
+        starts = [int(i) for i in torch.nonzero(positions[row] == 0).flatten()] + [inputs.shape[1]]
+        for start, stop in zip(starts, starts[1:], strict=False):
+            if inputs[row, start:stop].any() or (targets[row, start:stop] != -100).any():
+                documents.append((inputs[row, start:stop], targets[row, start:stop]))
+    trailing = [(one_inputs[i], one_targets[i]) for i in range(one_inputs.shape[0])]
+    assert len(documents) == len(trailing)  # every document keeps at least its last target
+    for (doc_inputs, doc_targets), (row_inputs, row_targets) in zip(documents, trailing, strict=True):
+        n = len(doc_inputs)
+        assert torch.equal(row_inputs[:n], doc_inputs) and torch.equal(row_targets[:n], doc_targets)
+        assert (row_targets[n:] == -100).all()

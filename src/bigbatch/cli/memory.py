@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256,
                         help="default: 256 (byte tokens); hf:DIR: its own")  # fmt: skip
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_false",
+                        help="score the whole (micro_batch, seq_len, vocab) logits at once")  # fmt: skip
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     sweep = sweep_memory(
         args.model, seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,
         precision=resolve_precision(args.precision, device), activation_checkpointing=args.activation_checkpointing,
+        chunked_loss=args.chunked_loss,
     )
     print(sweep.format())
     if args.plot:

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ragged", action=argparse.BooleanOptionalAction, default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
     )
+    parser.add_argument(
+        "--packed", action="store_true",
+        help="rows packed with random documents (positions restarting at each, prompts masked): also compares their "
+        "gradient with the same documents one per row (what --pack on must give)",
+    )
     add_precision(parser, default="fp32")
     parser.add_argument(
         "--splits", default="equal,unequal,permuted",
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the model's
     settings = VerifySettings(
         model=args.model, factory=args.factory, k=args.k, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        vocab_size=vocab_size, dropout=args.dropout, ragged=args.ragged, precision=args.precision,
+        vocab_size=vocab_size, dropout=args.dropout, ragged=args.ragged, packed=args.packed, precision=args.precision,
         splits=tuple(name.strip() for name in args.splits.split(",") if name.strip()), tolerance=args.tolerance,
         seed=args.seed, device=args.device,
     )

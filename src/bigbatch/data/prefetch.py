@@ -57,10 +57,13 @@ class _Position:
     state: dict[str, Any]
     epoch: int
     sequences_left: int | None
+    sequences_per_epoch: int | None  # packed documents: the rows of this epoch, which may differ from the next's
 
 
 def _position(loader: Source) -> _Position:
-    return _Position(copy.deepcopy(loader.state_dict()), int(loader.epoch), loader.sequences_left())
+    return _Position(
+        copy.deepcopy(loader.state_dict()), int(loader.epoch), loader.sequences_left(), loader.sequences_per_epoch()
+    )
 
 
 class PrefetchLoader:
@@ -89,7 +92,7 @@ class PrefetchLoader:
         return self.loader.sequences_per_micro_batch()
 
     def sequences_per_epoch(self) -> int | None:
-        return self.loader.sequences_per_epoch()
+        return self._taken.sequences_per_epoch
 
     def known_valid_targets(self) -> int | None:
         return self.loader.known_valid_targets()

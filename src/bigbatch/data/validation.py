@@ -68,7 +68,10 @@ class ValidationWindows:
     def describe(self) -> str:
         """E.g. ``1,742 windows of 64 tokens (the whole split)`` or ``2,048 of its 7,812 windows of 64 tokens,
         spread uniformly``."""
-        kind = "windows" if isinstance(self.source, PackedWindows) else "sequences"
+        if isinstance(self.source, PackedWindows):
+            kind = "windows"
+        else:
+            kind = "packed rows" if self.source.pack else "sequences"
         if self.whole:
             return f"{self.windows:,} {kind} of {self.seq_len} tokens (the whole split)"
         return f"{self.windows:,} of its {self.available:,} {kind} of {self.seq_len} tokens, spread uniformly"
@@ -99,12 +102,16 @@ def validation_windows(
     long_documents: str = "split",
     name: str = "validation",
     whole: bool = False,
+    pack: bool = False,
 ) -> ValidationWindows:
     """The sample of ``split`` an evaluation reads on this process (``eval_batches``: see the module); ``whole``:
-    every window of the split."""
+    every window of the split. Documents with ``pack``: the windows are the rows the split's documents pack into
+    (in document order)."""
     wanted = 2**62 if whole else wanted_windows(eval_batches, micro_batch, seq_len, world_size)
     if dataset.meta.mode == "documents":
-        loader = loader_for(dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents)
+        loader = loader_for(
+            dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents, pack=pack
+        )
         assert isinstance(loader, DocumentLoader)
         return ValidationWindows(loader, wanted, micro_batch, rank, world_size)
     windows = PackedWindows(dataset.shard_arrays(split), seq_len)

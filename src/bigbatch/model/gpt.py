@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bigbatch.errors import ConfigError
+from bigbatch.model.attention import causal_attention, document_causal_mask
+from bigbatch.model.lm_output import logits_or_loss
 
 
 def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -91,16 +93,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True  # type: ignore[assignment]  # scaled init
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, n_head, T, head_dim)
+        y = causal_attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -126,8 +126,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -145,13 +145,16 @@ class Transformer(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2. ``forward(idx)`` returns the logits, shape (B, T, vocab_size).
+    """GPT-2. ``forward(idx)`` returns the logits, shape (B, T, vocab_size); ``forward(idx, targets)`` the summed
+    next-token loss over the targets that are not -100 (:func:`bigbatch.model.lm_output.logits_or_loss`: in
+    chunks of rows, never the whole logits, unless ``chunked_loss`` is off). ``positions`` (B, T), for rows packed
+    with several documents, restarts the learned positions at each document and confines attention to it.
 
     The embedding table is padded to a multiple of 64 for speed, but the padded
-    columns are cut off so they never enter a softmax. The model knows nothing of
-    losses or batches: the one loss definition is
-    :func:`bigbatch.accumulate.token_loss_sum`.
+    columns are cut off so they never enter a softmax.
     """
+
+    computes_loss = True  # forward(idx, targets) returns the loss sum (bigbatch.accumulate.token_loss_sum asks)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -161,6 +164,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         # Recompute each block in backward instead of keeping its activations (less memory, ~1/3 more compute).
         self.activation_checkpointing = False
+        self.chunked_loss = True  # the loss from chunks of rows, never the whole (B, T, V) logits
         self.apply(self._init_weights)
         with torch.no_grad():
             # Padding rows are never looked up and never reach a softmax: keep them at zero (they stay there).
@@ -180,20 +184,31 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(T, device=idx.device) if positions is None else positions  # (T,) or (B, T)
+        mask = None if positions is None else document_causal_mask(positions)  # (B, 1, T, T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask)
         x = self.transformer.ln_f(x)
         vocab = self.config.vocab_size
+        if targets is not None or last_only:
+            # The head's first ``vocab`` rows only: the padded rows never reach a softmax.
+            weight = self.lm_head.weight[:vocab]
+            return logits_or_loss(x, weight, targets, chunked=self.chunked_loss, last_only=last_only)
         if self.config.padded_vocab_size == vocab:
             return self.lm_head(x)  # (B, T, vocab)
         if x.device.type == "cpu":

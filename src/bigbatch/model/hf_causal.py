@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from bigbatch.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
 from bigbatch.model.hf import WEIGHT_FILES, _read_config
+from bigbatch.model.lm_output import logits_or_loss
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,9 @@ HF_PREFIX = "hf:"
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 """config.json keys that count a mixture of experts' experts (Mixtral, Qwen2-MoE / OLMoE, DeepSeek)."""
+
+HEAD_PROBE_SCALE = 1024.0
+"""A power of two: the probe's scaling of the head's weight is undone exactly."""
 
 CAPACITY_KEYS = ("capacity_factor", "expert_capacity")
 """Routing with an expert capacity drops tokens by what else is in the batch: not per sample."""
@@ -215,11 +221,17 @@ def save_hf_model(model: HFCausalLM, directory: Path | str) -> Path:
 
 
 class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM with bigbatch's model interface: ``forward(idx)`` -> logits (B, T, V), ``config``,
-    ``activation_checkpointing``, ``num_params``, ``flops_per_token`` and :meth:`decoder_layers` (FSDP2's units).
+    """A Hugging Face causal LM with bigbatch's model interface: ``forward(idx, targets, positions)`` -> the logits
+    (B, T, V), or the summed loss with ``targets``; ``config``, ``activation_checkpointing``, ``chunked_loss``,
+    ``num_params``, ``flops_per_token`` and :meth:`decoder_layers` (FSDP2's units).
 
-    Only ``input_ids`` go in: no labels (the engine computes the token-weighted loss from the logits), no key/value
-    cache, and a mixture of experts' router logits are not collected (its load-balancing loss is left out)."""
+    No labels go in (the engine's token-weighted loss is computed here from the final hidden states, in chunks of
+    rows when the head can be taken apart from the trunk: :attr:`head_detachable`), no key/value cache, and a
+    mixture of experts' router logits are not collected (its load-balancing loss is left out). ``positions`` go in
+    as ``position_ids``, from which transformers confines attention to each packed document
+    (:attr:`packs_documents` says whether this architecture does)."""
+
+    computes_loss = True
 
     def __init__(self, config: HFConfig, model: nn.Module) -> None:
         super().__init__()
@@ -229,9 +241,82 @@ class HFCausalLM(nn.Module):
         self._forward_kwargs: dict[str, Any] = {"use_cache": False}
         if hasattr(model.config, "output_router_logits"):
             self._forward_kwargs["output_router_logits"] = False
+        self.head_detachable, self.packs_documents = self._probe()
+        self.chunked_loss = self.head_detachable
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf_model(input_ids=idx, **self._forward_kwargs).logits
+    def _trunk_and_head(self) -> tuple[nn.Module, nn.Linear] | None:
+        model: Any = self.hf_model
+        trunk = getattr(model, str(getattr(model, "base_model_prefix", "")), None)
+        head = model.get_output_embeddings()
+        if not isinstance(trunk, nn.Module) or not isinstance(head, nn.Linear):
+            return None
+        return trunk, head
+
+    def _hidden(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        parts = self._trunk_and_head()
+        assert parts is not None
+        return parts[0](input_ids=idx, position_ids=positions, **self._forward_kwargs).last_hidden_state
+
+    def _probe(self) -> tuple[bool, bool]:
+        """(whether the logits are the head's linear map of the trunk's last hidden state, so the loss can be
+        computed in chunks from it; whether ``position_ids`` keep packed documents apart), each decided by
+        running this architecture on 8 tokens (no random numbers drawn: dropout is off)."""
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            return self._run_probe()
+        except (TypeError, ValueError, AttributeError, RuntimeError, StopIteration):
+            return False, False  # not a model that runs on input_ids alone: the whole logits, no packing
+        finally:
+            self.hf_model.train(was_training)
+
+    @torch.no_grad()
+    def _run_probe(self) -> tuple[bool, bool]:
+        device = next(self.hf_model.parameters()).device
+        tokens = ((torch.arange(8, device=device) * 7 + 3) % self.config.vocab_size).unsqueeze(0)  # (1, 8)
+        detachable = False
+        parts = self._trunk_and_head()
+        if parts is not None:
+            # The head scaled by 2**10 (exactly undone after): logits in the hundreds, where a soft cap or a scale
+            # applied after the head shows (a freshly initialised model's logits are too small to tell).
+            weight = parts[1].weight
+            weight.mul_(HEAD_PROBE_SCALE)
+            try:
+                reference = self.hf_model(input_ids=tokens, **self._forward_kwargs).logits.float()  # (1, 8, V)
+                logits = parts[1](self._hidden(tokens, None)).float()
+                detachable = logits.shape == reference.shape and torch.allclose(logits, reference, rtol=1e-4, atol=1e-3)
+            except (TypeError, ValueError, AttributeError, RuntimeError):
+                detachable = False
+            finally:
+                weight.div_(HEAD_PROBE_SCALE)
+        # Two documents in one row (3 + 5 tokens): the second's logits must be those it has alone.
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
+        packed = self.hf_model(input_ids=tokens, position_ids=positions, **self._forward_kwargs).logits
+        alone = self.hf_model(input_ids=tokens[:, 3:], **self._forward_kwargs).logits
+        packs = torch.allclose(packed[:, 3:].float(), alone.float(), rtol=1e-4, atol=1e-5)
+        return detachable, packs
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        parts = self._trunk_and_head()
+        if self.head_detachable and parts is not None and (targets is not None or last_only):
+            head = parts[1]
+            return logits_or_loss(
+                self._hidden(idx, positions), head.weight, targets, bias=head.bias, chunked=self.chunked_loss,
+                last_only=last_only,
+            )  # fmt: skip
+        logits = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits  # (B, T, V)
+        if targets is None:
+            return logits[:, -1:] if last_only else logits
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )  # fmt: skip
 
     @property
     def activation_checkpointing(self) -> bool:

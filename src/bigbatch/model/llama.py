@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bigbatch.errors import ConfigError
+from bigbatch.model.attention import causal_attention, document_causal_mask
+from bigbatch.model.lm_output import logits_or_loss
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,9 @@ class Attention(nn.Module):
         self.o_proj.residual_projection = True  # type: ignore[assignment]  # scaled init
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
@@ -241,9 +245,7 @@ class Attention(nn.Module):
             group = self.n_head // self.n_kv_head
             k = k.repeat_interleave(group, dim=1)  # (B, n_head, T, head_dim)
             v = v.repeat_interleave(group, dim=1)  # (B, n_head, T, head_dim)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, n_head, T, head_dim)
+        y = causal_attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.o_proj(y))  # (B, T, C)
 
@@ -272,8 +274,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -291,9 +295,12 @@ class LlamaModel(nn.Module):
 class Llama(nn.Module):
     """A Llama-style decoder. ``forward(idx)`` returns the logits, shape (B, T, vocab_size).
 
-    The same interface as :class:`~bigbatch.model.GPT`: ``config``, ``activation_checkpointing``,
-    ``num_params`` and ``flops_per_token``; the loss is :func:`bigbatch.accumulate.token_loss_sum`'s.
+    The same interface as :class:`~bigbatch.model.GPT`: ``forward(idx, targets, positions)`` (the summed loss;
+    rotary positions restart at each packed document), ``config``, ``activation_checkpointing``, ``chunked_loss``,
+    ``num_params`` and ``flops_per_token``.
     """
+
+    computes_loss = True
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -304,6 +311,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Recompute each layer in backward instead of keeping its activations (less memory, ~1/3 more compute).
         self.activation_checkpointing = False
+        self.chunked_loss = True  # the loss from chunks of rows, never the whole (B, T, V) logits
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -318,19 +326,31 @@ class Llama(nn.Module):
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
         cos, sin = rope_cos_sin(self.config, T, idx.device)  # (T, head_dim) each, shared by every layer
+        mask = None
+        if positions is not None:  # packed documents: each token's own angles, attention within its document
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
+            mask = document_causal_mask(positions)  # (B, 1, T, T)
         x = self.model.embed_tokens(idx)  # (B, T, C)
         for layer in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, mask)
         x = self.model.norm(x)
-        return self.lm_head(x)  # (B, T, vocab)
+        if targets is None and not last_only:
+            return self.lm_head(x)  # (B, T, vocab)
+        return logits_or_loss(x, self.lm_head.weight, targets, chunked=self.chunked_loss, last_only=last_only)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops an untied input embedding

@@ -42,7 +42,10 @@ def _next_token(
 ) -> torch.Tensor:
     """The next token (B, 1) after ``idx`` (B, T); greedy when ``temperature`` is 0."""
     context = idx[:, -model.config.block_size :]  # (B, <= block_size)
-    logits = model(context)[:, -1, :].float()  # (B, vocab)
+    if getattr(type(model), "computes_loss", False):  # bigbatch's families: the head on the last position only
+        logits = model(context, last_only=True)[:, -1, :].float()  # (B, vocab)
+    else:
+        logits = model(context)[:, -1, :].float()  # (B, vocab)
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

@@ -104,6 +104,7 @@ def check_equivalence(
     device: torch.device | str = "cpu",
     seed: int = 0,
     splits: Sequence[str] = SPLITS,
+    unpacked: Sequence[torch.Tensor] | None = None,
 ) -> EquivalenceReport:
     """Compare the full-batch gradient with the engine's accumulated gradient (see :mod:`bigbatch.verify`).
 
@@ -112,7 +113,9 @@ def check_equivalence(
     (see :data:`SPLITS`; ``equal`` uses ``k`` pieces, as does ``permuted``).
     ``loss_fn`` defaults to :func:`lm_loss` (a model returning logits, batch =
     (inputs, targets) with -100 for no loss). The model is not modified: every
-    pass runs on a copy.
+    pass runs on a copy. ``unpacked``: ``batch`` holds rows packed with several documents (inputs, targets,
+    positions) and this is the same documents each in its own padded row (inputs, targets); the full-batch
+    gradients of the two are compared too (:attr:`EquivalenceReport.packing_rel_diff`).
     """
     started = time.perf_counter()
     tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
@@ -141,6 +144,12 @@ def check_equivalence(
         raise ValueError("the batch holds no valid items to average over")
 
     full = runner.run([full_batch], n_total)
+    packing_rel_diff = None
+    if unpacked is not None:
+        one_per_row = TensorBatch(tuple(unpacked))
+        if runner.count(one_per_row) != n_total:
+            raise ValueError("the unpacked batch must hold the packed batch's valid targets")
+        packing_rel_diff = rel_diff(runner.run([one_per_row], n_total).flat, full.flat)
     before = flat([p.detach() for p in base.parameters()])
     full.engine.optimizer.step()
     update_full = flat([p.detach() for p in full.model.parameters()]) - before
@@ -176,7 +185,8 @@ def check_equivalence(
         findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
 
     return EquivalenceReport(
-        k=len(results[0].sizes), samples=samples, valid_counts=results[0].valid_counts, precision=precision,
+        packing_rel_diff=packing_rel_diff, k=len(results[0].sizes), samples=samples,
+        valid_counts=results[0].valid_counts, precision=precision,
         tolerance=tolerance, params=results[0].params, total_rel_diff=results[0].total_rel_diff,
         total_cosine=results[0].total_cosine, max_abs_diff=results[0].max_abs_diff,
         mistakes=_classic_mistakes(runner, tensors, split_indices(samples, k, splits[0], seed), full),

@@ -35,10 +35,11 @@ class TensorBatch:
         return TensorBatch(tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors))
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss for a model returning logits: (sum over valid targets, count of valid targets)."""
-
-    return token_loss_sum(model, MicroBatch(inputs, targets)), (targets != IGNORE_INDEX).sum()
+def lm_loss(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss: (sum over valid targets, count of valid targets); ``positions`` for packed rows."""
+    return token_loss_sum(model, MicroBatch(inputs, targets, positions)), (targets != IGNORE_INDEX).sum()
 
 
 def disable_dropout(model: nn.Module) -> list[str]:

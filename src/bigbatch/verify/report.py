@@ -86,6 +86,7 @@ class EquivalenceReport:
     seconds: float = 0.0
     splits: list[SplitResult] = field(default_factory=list)
     buffers_compared: int = 0
+    packing_rel_diff: float | None = None  # packed rows vs the same documents one per row, full-batch gradients
 
     @property
     def reasons(self) -> list[str]:
@@ -110,6 +111,12 @@ class EquivalenceReport:
         for f in self.findings:
             if f.kind != "buffer":
                 out.append(f"{f.module} [{f.kind}] {f.detail}")
+        if self.packing_rel_diff is not None and not self.packing_rel_diff <= self.tolerance:
+            out.append(
+                f"packed rows give another gradient than the same documents one per row (relative L2 difference "
+                f"{self.packing_rel_diff:.2e} > tolerance {self.tolerance:.0e}): attention or positions cross "
+                "document boundaries"
+            )
         return out
 
     @property
@@ -117,7 +124,8 @@ class EquivalenceReport:
         if self.splits:
             return not self.reasons
         within = self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params)
-        return within and not self.findings
+        packing = self.packing_rel_diff is None or self.packing_rel_diff <= self.tolerance
+        return within and packing and not self.findings
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain values (``bigbatch verify --json``)."""
@@ -126,6 +134,7 @@ class EquivalenceReport:
             "precision": self.precision, "tolerance": self.tolerance,
             "total_rel_diff": self.total_rel_diff, "total_cosine": self.total_cosine,
             "update_rel_diff": self.update_rel_diff, "seconds": self.seconds,
+            "packing_rel_diff": self.packing_rel_diff,
             "mistakes": {m.name: m.rel_diff for m in self.mistakes},
             "findings": [asdict(f) for f in self.findings], "dropout_disabled": self.dropout_disabled,
             "params": [asdict(p) for p in self.params], "reasons": self.reasons,
@@ -150,6 +159,11 @@ class EquivalenceReport:
             f"accumulated vs full batch: relative L2 difference {self.total_rel_diff:.2e}, "
             f"cosine {self.total_cosine:.8f}, max |diff| {self.max_abs_diff:.2e} (tolerance {self.tolerance:.0e})"
         )
+        if self.packing_rel_diff is not None:
+            lines.append(
+                f"packed rows vs the same documents one per row: relative L2 difference {self.packing_rel_diff:.2e} "
+                f"(tolerance {self.tolerance:.0e})"
+            )
         worst = sorted(self.params, key=lambda p: p.rel_diff, reverse=True)[:top]
         if worst:
             width = max(len(p.name) for p in worst)
