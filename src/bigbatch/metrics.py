@@ -78,6 +78,11 @@ class JsonlLog:
     def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         self.write("eval", **eval_values(step, val_loss, val_tokens))
 
+    def write_documents(self, step: int, **shares: Any) -> None:
+        """A documents run's positions as its epoch lays them out (``kind: documents``), at the step a session
+        starts from; the step records hold each step's own shares."""
+        self.write("documents", step=step, **shares)
+
     def close(self) -> None:
         self._handle.close()
 
@@ -120,6 +125,12 @@ class MetricsFanout:
     def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
         for sink in self.sinks:
             sink.write_eval(step, val_loss, val_tokens)
+
+    def write_documents(self, step: int, **shares: Any) -> None:
+        """To ``metrics.jsonl`` only: the loggers plot the per-step shares of the step records."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlLog):
+                sink.write_documents(step, **shares)
 
     def close(self) -> None:
         error: BaseException | None = None

@@ -20,6 +20,7 @@ from bigbatch.accumulate import AccumulationEngine, StepRecord
 from bigbatch.batch import EmptyStepGuard, StepBatch, next_step
 from bigbatch.build import RunParts, build_run
 from bigbatch.config import TrainConfig
+from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.distributed import DistContext, resolve_device, unwrap
@@ -203,6 +204,13 @@ class Trainer:
         metrics = None
         if self.dist.is_main:
             metrics = open_metrics(self.run_dir, run.tensorboard, run.wandb, self.config.to_dict())
+            documents = self.parts.train_loader
+            if isinstance(documents, DocumentLoader):  # where one epoch's positions go, as the header says
+                padding, prompt = documents.position_shares()
+                metrics.write_documents(
+                    self.state.step, packed=documents.pack, rows=documents.n_sequences, seq_len=documents.seq_len,
+                    padding_share=padding, prompt_share=prompt,
+                )  # fmt: skip
         self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
         self.progress.update(self.state.step)
         seen = _Progress()

@@ -57,6 +57,11 @@ def test_packing_is_the_default_and_says_where_the_positions_go(pairs: Path, tmp
     assert max(r["padding_share"] for r in packed) < 0.15 < min(r["padding_share"] for r in padded)
     assert sum(r["tokens"] for r in packed) > 1.5 * sum(r["tokens"] for r in padded)
     assert "positions |" in packed_out and "% padding" in packed_out.split("positions |")[1]
+    for run, packs in (("packed", True), ("padded", False)):  # metrics.jsonl: the epoch's layout, for the run
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        (layout,) = [r for r in map(json.loads, lines) if r["kind"] == "documents"]
+        assert layout["step"] == 0 and layout["packed"] is packs and layout["seq_len"] == 64
+        assert 0 <= layout["padding_share"] < 1 and 0 < layout["prompt_share"] < 1
 
 
 def test_a_packed_run_is_the_giant_batch_of_its_documents(pairs: Path, tmp_path: Path) -> None:
