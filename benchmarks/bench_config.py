@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +57,15 @@ def cpu_run_config(data: Path | str, out: Path | str, micro_batch: int, seq_len:
     return config
 
 
-def interleaved_step_rates(
-    engines: dict[str, Any], batches: list[Any], rounds: int, min_rounds: int, budget_s: float
-) -> tuple[dict[str, float], int]:
-    """Median training tokens/s of each engine over interleaved rounds (one warm-up round first; the order flips
+def interleaved_seconds(
+    runs: dict[str, Callable[[], object]], rounds: int, min_rounds: int, budget_s: float
+) -> tuple[dict[str, list[float]], int]:
+    """Seconds of each call of each run over interleaved rounds (one warm-up round first, untimed; the order flips
     every round so neither side always runs on a warmer cache), and the rounds timed: at least ``min_rounds``,
     fewer than ``rounds`` once ``budget_s`` is spent (a busy machine makes rounds slow)."""
-    tokens = sum(mb.inputs.numel() for mb in batches)
-    rates: dict[str, list[float]] = {name: [] for name in engines}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     timed, deadline = 0, float("inf")
-    order = list(engines)
+    order = list(runs)
     for r in range(rounds + 1):  # round 0 is warm-up
         if r == 1:
             deadline = time.perf_counter() + budget_s
@@ -73,8 +73,19 @@ def interleaved_step_rates(
             break
         for name in order if r % 2 == 0 else order[::-1]:
             started = time.perf_counter()
-            engines[name].step(batches, n_valid=tokens)
+            runs[name]()
             if r:
-                rates[name].append(tokens / (time.perf_counter() - started))
+                seconds[name].append(time.perf_counter() - started)
         timed += 1 if r else 0
-    return {name: statistics.median(values) for name, values in rates.items()}, timed
+    return seconds, timed
+
+
+def interleaved_step_rates(
+    engines: dict[str, Any], batches: list[Any], rounds: int, min_rounds: int, budget_s: float
+) -> tuple[dict[str, float], int]:
+    """Median training tokens/s of each engine over :func:`interleaved_seconds`' rounds, one optimizer step of
+    ``batches`` per round, and the rounds timed."""
+    tokens = sum(mb.inputs.numel() for mb in batches)
+    runs = {name: (lambda engine=engine: engine.step(batches, n_valid=tokens)) for name, engine in engines.items()}
+    seconds, timed = interleaved_seconds(runs, rounds, min_rounds, budget_s)
+    return {name: statistics.median(tokens / t for t in values) for name, values in seconds.items()}, timed

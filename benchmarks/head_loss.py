@@ -27,11 +27,11 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_config import interleaved_seconds
 
 from bigbatch.batch import IGNORE_INDEX
 from bigbatch.model.head_loss import default_chunk_rows, linear_cross_entropy_sum
@@ -79,19 +79,7 @@ def times(rows: int, padded: float, names: list[str], rounds: int) -> tuple[dict
     """Median seconds of each variant, median per-round ratio to plain, rounds timed."""
     hidden, weight, targets = build(rows, padded)
     runs = {name: variant(name, hidden, weight, targets) for name in names}
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    timed, deadline = 0, float("inf")
-    for r in range(rounds + 1):  # round 0 is warm-up
-        if r == 1:
-            deadline = time.perf_counter() + BUDGET_S
-        if r > MIN_ROUNDS and time.perf_counter() > deadline:
-            break
-        for name in names if r % 2 == 0 else names[::-1]:
-            started = time.perf_counter()
-            runs[name]()
-            if r:
-                seconds[name].append(time.perf_counter() - started)
-        timed += 1 if r else 0
+    seconds, timed = interleaved_seconds(runs, rounds, MIN_ROUNDS, BUDGET_S)
     ratio = {n: statistics.median(a / b for a, b in zip(s, seconds["plain"], strict=True)) for n, s in seconds.items()}
     return {name: statistics.median(s) for name, s in seconds.items()}, ratio, timed
 
@@ -133,6 +121,8 @@ def main() -> None:
         print(measure_memory(spec["rows"], spec["padded"], spec["name"]))
         return
 
+    if any(int(r) % T for r in args.rows.split(",")):
+        parser.error(f"--rows: each a multiple of {T} (whole sequences of T = {T}), e.g. 1024,2048")
     names = ["plain", "chunked:default"] + [f"chunked:{c}" for c in args.chunk_rows.split(",") if c]
     cases = [(int(r), 0.0) for r in args.rows.split(",")] + [(int(args.rows.split(",")[-1]), PADDED)]
     print(f"GPT-2 head: C {C}, V {V:,}, fp32, CPU, {torch.get_num_threads()} threads; forward + backward, "

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from bigbatch.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.batch import MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.choices import RESOLVED_PRECISIONS
 from bigbatch.distributed import DistContext, GradSync, LocalGradSync
+from bigbatch.model.lm_output import computes_loss, logits_loss
 from bigbatch.noise_probe import GradReadProbe, SmallGradProbe
 from bigbatch.noise_scale import NoiseSample, NoiseScale
 
@@ -37,21 +37,6 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 CountFn = Callable[[Any], int]
 """``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
-
-def computes_loss(model: nn.Module) -> bool:
-    """Whether ``model`` (perhaps inside DDP, ``torch.compile`` or the compile fallback) is one of bigbatch's
-    families, whose ``forward(idx, targets, positions)`` returns the summed loss itself."""
-    seen: set[int] = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if getattr(type(model), "computes_loss", False):
-            return True
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "eager", None)
-        if not isinstance(inner, nn.Module):
-            return False
-        model = inner
-    return False
-
 
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Sum of next-token cross-entropies over valid targets.
@@ -73,12 +58,7 @@ def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     if hasattr(output, "logits"):  # Hugging Face model outputs
         output = output.logits
     logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        batch.targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    return logits_loss(logits, batch.targets)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -21,8 +21,8 @@ a resumed run the same again.
 
 **Cost.** Groups bound the reordering to ``group`` consecutive sequences (a sequence moves at most that far in
 the epoch) and the work to ``O(n log(rows per group))`` with small constants; the price is the partly filled last
-rows of each group. Measured with ``python -m bigbatch.data.packing`` (:func:`_measure`: 1M sequences in a random
-order, one CPU core), the share of the rows' positions that is padding:
+rows of each group. Measured with ``python benchmarks/pack_fill.py`` (1M sequences in a random order, one CPU
+core), the share of the rows' positions that is padding:
 
 =====================================================  =========  ========  ==========  ==========  ==========
 lengths                                                unpacked   next-fit  group 1024  group 4096  group 16384
@@ -118,43 +118,12 @@ def padding_share(lengths: np.ndarray, row_starts: np.ndarray, seq_len: int) -> 
     return 1.0 - float(np.sum(lengths)) / (rows * seq_len) if rows else 0.0
 
 
-def _next_fit(sizes: np.ndarray, seq_len: int) -> int:
-    """Rows next-fit needs for ``sizes`` in their order (a reference for the measurement)."""
+def next_fit_rows(sizes: np.ndarray, seq_len: int) -> int:
+    """Rows next-fit needs for ``sizes`` in their order, closing a row at the first sequence that does not fit:
+    the simple rule best fit is measured against (``benchmarks/pack_fill.py``, the tests)."""
     rows, room = 0, 0
     for size in sizes.tolist():
         if size > room:
             rows, room = rows + 1, seq_len
         room -= size
     return rows
-
-
-def _measure() -> None:  # pragma: no cover - the numbers in the module docstring
-    import time
-
-    rng = np.random.default_rng(0)
-    n = 1_000_000
-    cases = {}
-    uniform = rng.integers(20, 201, size=n)
-    cases["uniform 20..200, T=512"] = (uniform, 512)
-    for median, T in ((400, 2048), (400, 512)):
-        docs = np.maximum(2, rng.lognormal(mean=np.log(median), sigma=1.0, size=n).astype(np.int64))  # tokens
-        windows = np.maximum(1, -(-(docs - 1) // T))
-        last = (docs - 1) - (windows - 1) * T
-        seq = np.concatenate([np.full(int(np.sum(windows - 1)), T), last])  # every full window, each last one
-        rng.shuffle(seq)
-        cases[f"log-normal documents (median {median} tokens, sigma 1), split at T={T}"] = (seq, T)
-    for name, (lengths, seq_len) in cases.items():
-        order = rng.permutation(len(lengths))
-        unpacked = 1.0 - float(lengths.sum()) / (len(lengths) * seq_len)
-        next_fit = 1.0 - float(lengths.sum()) / (_next_fit(lengths[order], seq_len) * seq_len)
-        print(f"{name}: unpacked padding {unpacked:.2%}, next-fit {next_fit:.2%}")
-        for group in (256, 1024, 4096, 16384, 65536):
-            start = time.perf_counter()
-            row_starts, _ = pack_rows(lengths, order, seq_len, group)
-            took = time.perf_counter() - start
-            share = padding_share(lengths, row_starts, seq_len)
-            print(f"  group {group:>6}: padding {share:.3%}, {len(row_starts) - 1:,} rows, {took:.2f} s")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _measure()

@@ -18,12 +18,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from bigbatch.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
 from bigbatch.model.hf import WEIGHT_FILES, _read_config
-from bigbatch.model.lm_output import logits_or_loss
+from bigbatch.model.lm_output import logits_loss, logits_or_loss
 
 log = logging.getLogger(__name__)
 
@@ -252,10 +250,8 @@ class HFCausalLM(nn.Module):
             return None
         return trunk, head
 
-    def _hidden(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        parts = self._trunk_and_head()
-        assert parts is not None
-        return parts[0](input_ids=idx, position_ids=positions, **self._forward_kwargs).last_hidden_state
+    def _hidden(self, trunk: nn.Module, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return trunk(input_ids=idx, position_ids=positions, **self._forward_kwargs).last_hidden_state
 
     def _probe(self) -> tuple[bool, bool]:
         """(whether the logits are the head's linear map of the trunk's last hidden state, so the loss can be
@@ -283,7 +279,7 @@ class HFCausalLM(nn.Module):
             weight.mul_(HEAD_PROBE_SCALE)
             try:
                 reference = self.hf_model(input_ids=tokens, **self._forward_kwargs).logits.float()  # (1, 8, V)
-                logits = parts[1](self._hidden(tokens, None)).float()
+                logits = parts[1](self._hidden(parts[0], tokens, None)).float()
                 detachable = logits.shape == reference.shape and torch.allclose(logits, reference, rtol=1e-4, atol=1e-3)
             except (TypeError, ValueError, AttributeError, RuntimeError):
                 detachable = False
@@ -305,18 +301,15 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor:
         parts = self._trunk_and_head()
         if self.head_detachable and parts is not None and (targets is not None or last_only):
-            head = parts[1]
+            trunk, head = parts
             return logits_or_loss(
-                self._hidden(idx, positions), head.weight, targets, bias=head.bias, chunked=self.chunked_loss,
+                self._hidden(trunk, idx, positions), head.weight, targets, bias=head.bias, chunked=self.chunked_loss,
                 last_only=last_only,
             )  # fmt: skip
         logits = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits  # (B, T, V)
         if targets is None:
             return logits[:, -1:] if last_only else logits
-        return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )  # fmt: skip
+        return logits_loss(logits, targets)
 
     @property
     def activation_checkpointing(self) -> bool:

@@ -9,10 +9,26 @@ head's too) are gathered for it.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from bigbatch.batch import IGNORE_INDEX
 from bigbatch.model.head_loss import linear_cross_entropy_sum
+
+
+def computes_loss(model: nn.Module) -> bool:
+    """Whether ``model`` (perhaps inside DDP, ``torch.compile`` or the compile fallback) is one of bigbatch's
+    families, whose ``forward(idx, targets, positions, last_only)`` ends in :func:`logits_or_loss`."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if getattr(type(model), "computes_loss", False):
+            return True
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "eager", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        model = inner
+    return False
 
 
 def logits_or_loss(
@@ -35,5 +51,12 @@ def logits_or_loss(
     flat_targets = targets.reshape(-1)  # (B*T,)
     if chunked:
         return linear_cross_entropy_sum(flat_hidden, weight, flat_targets, bias)
-    logits = F.linear(flat_hidden, weight, bias)  # (B*T, V)
-    return F.cross_entropy(logits.float(), flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return logits_loss(F.linear(flat_hidden, weight, bias), flat_targets)
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The 0-d fp32 sum of cross-entropies of whole ``logits`` (..., V) over the ``targets`` (...) that are not -100:
+    bigbatch's one loss definition, wherever the logits are held whole."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from bigbatch.errors import BigBatchError
 from bigbatch.model import LanguageModel
+from bigbatch.model.lm_output import computes_loss
 
 NEWLINE = 10  # the start token of an empty prompt when the vocabulary has no end-of-text token (bytes, GPT-2)
 
@@ -42,7 +43,7 @@ def _next_token(
 ) -> torch.Tensor:
     """The next token (B, 1) after ``idx`` (B, T); greedy when ``temperature`` is 0."""
     context = idx[:, -model.config.block_size :]  # (B, <= block_size)
-    if getattr(type(model), "computes_loss", False):  # bigbatch's families: the head on the last position only
+    if computes_loss(model):  # bigbatch's families: the head on the last position only
         logits = model(context, last_only=True)[:, -1, :].float()  # (B, vocab)
     else:
         logits = model(context)[:, -1, :].float()  # (B, vocab)
