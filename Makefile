@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench fuzz venv clean
+.PHONY: demo test test-fast lint format bench fuzz venv clean
 
 venv: $(STAMP)
 
@@ -25,10 +25,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Lint and type checks (pinned in requirements-dev.txt, configured in pyproject.toml); CI runs them too.
+# Lint, format and type checks (pinned in requirements-dev.txt, configured in pyproject.toml); CI runs them too.
+# `make format` rewrites the files the format check would refuse.
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks examples
+	$(BIN)/ruff check --fix src tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -41,7 +41,9 @@ def bench_corpus(given: str | None, directory: Path) -> tuple[Path, str, bool]:
     return path, f"{line}, as {TINY_SHAKESPEARE} is absent: not the README's corpus", True
 
 
-def cpu_run_config(data: Path | str, out: Path | str, micro_batch: int, seq_len: int, k: int, steps: int) -> TrainConfig:
+def cpu_run_config(
+    data: Path | str, out: Path | str, micro_batch: int, seq_len: int, k: int, steps: int
+) -> TrainConfig:
     """The demo's defaults otherwise (nano, optimizer, noise scale, log every step): ``steps`` steps of ``k``
     micro-batches of ``micro_batch x seq_len`` on the CPU into ``out``, without evaluation or the end-of-run
     sample (the minimal loops they are compared with have neither)."""

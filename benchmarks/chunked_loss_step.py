@@ -43,8 +43,10 @@ def main() -> None:
     tokens = torch.randint(0, VOCAB, (K, B, T + 1), generator=torch.Generator().manual_seed(1))
     batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
     median, rounds = interleaved_step_rates(engines, batches, args.rounds, 2, args.budget_s)
-    print(f"{args.model} at vocabulary {VOCAB:,}: micro_batch {B} x seq_len {T} x K {K}, CPU fp32, "
-          f"{torch.get_num_threads()} threads, {rounds} interleaved rounds (after 1 warm-up), medians")  # fmt: skip
+    print(
+        f"{args.model} at vocabulary {VOCAB:,}: micro_batch {B} x seq_len {T} x K {K}, CPU fp32, "
+        f"{torch.get_num_threads()} threads, {rounds} interleaved rounds (after 1 warm-up), medians"
+    )
     for name, rate in median.items():
         print(f"  {name:<13} {rate:>9,.0f} tok/s")
     print(f"chunked / whole logits tokens/s: {median['chunked'] / median['whole logits']:.3f}")

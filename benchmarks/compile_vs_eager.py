@@ -69,10 +69,14 @@ def main() -> int:
 
     tokens_per_step = K * B * T
     rate = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
-    print(f"{PRESET} model, micro_batch {B} x seq_len {T} x K {K} = {tokens_per_step:,} tokens/step, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"  warm-up, not timed below ({WARMUP} steps each): eager {warmup['eager']:.1f} s, "
-          f"compiled {warmup['compiled']:.1f} s (includes compilation; faster with a warm inductor cache)")
+    print(
+        f"{PRESET} model, micro_batch {B} x seq_len {T} x K {K} = {tokens_per_step:,} tokens/step, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"  warm-up, not timed below ({WARMUP} steps each): eager {warmup['eager']:.1f} s, "
+        f"compiled {warmup['compiled']:.1f} s (includes compilation; faster with a warm inductor cache)"
+    )
     print(f"  {len(times['eager'])} timed steps each, interleaved, medians")
     for name in engines:
         print(f"  {name:<9} {statistics.median(times[name]) * 1000:8.1f} ms/step  {rate[name]:10,.0f} tokens/s")

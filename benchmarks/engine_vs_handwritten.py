@@ -67,9 +67,7 @@ def main() -> None:
     schedule = CosineSchedule(max_lr=LR, min_lr=LR / 10, warmup_steps=2, decay_steps=STEPS + WARMUP)
 
     engine_model = copy.deepcopy(base)
-    engine = AccumulationEngine(
-        engine_model, build_adamw(engine_model, LR), schedule, grad_clip=GRAD_CLIP
-    )
+    engine = AccumulationEngine(engine_model, build_adamw(engine_model, LR), schedule, grad_clip=GRAD_CLIP)
     hand_model = copy.deepcopy(base)
     hand_optimizer = build_adamw(hand_model, LR)
     hand_model.train()
@@ -98,8 +96,10 @@ def main() -> None:
 
     tokens_per_step = K * B * T
     rate = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
-    print(f"nano model, micro_batch {B} x seq_len {T} x K {K} = {tokens_per_step:,} tokens/step, "
-          f"{len(times['engine'])} timed steps each (after {WARMUP} warm-up), interleaved, medians")
+    print(
+        f"nano model, micro_batch {B} x seq_len {T} x K {K} = {tokens_per_step:,} tokens/step, "
+        f"{len(times['engine'])} timed steps each (after {WARMUP} warm-up), interleaved, medians"
+    )
     for name in times:
         print(f"  {name:<13} {statistics.median(times[name]) * 1000:8.1f} ms/step  {rate[name]:10,.0f} tokens/s")
     difference = max_relative_difference(engine_model, hand_model)

@@ -163,15 +163,19 @@ def side_by_side(micro_batch: int, device: torch.device, peak: float | None) -> 
                 rates[name].append(BLOCK * n_tokens / (time.perf_counter() - started))
     finally:
         dist.destroy_process_group()
-    print(f"side by side at micro_batch {micro_batch} (K {K}, {SIDE_BY_SIDE_ROUNDS} alternating blocks of {BLOCK} "
-          "steps, medians):")
+    print(
+        f"side by side at micro_batch {micro_batch} (K {K}, {SIDE_BY_SIDE_ROUNDS} alternating blocks of {BLOCK} "
+        "steps, medians):"
+    )
     medians = {name: statistics.median(values) for name, values in rates.items()}
     for name, rate in medians.items():
         mfu_text = f" | MFU {mfu(flops, rate, peak):.1%}" if peak else ""
         print(f"  {name:<20} {rate:>11,.0f} tokens/s{mfu_text}")
     plain = medians["plain loop"]
-    print(f"ratio: engine / plain loop = {medians['engine'] / plain:.3f}; "
-          f"engine DDP x1 / plain loop = {medians['engine, DDP/NCCL x1'] / plain:.3f} (goal >= 1.02)")
+    print(
+        f"ratio: engine / plain loop = {medians['engine'] / plain:.3f}; "
+        f"engine DDP x1 / plain loop = {medians['engine, DDP/NCCL x1'] / plain:.3f} (goal >= 1.02)"
+    )
 
 
 def main() -> int:
@@ -187,10 +191,14 @@ def main() -> int:
     peak = device_peak_flops(name)
     peak_text = f"{peak / 1e12:.0f} TFLOP/s dense bf16" if peak else "unknown (no MFU)"
     print(f"{name} | torch {torch.__version__} (CUDA {torch.version.cuda}) | peak {peak_text}")
-    print(f"GPT-2 124M, seq_len {T}, K {K}, random tokens | bf16 autocast, torch.compile, flash SDPA, fused AdamW | "
-          f"{WARMUP} warm-up + {STEPS} timed steps per size")
-    print(f"  {'micro_batch':>11} {'tokens/step':>12} {'compile s':>10} {'ms/step':>9} {'tokens/s':>11} "
-          f"{'MFU':>7} {'peak mem GiB':>13}")
+    print(
+        f"GPT-2 124M, seq_len {T}, K {K}, random tokens | bf16 autocast, torch.compile, flash SDPA, fused AdamW | "
+        f"{WARMUP} warm-up + {STEPS} timed steps per size"
+    )
+    print(
+        f"  {'micro_batch':>11} {'tokens/step':>12} {'compile s':>10} {'ms/step':>9} {'tokens/s':>11} "
+        f"{'MFU':>7} {'peak mem GiB':>13}"
+    )
     failures = 0
     results: dict[int, dict[str, float]] = {}
     for micro_batch in MICRO_BATCHES:
@@ -209,8 +217,10 @@ def main() -> int:
             continue
         results[micro_batch] = result
         mfu_text = f"{mfu(result['flops_per_token'], result['tokens_per_s'], peak):7.1%}" if peak else "    n/a"
-        print(f"  {micro_batch:>11} {K * micro_batch * T:>12,} {result['compile_s']:>10.1f} {result['step_ms']:>9.1f} "
-              f"{result['tokens_per_s']:>11,.0f} {mfu_text} {result['peak_gib']:>13.1f}")
+        print(
+            f"  {micro_batch:>11} {K * micro_batch * T:>12,} {result['compile_s']:>10.1f} {result['step_ms']:>9.1f} "
+            f"{result['tokens_per_s']:>11,.0f} {mfu_text} {result['peak_gib']:>13.1f}"
+        )
     if results:
         flops = next(iter(results.values()))["flops_per_token"]
         best = max(results, key=lambda b: results[b]["tokens_per_s"])

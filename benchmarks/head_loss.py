@@ -125,8 +125,10 @@ def main() -> None:
         parser.error(f"--rows: each a multiple of {T} (whole sequences of T = {T}), e.g. 1024,2048")
     names = ["plain", "chunked:default"] + [f"chunked:{c}" for c in args.chunk_rows.split(",") if c]
     cases = [(int(r), 0.0) for r in args.rows.split(",")] + [(int(args.rows.split(",")[-1]), PADDED)]
-    print(f"GPT-2 head: C {C}, V {V:,}, fp32, CPU, {torch.get_num_threads()} threads; forward + backward, "
-          f"medians of interleaved rounds; memory: peak RSS growth, one subprocess per variant")  # fmt: skip
+    print(
+        f"GPT-2 head: C {C}, V {V:,}, fp32, CPU, {torch.get_num_threads()} threads; forward + backward, "
+        f"medians of interleaved rounds; memory: peak RSS growth, one subprocess per variant"
+    )
     print(f"{'rows':>5} {'ignored':>7}  {'variant':<30} {'seconds':>8} {'/ plain':>8} {'peak MB':>8}")
     for rows, padded in cases:
         seconds, ratio, rounds = times(rows, padded, names, args.rounds)

@@ -46,9 +46,11 @@ def main() -> None:
     }
 
     median, rounds = interleaved_step_rates(engines, batches, ROUNDS, MIN_ROUNDS, BUDGET_S)
-    print(f"llama-nano, micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
-          f"{rounds} interleaved rounds (after 1 warm-up), medians; same weights (largest logit difference "
-          f"{gap:.1e})")  # fmt: skip
+    print(
+        f"llama-nano, micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
+        f"{rounds} interleaved rounds (after 1 warm-up), medians; same weights (largest logit difference "
+        f"{gap:.1e})"
+    )
     print(f"  native Llama          {median['native']:>9,.0f} tok/s")
     print(f"  hf: LlamaForCausalLM  {median['hf']:>9,.0f} tok/s")
     print(f"hf / native tokens/s: {median['hf'] / median['native']:.2f}")

@@ -65,21 +65,25 @@ def main() -> int:
         data.mkdir()
         text_bytes = write_corpus(data, int(args.mb * 1e6))
         file_mb = sum(p.stat().st_size for p in data.iterdir()) / 1e6
-        print(f"{file_mb:.0f} MB of .jsonl in {FILES} files ({text_bytes / 1e6:.0f} MB of text), --tokenizer "
-              f"{args.tokenizer}")  # fmt: skip
+        print(
+            f"{file_mb:.0f} MB of .jsonl in {FILES} files ({text_bytes / 1e6:.0f} MB of text), --tokenizer "
+            f"{args.tokenizer}"
+        )
         sources = {"own": str(data), "hf": f"hf:json:{data}/*.jsonl"}
         (Path(tmp) / "one.jsonl").write_text(json.dumps({"text": "warm-up"}) + "\n")
         started = time.perf_counter()
         list(hf_text_records(f"hf:json:{tmp}/one.jsonl"))
-        print(f"hf: one-off start (import datasets and torch, first load_dataset): "
-              f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+        print(
+            f"hf: one-off start (import datasets and torch, first load_dataset): {time.perf_counter() - started:.1f} s"
+        )
         metas = {}
         for round_ in range(args.rounds):
             for name in ("own", "hf") if round_ % 2 == 0 else ("hf", "own"):
                 out = Path(tmp) / f"{name}-{round_}"
                 started = time.perf_counter()
-                metas[name] = prepare_dataset(sources[name], out, tokenizer_name=args.tokenizer,
-                                              workers=args.workers or None)  # fmt: skip
+                metas[name] = prepare_dataset(
+                    sources[name], out, tokenizer_name=args.tokenizer, workers=args.workers or None
+                )
                 times[name].append(time.perf_counter() - started)
         same = metas["own"].tokens == metas["hf"].tokens and all(
             np.array_equal(np.load(Path(tmp) / f"own-0/{a}"), np.load(Path(tmp) / f"hf-0/{b}"))
@@ -89,8 +93,9 @@ def main() -> int:
     for name, label in (("own", "bigbatch's own .jsonl reader"), ("hf", "hf:json (datasets, streamed)")):
         seconds = statistics.median(times[name])
         print(f"{label:<32} {seconds:7.1f} s {file_mb / seconds:7.1f} MB/s")
-    print(f"ratio hf / own: {statistics.median(times['hf']) / statistics.median(times['own']):.2f}; "
-          f"same shards: {same}")  # fmt: skip
+    print(
+        f"ratio hf / own: {statistics.median(times['hf']) / statistics.median(times['own']):.2f}; same shards: {same}"
+    )
     return 0 if same else 1
 
 

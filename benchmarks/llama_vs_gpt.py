@@ -37,13 +37,19 @@ def main() -> None:
     batches = [MicroBatch(t[:, :-1], t[:, 1:]) for t in tokens]
 
     median, rounds = interleaved_step_rates(engines, batches, ROUNDS, MIN_ROUNDS, BUDGET_S)
-    print(f"micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
-          f"{rounds} interleaved rounds (after 1 warm-up), medians")  # fmt: skip
+    print(
+        f"micro_batch {B} x seq_len {T} x K {K} = {K * B * T:,} tokens/step, byte vocabulary, CPU fp32, "
+        f"{rounds} interleaved rounds (after 1 warm-up), medians"
+    )
     for family, name in PRESETS.items():
-        print(f"  {name:<11} {median[family]:>9,.0f} tok/s | {params[family] / 1e6:.2f}M parameters | "
-              f"{flops[family] / 1e6:.2f} MFLOP/token")  # fmt: skip
-    print(f"llama-nano / nano tokens/s: {median['llama'] / median['gpt']:.2f} "
-          f"(FLOPs per token ratio {flops['llama'] / flops['gpt']:.2f})")  # fmt: skip
+        print(
+            f"  {name:<11} {median[family]:>9,.0f} tok/s | {params[family] / 1e6:.2f}M parameters | "
+            f"{flops[family] / 1e6:.2f} MFLOP/token"
+        )
+    print(
+        f"llama-nano / nano tokens/s: {median['llama'] / median['gpt']:.2f} "
+        f"(FLOPs per token ratio {flops['llama'] / flops['gpt']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-SETTINGS = {"none": [], "tensorboard": ["--tensorboard"], "wandb": ["--wandb", "bench"],
-            "both": ["--tensorboard", "--wandb", "bench"]}  # fmt: skip
+SETTINGS = {
+    "none": [],
+    "tensorboard": ["--tensorboard"],
+    "wandb": ["--wandb", "bench"],
+    "both": ["--tensorboard", "--wandb", "bench"],
+}
 
 
 def one(out: Path, steps: int, flags: list[str]) -> dict[str, float]:
@@ -56,8 +60,9 @@ def one(out: Path, steps: int, flags: list[str]) -> dict[str, float]:
     import bigbatch.trainer as trainer
 
     trainer.open_metrics = opened  # type: ignore[attr-defined]
-    code = main(["train", "--max-steps", str(steps), "--sample-tokens", "0", "--eval-every", "0",
-                 "--out", str(out), *flags])  # fmt: skip
+    code = main(
+        ["train", "--max-steps", str(steps), "--sample-tokens", "0", "--eval-every", "0", "--out", str(out), *flags]
+    )
     assert code == 0, code
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dts = [r["dt"] for r in records if r["kind"] == "step"][1:]  # the first step warms up
@@ -76,17 +81,25 @@ def main() -> int:
         return 0
     results: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": tmp,
-               "WANDB_CONFIG_DIR": f"{tmp}/wandb-config", "WANDB_CACHE_DIR": f"{tmp}/wandb-cache",
-               "BIGBATCH_CACHE": f"{tmp}/cache"}  # fmt: skip
+        env = {
+            **os.environ,
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "WANDB_DIR": tmp,
+            "WANDB_CONFIG_DIR": f"{tmp}/wandb-config",
+            "WANDB_CACHE_DIR": f"{tmp}/wandb-cache",
+            "BIGBATCH_CACHE": f"{tmp}/cache",
+        }
         names = list(SETTINGS)
         for round_ in range(args.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 out = Path(tmp) / f"{name}-{round_}"
                 done = subprocess.run(
                     [sys.executable, __file__, "--steps", str(args.steps), "--one", str(out)],
-                    env={**env, "BENCH_FLAGS": json.dumps(SETTINGS[name])}, capture_output=True, text=True,
-                )  # fmt: skip
+                    env={**env, "BENCH_FLAGS": json.dumps(SETTINGS[name])},
+                    capture_output=True,
+                    text=True,
+                )
                 line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if done.returncode or line is None:
                     print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)

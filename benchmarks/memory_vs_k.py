@@ -28,7 +28,9 @@ def main() -> None:
         peaks[k] = m.fixed + m.step_peak_k
         print(f"  micro_batch {B} x K {k:>2}: step peak {peaks[k] / MiB:7.1f} MiB")
     spread = (max(peaks.values()) - min(peaks.values())) / min(peaks.values())
-    print(f"ratio: largest / smallest peak over K = {1 + spread:.3f} (goal: flat within 2%: {'met' if spread <= 0.02 else 'NOT met'})")
+    print(
+        f"ratio: largest / smallest peak over K = {1 + spread:.3f} (goal: flat within 2%: {'met' if spread <= 0.02 else 'NOT met'})"
+    )
     small = measure(config, 1, T, k=32, device=device)
     big = measure(config, 32, T, k=2, device=device)
     small_peak = small.fixed + small.step_peak_k

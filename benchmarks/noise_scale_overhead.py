@@ -73,9 +73,15 @@ def measure(args: argparse.Namespace, dist_ctx: DistContext, device: torch.devic
         )
         probe = None if noise is None else small_grad_probe(wrapped, parallel, args.sync_every_micro_step, k == 1)
         engines[name] = AccumulationEngine(
-            wrapped, build_adamw(model, 3e-4), constant_schedule(3e-4), device=device, grad_sync=grad_sync,
-            dist=dist_ctx, noise_scale=noise, small_grad=probe,
-        )  # fmt: skip
+            wrapped,
+            build_adamw(model, 3e-4),
+            constant_schedule(3e-4),
+            device=device,
+            grad_sync=grad_sync,
+            dist=dist_ctx,
+            noise_scale=noise,
+            small_grad=probe,
+        )
     generator = torch.Generator().manual_seed(1 + dist_ctx.rank)
     tokens = torch.randint(0, config.vocab_size, (k * B, T + 1), generator=generator)
     batches = [MicroBatch(x, y) for x, y in zip(tokens[:, :-1].chunk(k), tokens[:, 1:].chunk(k), strict=True)]
@@ -119,8 +125,10 @@ def measure(args: argparse.Namespace, dist_ctx: DistContext, device: torch.devic
     where += ", sync every micro-step" if args.sync_every_micro_step else ""
     print(f"noise scale every {args.every} steps | {PRESET} x{B}x{T} K {k} on {where} | {len(ratios)} rounds")
     print(f"step time, measuring on / off: median ratio {ratio:.4f} (rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
-    print(f"a measured step's extra time over a plain one ({step_s * 1000:.0f} ms), spread over {args.every} steps: "
-          f"{extra:+.2%}")  # fmt: skip
+    print(
+        f"a measured step's extra time over a plain one ({step_s * 1000:.0f} ms), spread over {args.every} steps: "
+        f"{extra:+.2%}"
+    )
     print(f"estimate after {on.measurements if on else 0} measurements: {on.estimate if on else None}")
     print(f"goal: ratio <= {GOAL:.2f}: {'met' if ratio <= GOAL else 'NOT met'}")
     sys.stdout.flush()

@@ -33,14 +33,73 @@ from bigbatch.model import build_model, model_preset
 from bigbatch.optim import build_adamw, constant_schedule
 
 MODULES = (
-    "os", "os.path", "shutil", "json", "re", "string", "textwrap", "collections", "functools", "itertools",
-    "pathlib", "inspect", "typing", "datetime", "calendar", "argparse", "logging", "subprocess", "tempfile",
-    "statistics", "random", "fractions", "decimal", "heapq", "bisect", "csv", "zipfile", "tarfile", "gzip",
-    "base64", "hashlib", "urllib.parse", "http.client", "email.message", "email.utils", "xml.dom.minidom",
-    "unittest", "doctest", "pdb", "threading", "multiprocessing", "asyncio", "socket", "ssl", "sqlite3", "pickle",
-    "copy", "pprint", "difflib", "enum", "dataclasses", "contextlib", "abc", "numbers", "operator", "glob",
-    "fnmatch", "configparser", "codecs", "locale", "gettext", "ast", "dis", "tokenize", "importlib", "pkgutil",
-)  # fmt: skip
+    "os",
+    "os.path",
+    "shutil",
+    "json",
+    "re",
+    "string",
+    "textwrap",
+    "collections",
+    "functools",
+    "itertools",
+    "pathlib",
+    "inspect",
+    "typing",
+    "datetime",
+    "calendar",
+    "argparse",
+    "logging",
+    "subprocess",
+    "tempfile",
+    "statistics",
+    "random",
+    "fractions",
+    "decimal",
+    "heapq",
+    "bisect",
+    "csv",
+    "zipfile",
+    "tarfile",
+    "gzip",
+    "base64",
+    "hashlib",
+    "urllib.parse",
+    "http.client",
+    "email.message",
+    "email.utils",
+    "xml.dom.minidom",
+    "unittest",
+    "doctest",
+    "pdb",
+    "threading",
+    "multiprocessing",
+    "asyncio",
+    "socket",
+    "ssl",
+    "sqlite3",
+    "pickle",
+    "copy",
+    "pprint",
+    "difflib",
+    "enum",
+    "dataclasses",
+    "contextlib",
+    "abc",
+    "numbers",
+    "operator",
+    "glob",
+    "fnmatch",
+    "configparser",
+    "codecs",
+    "locale",
+    "gettext",
+    "ast",
+    "dis",
+    "tokenize",
+    "importlib",
+    "pkgutil",
+)
 
 
 def harvest_pairs() -> list[dict[str, str]]:
@@ -108,13 +167,17 @@ def main() -> None:
                     for i, value in enumerate((step.positions, step.padding, step.n_valid)):
                         positions[name][i] += value
     lengths = [len(p["prompt"]) + len(p["completion"]) for p in pairs]
-    print(f"{len(pairs):,} prompt/completion pairs from the standard library ({args.tokenizer} tokens; median "
-          f"{statistics.median(lengths):,.0f} bytes per pair), nano at seq_len {T}, micro_batch {B} x K {K}, CPU "
-          f"fp32, {args.rounds} interleaved rounds (after 1 warm-up), medians")  # fmt: skip
+    print(
+        f"{len(pairs):,} prompt/completion pairs from the standard library ({args.tokenizer} tokens; median "
+        f"{statistics.median(lengths):,.0f} bytes per pair), nano at seq_len {T}, micro_batch {B} x K {K}, CPU "
+        f"fp32, {args.rounds} interleaved rounds (after 1 warm-up), medians"
+    )
     for name in engines:
         total, padding, valid = positions[name]
-        print(f"  {name:<12} padding {padding / total:6.1%} | masked prompts {(total - padding - valid) / total:6.1%} "
-              f"| valid targets {valid / total:6.1%} | {statistics.median(rates[name]):>8,.0f} valid tok/s")  # fmt: skip
+        print(
+            f"  {name:<12} padding {padding / total:6.1%} | masked prompts {(total - padding - valid) / total:6.1%} "
+            f"| valid targets {valid / total:6.1%} | {statistics.median(rates[name]):>8,.0f} valid tok/s"
+        )
     ratio = statistics.median(rates["packed"]) / statistics.median(rates["one per row"])
     print(f"packed / one per row, valid target tokens per second: {ratio:.2f}x")
 

@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LIBRARIES = {"run_all.py", "reference_gpt.py", "bench_config.py"}  # imported by the benchmarks, not benchmarks themselves
+LIBRARIES = {
+    "run_all.py",
+    "reference_gpt.py",
+    "bench_config.py",
+}  # imported by the benchmarks, not benchmarks themselves
 
 
 def main() -> int:

@@ -96,9 +96,11 @@ def main() -> None:
             for name in names:
                 times[name].append(run(*modes[name]))
     compute = statistics.median(times["compute only"])
-    print(f"nano, T={T} B={B} K={K}: compute {compute * 1000:.1f} ms per step; each micro-batch read made to wait "
-          f"{delay * 1000:.1f} ms ({SLOW:.0%} of a micro-batch's compute); {ROUNDS} rounds, the three runs of a "
-          "round one after the other (order rotating)")
+    print(
+        f"nano, T={T} B={B} K={K}: compute {compute * 1000:.1f} ms per step; each micro-batch read made to wait "
+        f"{delay * 1000:.1f} ms ({SLOW:.0%} of a micro-batch's compute); {ROUNDS} rounds, the three runs of a "
+        "round one after the other (order rotating)"
+    )
     per_round = {
         name: statistics.median(t / c for t, c in zip(values, times["compute only"], strict=True))
         for name, values in times.items()
@@ -106,11 +108,15 @@ def main() -> None:
     }
     for name, values in times.items():
         if name in per_round:
-            print(f"  {name:<12} {statistics.median(values) * 1000:7.1f} ms per step = {per_round[name]:.2f} x compute "
-                  "(median over rounds of the ratio to the same round's compute)")
+            print(
+                f"  {name:<12} {statistics.median(values) * 1000:7.1f} ms per step = {per_round[name]:.2f} x compute "
+                "(median over rounds of the ratio to the same round's compute)"
+            )
     ratio = per_round["read inline"] / per_round["read ahead"]
-    print(f"ratio: step time read inline / read ahead = {ratio:.2f} (read ahead: {per_round['read ahead']:.2f} x "
-          "compute, goal <= 1.10)")
+    print(
+        f"ratio: step time read inline / read ahead = {ratio:.2f} (read ahead: {per_round['read ahead']:.2f} x "
+        "compute, goal <= 1.10)"
+    )
 
 
 if __name__ == "__main__":

@@ -107,13 +107,23 @@ def one_round(
 
     def run_reference() -> None:
         train_reference(
-            reference, tokens, steps=steps, micro_batch=B, seq_len=T, accum=K,
+            reference,
+            tokens,
+            steps=steps,
+            micro_batch=B,
+            seq_len=T,
+            accum=K,
             order="random" if shuffle == "on" else "sequential",
-            lr=opt.lr, min_lr_ratio=opt.min_lr_ratio, warmup_steps=opt.warmup_steps, weight_decay=opt.weight_decay,
-            betas=(opt.beta1, opt.beta2), eps=opt.eps, grad_clip=opt.grad_clip,
+            lr=opt.lr,
+            min_lr_ratio=opt.min_lr_ratio,
+            warmup_steps=opt.warmup_steps,
+            weight_decay=opt.weight_decay,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            grad_clip=opt.grad_clip,
             fused=bool(trainer.parts.optimizer.defaults.get("fused")) if same_kernels else None,
             on_step=lambda step, loss: reference_ends.append(now()),
-        )  # fmt: skip
+        )
 
     runs = [trainer.train, run_reference]
     for run in runs if bigbatch_first else reversed(runs):
@@ -129,9 +139,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per setting")
     parser.add_argument("--steps", type=int, default=0, help="steps per round (0: about 4 CPU-s of training)")
     parser.add_argument("--quick", action="store_true", help="2 rounds per setting")
-    parser.add_argument("--shuffle", choices=["off", "on"], default="off",
-                        help="off (default): both read the same windows in order, and their parameters are compared; "
-                        "on: bigbatch's default shuffled windows against the reference's random offsets")  # fmt: skip
+    parser.add_argument(
+        "--shuffle",
+        choices=["off", "on"],
+        default="off",
+        help="off (default): both read the same windows in order, and their parameters are compared; "
+        "on: bigbatch's default shuffled windows against the reference's random offsets",
+    )
     parser.add_argument("--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)")
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
@@ -143,8 +157,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bigbatch-speed-") as tmp:
         root = Path(tmp)
         corpus, corpus_line, _ = bench_corpus(args.corpus, root)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; nano, byte tokenizer; {corpus_line}",
-              flush=True)
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; nano, byte tokenizer; {corpus_line}",
+            flush=True,
+        )
         dataset = ensure_prepared(str(corpus), "byte", 0.1, root / "cache")  # once, before timing
         shards = TokenDataset(dataset).shard_arrays("train")
         if len(shards) != 1:
@@ -159,8 +175,9 @@ def main() -> None:
             theirs: list[tuple[float, float]] = []
             diffs: list[float] = []
             for r in range(rounds):
-                a, b, d = one_round(dataset, tokens, root / f"run-{T}-{B}-{K}-{r}", T, B, K, steps, r % 2 == 0,
-                                    shuffle=args.shuffle)  # fmt: skip
+                a, b, d = one_round(
+                    dataset, tokens, root / f"run-{T}-{B}-{K}-{r}", T, B, K, steps, r % 2 == 0, shuffle=args.shuffle
+                )
                 ours.append(a)
                 theirs.append(b)
                 diffs.append(d)
@@ -176,8 +193,9 @@ def main() -> None:
                 f"    max |parameter difference| after the same steps: {max(diffs):.1e} (the reference's AdamW "
                 f"kernel, torch's default); {same_diff:.1e} after 5 steps with the Trainer's AdamW kernel"
                 + (" (bitwise identical)" if same_diff == 0 else "")
-                if args.shuffle == "off" else "    (shuffled: other windows on each side, parameters not compared)"
-            )  # fmt: skip
+                if args.shuffle == "off"
+                else "    (shuffled: other windows on each side, parameters not compared)"
+            )
             print(
                 f"T={T:<3} B={B:<2} K={K}  ({B * T * K:>6,} tokens/step, {rounds} rounds x {steps} steps)\n"
                 f"    tokens/s      bigbatch {wall[0]:8,.0f}  reference {wall[1]:8,.0f}  ratio {ratio:.3f} "

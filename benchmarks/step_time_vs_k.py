@@ -87,8 +87,10 @@ def main() -> None:
         share = med["optimizer"] / measured
         print(f"  {k:>3} {measured * 1000:9.1f} {share * 100:11.1f}% {predicted * 1000:13.1f} {error * 100:+7.1f}%")
     verdict = "met" if worst <= GOAL else "NOT met"
-    print(f"prediction K x micro-step + optimizer step: worst error {worst * 100:.1f}% "
-          f"(goal within {GOAL * 100:.0f}%: {verdict})")
+    print(
+        f"prediction K x micro-step + optimizer step: worst error {worst * 100:.1f}% "
+        f"(goal within {GOAL * 100:.0f}%: {verdict})"
+    )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ PRESET, B, T, K = "nano", 8, 128, 4
 STEPS = 5  # optimizer steps per round; the first of each round is not timed
 ROUNDS, MIN_ROUNDS, BUDGET_S = 8, 3, 25.0  # short rounds interleave finely; fewer when the machine is busy
 GOAL = 0.97  # trainer tokens/s >= 97% of the engine's
+
+
 def make_config(dataset: Path, out: Path) -> TrainConfig:
     config = cpu_run_config(dataset, out, B, T, K, STEPS)
     config.model.preset = PRESET
@@ -138,8 +140,10 @@ def main() -> None:
                 rates[name].append(runs[name]())
 
     n = len(rates["trainer"])
-    print(f"{PRESET} model, micro_batch {B} x seq_len {T} x K {K} = {B * T * K:,} tokens/step, {n} rounds of "
-          f"{STEPS} steps each (step 1 of a round not timed), interleaved, medians over rounds")
+    print(
+        f"{PRESET} model, micro_batch {B} x seq_len {T} x K {K} = {B * T * K:,} tokens/step, {n} rounds of "
+        f"{STEPS} steps each (step 1 of a round not timed), interleaved, medians over rounds"
+    )
     print(f"  {corpus_line}")
     for name, values in rates.items():
         spread = f"(rounds {min(values):,.0f} .. {max(values):,.0f})"
@@ -147,8 +151,10 @@ def main() -> None:
     own_ms = statistics.median(extra["outside engine"]) * 1000
     own_share = statistics.median(extra["outside share"]) * 100
     print(f"  trainer's own cost per step (outside engine.step): {own_ms:.2f} ms = {own_share:.2f}% of its step time")
-    print(f"  trainer, not in tokens/s: construction {statistics.median(extra['construction']) * 1000:.0f} ms, "
-          f"after the last step (final checkpoint) {statistics.median(extra['after last step']) * 1000:.0f} ms")
+    print(
+        f"  trainer, not in tokens/s: construction {statistics.median(extra['construction']) * 1000:.0f} ms, "
+        f"after the last step (final checkpoint) {statistics.median(extra['after last step']) * 1000:.0f} ms"
+    )
     ratio = statistics.median(rates["trainer"]) / statistics.median(rates["engine alone"])
     verdict = "met" if ratio >= GOAL else "NOT met"
     print(f"ratio: trainer / engine alone = {ratio:.3f} tokens/s (goal >= {GOAL}: {verdict})")

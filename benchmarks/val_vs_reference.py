@@ -71,7 +71,9 @@ Curves = dict[str, dict[int, dict[int, float]]]
 """Run -> step -> seed -> validation loss."""
 
 
-def bigbatch_config(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> TrainConfig:
+def bigbatch_config(
+    data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str
+) -> TrainConfig:
     config = cpu_run_config(data, out, B, T, 1, steps)
     config.model.preset = PRESET
     config.data.cache_dir, config.data.shuffle = str(cache), shuffle
@@ -80,7 +82,9 @@ def bigbatch_config(data: str, cache: Path, out: Path, steps: int, eval_every: i
     return config
 
 
-def bigbatch_run(data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str) -> dict[int, float]:
+def bigbatch_run(
+    data: str, cache: Path, out: Path, steps: int, eval_every: int, seed: int, shuffle: str
+) -> dict[int, float]:
     """Validation loss by step of ``bigbatch train`` (the Trainer) with ``--shuffle shuffle``."""
     Trainer(bigbatch_config(data, cache, out, steps, eval_every, seed, shuffle)).train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -88,8 +92,13 @@ def bigbatch_run(data: str, cache: Path, out: Path, steps: int, eval_every: int,
 
 
 def reference_run(
-    train_tokens: np.ndarray, windows: list[tuple[torch.Tensor, torch.Tensor]], vocab: int, steps: int,
-    eval_every: int, seed: int, initial: dict[str, torch.Tensor] | None = None,
+    train_tokens: np.ndarray,
+    windows: list[tuple[torch.Tensor, torch.Tensor]],
+    vocab: int,
+    steps: int,
+    eval_every: int,
+    seed: int,
+    initial: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, float]:
     """Validation loss by step of the reference with windows at random offsets, from its own initial weights
     drawn with ``seed`` or from ``initial``."""
@@ -99,9 +108,16 @@ def reference_run(
     if initial is not None:
         model.load_state_dict(initial)
     result = train_reference(
-        model, train_tokens, steps=steps, micro_batch=B, seq_len=T, order="random", seed=seed,
-        val_windows=windows, eval_every=eval_every,
-    )  # fmt: skip
+        model,
+        train_tokens,
+        steps=steps,
+        micro_batch=B,
+        seq_len=T,
+        order="random",
+        seed=seed,
+        val_windows=windows,
+        eval_every=eval_every,
+    )
     return dict(result.val_losses)
 
 
@@ -125,8 +141,13 @@ def plot(curves: Curves, path: Path, title: str) -> None:
         colors[name] = line.get_color()
         if seeds > 1:  # the standard error of each mean, shaded
             se = [statistics.stdev(by_step[s].values()) / math.sqrt(len(by_step[s])) for s in steps]
-            ax.fill_between(steps, [m - e for m, e in zip(means, se, strict=True)],
-                            [m + e for m, e in zip(means, se, strict=True)], color=line.get_color(), alpha=0.2)  # fmt: skip
+            ax.fill_between(
+                steps,
+                [m - e for m, e in zip(means, se, strict=True)],
+                [m + e for m, e in zip(means, se, strict=True)],
+                color=line.get_color(),
+                alpha=0.2,
+            )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats per token)")
     ax.set_title(title, fontsize=9)
@@ -138,10 +159,21 @@ def plot(curves: Curves, path: Path, title: str) -> None:
             continue
         reference, gaps = against
         steps = sorted(gaps)
-        diff.plot(steps, [gaps[s].mean for s in steps], marker="o", markersize=3, color=colors[name],
-                  label=f"{name} minus {reference}")  # fmt: skip
-        diff.fill_between(steps, [gaps[s].mean - 1.96 * gaps[s].se for s in steps],
-                          [gaps[s].mean + 1.96 * gaps[s].se for s in steps], color=colors[name], alpha=0.15)  # fmt: skip
+        diff.plot(
+            steps,
+            [gaps[s].mean for s in steps],
+            marker="o",
+            markersize=3,
+            color=colors[name],
+            label=f"{name} minus {reference}",
+        )
+        diff.fill_between(
+            steps,
+            [gaps[s].mean - 1.96 * gaps[s].se for s in steps],
+            [gaps[s].mean + 1.96 * gaps[s].se for s in steps],
+            color=colors[name],
+            alpha=0.15,
+        )
     diff.axhline(0.0, color="black", lw=1)
     diff.set_xlabel("optimizer step")
     diff.set_ylabel("difference in validation loss (nats)")
@@ -160,13 +192,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
-    parser.add_argument("--data", "--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)")
-    parser.add_argument("--plot", type=Path, help=f"default: {DOCS_PLOT.relative_to(ROOT)}, unless the corpus is generated")
-    parser.add_argument("--runs", nargs="+", default=["shuffle on", "shuffle off", "reference", "reference same init"],
-                        choices=list(RUN_NAMES))  # fmt: skip
-    parser.add_argument("--merge", type=Path, nargs="+", default=[],
-                        help="train nothing: combine the JSON files of earlier invocations (e.g. one per run, run "
-                        "in parallel) into one table and plot")  # fmt: skip
+    parser.add_argument(
+        "--data", "--corpus", help="the text to train on (default: tiny Shakespeare beside the checkout)"
+    )
+    parser.add_argument(
+        "--plot", type=Path, help=f"default: {DOCS_PLOT.relative_to(ROOT)}, unless the corpus is generated"
+    )
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["shuffle on", "shuffle off", "reference", "reference same init"],
+        choices=list(RUN_NAMES),
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="train nothing: combine the JSON files of earlier invocations (e.g. one per run, run "
+        "in parallel) into one table and plot",
+    )
     args = parser.parse_args()
     args.corpus_name = "tiny Shakespeare"
     if args.merge:
@@ -204,28 +249,32 @@ def main() -> int:
             keep = batch.targets[:, 0] >= 0
             reference_windows.append((batch.inputs[keep], batch.targets[keep]))
         train_tokens = np.concatenate([np.asarray(s) for s in dataset.shard_arrays("train")])
-        print(f"data: {dataset.meta.tokens['train']:,} train tokens, validation {val.describe()} "
-              f"({val.windows * T:,} tokens), every evaluation of every run")  # fmt: skip
+        print(
+            f"data: {dataset.meta.tokens['train']:,} train tokens, validation {val.describe()} "
+            f"({val.windows * T:,} tokens), every evaluation of every run"
+        )
         for seed in args.seeds:
             for run in args.runs:
                 started = time.perf_counter()
                 if run.startswith("reference"):
                     initial = None
                     if run == "reference same init":  # bigbatch's initial weights for this seed, untrained
-                        init_config = bigbatch_config(data, work / "cache", work / f"init-{seed}", args.steps,
-                                                      args.eval_every, seed, "on")  # fmt: skip
+                        init_config = bigbatch_config(
+                            data, work / "cache", work / f"init-{seed}", args.steps, args.eval_every, seed, "on"
+                        )
                         initial = Trainer(init_config).model.state_dict()
-                    losses = reference_run(train_tokens, reference_windows, dataset.vocab_size, args.steps,
-                                           args.eval_every, seed, initial)  # fmt: skip
+                    losses = reference_run(
+                        train_tokens, reference_windows, dataset.vocab_size, args.steps, args.eval_every, seed, initial
+                    )
                 else:
                     out = work / f"{run.replace(' ', '-')}-{seed}"
-                    losses = bigbatch_run(data, work / "cache", out, args.steps, args.eval_every, seed,
-                                          run.split()[1])  # fmt: skip
+                    losses = bigbatch_run(data, work / "cache", out, args.steps, args.eval_every, seed, run.split()[1])
                 for step, loss in losses.items():
                     curves[RUN_NAMES[run]].setdefault(step, {})[seed] = loss
                 shown = " ".join(f"{s}:{losses[s]:.4f}" for s in sorted(losses))
-                print(f"seed {seed} | {RUN_NAMES[run]:26s} | {time.perf_counter() - started:6.0f}s | {shown}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"seed {seed} | {RUN_NAMES[run]:26s} | {time.perf_counter() - started:6.0f}s | {shown}", flush=True
+                )
 
     return report(curves, args)
 
@@ -291,15 +340,23 @@ def report(curves: Curves, args: argparse.Namespace) -> int:
     print(f"{'run':40s}" + "".join(f"{m:>10d}" for m in marks) + "   seeds")
     for name, by_step in curves.items():
         seeds = sorted(set().union(*(set(v) for v in by_step.values())))
-        print(f"{name:40s}" + "".join(f"{statistics.fmean(by_step[m].values()):10.4f}" if m in by_step
-                                      else f"{'-':>10s}" for m in marks) + f"   {len(seeds)}")  # fmt: skip
+        print(
+            f"{name:40s}"
+            + "".join(
+                f"{statistics.fmean(by_step[m].values()):10.4f}" if m in by_step else f"{'-':>10s}" for m in marks
+            )
+            + f"   {len(seeds)}"
+        )
     for name in curves:
         if name.startswith("reference"):
             continue
         for reference, paired in ((RUN_NAMES["reference same init"], True), (RUN_NAMES["reference"], False)):
             if reference in curves:
-                shown = [describe(gap(curves[name][m], curves[reference][m], paired)) for m in marks
-                         if m in curves[name] and m in curves[reference]]  # fmt: skip
+                shown = [
+                    describe(gap(curves[name][m], curves[reference][m], paired))
+                    for m in marks
+                    if m in curves[name] and m in curves[reference]
+                ]
                 print(f"{name} minus {reference}: " + ", ".join(shown) + f" at {', '.join(map(str, marks))} steps")
     ours = RUN_NAMES["shuffle on"]
     against = gaps_against(curves, ours) if ours in curves else None
@@ -309,18 +366,29 @@ def report(curves: Curves, args: argparse.Namespace) -> int:
         g = gaps[final]
         low, high = g.mean - 1.96 * g.se, g.mean + 1.96 * g.se
         verdict = "met" if g.mean <= 0 else "a tie: the 95% interval holds 0" if low <= 0 else "not met"
-        print(f"goal: {ours} no higher than the {reference} after {final} steps: {verdict} ({g.mean:+.4f} nats, "
-              f"95% interval [{low:+.4f}, {high:+.4f}], {g.seeds} {'paired' if g.paired else 'independent'} "
-              "seeds)")  # fmt: skip
+        print(
+            f"goal: {ours} no higher than the {reference} after {final} steps: {verdict} ({g.mean:+.4f} nats, "
+            f"95% interval [{low:+.4f}, {high:+.4f}], {g.seeds} {'paired' if g.paired else 'independent'} "
+            "seeds)"
+        )
     if args.plot is None:
-        print(f"plot: none written ({args.corpus_name} is not the corpus of {DOCS_PLOT.relative_to(ROOT)}; give --plot)")
+        print(
+            f"plot: none written ({args.corpus_name} is not the corpus of {DOCS_PLOT.relative_to(ROOT)}; give --plot)"
+        )
         return 0
     windows = " (1,742 windows)" if args.corpus_name == "tiny Shakespeare" else ""
-    title = (f"nano (4x4x128), T={T}, B={B}, K=1, {args.corpus_name} (byte)\nvalidation loss on the whole "
-             f"validation split{windows}\nmean over seeds, shaded: its standard error")  # fmt: skip
+    title = (
+        f"nano (4x4x128), T={T}, B={B}, K=1, {args.corpus_name} (byte)\nvalidation loss on the whole "
+        f"validation split{windows}\nmean over seeds, shaded: its standard error"
+    )
     plot(curves, args.plot, title)
-    numbers = {name: {str(step): {str(seed): v for seed, v in sorted(by_seed.items())}
-                      for step, by_seed in sorted(by_step.items())} for name, by_step in curves.items()}  # fmt: skip
+    numbers = {
+        name: {
+            str(step): {str(seed): v for seed, v in sorted(by_seed.items())}
+            for step, by_seed in sorted(by_step.items())
+        }
+        for name, by_step in curves.items()
+    }
     args.plot.with_suffix(".json").write_text(json.dumps({"val_loss": numbers}, indent=1) + "\n")
     print(f"plot: {args.plot}")
     return 0

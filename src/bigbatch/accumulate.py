@@ -38,6 +38,7 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 CountFn = Callable[[Any], int]
 """``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
 
+
 def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     """Sum of next-token cross-entropies over valid targets.
 
@@ -220,9 +221,10 @@ class AccumulationEngine:
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
         measure = (
-            self.noise_scale is not None and self.small_grad.can_measure(len(micro_batches))
+            self.noise_scale is not None
+            and self.small_grad.can_measure(len(micro_batches))
             and self.noise_scale.due(self.step_count + 1)
-        )  # fmt: skip
+        )
         self._small = None
         if measure:
             self.small_grad.arm(len(micro_batches))
@@ -302,9 +304,13 @@ class AccumulationEngine:
         # still takes part in the one all-reduce (a rank that left it would hang the others) and all skip together.
         empty = n_small == 0
         factor = 0.0 if empty else n_valid / (self.dist.world_size * loss_scale * n_small)
-        values = torch.stack([raw_sq.to(self.device, torch.float64) * factor**2,
-                              torch.tensor(0.0 if empty else 1.0 / n_small, dtype=torch.float64, device=self.device),
-                              torch.tensor(float(empty), dtype=torch.float64, device=self.device)])  # fmt: skip
+        values = torch.stack(
+            [
+                raw_sq.to(self.device, torch.float64) * factor**2,
+                torch.tensor(0.0 if empty else 1.0 / n_small, dtype=torch.float64, device=self.device),
+                torch.tensor(float(empty), dtype=torch.float64, device=self.device),
+            ]
+        )
         small_sq, inv_b_small, empty_ranks = self.dist.all_reduce_sum(values).tolist()
         if empty_ranks:
             return None

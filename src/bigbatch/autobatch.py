@@ -46,8 +46,15 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
 
 @preserved_rng()  # a probe: the caller's generators are left as they were
 def choose_micro_batch(
-    config: ModelConfig, candidates: list[int], seq_len: int, k: int, device: torch.device, precision: str,
-    memory_budget_mib: float, activation_checkpointing: bool = False, chunked_loss: bool = True,
+    config: ModelConfig,
+    candidates: list[int],
+    seq_len: int,
+    k: int,
+    device: torch.device,
+    precision: str,
+    memory_budget_mib: float,
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
 ) -> int:
     """CUDA: probe forward + backward + optimizer step and catch out-of-memory. CPU: measured peak (fixed part
     plus the whole step) against ``memory_budget_mib``."""
@@ -56,8 +63,16 @@ def choose_micro_batch(
 
     def fits(micro_batch: int) -> bool:
         try:
-            m = measure(config, micro_batch, seq_len, k=min(k, 2), device=device, precision=precision,
-                        activation_checkpointing=activation_checkpointing, chunked_loss=chunked_loss)  # fmt: skip
+            m = measure(
+                config,
+                micro_batch,
+                seq_len,
+                k=min(k, 2),
+                device=device,
+                precision=precision,
+                activation_checkpointing=activation_checkpointing,
+                chunked_loss=chunked_loss,
+            )
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             log.info("auto micro-batch: %d does not fit (out of memory)", micro_batch)

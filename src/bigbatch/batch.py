@@ -212,9 +212,7 @@ def _fixed_k_batches(source: MicroBatchSource, policy: StepPolicy) -> list[Micro
     return [source.next_micro_batch() for _ in range(k)]
 
 
-def _budget_step(
-    source: MicroBatchSource, policy: StepPolicy, count_global: Callable[[MicroBatch], int]
-) -> StepBatch:
+def _budget_step(source: MicroBatchSource, policy: StepPolicy, count_global: Callable[[MicroBatch], int]) -> StepBatch:
     """Micro-batches until the step's valid targets reach the budget (see the module docstring)."""
     budget = policy.token_budget
     batches: list[MicroBatch] = []

@@ -42,8 +42,12 @@ def check_branchable(document: dict[str, Any], state: TrainState, parent: Path) 
         raise CheckpointError(
             f"cannot branch from {parent}: its seq_len is {saved_seq_len}, the branch's {p.config.batch.seq_len}"
         )
-    check_tokenizer(document.get("fingerprints") or {}, p.fingerprints, p.dataset.meta.tokenizer,
-                    f"the branch's data {p.dataset.directory}")  # fmt: skip
+    check_tokenizer(
+        document.get("fingerprints") or {},
+        p.fingerprints,
+        p.dataset.meta.tokenizer,
+        f"the branch's data {p.dataset.directory}",
+    )
     changed = data_changed(document, p.fingerprints, p.config.data.data)
     if changed:
         raise CheckpointError(f"cannot branch from {parent}: the branch's data differs from the parent's ({changed})")
@@ -57,7 +61,10 @@ def branch_run(state: TrainState, parent: Path, say: Say) -> dict[str, Any]:
     check_branchable(document, state, parent)
     state.load_state_dict(document, state.schedule, new_data=False, say=say)  # the branch keeps its own schedule
     say(
-        "branched from %s at step %d (%s tokens): %s tokens per step", parent, state.step,
-        f"{state.tokens_seen:,}", f"{state.parts.plan.tokens_per_step:,}",
-    )  # fmt: skip
+        "branched from %s at step %d (%s tokens): %s tokens per step",
+        parent,
+        state.step,
+        f"{state.tokens_seen:,}",
+        f"{state.parts.plan.tokens_per_step:,}",
+    )
     return {k: v for k, v in document.items() if k not in ("model", "optimizer", "rng")}

@@ -160,8 +160,10 @@ def _build_parts(
     if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
         say(
             "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
-            "(start several processes with --nproc N or torchrun)", config.run.parallel, level=logging.WARNING,
-        )  # fmt: skip
+            "(start several processes with --nproc N or torchrun)",
+            config.run.parallel,
+            level=logging.WARNING,
+        )
     wrapped, grad_sync = wrap_model(
         model, parallel, dist, device, config.run.sync_every_micro_step, precision, units=fsdp_units(model)
     )
@@ -177,17 +179,32 @@ def _build_parts(
     schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)
     if opt.warmup_steps > schedule.warmup_steps and resume_from is None:
         say(
-            "warmup_steps %d is longer than the run (%d steps): warming up over all %d", opt.warmup_steps,
-            schedule.decay_steps, schedule.warmup_steps, level=logging.WARNING,
-        )  # fmt: skip
+            "warmup_steps %d is longer than the run (%d steps): warming up over all %d",
+            opt.warmup_steps,
+            schedule.decay_steps,
+            schedule.warmup_steps,
+            level=logging.WARNING,
+        )
     noise_scale = _noise_scale(config, plan, say)
-    small_grad = None if noise_scale is None else small_grad_probe(
-        wrapped, parallel, config.run.sync_every_micro_step, first_reduced_possible=plan.accumulation_steps == 1
-    )  # fmt: skip
+    small_grad = (
+        None
+        if noise_scale is None
+        else small_grad_probe(
+            wrapped, parallel, config.run.sync_every_micro_step, first_reduced_possible=plan.accumulation_steps == 1
+        )
+    )
     engine = AccumulationEngine(
-        train_model, optimizer, schedule, grad_clip=opt.grad_clip, precision=precision, device=device,
-        grad_sync=grad_sync, dist=dist, noise_scale=noise_scale, small_grad=small_grad,
-    )  # fmt: skip
+        train_model,
+        optimizer,
+        schedule,
+        grad_clip=opt.grad_clip,
+        precision=precision,
+        device=device,
+        grad_sync=grad_sync,
+        dist=dist,
+        noise_scale=noise_scale,
+        small_grad=small_grad,
+    )
     fault = fault_from_env()
     if fault:
         engine.loss_fn = with_fault(engine.loss_fn, fault, dist.rank, lambda: engine.step_count + 1)
@@ -198,11 +215,27 @@ def _build_parts(
         device_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     )
     return RunParts(
-        config=config, dist=dist, device=device, run_dir=run_dir, resume_from=resume_from, dataset=dataset,
-        fingerprints=fingerprints, bpe_json=bpe_json, model=model, train_model=train_model,
-        parallel=parallel, optimizer=optimizer, engine=engine, plan=plan, policy=policy,
-        train_loader=train_loader, val_loader=val_loader, peak_flops=peak_flops, ramp=ramp, run_lock=run_lock,
-    )  # fmt: skip
+        config=config,
+        dist=dist,
+        device=device,
+        run_dir=run_dir,
+        resume_from=resume_from,
+        dataset=dataset,
+        fingerprints=fingerprints,
+        bpe_json=bpe_json,
+        model=model,
+        train_model=train_model,
+        parallel=parallel,
+        optimizer=optimizer,
+        engine=engine,
+        plan=plan,
+        policy=policy,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        peak_flops=peak_flops,
+        ramp=ramp,
+        run_lock=run_lock,
+    )
 
 
 def chosen_run_dir(config: TrainConfig) -> Path:
@@ -232,8 +265,9 @@ def _run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path, Ru
 def prepare_data(config: TrainConfig) -> Path:
     """The run's prepared dataset: raw text prepared into the cache once, or a dataset directory as it is."""
     data = config.data
-    return ensure_prepared(data.data, data_tokenizer(config), data.val_fraction, data.cache_dir or None,
-                           mode=data.data_mode)  # fmt: skip
+    return ensure_prepared(
+        data.data, data_tokenizer(config), data.val_fraction, data.cache_dir or None, mode=data.data_mode
+    )
 
 
 def data_tokenizer(config: TrainConfig) -> str:
@@ -251,13 +285,22 @@ def _say_tokenizer(config: TrainConfig, used: str, used_fingerprint: str, say: S
         return
     own = model_dir_tokenizer(directory)
     if own is None:
-        say("--tokenizer auto: %s has no tokenizer.json; using the data's %s tokenizer, as for a preset",
-            directory, used, level=logging.WARNING)  # fmt: skip
+        say(
+            "--tokenizer auto: %s has no tokenizer.json; using the data's %s tokenizer, as for a preset",
+            directory,
+            used,
+            level=logging.WARNING,
+        )
     elif tokenizer_fingerprint(own) == used_fingerprint:
         say("--tokenizer auto: the model's own tokenizer, %s", own.removeprefix("file:"))
     else:
-        say("--tokenizer auto: %s holds %s tokens, not those of %s's tokenizer.json; training on them",
-            config.data.data, used, directory, level=logging.WARNING)  # fmt: skip
+        say(
+            "--tokenizer auto: %s holds %s tokens, not those of %s's tokenizer.json; training on them",
+            config.data.data,
+            used,
+            directory,
+            level=logging.WARNING,
+        )
 
 
 def _prepared_data(config: TrainConfig, dist: DistContext) -> Path:
@@ -309,8 +352,9 @@ def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
     name = config.model.preset
     shape = hf_shape(name)
     if config.model.block_size:
-        raise ConfigError(f"--block-size does not apply to {name}: its context length is its config.json's "
-                          f"({shape.block_size:,})")  # fmt: skip
+        raise ConfigError(
+            f"--block-size does not apply to {name}: its context length is its config.json's ({shape.block_size:,})"
+        )
     if config.model.dropout:
         raise ConfigError(f"--dropout does not apply to {name}: its config.json sets its dropout; leave --dropout at 0")
     check_tokenizer_fits(vocab_size, shape.vocab_size, "the data's tokenizer")
@@ -346,8 +390,9 @@ def chunked_loss(config: TrainConfig, model: LanguageModel, say: Say) -> bool:
         say(
             "%s: its logits are not its output head's linear map of the last hidden state (e.g. a soft cap or a "
             "scale after the head), so the loss is computed from the whole logits (--chunked-loss has no effect)",
-            config.model.preset, level=logging.WARNING,
-        )  # fmt: skip
+            config.model.preset,
+            level=logging.WARNING,
+        )
         return False
     return True
 
@@ -401,24 +446,45 @@ def _auto_micro_batch(
         else:
             candidates = candidate_micro_batches(batch.total_batch_tokens, batch.seq_len, dist.world_size)
         choice = choose_micro_batch(
-            model.config, candidates, batch.seq_len, k=2, device=device, precision=precision,
-            memory_budget_mib=batch.memory_budget, activation_checkpointing=model.activation_checkpointing,
+            model.config,
+            candidates,
+            batch.seq_len,
+            k=2,
+            device=device,
+            precision=precision,
+            memory_budget_mib=batch.memory_budget,
+            activation_checkpointing=model.activation_checkpointing,
             chunked_loss=model.chunked_loss,
-        )  # fmt: skip
+        )
         say("auto micro-batch: %d (largest that fits among %s)", choice, candidates)
     return int(dist.broadcast_object(choice))
 
 
 def build_loader(
-    config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, split: str, name: str,
-    shuffle: bool = False, pack: bool = False,
+    config: TrainConfig,
+    dataset: Dataset,
+    plan: BatchPlan,
+    dist: DistContext,
+    split: str,
+    name: str,
+    shuffle: bool = False,
+    pack: bool = False,
 ) -> Loader:
     """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``; documents packed into rows
     with ``pack``); a documents split without a single valid target is refused."""
     loader = loader_for(
-        dataset, split, plan.micro_batch, plan.seq_len, dist.rank, dist.world_size, name=name,
-        long_documents=config.data.long_documents, shuffle=shuffle, seed=config.run.seed, pack=pack,
-    )  # fmt: skip
+        dataset,
+        split,
+        plan.micro_batch,
+        plan.seq_len,
+        dist.rank,
+        dist.world_size,
+        name=name,
+        long_documents=config.data.long_documents,
+        shuffle=shuffle,
+        seed=config.run.seed,
+        pack=pack,
+    )
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
             f"the {name} split of {dataset.directory} holds no valid targets: each of its "
@@ -437,9 +503,16 @@ def _val_loader(
         raise DataError("the dataset has no validation split; prepare it with --val-fraction > 0 or set --eval-every 0")
     try:
         windows = validation_windows(
-            dataset, "val", plan.micro_batch, plan.seq_len, config.run.eval_batches, dist.rank, dist.world_size,
-            long_documents=config.data.long_documents, pack=pack,
-        )  # fmt: skip
+            dataset,
+            "val",
+            plan.micro_batch,
+            plan.seq_len,
+            config.run.eval_batches,
+            dist.rank,
+            dist.world_size,
+            long_documents=config.data.long_documents,
+            pack=pack,
+        )
         if isinstance(windows.source, DocumentLoader) and windows.source.valid_targets == 0:
             raise DataError(
                 f"the validation split of {dataset.directory} holds no valid targets (every document is a single "
@@ -456,8 +529,11 @@ def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> No
     n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences (rows)
     if n_seq is not None and micro_batch * world_size > n_seq:
         per_process = f" x {world_size} processes" if world_size > 1 else ""
-        unit, what = ("row", "documents packed into rows") if loader.pack else ("sequence", "documents after the "
-                                                                                "long-document policy")  # fmt: skip
+        unit, what = (
+            ("row", "documents packed into rows")
+            if loader.pack
+            else ("sequence", "documents after the long-document policy")
+        )
         raise ConfigError(
             f"--micro-batch {micro_batch}{per_process} needs {micro_batch * world_size} {unit}s per micro-batch, "
             f"but the training split holds only {n_seq} {unit}{'s' if n_seq != 1 else ''} ({what}); use "

@@ -52,5 +52,14 @@ LAST_WINDOW_POLICIES = LAST_WINDOW.values
 # tests/integration/test_cli_structure.py checks that they match the tokenizers and the model presets they describe.
 TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB", "file:PATH")
 MODEL_PRESET_NAMES = (
-    "pico", "nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt-1b", "llama-pico", "llama-nano", "llama3.2-1b",
-)  # fmt: skip
+    "pico",
+    "nano",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "gpt-1b",
+    "llama-pico",
+    "llama-nano",
+    "llama3.2-1b",
+)

@@ -52,7 +52,11 @@ positions, and sequences that long rarely fit a training step (``--seq-len`` ask
 
 
 def _opt(
-    default: Any, help: str, flag: str | None = None, range: Range | None = None, choices: Choices | None = None,
+    default: Any,
+    help: str,
+    flag: str | None = None,
+    range: Range | None = None,
+    choices: Choices | None = None,
     legacy_zero: bool = False,
 ) -> Any:
     """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
@@ -79,14 +83,20 @@ def _opt(
 @dataclass
 class ModelSection:
     preset: str = _opt(
-        "nano", f"model preset: {', '.join(MODEL_PRESET_NAMES)}; or hf:DIR, a local Hugging Face causal LM",
+        "nano",
+        f"model preset: {', '.join(MODEL_PRESET_NAMES)}; or hf:DIR, a local Hugging Face causal LM",
         flag="model",
     )
     block_size: int = _opt(
-        0, "maximum context length; auto: the preset's", range=POSITIVE_INT_OR_AUTO, legacy_zero=True,
+        0,
+        "maximum context length; auto: the preset's",
+        range=POSITIVE_INT_OR_AUTO,
+        legacy_zero=True,
     )
     dropout: float = _opt(
-        0.0, "dropout probability (0 keeps micro-batch and full-batch gradients identical)", range=PROBABILITY,
+        0.0,
+        "dropout probability (0 keeps micro-batch and full-batch gradients identical)",
+        range=PROBABILITY,
     )
     activation_checkpointing: bool = _opt(
         False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
@@ -159,7 +169,9 @@ class DataSection:
 @dataclass
 class BatchSection:
     total_batch_tokens: int = _opt(
-        16384, "tokens per optimizer step = micro_batch x seq_len x K x world_size", range=POSITIVE_INT,
+        16384,
+        "tokens per optimizer step = micro_batch x seq_len x K x world_size",
+        range=POSITIVE_INT,
     )
     micro_batch: int = field(
         default=16,
@@ -173,7 +185,8 @@ class BatchSection:
         0.0,
         "MiB a training step may use on CPU, for --micro-batch auto; auto: none given (CUDA probes what fits in the "
         "device's memory; on CPU --micro-batch auto then asks for one)",
-        range=POSITIVE_OR_AUTO, legacy_zero=True,
+        range=POSITIVE_OR_AUTO,
+        legacy_zero=True,
     )
     seq_len: int = _opt(
         0,
@@ -206,17 +219,23 @@ class OptimSection:
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr; 0 decays to zero", range=FRACTION)
     warmup_steps: int = _opt(20, "linear warmup steps; 0: none", range=NON_NEGATIVE_INT)
     decay_steps: int = _opt(
-        0, "step at which cosine decay reaches the minimum; auto: max_steps", range=POSITIVE_INT_OR_AUTO,
+        0,
+        "step at which cosine decay reaches the minimum; auto: max_steps",
+        range=POSITIVE_INT_OR_AUTO,
         legacy_zero=True,
     )
     weight_decay: float = _opt(
-        0.1, "AdamW weight decay on matrices and embeddings; 0 disables", range=NON_NEGATIVE,
+        0.1,
+        "AdamW weight decay on matrices and embeddings; 0 disables",
+        range=NON_NEGATIVE,
     )
     beta1: float = _opt(0.9, "AdamW beta1; 0: no moving average of the gradient", range=PROBABILITY)
     beta2: float = _opt(0.95, "AdamW beta2; 0: no moving average of its square", range=PROBABILITY)
     eps: float = _opt(1e-8, "AdamW epsilon", range=POSITIVE)
     grad_clip: float = _opt(
-        1.0, "clip the global gradient norm to this after accumulation; 0 disables", range=NON_NEGATIVE,
+        1.0,
+        "clip the global gradient norm to this after accumulation; 0 disables",
+        range=NON_NEGATIVE,
     )
 
 
@@ -240,10 +259,13 @@ class RunSection:
         },
     )
     nproc: int = _opt(
-        1, "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you", range=POSITIVE_INT,
+        1,
+        "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you",
+        range=POSITIVE_INT,
     )
     parallel: str = _opt(
-        "auto", "auto (ddp when world_size > 1), none, ddp or fsdp (FSDP2 fully_shard per block and root)",
+        "auto",
+        "auto (ddp when world_size > 1), none, ddp or fsdp (FSDP2 fully_shard per block and root)",
         choices=PARALLEL,
     )
     sync_every_micro_step: bool = _opt(
@@ -251,8 +273,10 @@ class RunSection:
     )
     collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error", range=POSITIVE)
     peak_flops: float = _opt(
-        0.0, "peak FLOP/s per device for MFU; auto: looked up by the GPU's name (A100, H100, H200; others: no MFU)",
-        range=POSITIVE_OR_AUTO, legacy_zero=True,
+        0.0,
+        "peak FLOP/s per device for MFU; auto: looked up by the GPU's name (A100, H100, H200; others: no MFU)",
+        range=POSITIVE_OR_AUTO,
+        legacy_zero=True,
     )
     tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
     wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
@@ -269,7 +293,9 @@ class RunSection:
         },
     )
     save_every: int = _opt(
-        0, "checkpoint every N steps; the final step is always saved (0: only the final step)", range=NON_NEGATIVE_INT,
+        0,
+        "checkpoint every N steps; the final step is always saved (0: only the final step)",
+        range=NON_NEGATIVE_INT,
     )
     keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
     resume: str = _opt(
@@ -285,7 +311,9 @@ class RunSection:
         "of refusing",
     )
     max_consecutive_skips: int = _opt(
-        5, "abort after this many consecutive steps with a non-finite gradient", range=POSITIVE_INT,
+        5,
+        "abort after this many consecutive steps with a non-finite gradient",
+        range=POSITIVE_INT,
     )
     log_every: int = _opt(1, "print a step line every N steps", range=POSITIVE_INT)
     noise_scale_every: int = _opt(
@@ -475,24 +503,39 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             dest = f"{section}.{f.name}"
             if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, nargs="?", const="on", choices=f.metadata["choices"],
-                    default=argparse.SUPPRESS, help=help_text,
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    nargs="?",
+                    const="on",
+                    choices=f.metadata["choices"],
+                    default=argparse.SUPPRESS,
+                    help=help_text,
                 )
                 group.add_argument(
-                    f"--no-{_flag(f)}", dest=dest, action="store_const", const="off", default=argparse.SUPPRESS,
+                    f"--no-{_flag(f)}",
+                    dest=dest,
+                    action="store_const",
+                    const="off",
+                    default=argparse.SUPPRESS,
                     help=f"same as --{_flag(f)} off",
                 )
             elif kind is bool:
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS, help=help_text,
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
                 )
             else:
                 declared: Range | None = f.metadata.get("range")
                 group.add_argument(
-                    f"--{_flag(f)}", dest=dest, type=declared.argtype() if declared else kind,
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    type=declared.argtype() if declared else kind,
                     default=argparse.SUPPRESS,
-                    metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(), help=help_text,
+                    metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(),
+                    help=help_text,
                 )
 
 

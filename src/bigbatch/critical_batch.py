@@ -198,11 +198,15 @@ class CriticalBatchResult:
             f"{self.tolerance:.1%} of the smallest's"
         )
         if self.bound == "at least":
-            lines.append(f"critical batch: at least {self.critical_tokens_per_step:,} tokens per step ({rule}: every "
-                         "size tried is; try larger sizes, or a larger budget)")  # fmt: skip
+            lines.append(
+                f"critical batch: at least {self.critical_tokens_per_step:,} tokens per step ({rule}: every "
+                "size tried is; try larger sizes, or a larger budget)"
+            )
         elif self.bound == "at most":
-            lines.append(f"critical batch: {self.critical_tokens_per_step:,} tokens per step or less ({rule}: the "
-                         "next size already is not; try smaller sizes)")  # fmt: skip
+            lines.append(
+                f"critical batch: {self.critical_tokens_per_step:,} tokens per step or less ({rule}: the "
+                "next size already is not; try smaller sizes)"
+            )
         else:
             lines.append(f"critical batch: {self.critical_tokens_per_step:,} tokens per step ({rule})")
         if self.noise_scale is not None:
@@ -247,8 +251,10 @@ def find_parent(run_dir: Path, step: int | None = None) -> Path:
         problem = verify_checkpoint(path) if path.is_file() else "there is none"
         if problem:
             have = ", ".join(p.stem.split("_")[1].lstrip("0") or "0" for p in list_checkpoints(run_dir)) or "none"
-            raise CheckpointError(f"--step {step}: no complete checkpoint of {run_dir} at that step ({problem}); "
-                                  f"its checkpoints are at steps: {have}")  # fmt: skip
+            raise CheckpointError(
+                f"--step {step}: no complete checkpoint of {run_dir} at that step ({problem}); "
+                f"its checkpoints are at steps: {have}"
+            )
         return path
     found = latest_valid_checkpoint(run_dir)
     if found is None:
@@ -300,15 +306,21 @@ def _read_parent(run_dir: Path, step: int | None = None) -> _Parent:
     loader = document.get("loader") or {}
     micro_batch = int(batch.get("micro_batch") or 0) or int(loader.get("micro_batch") or 0)
     return _Parent(
-        checkpoint=path, document={k: v for k, v in document.items() if k not in ("model", "optimizer", "rng")},
-        step=step, tokens_seen=int(document.get("tokens_seen", 0)), tokens_per_step=int(batch["total_batch_tokens"]),
-        lr=saved_schedule(document)(step), micro_batch=micro_batch, seq_len=int(batch["seq_len"]),
+        checkpoint=path,
+        document={k: v for k, v in document.items() if k not in ("model", "optimizer", "rng")},
+        step=step,
+        tokens_seen=int(document.get("tokens_seen", 0)),
+        tokens_per_step=int(batch["total_batch_tokens"]),
+        lr=saved_schedule(document)(step),
+        micro_batch=micro_batch,
+        seq_len=int(batch["seq_len"]),
         sha256=str(json.loads(commit_path(path).read_text())["sha256"]),
-    )  # fmt: skip
+    )
 
 
-def branch_config(parent: _Parent, branch_dir: Path, plan: BatchPlan, lr: float, steps: int, eval_batches: int,
-                  device: str) -> Any:  # fmt: skip
+def branch_config(
+    parent: _Parent, branch_dir: Path, plan: BatchPlan, lr: float, steps: int, eval_batches: int, device: str
+) -> Any:
     """The branch's own config: the parent's, with this size's tokens per step (the micro-batch chosen for all
     branches), a constant learning rate ``lr``, ``steps`` more steps, and its own directory; no sample, no
     external loggers, one process."""
@@ -382,10 +394,17 @@ def _train_branch(config: Any, parent: _Parent, target: int) -> bool:
 
 
 def measure_critical_batch(
-    run_dir: Path, sizes: list[int], budget: int, tolerance: float = DEFAULT_TOLERANCE, lr_rule: str = DEFAULT_LR_RULE,
-    micro_batch: int | None = None, eval_batches: int | None = None, device: str = "auto", plot: bool = True,
+    run_dir: Path,
+    sizes: list[int],
+    budget: int,
+    tolerance: float = DEFAULT_TOLERANCE,
+    lr_rule: str = DEFAULT_LR_RULE,
+    micro_batch: int | None = None,
+    eval_batches: int | None = None,
+    device: str = "auto",
+    plot: bool = True,
     step: int | None = None,
-) -> CriticalBatchResult:  # fmt: skip
+) -> CriticalBatchResult:
     """Branch RUN's latest checkpoint (or the one at ``step``) at each size in ``sizes`` (tokens per step), train
     each for ``budget`` tokens, evaluate all on the same validation windows and find the critical batch; write
     ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/``. Every check runs before any
@@ -408,16 +427,35 @@ def measure_critical_batch(
     mb, seq_len = plans[0].micro_batch, parent.seq_len
 
     def evaluate(checkpoint: Path) -> tuple[float, int]:
-        result = evaluate_checkpoint(checkpoint, split="val", batches=eval_batches, micro_batch=mb, seq_len=seq_len,
-                                     device=eval_device, precision=precision)  # fmt: skip
+        result = evaluate_checkpoint(
+            checkpoint,
+            split="val",
+            batches=eval_batches,
+            micro_batch=mb,
+            seq_len=seq_len,
+            device=eval_device,
+            precision=precision,
+        )
         return result.loss, result.tokens
 
     parent_loss, eval_tokens = evaluate(parent.checkpoint)  # also: the data has a validation split, before training
     base = run_dir / OUT_DIR / f"step_{parent.step:07d}-lr_{lr_rule}"
     base.mkdir(parents=True, exist_ok=True)
     with hold_directory(base, "critical-batch directory", wait=False, say=_say):  # one measurement writes it
-        return _measure(run_dir, base, parent, (parent_loss, eval_tokens), plans, budget, tolerance, lr_rule,
-                        eval_batches, device, plot, evaluate)  # fmt: skip
+        return _measure(
+            run_dir,
+            base,
+            parent,
+            (parent_loss, eval_tokens),
+            plans,
+            budget,
+            tolerance,
+            lr_rule,
+            eval_batches,
+            device,
+            plot,
+            evaluate,
+        )
 
 
 def _say(message: str, *args: Any, level: int = logging.INFO) -> None:
@@ -425,8 +463,17 @@ def _say(message: str, *args: Any, level: int = logging.INFO) -> None:
 
 
 def _measure(
-    run_dir: Path, base: Path, parent: _Parent, parent_scored: tuple[float, int], plans: list[BatchPlan],
-    budget: int, tolerance: float, lr_rule: str, eval_batches: int, device: str, plot: bool,
+    run_dir: Path,
+    base: Path,
+    parent: _Parent,
+    parent_scored: tuple[float, int],
+    plans: list[BatchPlan],
+    budget: int,
+    tolerance: float,
+    lr_rule: str,
+    eval_batches: int,
+    device: str,
+    plot: bool,
     evaluate: Callable[[Path], tuple[float, int]],
 ) -> CriticalBatchResult:
     """Train and score every branch of :func:`measure_critical_batch` in ``base`` (held), write the result."""
@@ -436,40 +483,68 @@ def _measure(
     (parent_loss, eval_tokens), mb, seq_len = parent_scored, plans[0].micro_batch, parent.seq_len
     log.info(
         "critical-batch: branching %s at step %d (%s tokens) at %s tokens per step, %s tokens each, in %s",
-        run_dir, parent.step, f"{parent.tokens_seen:,}", ", ".join(f"{s:,}" for s in sizes), f"{budget:,}", base,
-    )  # fmt: skip
+        run_dir,
+        parent.step,
+        f"{parent.tokens_seen:,}",
+        ", ".join(f"{s:,}" for s in sizes),
+        f"{budget:,}",
+        base,
+    )
     trained: list[tuple[BatchPlan, int, float, float, bool, Path]] = []
     for plan in plans:
         size, steps = plan.tokens_per_step, budget // plan.tokens_per_step
         lr = branch_lr(lr_rule, parent.lr, parent.tokens_per_step, size)
         branch_dir = base / f"tps_{size}"
         record = {
-            "parent_run": str(run_dir.resolve()), "parent_checkpoint": parent.checkpoint.name,
-            "parent_step": parent.step, "parent_sha256": parent.sha256,
-            "parent_tokens_per_step": parent.tokens_per_step, "parent_lr": parent.lr,
-            "tokens_per_step": size, "lr_rule": lr_rule, "lr": lr,
-        }  # fmt: skip
+            "parent_run": str(run_dir.resolve()),
+            "parent_checkpoint": parent.checkpoint.name,
+            "parent_step": parent.step,
+            "parent_sha256": parent.sha256,
+            "parent_tokens_per_step": parent.tokens_per_step,
+            "parent_lr": parent.lr,
+            "tokens_per_step": size,
+            "lr_rule": lr_rule,
+            "lr": lr,
+        }
         _check_branch_record(branch_dir, record)
         config = branch_config(parent, branch_dir, plan, lr, steps, eval_batches, device)
         target = parent.step + steps
-        log.info("branch %s tokens per step (K %d, lr %.2e): steps %d..%d", f"{size:,}", plan.accumulation_steps, lr,
-                 parent.step + 1, target)  # fmt: skip
+        log.info(
+            "branch %s tokens per step (K %d, lr %.2e): steps %d..%d",
+            f"{size:,}",
+            plan.accumulation_steps,
+            lr,
+            parent.step + 1,
+            target,
+        )
         reused = _train_branch(config, parent, target)
         loss, _ = evaluate(checkpoint_path(branch_dir, target))
         trained.append((plan, steps, lr, loss, reused, branch_dir))
     critical, within = critical_batch_size(sizes, [t[3] for t in trained], tolerance)
     noise = noise_scale_series(run_dir, up_to_step=parent.step)
     result = CriticalBatchResult(
-        run=str(run_dir), checkpoint=str(parent.checkpoint), parent_step=parent.step,
-        parent_tokens_seen=parent.tokens_seen, parent_tokens_per_step=parent.tokens_per_step, parent_lr=parent.lr,
-        parent_val_loss=parent_loss, budget=budget, lr_rule=lr_rule, tolerance=tolerance, micro_batch=mb,
-        seq_len=seq_len, eval_batches=eval_batches, eval_tokens=eval_tokens, critical_tokens_per_step=critical,
-        noise_scale=noise[-1][2] if noise else None, noise_scale_step=noise[-1][0] if noise else None,
+        run=str(run_dir),
+        checkpoint=str(parent.checkpoint),
+        parent_step=parent.step,
+        parent_tokens_seen=parent.tokens_seen,
+        parent_tokens_per_step=parent.tokens_per_step,
+        parent_lr=parent.lr,
+        parent_val_loss=parent_loss,
+        budget=budget,
+        lr_rule=lr_rule,
+        tolerance=tolerance,
+        micro_batch=mb,
+        seq_len=seq_len,
+        eval_batches=eval_batches,
+        eval_tokens=eval_tokens,
+        critical_tokens_per_step=critical,
+        noise_scale=noise[-1][2] if noise else None,
+        noise_scale_step=noise[-1][0] if noise else None,
         branches=[
             BranchResult(plan.tokens_per_step, plan.accumulation_steps, steps, lr, loss, ok, str(branch_dir), reused)
             for (plan, steps, lr, loss, reused, branch_dir), ok in zip(trained, within, strict=True)
         ],
-    )  # fmt: skip
+    )
     if plot:
         plot_result(result, noise_scale_series(run_dir), base / PLOT_FILE)
     write_json_atomically(base / RESULT_FILE, result.to_dict())
@@ -495,28 +570,54 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
             left.plot([b.tokens_per_step], [b.val_loss], "x", color="C3", markersize=10)
     left.axhline(limit, color="grey", ls="--", lw=1, label=f"smallest's loss + {result.tolerance:.1%}")
     bound = {"at least": ">= ", "at most": "<= "}.get(result.bound, "")
-    left.axvline(result.critical_tokens_per_step, color="C2", lw=2,
-                 label=f"critical batch {bound}{result.critical_tokens_per_step:,}")  # fmt: skip
+    left.axvline(
+        result.critical_tokens_per_step,
+        color="C2",
+        lw=2,
+        label=f"critical batch {bound}{result.critical_tokens_per_step:,}",
+    )
     if result.noise_scale is not None and result.noise_scale > 0:
-        left.axvline(result.noise_scale, color="C1", ls=":", lw=2,
-                     label=f"noise scale {result.noise_scale:,.0f} (step {result.noise_scale_step})")  # fmt: skip
-    left.axvline(result.parent_tokens_per_step, color="black", ls="-.", lw=1,
-                 label=f"the run's {result.parent_tokens_per_step:,}")  # fmt: skip
+        left.axvline(
+            result.noise_scale,
+            color="C1",
+            ls=":",
+            lw=2,
+            label=f"noise scale {result.noise_scale:,.0f} (step {result.noise_scale_step})",
+        )
+    left.axvline(
+        result.parent_tokens_per_step,
+        color="black",
+        ls="-.",
+        lw=1,
+        label=f"the run's {result.parent_tokens_per_step:,}",
+    )
     left.set_xscale("log", base=2)
     left.set_xlabel("tokens per step")
     left.set_ylabel("validation loss")
     left.set_title(f"branches from step {result.parent_step} (lr rule {result.lr_rule})")
     left.legend(fontsize=8)
     if noise:
-        right.plot([t for _, t, _ in noise], [max(v, 1.0) for _, _, v in noise], ".-", color="C1",
-                   label="noise scale (B_simple) logged by the run")  # fmt: skip
+        right.plot(
+            [t for _, t, _ in noise],
+            [max(v, 1.0) for _, _, v in noise],
+            ".-",
+            color="C1",
+            label="noise scale (B_simple) logged by the run",
+        )
         right.set_yscale("log")
     else:
-        right.text(0.5, 0.5, "no noise scale in the run's metrics.jsonl", ha="center", va="center",
-                   transform=right.transAxes)  # fmt: skip
+        right.text(
+            0.5, 0.5, "no noise scale in the run's metrics.jsonl", ha="center", va="center", transform=right.transAxes
+        )
     marker = {"at least": "^", "at most": "v"}.get(result.bound, "*")  # a bound points the way the answer lies
-    right.plot([result.parent_tokens_seen], [result.critical_tokens_per_step], marker, color="C2", markersize=14,
-               label=f"critical batch by branching: {bound}{result.critical_tokens_per_step:,}")  # fmt: skip
+    right.plot(
+        [result.parent_tokens_seen],
+        [result.critical_tokens_per_step],
+        marker,
+        color="C2",
+        markersize=14,
+        label=f"critical batch by branching: {bound}{result.critical_tokens_per_step:,}",
+    )
     right.axhline(result.parent_tokens_per_step, color="black", ls="-.", lw=1, label="the run's tokens per step")
     right.set_xlabel("tokens seen by the run")
     right.set_ylabel("tokens")

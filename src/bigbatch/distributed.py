@@ -237,9 +237,7 @@ def wrap_model(
     if parallel == "none":
         return model, LocalGradSync()
     if parallel == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return ddp, LocalGradSync() if sync_every_micro_step else DDPGradSync(ddp)
     if parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh

@@ -120,8 +120,9 @@ def evaluate_checkpoint(
     bpe_json = None
     if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
         bpe_json = checkpoint_tokenizer(document, Path(checkpoint)).to_str()  # type: ignore[attr-defined]
-    directory = ensure_prepared(data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")),
-                                bpe_json=bpe_json)  # fmt: skip
+    directory = ensure_prepared(
+        data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")), bpe_json=bpe_json
+    )
     dataset = open_dataset(directory)
     if dataset.meta.tokenizer != tokenizer:
         raise DataError(
@@ -138,8 +139,16 @@ def evaluate_checkpoint(
         # by default the run's own windows, as its evaluations read them; batches=0: the whole split
         # documents packed into rows as the run packed them (a run from before packing read one per row)
         pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
-        loader = validation_windows(dataset, split, micro_batch, seq_len, run_batches if batches is None else batches,
-                                    long_documents=long_documents, whole=batches == 0, pack=pack)  # fmt: skip
+        loader = validation_windows(
+            dataset,
+            split,
+            micro_batch,
+            seq_len,
+            run_batches if batches is None else batches,
+            long_documents=long_documents,
+            whole=batches == 0,
+            pack=pack,
+        )
     except DataError as exc:
         raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
     if getattr(loader.source, "valid_targets", 1) == 0:
@@ -154,10 +163,17 @@ def evaluate_checkpoint(
     if n_valid == 0:
         raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
     return EvalResult(
-        loss=float(totals[0] / n_valid), tokens=n_valid, micro_batches=read, split=split, dataset=directory,
-        tokenizer=tokenizer, step=int(document.get("step", 0)), micro_batch=micro_batch, seq_len=seq_len,
+        loss=float(totals[0] / n_valid),
+        tokens=n_valid,
+        micro_batches=read,
+        split=split,
+        dataset=directory,
+        tokenizer=tokenizer,
+        step=int(document.get("step", 0)),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
         whole_split=loader.whole,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -190,8 +206,13 @@ def validation_result(parts: RunParts, should_stop: Callable[[], bool] | None = 
 
     parts.train_model.eval()
     totals, _ = summed_loss(
-        parts.train_model, parts.val_loader, 0, parts.device, parts.engine.precision,
-        parts.engine.loss_fn, should_stop=stop_now if should_stop is not None else None,
+        parts.train_model,
+        parts.val_loader,
+        0,
+        parts.device,
+        parts.engine.precision,
+        parts.engine.loss_fn,
+        should_stop=stop_now if should_stop is not None else None,
     )  # (loss sum, valid targets) on this rank: every micro-batch of the sample
     parts.train_model.train()
     if parts.parallel == "fsdp":

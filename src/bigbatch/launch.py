@@ -80,8 +80,14 @@ def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) ->
     from bigbatch.lifeline import run_supervised
 
     command = [
-        sys.executable, "-m", "bigbatch.cli.launcher", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "bigbatch", subcommand, *strip_nproc(argv),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bigbatch.cli.launcher",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "bigbatch",
+        subcommand,
+        *strip_nproc(argv),
+    ]
     return run_supervised(command)
-

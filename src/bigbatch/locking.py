@@ -52,8 +52,13 @@ class Holder:
         """The holder recorded in ``text``, or ``None`` for an empty or unreadable record."""
         try:
             fields = json.loads(text)
-            return cls(str(fields["host"]), int(fields["pid"]), float(fields["since"]), str(fields["command"]),
-                       str(fields["token"]))  # fmt: skip
+            return cls(
+                str(fields["host"]),
+                int(fields["pid"]),
+                float(fields["since"]),
+                str(fields["command"]),
+                str(fields["token"]),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -141,8 +146,11 @@ def read_holder(path: Path) -> Holder | None:
 
 
 def acquire(
-    path: Path, wait: bool = False, on_wait: Callable[[Holder | None], None] | None = None,
-    holder: Holder | None = None, poll: float = POLL_SECONDS,
+    path: Path,
+    wait: bool = False,
+    on_wait: Callable[[Holder | None], None] | None = None,
+    holder: Holder | None = None,
+    poll: float = POLL_SECONDS,
 ) -> FileLock:
     """Take the lock at ``path`` (its folder must exist) for ``holder`` (default: this process).
 

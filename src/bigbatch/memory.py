@@ -168,8 +168,14 @@ class _CudaPeak:
 
 @preserved_rng()
 def measure_in_process(
-    config: ModelConfig, micro_batch: int, seq_len: int, k: int, device: torch.device, precision: str = "fp32",
-    activation_checkpointing: bool = False, chunked_loss: bool = True,
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    k: int,
+    device: torch.device,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
 ) -> MicroStepMeasurement:
     """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`).
 
@@ -237,15 +243,28 @@ def measure_in_process(
     micro_seconds = timed(lambda: micro_step().backward())
     opt_seconds = timed(optimizer.step)
     return MicroStepMeasurement(
-        micro_batch=micro_batch, fixed=fixed, forward_peak=forward.peak,
-        backward_peak=backward_peak, optimizer_peak=opt_phase.peak, step_peak_k2=step2.peak, step_peak_k=stepk.peak,
-        k=k, micro_step_seconds=micro_seconds, optimizer_seconds=opt_seconds,
+        micro_batch=micro_batch,
+        fixed=fixed,
+        forward_peak=forward.peak,
+        backward_peak=backward_peak,
+        optimizer_peak=opt_phase.peak,
+        step_peak_k2=step2.peak,
+        step_peak_k=stepk.peak,
+        k=k,
+        micro_step_seconds=micro_seconds,
+        optimizer_seconds=opt_seconds,
     )
 
 
 def measure(
-    config: ModelConfig, micro_batch: int, seq_len: int, k: int = 4, device: torch.device | str = "cpu",
-    precision: str = "fp32", activation_checkpointing: bool = False, chunked_loss: bool = True,
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    k: int = 4,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
 ) -> MicroStepMeasurement:
     """Measure one micro-batch size: in this process on CUDA, in a fresh process on CPU."""
     device = torch.device(device)
@@ -254,9 +273,15 @@ def measure(
             config, micro_batch, seq_len, k, device, precision, activation_checkpointing, chunked_loss
         )
     request = {
-        "family": family_of(config), "config": config.to_dict(), "micro_batch": micro_batch, "seq_len": seq_len, "k": k,
-        "precision": precision, "activation_checkpointing": activation_checkpointing, "chunked_loss": chunked_loss,
-    }  # fmt: skip
+        "family": family_of(config),
+        "config": config.to_dict(),
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "k": k,
+        "precision": precision,
+        "activation_checkpointing": activation_checkpointing,
+        "chunked_loss": chunked_loss,
+    }
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
         [sys.executable, "-m", "bigbatch.memory", json.dumps(request)], env=env, capture_output=True, text=True
@@ -281,8 +306,13 @@ def _probe_main() -> None:
     request = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = measure_in_process(
-        config_from_dict(request["family"], request["config"]), request["micro_batch"], request["seq_len"],
-        request["k"], torch.device("cpu"), request["precision"], request["activation_checkpointing"],
+        config_from_dict(request["family"], request["config"]),
+        request["micro_batch"],
+        request["seq_len"],
+        request["k"],
+        torch.device("cpu"),
+        request["precision"],
+        request["activation_checkpointing"],
         request["chunked_loss"],
     )
     sys.stdout.write(json.dumps(asdict(result)) + "\n")  # the parent reads this line
@@ -379,8 +409,17 @@ class MemorySweep:
 
 
 def sweep_memory(
-    model: str, seq_len: int, max_micro_batch: int, *, k: int, vocab_size: int, device: torch.device, precision: str,
-    activation_checkpointing: bool = False, chunked_loss: bool = True, stream: TextIO | None = None,
+    model: str,
+    seq_len: int,
+    max_micro_batch: int,
+    *,
+    k: int,
+    vocab_size: int,
+    device: torch.device,
+    precision: str,
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
+    stream: TextIO | None = None,
 ) -> MemorySweep:
     """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
 
@@ -395,14 +434,23 @@ def sweep_memory(
     with ProgressBar(len(sizes), label="measured", stream=stream, min_interval=0) as bar:  # only on a TTY
         for i, size in enumerate(sizes):
             bar.update(i, extra=f"measuring micro-batch {size}")
-            rows.append(measure(config, size, seq_len, k=k, device=device, precision=precision,
-                                activation_checkpointing=activation_checkpointing,
-                                chunked_loss=chunked_loss))  # fmt: skip
+            rows.append(
+                measure(
+                    config,
+                    size,
+                    seq_len,
+                    k=k,
+                    device=device,
+                    precision=precision,
+                    activation_checkpointing=activation_checkpointing,
+                    chunked_loss=chunked_loss,
+                )
+            )
             if bar.enabled:
                 bar.update(i + 1, extra=f"measured micro-batch {size}")
             else:
                 stream.write(f"measured micro-batch {size}\n")
-    estimates = {} if hf else {
-        s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes
-    }
+    estimates = (
+        {} if hf else {s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes}
+    )
     return MemorySweep(model, seq_len, precision, device, activation_checkpointing, chunked_loss, rows, estimates)

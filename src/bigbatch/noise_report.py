@@ -59,8 +59,9 @@ def _single(record: dict[str, Any]) -> float:
     """One measurement's own estimate, from its raw norms (noisy: for showing the spread, never for deciding)."""
     try:
         b_small, b_big = _number(record["noise_b_small"]), _number(record["noise_b_big"])
-        g_sq, trace = unbiased_estimates(_number(record["noise_small_sq"]), _number(record["noise_big_sq"]),
-                                         b_small, b_big)  # fmt: skip
+        g_sq, trace = unbiased_estimates(
+            _number(record["noise_small_sq"]), _number(record["noise_big_sq"]), b_small, b_big
+        )
     except (KeyError, ValueError):
         return math.nan
     return trace / g_sq if g_sq > 0 and math.isfinite(trace) else math.nan
@@ -71,12 +72,15 @@ def noise_series(run: RunMetrics) -> NoiseSeries:
     tokens = run.cumulative_tokens()
     points = [
         NoisePoint(
-            step=int(r["step"]), tokens=tokens[int(r["step"])], smoothed=_number(r["noise_scale"]),
-            single=_single(r), loss=_number(r.get("loss")),
+            step=int(r["step"]),
+            tokens=tokens[int(r["step"])],
+            smoothed=_number(r["noise_scale"]),
+            single=_single(r),
+            loss=_number(r.get("loss")),
         )
         for r in run.trained
         if "noise_scale" in r
-    ]  # fmt: skip
+    ]
     steps = [(tokens[int(r["step"])], int(r.get("tokens", 0))) for r in run.trained]
     return NoiseSeries(run.label, points, steps)
 
@@ -100,12 +104,26 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
         color = colors[i % len(colors)]  # each run's colour in every plot of the report
         usable = s.usable()
         if usable:
-            ax.plot([p.tokens for p in usable], [p.smoothed for p in usable], "-" if len(usable) > 1 else "o",
-                    color=color, lw=2, ms=5, label=f"{s.label} noise scale (smoothed)")  # fmt: skip
+            ax.plot(
+                [p.tokens for p in usable],
+                [p.smoothed for p in usable],
+                "-" if len(usable) > 1 else "o",
+                color=color,
+                lw=2,
+                ms=5,
+                label=f"{s.label} noise scale (smoothed)",
+            )
         singles = [p for p in s.points if math.isfinite(p.single) and p.single > 0]
         if singles:
-            ax.plot([p.tokens for p in singles], [p.single for p in singles], ".", color=color, alpha=0.3, ms=4,
-                    label=f"{s.label} single measurements (> 0)")  # fmt: skip
+            ax.plot(
+                [p.tokens for p in singles],
+                [p.single for p in singles],
+                ".",
+                color=color,
+                alpha=0.3,
+                ms=4,
+                label=f"{s.label} single measurements (> 0)",
+            )
         if s.steps:
             xs = [0] + [x for x, _ in s.steps]
             ys = [s.steps[0][1]] + [y for _, y in s.steps]
@@ -121,8 +139,11 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
     if len(measured) == 1:
         _, run, s = measured[0]
         twin = ax.twinx()
-        losses = [(x, float(r["loss"])) for (x, _), r in zip(s.steps, run.trained, strict=True)
-                  if math.isfinite(_number(r.get("loss")))]  # fmt: skip
+        losses = [
+            (x, float(r["loss"]))
+            for (x, _), r in zip(s.steps, run.trained, strict=True)
+            if math.isfinite(_number(r.get("loss")))
+        ]
         if losses:
             twin.plot([x for x, _ in losses], [y for _, y in losses], "-", color="0.55", lw=1, label="training loss")
             twin.set_ylabel("training loss (nats per token)", color="0.4")
@@ -185,11 +206,15 @@ def why_unmeasured(run: RunMetrics, settings: dict[str, Any]) -> str:
     if not run.trained:
         return "no step applied an update (every step was skipped), and skipped steps measure nothing"
     if processes == 1 and all(int(r.get("micro_batches", 0)) < 2 for r in run.trained):
-        return ("every step was one micro-batch in one process (K = 1), so there were not two batch sizes to "
-                "compare; train with a smaller --micro-batch (K >= 2) to measure it")  # fmt: skip
+        return (
+            "every step was one micro-batch in one process (K = 1), so there were not two batch sizes to "
+            "compare; train with a smaller --micro-batch (K >= 2) to measure it"
+        )
     # DDP and FSDP2 measure it at any K (each rank's own micro-batch gradient, read before the reduction)
-    return ("no step record carries noise_* fields (measured at step 1 and every --noise-scale-every steps; "
-            "a run from a bigbatch without the measurement?); train with --noise-scale-every N to measure it")
+    return (
+        "no step record carries noise_* fields (measured at step 1 and every --noise-scale-every steps; "
+        "a run from a bigbatch without the measurement?); train with --noise-scale-every N to measure it"
+    )
 
 
 def _world_size(run: RunMetrics, settings: dict[str, Any], micro_batch: int | None, seq_len: int | None) -> int | None:
@@ -227,11 +252,17 @@ def measured_noise(run_dir: Path | str) -> MeasuredNoise:
     seq_len = _positive_int(_setting(settings, "batch", "seq_len"))
     trained = run.trained
     return MeasuredNoise(
-        run_dir=run_dir, tokens=usable[-1].smoothed, step=usable[-1].step,
-        last_measured_step=series.points[-1].step, last_step=int(trained[-1]["step"]),
-        tokens_seen=series.steps[-1][0], tokens_per_step=int(trained[-1].get("tokens", 0)),
-        micro_batch=micro_batch, seq_len=seq_len, world_size=_world_size(run, settings, micro_batch, seq_len),
-    )  # fmt: skip
+        run_dir=run_dir,
+        tokens=usable[-1].smoothed,
+        step=usable[-1].step,
+        last_measured_step=series.points[-1].step,
+        last_step=int(trained[-1]["step"]),
+        tokens_seen=series.steps[-1][0],
+        tokens_per_step=int(trained[-1].get("tokens", 0)),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        world_size=_world_size(run, settings, micro_batch, seq_len),
+    )
 
 
 def plan_from_run(
@@ -253,8 +284,11 @@ def plan_from_run(
     target = max(1, round(measured.tokens))
     solved = solve_plan(seq_len, target, micro_batch, None, devices)
     plan = solved.plan
-    where = "its last measurement" if measured.step == measured.last_measured_step else (
-        f"its last usable one; the last measurement, at step {measured.last_measured_step}, is not usable yet")
+    where = (
+        "its last measurement"
+        if measured.step == measured.last_measured_step
+        else (f"its last usable one; the last measurement, at step {measured.last_measured_step}, is not usable yet")
+    )
     lines = [
         f"from run {measured.run_dir}: measured noise scale {target:,} tokens, the smoothed estimate at step "
         f"{measured.step} ({where}; {measured.tokens_seen:,} tokens seen in {measured.last_step:,} steps); the run "

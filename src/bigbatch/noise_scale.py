@@ -93,10 +93,14 @@ class NoiseSample:
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "noise_small_sq": self.small_sq, "noise_big_sq": self.big_sq, "noise_b_small": self.b_small,
-            "noise_b_big": float(self.b_big), "noise_g_sq": self.g_sq, "noise_trace": self.trace,
+            "noise_small_sq": self.small_sq,
+            "noise_big_sq": self.big_sq,
+            "noise_b_small": self.b_small,
+            "noise_b_big": float(self.b_big),
+            "noise_g_sq": self.g_sq,
+            "noise_trace": self.trace,
             "noise_scale": self.noise_scale,
-        }  # fmt: skip
+        }
 
 
 DEFAULT_WINDOW = 5
@@ -154,8 +158,7 @@ class NoiseScale:
         self._g_sq = self.decay * self._g_sq + (1.0 - self.decay) * weight * g_sq
         self._trace = self.decay * self._trace + (1.0 - self.decay) * weight * trace
         self._weight = self.decay * self._weight + (1.0 - self.decay) * weight
-        self.last = NoiseSample(small_sq, big_sq, b_small, b_big, self._g_sq / self._weight,
-                                self._trace / self._weight)  # fmt: skip
+        self.last = NoiseSample(small_sq, big_sq, b_small, b_big, self._g_sq / self._weight, self._trace / self._weight)
         return self.last
 
     @property
@@ -164,16 +167,21 @@ class NoiseScale:
         return self.last.noise_scale if self.last is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"measurements": self.measurements, "g_sq": self._g_sq, "trace": self._trace,
-                "weight": self._weight, "scale": self.scale,
-                "last": None if self.last is None else self.last.__dict__.copy()}  # fmt: skip
+        return {
+            "measurements": self.measurements,
+            "g_sq": self._g_sq,
+            "trace": self._trace,
+            "weight": self._weight,
+            "scale": self.scale,
+            "last": None if self.last is None else self.last.__dict__.copy(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.measurements = int(state.get("measurements", 0))
         self._g_sq = float(state.get("g_sq", 0.0))
         self._trace = float(state.get("trace", 0.0))
         # a state saved before the weights: every weight was 1, so their EMA is Adam's bias correction
-        self._weight = float(state.get("weight", 1.0 - self.decay ** self.measurements))
+        self._weight = float(state.get("weight", 1.0 - self.decay**self.measurements))
         scale = state.get("scale")
         self.scale = float(scale) if scale is not None else None
         last = state.get("last")

@@ -24,8 +24,8 @@ def fused_adamw_supported(model: nn.Module) -> bool:
     """Whether torch's fused AdamW takes these parameters: all on CUDA or all on the CPU, floating point."""
     params = list(model.parameters())
     devices = {p.device.type for p in params}
-    return bool(params) and len(devices) == 1 and devices <= {"cuda", "cpu"} and all(
-        p.is_floating_point() for p in params
+    return (
+        bool(params) and len(devices) == 1 and devices <= {"cuda", "cpu"} and all(p.is_floating_point() for p in params)
     )
 
 
@@ -41,9 +41,7 @@ def build_adamw(
     when every parameter lives on CUDA or every one on the CPU, as a floating-point tensor."""
     if fused is None:
         fused = fused_adamw_supported(model)
-    return torch.optim.AdamW(
-        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None
-    )
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
 @dataclass(frozen=True)
@@ -68,16 +66,20 @@ class CosineSchedule:
     def state_dict(self) -> dict[str, float | int]:
         """The schedule's parameters (it has no other state: a pure function of the step)."""
         return {
-            "max_lr": self.max_lr, "min_lr": self.min_lr,
-            "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
-        }  # fmt: skip
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "warmup_steps": self.warmup_steps,
+            "decay_steps": self.decay_steps,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, float | int]) -> CosineSchedule:
         return cls(
-            max_lr=float(state["max_lr"]), min_lr=float(state["min_lr"]),
-            warmup_steps=int(state["warmup_steps"]), decay_steps=int(state["decay_steps"]),
-        )  # fmt: skip
+            max_lr=float(state["max_lr"]),
+            min_lr=float(state["min_lr"]),
+            warmup_steps=int(state["warmup_steps"]),
+            decay_steps=int(state["decay_steps"]),
+        )
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

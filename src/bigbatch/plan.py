@@ -66,9 +66,7 @@ def suggest_micro_batches(total_tokens: int, seq_len: int, world_size: int, near
 def plan_batch(total_tokens: int, micro_batch: int, seq_len: int, world_size: int = 1) -> BatchPlan:
     """Derive K from a token budget per optimizer step; raise :class:`PlanError` with suggestions if it does not
     divide."""
-    _require_positive(
-        total_batch_tokens=total_tokens, micro_batch=micro_batch, seq_len=seq_len, world_size=world_size
-    )
+    _require_positive(total_batch_tokens=total_tokens, micro_batch=micro_batch, seq_len=seq_len, world_size=world_size)
     window = micro_batch * seq_len * world_size
     k, remainder = divmod(total_tokens, window)
     if remainder == 0:

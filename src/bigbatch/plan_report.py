@@ -68,8 +68,12 @@ def format_plan(
 
 
 def report_plan(
-    solved: SolvedPlan, model_name: str | None = None, vocab_size: int = 0, precision: str = "auto",
-    device_name: str = "auto", measure_step: bool = False,
+    solved: SolvedPlan,
+    model_name: str | None = None,
+    vocab_size: int = 0,
+    precision: str = "auto",
+    device_name: str = "auto",
+    measure_step: bool = False,
 ) -> str:
     """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
     ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
@@ -92,6 +96,12 @@ def report_plan(
         model_config = model_preset(model_name, block_size=solved.plan.seq_len, **overrides)
     measured = None
     if measure_step:
-        measured = measure(model_config, solved.plan.micro_batch, solved.plan.seq_len,
-                           k=min(solved.plan.accumulation_steps, 4), device=device, precision=resolved)  # fmt: skip
+        measured = measure(
+            model_config,
+            solved.plan.micro_batch,
+            solved.plan.seq_len,
+            k=min(solved.plan.accumulation_steps, 4),
+            device=device,
+            precision=resolved,
+        )
     return format_plan(solved, model_name, model_config, resolved, measured)

@@ -208,10 +208,7 @@ def plot_runs(runs: list[RunMetrics], out_dir: Path) -> list[Path]:
     def loss(ax: Any, run: RunMetrics, color: str, lw: float, by_tokens: bool) -> None:
         tokens = run.cumulative_tokens()
         train = [dict(r, x=tokens[int(r["step"])] if by_tokens else r["step"]) for r in run.trained]
-        evals = [
-            dict(r, x=tokens.get(int(r["step"]), 0) if by_tokens else r["step"])
-            for r in run.evals
-        ]
+        evals = [dict(r, x=tokens.get(int(r["step"]), 0) if by_tokens else r["step"]) for r in run.evals]
         xs, ys = series(train, "loss", "x")
         ax.plot(xs, ys, "-" if len(xs) > 1 else "o", color=color, lw=lw, label=f"{run.label} train")
         xs, ys = series(evals, "val_loss", "x")
@@ -229,19 +226,45 @@ def plot_runs(runs: list[RunMetrics], out_dir: Path) -> list[Path]:
 
         return draw
 
-    figure("loss_vs_step.png", "Loss", "optimizer step", "loss (nats per token)",
-           lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=False))  # fmt: skip
-    figure("loss_vs_tokens.png", "Loss", "tokens (valid targets, cumulative)", "loss (nats per token)",
-           lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=True))  # fmt: skip
+    figure(
+        "loss_vs_step.png",
+        "Loss",
+        "optimizer step",
+        "loss (nats per token)",
+        lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=False),
+    )
+    figure(
+        "loss_vs_tokens.png",
+        "Loss",
+        "tokens (valid targets, cumulative)",
+        "loss (nats per token)",
+        lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=True),
+    )
     figure("lr.png", "Learning rate", "optimizer step", "learning rate", simple("lr"))
     norms = [r["grad_norm"] for run in runs for r in run.trained if _finite(r.get("grad_norm"))]
-    figure("grad_norm.png", "Gradient norm (before clipping)", "optimizer step", "global L2 norm",
-           simple("grad_norm"), logy=bool(norms) and min(norms) > 0)  # fmt: skip
-    figure("tokens_per_s.png", "Throughput (step 1, warm-up, left out)", "optimizer step",
-           "tokens/s (valid targets)", simple("tokens_per_s", skip_first=True))  # fmt: skip
+    figure(
+        "grad_norm.png",
+        "Gradient norm (before clipping)",
+        "optimizer step",
+        "global L2 norm",
+        simple("grad_norm"),
+        logy=bool(norms) and min(norms) > 0,
+    )
+    figure(
+        "tokens_per_s.png",
+        "Throughput (step 1, warm-up, left out)",
+        "optimizer step",
+        "tokens/s (valid targets)",
+        simple("tokens_per_s", skip_first=True),
+    )
     if any(_finite(r.get("mfu")) for run in runs for r in run.steps):
-        figure("mfu.png", "Model FLOPs utilization (step 1 left out)", "optimizer step", "MFU",
-               simple("mfu", skip_first=True))  # fmt: skip
+        figure(
+            "mfu.png",
+            "Model FLOPs utilization (step 1 left out)",
+            "optimizer step",
+            "MFU",
+            simple("mfu", skip_first=True),
+        )
     from bigbatch.noise_report import NOISE_PLOT, plot_noise_scale
 
     noise_plot = plot_noise_scale(runs, out_dir / NOISE_PLOT, colors)  # runs that measured it; else no file

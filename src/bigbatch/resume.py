@@ -128,9 +128,12 @@ def saved_schedule(document: dict[str, Any]) -> CosineSchedule:
     config = document.get("config", {})
     optim, run = config.get("optim", {}), config.get("run", {})
     return initial_schedule(
-        float(optim.get("lr", 2e-3)), float(optim.get("min_lr_ratio", 0.1)), int(optim.get("warmup_steps", 0)),
-        int(optim.get("decay_steps", 0)), int(run.get("max_steps", 1)),
-    )  # fmt: skip
+        float(optim.get("lr", 2e-3)),
+        float(optim.get("min_lr_ratio", 0.1)),
+        int(optim.get("warmup_steps", 0)),
+        int(optim.get("decay_steps", 0)),
+        int(run.get("max_steps", 1)),
+    )
 
 
 def initial_schedule(lr: float, min_lr_ratio: float, warmup: int, decay: int, max_steps: int) -> CosineSchedule:

@@ -83,8 +83,7 @@ def describe_positions(loader: DocumentLoader) -> str:
         how = f"{loader.n_sequences:,} sequences, one per row of {loader.seq_len} (--pack off)"
         other = f"--pack on: {other_padding:.1%} padding"
     return (
-        f"{how}: {padding:.1%} padding, {prompt:.1%} masked prompts, {1 - padding - prompt:.1%} valid targets "
-        f"({other})"
+        f"{how}: {padding:.1%} padding, {prompt:.1%} masked prompts, {1 - padding - prompt:.1%} valid targets ({other})"
     )
 
 

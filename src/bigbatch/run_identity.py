@@ -137,7 +137,8 @@ def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
         if key in RESUME_CHECKED:
             continue
         before = saved_flat.get(key, defaults.get(key))
-        if before != value and not (isinstance(before, (int, float)) and isinstance(value, (int, float))
-                                    and float(before) == float(value)):  # fmt: skip
+        if before != value and not (
+            isinstance(before, (int, float)) and isinstance(value, (int, float)) and float(before) == float(value)
+        ):
             diffs.append(f"{key} {before!r} -> {value!r}")
     return diffs

@@ -58,8 +58,12 @@ def hold_directory(directory: Path, what: str, wait: bool, say: Say) -> FileLock
     """Hold an existing output ``directory`` (``what`` names it in messages) through its ``.bigbatch-lock``."""
 
     def waiting(holder: Holder | None) -> None:
-        say("%s %s is in use by %s; waiting for it to end (--wait-for-lock)", what, directory,
-            holder.describe() if holder else "another process")  # fmt: skip
+        say(
+            "%s %s is in use by %s; waiting for it to end (--wait-for-lock)",
+            what,
+            directory,
+            holder.describe() if holder else "another process",
+        )
 
     try:
         lock = acquire(directory / RUN_LOCK, wait=wait, on_wait=waiting)
@@ -71,9 +75,12 @@ def hold_directory(directory: Path, what: str, wait: bool, say: Say) -> FileLock
         ) from None
     if lock.stale is not None:
         say(
-            "%s %s: took over the lock of a process that ended without releasing it (%s)", what, directory,
-            lock.stale.describe(), level=logging.WARNING,
-        )  # fmt: skip
+            "%s %s: took over the lock of a process that ended without releasing it (%s)",
+            what,
+            directory,
+            lock.stale.describe(),
+            level=logging.WARNING,
+        )
     return lock
 
 

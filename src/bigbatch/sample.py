@@ -14,8 +14,16 @@ from bigbatch.tokenizer_files import checkpoint_tokenizer
 
 
 def sample_checkpoint(
-    checkpoint: Path, prompt: str, out: TextIO, *, max_new_tokens: int, temperature: float, top_k: int,
-    num_samples: int, seed: int, device_name: str = "auto",
+    checkpoint: Path,
+    prompt: str,
+    out: TextIO,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    num_samples: int,
+    seed: int,
+    device_name: str = "auto",
 ) -> None:
     """Write ``num_samples`` continuations of ``prompt`` to ``out``: one is streamed as it is sampled; several are
     written whole, each under a ``--- sample N`` line."""

@@ -94,8 +94,9 @@ def reconcile_event_files(log_dir: Path, expected: list[Point]) -> None:
     try:
         events = [event for path in files for event in read_scalar_events(path)]
     except Exception as exc:  # a damaged file: rewritten from metrics.jsonl
-        log.warning("cannot read the TensorBoard event files in %s (%s); writing them again from metrics.jsonl",
-                    log_dir, exc)  # fmt: skip
+        log.warning(
+            "cannot read the TensorBoard event files in %s (%s); writing them again from metrics.jsonl", log_dir, exc
+        )
         events = []
     found: dict[tuple[str, int], list[Any]] = {}
     for event in events:
@@ -137,5 +138,10 @@ def reconcile_event_files(log_dir: Path, expected: list[Point]) -> None:
         if path != target:
             path.unlink()
     dropped = sum(len(v) for v in found.values()) - (len(kept) - restored)
-    log.info("TensorBoard event files in %s made to match metrics.jsonl: %d points after the checkpoint dropped, "
-             "%d lost ones written again", log_dir, dropped, restored)  # fmt: skip
+    log.info(
+        "TensorBoard event files in %s made to match metrics.jsonl: %d points after the checkpoint dropped, "
+        "%d lost ones written again",
+        log_dir,
+        dropped,
+        restored,
+    )

@@ -162,8 +162,10 @@ def _fingerprint(name: str, text: str) -> str:
 
 
 def _fingerprint_of(tokenizer: Tokenizer) -> str:
-    return _fingerprint(tokenizer.name, tokenizer.to_str()) if isinstance(tokenizer, BPETokenizer) else (
-        tokenizer_fingerprint(tokenizer.name)
+    return (
+        _fingerprint(tokenizer.name, tokenizer.to_str())
+        if isinstance(tokenizer, BPETokenizer)
+        else (tokenizer_fingerprint(tokenizer.name))
     )
 
 

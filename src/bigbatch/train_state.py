@@ -68,9 +68,12 @@ class TrainState:
 
         p = self.parts
         set_state_dict(
-            p.model, p.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            p.model,
+            p.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
-        )  # fmt: skip
+        )
         self.schedule = p.engine.schedule = schedule
         p.engine.load_state_dict(state["engine"])  # also sets the learning rate of the next step
         try:
@@ -78,8 +81,10 @@ class TrainState:
         except DataError:
             if not new_data:
                 raise
-            say("the new data has no position matching the checkpoint's: reading it from its start",
-                level=logging.WARNING)  # fmt: skip
+            say(
+                "the new data has no position matching the checkpoint's: reading it from its start",
+                level=logging.WARNING,
+            )
         self.tokens_seen = int(state.get("tokens_seen", 0))
         if p.ramp is not None and state.get("ramp"):
             p.ramp.load_state_dict(state["ramp"])
@@ -137,11 +142,16 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
     config = p.config
     document = load_checkpoint(path)
     check_settings(document, config, p.run_dir)
-    ramp_note = check_ramp_change(document.get("config", {}), config.batch.batch_ramp,
-                                  config.run.allow_ramp_change, p.run_dir)  # fmt: skip
+    ramp_note = check_ramp_change(
+        document.get("config", {}), config.batch.batch_ramp, config.run.allow_ramp_change, p.run_dir
+    )
     check_compatible(document, family_of(p.model), p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch)
-    check_tokenizer(document.get("fingerprints") or {}, p.fingerprints, p.dataset.meta.tokenizer,
-                    f"this run's data {p.dataset.directory}")  # fmt: skip
+    check_tokenizer(
+        document.get("fingerprints") or {},
+        p.fingerprints,
+        p.dataset.meta.tokenizer,
+        f"this run's data {p.dataset.directory}",
+    )
     changed = data_changed(document, p.fingerprints, config.data.data)
     if changed and not config.run.allow_data_change:
         raise CheckpointError(
@@ -154,7 +164,10 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
         truncate_metrics(p.run_dir, state.step)
     saved_world = int(document.get("world_size", 1))
     say(
-        "resumed from %s at step %d (%s tokens)%s", path, state.step, f"{state.tokens_seen:,}",
+        "resumed from %s at step %d (%s tokens)%s",
+        path,
+        state.step,
+        f"{state.tokens_seen:,}",
         "" if saved_world == p.dist.world_size else f" | world size {saved_world} -> {p.dist.world_size}",
     )
     if changed:

@@ -96,8 +96,12 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainConfig, dist: DistContext | None = None, device: torch.device | None = None,
-        branch_from: Path | None = None, prefetch: bool = True,
+        self,
+        config: TrainConfig,
+        dist: DistContext | None = None,
+        device: torch.device | None = None,
+        branch_from: Path | None = None,
+        prefetch: bool = True,
     ) -> None:
         check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))  # before any work
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
@@ -133,9 +137,10 @@ class Trainer:
         elif config.run.allow_ramp_change:
             self._say(
                 "--allow-ramp-change has no effect: there is no run to resume in %s (the default run directory "
-                "depends on the ramp: give --out the directory of the run to change)", self.run_dir,
+                "depends on the ramp: give --out the directory of the run to change)",
+                self.run_dir,
                 level=logging.WARNING,
-            )  # fmt: skip
+            )
         self.completed = self.resumed_from is not None and self.state.step >= config.run.max_steps
         self._saved_step = self.state.step if self.resumed_from is not None else 0  # the newest checkpoint's step
         self._in_step = False  # inside an engine step: what a stop request waits for
@@ -194,8 +199,10 @@ class Trainer:
             self._say(
                 "the run in %s is complete: it reached step %d (max_steps %d); nothing to do (raise --max-steps, "
                 "with --extend-schedule to stretch the learning-rate decay, to train on)",
-                self.run_dir, self.state.step, run.max_steps,
-            )  # fmt: skip
+                self.run_dir,
+                self.state.step,
+                run.max_steps,
+            )
             return self._result(_Progress(), sample=None)  # a requeueing scheduler needs exit 0
         if self.dist.is_main:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
@@ -208,9 +215,13 @@ class Trainer:
             if isinstance(documents, DocumentLoader):  # where one epoch's positions go, as the header says
                 padding, prompt = documents.position_shares()
                 metrics.write_documents(
-                    self.state.step, packed=documents.pack, rows=documents.n_sequences, seq_len=documents.seq_len,
-                    padding_share=padding, prompt_share=prompt,
-                )  # fmt: skip
+                    self.state.step,
+                    packed=documents.pack,
+                    rows=documents.n_sequences,
+                    seq_len=documents.seq_len,
+                    padding_share=padding,
+                    prompt_share=prompt,
+                )
         self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
         self.progress.update(self.state.step)
         seen = _Progress()
@@ -298,9 +309,13 @@ class Trainer:
             ramp.auto_tokens = grown[1] * ramp.unit
         self._say(
             "batch ramp auto: K %d -> %d (%s -> %s tokens/step) from step %d; measured noise scale %s tokens",
-            grown[0], grown[1], f"{grown[0] * ramp.unit:,}", f"{grown[1] * ramp.unit:,}", self.state.step + 1,
+            grown[0],
+            grown[1],
+            f"{grown[0] * ramp.unit:,}",
+            f"{grown[1] * ramp.unit:,}",
+            self.state.step + 1,
             format_noise_scale(noise.estimate or 0.0),
-        )  # fmt: skip
+        )
 
     def _evaluate(self, seen: _Progress, stop: StopRequest, metrics: MetricsSink | None) -> None:
         started, step = time.perf_counter(), self.state.step
@@ -310,14 +325,18 @@ class Trainer:
             if metrics:
                 metrics.write_eval(step, result.loss, val_tokens=result.tokens)
             self._say(
-                "eval step %d | val loss %.4f | %s tokens | %.1fs", step, result.loss, f"{result.tokens:,}",
+                "eval step %d | val loss %.4f | %s tokens | %.1fs",
+                step,
+                result.loss,
+                f"{result.tokens:,}",
                 time.perf_counter() - started,
-            )  # fmt: skip
+            )
         elif not stop.signum:
             self._say(
                 "eval step %d | no val loss: the validation windows hold no valid targets; raise --eval-batches",
-                step, level=logging.WARNING,
-            )  # fmt: skip
+                step,
+                level=logging.WARNING,
+            )
 
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
         """Mean validation loss (see :func:`bigbatch.evaluate.validation_result`); a stop signal on any rank cuts
@@ -340,8 +359,11 @@ class Trainer:
             self._saved_step = self.state.step
         self._say(
             "stopped by %s after step %d; checkpoint saved in %s; run the same command to resume",
-            signal.Signals(seen.stopped_by).name, self.state.step, self.run_dir, level=logging.WARNING,
-        )  # fmt: skip
+            signal.Signals(seen.stopped_by).name,
+            self.state.step,
+            self.run_dir,
+            level=logging.WARNING,
+        )
 
     def _announce_stop(self, signum: int) -> None:
         """At once, from the signal handler (rank 0, on the console): what the first Ctrl-C/SIGTERM will do."""
@@ -365,14 +387,19 @@ class Trainer:
         if self._saved_step:
             self._say(
                 "aborted without saving during step %d: the run continues from its newest checkpoint, step %d in %s; "
-                "run the same command to resume", self.state.step + 1, self._saved_step, self.run_dir,
+                "run the same command to resume",
+                self.state.step + 1,
+                self._saved_step,
+                self.run_dir,
                 level=logging.WARNING,
-            )  # fmt: skip
+            )
         else:
             self._say(
                 "aborted without saving during step %d: no checkpoint was saved, the run starts over next time "
-                "(--save-every N keeps one every N steps)", self.state.step + 1, level=logging.WARNING,
-            )  # fmt: skip
+                "(--save-every N keeps one every N steps)",
+                self.state.step + 1,
+                level=logging.WARNING,
+            )
 
     def _finish(self, seen: _Progress) -> TrainResult:
         """The end-of-run sample and summary line."""
@@ -390,16 +417,21 @@ class Trainer:
         mean_mfu = self._mfu(seen.mean_rate)
         self._say(
             "done | %d steps | %s tokens | mean tok/s %s%s | final loss %.4f%s",
-            self.state.step, f"{self.state.tokens_seen:,}", f"{seen.mean_rate:,.0f}",
-            f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "", seen.record.loss,
+            self.state.step,
+            f"{self.state.tokens_seen:,}",
+            f"{seen.mean_rate:,.0f}",
+            f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "",
+            seen.record.loss,
             f" | val loss {seen.val_loss:.4f}" if seen.val_loss is not None else "",
-        )  # fmt: skip
+        )
         if seen.positions:
             self._say(
                 "positions | %s trained on: %.1f%% padding, %.1f%% masked prompts, %.1f%% valid targets",
-                f"{seen.positions:,}", 100 * seen.padding / seen.positions, 100 * seen.prompt / seen.positions,
+                f"{seen.positions:,}",
+                100 * seen.padding / seen.positions,
+                100 * seen.prompt / seen.positions,
                 100 * (seen.positions - seen.padding - seen.prompt) / seen.positions,
-            )  # fmt: skip
+            )
         self._say_noise_scale(seen.record)
         return self._result(seen, sample)
 
@@ -415,15 +447,22 @@ class Trainer:
             used, how = round(self.state.tokens_seen / self.state.step), "used"
         self._say(
             "measured critical batch about %s tokens; this run %s %s tokens per step",
-            format_noise_scale(noise.estimate), how, f"{used:,}",
-        )  # fmt: skip
+            format_noise_scale(noise.estimate),
+            how,
+            f"{used:,}",
+        )
 
     def _result(self, seen: _Progress, sample: str | None) -> TrainResult:
         return TrainResult(
-            run_dir=self.run_dir, steps=self.state.step, tokens_seen=self.state.tokens_seen,
-            final_loss=seen.record.loss if seen.record else float("nan"), val_loss=seen.val_loss,
-            tokens_per_s=seen.mean_rate, sample=sample, stopped_by=seen.stopped_by,
-        )  # fmt: skip
+            run_dir=self.run_dir,
+            steps=self.state.step,
+            tokens_seen=self.state.tokens_seen,
+            final_loss=seen.record.loss if seen.record else float("nan"),
+            val_loss=seen.val_loss,
+            tokens_per_s=seen.mean_rate,
+            sample=sample,
+            stopped_by=seen.stopped_by,
+        )
 
     def sample(self, max_new_tokens: int, prompt: str) -> str:
         """Every rank generates the same text (FSDP needs all ranks in each forward); rank 0 reports it."""

@@ -79,8 +79,15 @@ def model_vocab_size(model: nn.Module) -> int | None:
 
 
 def build_case(
-    factory: str | None, preset_name: str, vocab_size: int, dropout: float, seed: int, samples: int, seq_len: int,
-    ragged: bool, packed: bool = False,
+    factory: str | None,
+    preset_name: str,
+    vocab_size: int,
+    dropout: float,
+    seed: int,
+    samples: int,
+    seq_len: int,
+    ragged: bool,
+    packed: bool = False,
 ) -> VerifyCase:
     """The model (a preset or ``factory``) with its batch: the factory's own, or ``samples`` random sequences
     (with ``packed``, rows packed with random documents, and the same documents one per row)."""
@@ -126,13 +133,22 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
     from bigbatch.verify import check_equivalence
 
     s = settings
-    case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged,
-                      s.packed)  # fmt: skip
+    case = build_case(
+        s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged, s.packed
+    )
     assert case.batch is not None  # build_case gives every case a batch
     try:
         return check_equivalence(
-            case.model, case.batch, loss_fn=case.loss_fn, k=s.k, precision=s.precision, tolerance=s.tolerance,
-            device=resolve_device(s.device), seed=s.seed, splits=list(s.splits), unpacked=case.unpacked,
+            case.model,
+            case.batch,
+            loss_fn=case.loss_fn,
+            k=s.k,
+            precision=s.precision,
+            tolerance=s.tolerance,
+            device=resolve_device(s.device),
+            seed=s.seed,
+            splits=list(s.splits),
+            unpacked=case.unpacked,
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc
@@ -146,10 +162,25 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
 
     s = settings
     with distributed_session(s.device) as (dist, device):
-        case = build_case(s.factory, s.model, s.vocab_size, s.dropout, s.seed,
-                          s.k * s.micro_batch * dist.world_size, s.seq_len, s.ragged, s.packed)  # fmt: skip
+        case = build_case(
+            s.factory,
+            s.model,
+            s.vocab_size,
+            s.dropout,
+            s.seed,
+            s.k * s.micro_batch * dist.world_size,
+            s.seq_len,
+            s.ragged,
+            s.packed,
+        )
         assert case.batch is not None  # build_case gives every case a batch
         report = check_distributed_equivalence(
-            case.model, case.batch, dist, loss_fn=case.loss_fn, k=s.k, device=device, tolerance=s.tolerance or 1e-5,
+            case.model,
+            case.batch,
+            dist,
+            loss_fn=case.loss_fn,
+            k=s.k,
+            device=device,
+            tolerance=s.tolerance or 1e-5,
         )
         return report, dist.is_main

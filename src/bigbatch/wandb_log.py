@@ -108,8 +108,9 @@ def read_logged_run(wandb_dir: Path, run_id: str) -> LoggedRun:
             record.ParseFromString(data)
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                found.rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                   for item in record.history.item})  # fmt: skip
+                found.rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
             elif kind in ("run", "config"):
                 items = record.run.config.update if kind == "run" else record.config.update
                 values = {item.key: json.loads(item.value_json) for item in items if item.key != "_wandb"}
@@ -157,15 +158,18 @@ class WandbLog:
             try:
                 logged = read_logged_run(self.run_dir / "wandb", run_id)
             except (OSError, ValueError) as exc:
-                log.warning("cannot read the earlier W&B files of run %s (%s); steps may be logged twice",
-                            run_id, exc)  # fmt: skip
+                log.warning("cannot read the earlier W&B files of run %s (%s); steps may be logged twice", run_id, exc)
         self.logged_through = logged.last_step  # steps at or below this are in the W&B run's files already
         if resume:
             _next_second(self.run_dir / "wandb", run_id)
         self.run = self.wandb.init(
-            project=project, dir=str(self.run_dir), name=self.run_dir.name, id=run_id, resume="allow",
+            project=project,
+            dir=str(self.run_dir),
+            name=self.run_dir.name,
+            id=run_id,
+            resume="allow",
             config=None if logged.config else config,
-        )  # fmt: skip
+        )
         changed = {key: value for key, value in config.items() if logged.config.get(key) != value}
         if logged.config and changed:
             self.run.config.update(changed, allow_val_change=True)

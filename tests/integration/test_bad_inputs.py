@@ -39,10 +39,29 @@ class Case:
 
 def T(*argv: str) -> tuple[str, ...]:  # noqa: N802 - a train command on the workspace's tiny setup
     return (
-        "train", "--data", "corpus.txt", "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
-        "--total-batch-tokens", "256", "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0",
-        "--cache-dir", "cache", "--out", "new-run", *argv,
-    )  # fmt: skip
+        "train",
+        "--data",
+        "corpus.txt",
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        "cache",
+        "--out",
+        "new-run",
+        *argv,
+    )
 
 
 CASES = [
@@ -93,20 +112,48 @@ CASES = [
     # --- train: never write into a directory bigbatch did not make ---
     Case("train-out-foreign-dir", T("--out", "mine"), "was not made by bigbatch"),
     Case("train-out-is-a-file", T("--out", "corpus.txt"), "is a file"),
-    Case("train-micro-batch-over-documents", T("--data", "docs", "--data-mode", "documents", "--micro-batch", "8",
-                                               "--total-batch-tokens", "256"), "documents"),  # fmt: skip
+    Case(
+        "train-micro-batch-over-documents",
+        T("--data", "docs", "--data-mode", "documents", "--micro-batch", "8", "--total-batch-tokens", "256"),
+        "documents",
+    ),
     # --- train --nproc 2: refused before torchrun starts (so these run in-process, in one process) ---
     Case("train-nproc2-unknown-device", T("--nproc", "2", "--device", "tpu"), "unknown device"),
     Case("train-nproc2-not-divisible", T("--nproc", "2", "--total-batch-tokens", "192"), "world_size"),
     Case("train-nproc2-out-foreign-dir", T("--nproc", "2", "--out", "mine"), "was not made by bigbatch"),
     Case("train-nproc2-data-missing", T("--nproc", "2", "--data", "no-such-corpus.txt"), "does not exist"),
-    Case("train-nproc2-micro-batch-over-documents", T("--nproc", "2", "--data", "docs", "--data-mode", "documents",
-                                                      "--micro-batch", "2", "--total-batch-tokens", "128"),
-         "x 2 processes"),  # fmt: skip
+    Case(
+        "train-nproc2-micro-batch-over-documents",
+        T(
+            "--nproc",
+            "2",
+            "--data",
+            "docs",
+            "--data-mode",
+            "documents",
+            "--micro-batch",
+            "2",
+            "--total-batch-tokens",
+            "128",
+        ),
+        "x 2 processes",
+    ),
     # --- prepare ---
-    Case("prepare-val-fraction-above-1", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "1.5"), "--val-fraction"),
-    Case("prepare-val-fraction-negative", ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "-0.1"), "--val-fraction"),
-    Case("prepare-shard-tokens-negative", ("prepare", "corpus.txt", "--out", "ds2", "--shard-tokens", "-1"), "--shard-tokens"),
+    Case(
+        "prepare-val-fraction-above-1",
+        ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "1.5"),
+        "--val-fraction",
+    ),
+    Case(
+        "prepare-val-fraction-negative",
+        ("prepare", "corpus.txt", "--out", "ds2", "--val-fraction", "-0.1"),
+        "--val-fraction",
+    ),
+    Case(
+        "prepare-shard-tokens-negative",
+        ("prepare", "corpus.txt", "--out", "ds2", "--shard-tokens", "-1"),
+        "--shard-tokens",
+    ),
     Case("prepare-workers-negative", ("prepare", "corpus.txt", "--out", "ds2", "--workers", "-2"), "--workers"),
     Case("prepare-out-foreign-dir", ("prepare", "corpus.txt", "--out", "mine"), "not empty"),
     Case("prepare-out-is-a-file", ("prepare", "corpus.txt", "--out", "notes.txt"), "notes.txt"),
@@ -120,24 +167,48 @@ CASES = [
     Case("sample-checkpoint-missing", ("sample", "--checkpoint", "no-run"), "does not exist"),
     Case("sample-checkpoint-foreign", ("sample", "--checkpoint", "notes.txt"), "notes.txt"),
     # --- plan ---
-    Case("plan-seq-len-zero", ("plan", "--seq-len", "0", "--tokens-per-step", "1024", "--micro-batch", "2"), "--seq-len"),
-    Case("plan-micro-batch-zero", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "0"), "--micro-batch"),
+    Case(
+        "plan-seq-len-zero", ("plan", "--seq-len", "0", "--tokens-per-step", "1024", "--micro-batch", "2"), "--seq-len"
+    ),
+    Case(
+        "plan-micro-batch-zero",
+        ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "0"),
+        "--micro-batch",
+    ),
     Case("plan-k-negative", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--k", "-1"), "--k"),
-    Case("plan-devices-zero", ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "2",
-                               "--devices", "0"), "--devices"),  # fmt: skip
-    Case("plan-vocab-negative", ("plan", "--seq-len", "64", "--micro-batch", "2", "--k", "2", "--vocab-size", "-1"),
-         "--vocab-size"),  # fmt: skip
-    Case("plan-tokens-negative", ("plan", "--seq-len", "64", "--tokens-per-step", "-5", "--micro-batch", "2"),
-         "--tokens-per-step"),  # fmt: skip
-    Case("plan-tokens-infinite", ("plan", "--seq-len", "64", "--tokens-per-step", "infM", "--micro-batch", "2"),
-         "--tokens-per-step"),  # fmt: skip
+    Case(
+        "plan-devices-zero",
+        ("plan", "--seq-len", "64", "--tokens-per-step", "1024", "--micro-batch", "2", "--devices", "0"),
+        "--devices",
+    ),
+    Case(
+        "plan-vocab-negative",
+        ("plan", "--seq-len", "64", "--micro-batch", "2", "--k", "2", "--vocab-size", "-1"),
+        "--vocab-size",
+    ),
+    Case(
+        "plan-tokens-negative",
+        ("plan", "--seq-len", "64", "--tokens-per-step", "-5", "--micro-batch", "2"),
+        "--tokens-per-step",
+    ),
+    Case(
+        "plan-tokens-infinite",
+        ("plan", "--seq-len", "64", "--tokens-per-step", "infM", "--micro-batch", "2"),
+        "--tokens-per-step",
+    ),
     # --- memory (refused before any measuring) ---
     Case("memory-k-one", ("memory", "--k", "1"), "--k"),
     Case("memory-max-micro-batch-zero", ("memory", "--max-micro-batch", "0"), "--max-micro-batch"),
     Case("memory-seq-len-negative", ("memory", "--seq-len", "-1"), "--seq-len"),
     Case("memory-vocab-zero", ("memory", "--vocab-size", "0"), "--vocab-size"),
-    Case("memory-plot-exists", ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "plot.png"), "--overwrite"),
-    Case("memory-plot-is-a-dir", ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "mine"), "directory"),
+    Case(
+        "memory-plot-exists",
+        ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "plot.png"),
+        "--overwrite",
+    ),
+    Case(
+        "memory-plot-is-a-dir", ("memory", "--model", "pico", "--max-micro-batch", "1", "--plot", "mine"), "directory"
+    ),
     # --- verify ---
     Case("verify-k-zero", ("verify", "--k", "0"), "--k"),
     Case("verify-micro-batch-zero", ("verify", "--micro-batch", "0"), "--micro-batch"),
@@ -148,8 +219,11 @@ CASES = [
     Case("verify-nproc-zero", ("verify", "--nproc", "0"), "--nproc"),
     Case("verify-vocab-negative", ("verify", "--vocab-size", "-1"), "--vocab-size"),
     Case("verify-seed-negative", ("verify", "--seed", "-1"), "--seed"),
-    Case("verify-micro-batch-beyond-memory", ("verify", "--model", "pico", "--micro-batch", "1000000000"),
-         "out of memory"),  # fmt: skip
+    Case(
+        "verify-micro-batch-beyond-memory",
+        ("verify", "--model", "pico", "--micro-batch", "1000000000"),
+        "out of memory",
+    ),
     Case("verify-json-exists", ("verify", "--model", "pico", "--json", "notes.txt"), "--overwrite"),
     # --- eval ---
     Case("eval-batches-negative", ("eval", "run", "--data", "corpus.txt", "--batches", "-1"), "--batches"),
@@ -172,7 +246,10 @@ def snapshot(root: Path) -> dict[str, tuple[str, int]]:
     found = {}
     for path in sorted(root.rglob("*")):
         if path.is_file():
-            found[str(path.relative_to(root))] = (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+            found[str(path.relative_to(root))] = (
+                hashlib.sha256(path.read_bytes()).hexdigest(),
+                path.stat().st_mtime_ns,
+            )
     return found
 
 
@@ -302,9 +379,13 @@ def _bigbatch(*argv: str) -> list[str]:
 def test_nproc_user_error_found_before_torchrun_is_one_line(workspace: Path) -> None:
     before = snapshot(workspace)
     result = subprocess.run(
-        _bigbatch(*T("--nproc", "2", "--total-batch-tokens", "100")), cwd=workspace, env=_env(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        _bigbatch(*T("--nproc", "2", "--total-batch-tokens", "100")),
+        cwd=workspace,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
     assert result.stderr.startswith("bigbatch: error: total_batch_tokens=100")
@@ -316,12 +397,17 @@ def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces
     """``--init-from`` is only read by the workers: the error comes from inside torchrun's world."""
     before = snapshot(workspace)
     result = subprocess.run(
-        _bigbatch(*T("--nproc", "2", "--init-from", "no-such-hf-dir")), cwd=workspace, env=_env(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        _bigbatch(*T("--nproc", "2", "--init-from", "no-such-hf-dir")),
+        cwd=workspace,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == ["bigbatch: error: no-such-hf-dir is not a directory; give a "
-                                                  "Hugging Face GPT-2 or Llama directory"], result.stderr  # fmt: skip
+    assert result.stderr.strip().splitlines() == [
+        "bigbatch: error: no-such-hf-dir is not a directory; give a Hugging Face GPT-2 or Llama directory"
+    ], result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert snapshot(workspace) == before
 
@@ -329,9 +415,12 @@ def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces
 def test_a_closed_output_pipe_ends_quietly(workspace: Path, tmp_path: Path) -> None:
     """``bigbatch plan ... | true``: every write after the reader left fails; nothing is reported."""
     process = subprocess.Popen(
-        _bigbatch("plan", "--seq-len", "64", "--tokens-per-step", "4096", "--micro-batch", "2"), cwd=tmp_path,
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        _bigbatch("plan", "--seq-len", "64", "--tokens-per-step", "4096", "--micro-batch", "2"),
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert process.stdout is not None and process.stderr is not None
     process.stdout.close()  # the reader is gone before the first line
     err = process.stderr.read().decode()
@@ -344,8 +433,9 @@ def test_train_piped_into_head_stops_politely_without_logging_errors(workspace: 
     """``bigbatch train ... | head -3``: the run ends at the next step, saved, with no 'Logging error' or
     BrokenPipeError trace."""
     argv = [*T("--out", str(tmp_path / "piped"), "--max-steps", "500")]
-    process = subprocess.Popen(_bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)  # fmt: skip
+    process = subprocess.Popen(
+        _bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert process.stdout is not None and process.stderr is not None
     lines = [process.stdout.readline() for _ in range(6)]  # into the step lines (head -3 after the header)
     assert lines[-1].startswith(b"step "), lines
@@ -429,8 +519,9 @@ def test_parallel_fsdp_in_one_process_is_said(workspace: Path, tmp_path: Path, m
     assert "--parallel fsdp has no effect in a single process" in out
 
 
-def test_a_bigbatch_run_directory_is_written_again(workspace: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_a_bigbatch_run_directory_is_written_again(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The guard refuses foreign directories only: a run bigbatch made continues, and a report is redone."""
     monkeypatch.chdir(workspace)
     run_dir = tmp_path / "again"
@@ -447,8 +538,9 @@ def test_a_bigbatch_run_directory_is_written_again(workspace: Path, monkeypatch:
 def test_nproc_train_piped_into_head_ends_quietly(workspace: Path, tmp_path: Path) -> None:
     """Under ``--nproc 2`` rank 0's closed pipe ends every worker quietly: no gloo, torchrun or logging traces."""
     argv = [*T("--nproc", "2", "--out", str(tmp_path / "piped2"), "--max-steps", "500")]
-    process = subprocess.Popen(_bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)  # fmt: skip
+    process = subprocess.Popen(
+        _bigbatch(*argv), cwd=workspace, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert process.stdout is not None and process.stderr is not None
     for _ in range(3):
         process.stdout.readline()

@@ -239,9 +239,7 @@ def test_a_ramp_across_two_processes_matches_one_process(corpus: Path, tmp_path:
     two = run_cli(args)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "x world 2" in two.stdout and two.stdout.count("step 3 | loss") == 1
-    k_one, k_two = (
-        [r["micro_batches"] for r in records(tmp_path / name)] for name in ("one", "two")
-    )  # fmt: skip
+    k_one, k_two = ([r["micro_batches"] for r in records(tmp_path / name)] for name in ("one", "two"))
     assert k_one == k_two == [2, 2, 3, 3, 4, 4]
     for name, value in final_model(tmp_path / "one").items():
         if not name.endswith("attn.c_attn.bias"):  # key-bias rounding, see exactness.assert_parameters_match

@@ -63,10 +63,29 @@ def cache_dir(workspace: Path) -> Path:
 
 def tiny_args(data: Path | str, cache: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(data), "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
-        "--total-batch-tokens", "256", "--eval-every", "2", "--eval-batches", "2", "--sample-tokens", "20",
-        "--cache-dir", str(cache), "--out", str(out), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "256",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "20",
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +131,9 @@ def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cac
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["model"]["preset"] == "pico"
     assert {k: config["batch"][k] for k in ("total_batch_tokens", "micro_batch", "seq_len")} == {
-        "total_batch_tokens": 256, "micro_batch": 4, "seq_len": 32
+        "total_batch_tokens": 256,
+        "micro_batch": 4,
+        "seq_len": 32,
     }
     assert config["batch"]["token_budget"] == 0
     assert config["run"]["max_steps"] == 3
@@ -172,8 +193,21 @@ def test_sample_streams_the_same_text_as_a_batch(
 
     _, _, _, run_dir = trained_run
     for temperature in ("0", "0.8"):
-        argv = ["sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30",
-                "--temperature", temperature, "--seed", "5", "--device", "cpu"]  # fmt: skip
+        argv = [
+            "sample",
+            "--checkpoint",
+            str(run_dir),
+            "--prompt",
+            "ROMEO:",
+            "--max-new-tokens",
+            "30",
+            "--temperature",
+            temperature,
+            "--seed",
+            "5",
+            "--device",
+            "cpu",
+        ]
         assert main(argv) == 0
         streamed = capsys.readouterr().out
         document = load_checkpoint(run_dir)
@@ -225,7 +259,10 @@ def test_sample_from_damaged_checkpoint(tmp_path: Path, capsys: pytest.CaptureFi
     ("argv", "expected"),
     [
         ([], ["prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval"]),
-        (["train"], ["--total-batch-tokens", "--micro-batch", "--seq-len", "--print-config", "tokens per optimizer step"]),
+        (
+            ["train"],
+            ["--total-batch-tokens", "--micro-batch", "--seq-len", "--print-config", "tokens per optimizer step"],
+        ),
         (["sample"], ["--checkpoint", "--prompt", "--max-new-tokens"]),
         (["prepare"], ["--out", "--tokenizer", "--val-fraction"]),
         (["plan"], ["--tokens-per-step", "--devices", "--measure"]),
@@ -308,7 +345,7 @@ def test_print_config_round_trips_through_config_file(tmp_path: Path, capsys: py
 def test_config_file_is_applied_and_flags_override_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "run.toml"
     path.write_text(
-        "[model]\npreset = \"pico\"\n\n[batch]\nmicro_batch = 8\nseq_len = 64\n\n[optim]\nlr = 2\n\n[run]\nmax_steps = 7\n"
+        '[model]\npreset = "pico"\n\n[batch]\nmicro_batch = 8\nseq_len = 64\n\n[optim]\nlr = 2\n\n[run]\nmax_steps = 7\n'
     )
     config = print_config(["--config", str(path), "--seq-len", "32", "--max-steps", "9"], capsys)
     assert config["model"]["preset"] == "pico"  # from the file
@@ -323,9 +360,9 @@ def test_config_file_is_applied_and_flags_override_it(tmp_path: Path, capsys: py
     ("toml", "needle"),
     [
         ("[batch]\nmicro_batchez = 4\n", "micro_batchez"),
-        ("[batch]\nmicro_batch = \"4\"\n", "batch.micro_batch"),
+        ('[batch]\nmicro_batch = "4"\n', "batch.micro_batch"),
         ("[run]\ncompile = 1\n", "run.compile"),
-        ("[optim]\nlr = \"fast\"\n", "optim.lr"),
+        ('[optim]\nlr = "fast"\n', "optim.lr"),
         ("[trainer]\nlr = 1.0\n", "trainer"),
         ("[batch\nmicro_batch = 4\n", "not valid TOML"),
     ],
@@ -378,8 +415,21 @@ def test_plan_non_divisible_rounds_and_says_so(capsys: pytest.CaptureFixture) ->
 
 
 def test_plan_inconsistent_settings_are_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
-    code = main(["plan", "--total-batch-tokens", "500000", "--micro-batch", "16", "--seq-len", "1024", "--k", "4",
-                 "--devices", "1"])
+    code = main(
+        [
+            "plan",
+            "--total-batch-tokens",
+            "500000",
+            "--micro-batch",
+            "16",
+            "--seq-len",
+            "1024",
+            "--k",
+            "4",
+            "--devices",
+            "1",
+        ]
+    )
     captured = capsys.readouterr()
     assert "leave one of them out" in assert_one_line_error(code, captured.out, captured.err)
 

@@ -23,9 +23,12 @@ def imported_modules(*argv: str) -> set[str]:
     """The modules ``python -X importtime -m bigbatch ARGV`` imports (a fresh interpreter)."""
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "bigbatch", *argv],
-        check=False, capture_output=True, text=True, timeout=120,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: bigbatch" in done.stdout
     return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
@@ -53,9 +56,22 @@ def option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 def test_every_command_is_one_module_with_its_arguments_and_run() -> None:
     parsers = subparsers()
-    assert list(parsers) == list(COMMANDS) == [
-        "prepare", "train", "sample", "plan", "memory", "verify", "report", "export", "eval", "critical-batch",
-    ]  # fmt: skip
+    assert (
+        list(parsers)
+        == list(COMMANDS)
+        == [
+            "prepare",
+            "train",
+            "sample",
+            "plan",
+            "memory",
+            "verify",
+            "report",
+            "export",
+            "eval",
+            "critical-batch",
+        ]
+    )
     for name, module in COMMANDS.items():
         assert callable(module.add_arguments) and callable(module.run), name
         assert parsers[name].get_default("handler") is module.run
@@ -127,9 +143,18 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
     assert code == 7
     (command,) = seen
     assert command[1:] == [
-        "-m", "bigbatch.cli.launcher", "--standalone", "--nproc-per-node=3", "-m", "bigbatch", "verify",
-        "--k", "2", "--seed", "1",
-    ]  # fmt: skip
+        "-m",
+        "bigbatch.cli.launcher",
+        "--standalone",
+        "--nproc-per-node=3",
+        "-m",
+        "bigbatch",
+        "verify",
+        "--k",
+        "2",
+        "--seed",
+        "1",
+    ]
 
 
 def test_default_tolerances_cover_the_resolved_precisions() -> None:
@@ -147,7 +172,9 @@ def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: 
 
     field = next(f for f in fields(SECTIONS[section]) if f.name == name)
     readme = (SRC.parent / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]]
+    rows = [
+        line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]
+    ]
     assert rows, f"README's flag table has no row for --{_flag(field)}"
     for value in allowed:
         assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)

@@ -74,9 +74,15 @@ def test_the_walk_finds_the_numeric_flags_of_every_command() -> None:
     commands = {name for name, _ in FLAGS}
     assert commands == {"prepare", "train", "sample", "plan", "memory", "verify", "eval", "critical-batch"}
     found = {(name, action.option_strings[0]) for name, action in FLAGS}
-    for expected in [("prepare", "--workers"), ("prepare", "--shard-tokens"), ("train", "--seq-len"),
-                     ("train", "--decay-steps"), ("plan", "--tokens-per-step"), ("critical-batch", "--budget")]:
-        assert expected in found  # fmt: skip
+    for expected in [
+        ("prepare", "--workers"),
+        ("prepare", "--shard-tokens"),
+        ("train", "--seq-len"),
+        ("train", "--decay-steps"),
+        ("plan", "--tokens-per-step"),
+        ("critical-batch", "--budget"),
+    ]:
+        assert expected in found
     assert len(FLAGS) >= 60
 
 
@@ -250,11 +256,29 @@ def test_prepare_says_how_many_binary_files_it_skipped(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("isolated")
 def test_train_pico_without_seq_len_uses_its_block_size_and_says_so(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    code, out, err = run_main([
-        "train", "--data", str(mixed_folder(tmp_path)), "--model", "pico", "--micro-batch", "4",
-        "--total-batch-tokens", "512", "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0",
-        "--noise-scale-every", "0", "--out", str(run_dir),
-    ])  # fmt: skip
+    code, out, err = run_main(
+        [
+            "train",
+            "--data",
+            str(mixed_folder(tmp_path)),
+            "--model",
+            "pico",
+            "--micro-batch",
+            "4",
+            "--total-batch-tokens",
+            "512",
+            "--max-steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--noise-scale-every",
+            "0",
+            "--out",
+            str(run_dir),
+        ]
+    )
     assert code == 0, err
     (plan,) = [line for line in out.splitlines() if line.startswith("plan |")]
     assert "micro_batch 4 x seq_len 64 x K 2" in plan and plan.endswith("| seq_len 64 (the model's block size)")

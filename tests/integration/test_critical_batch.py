@@ -32,11 +32,36 @@ def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_args(corpus: Path, run_dir: Path, steps: int) -> list[str]:
     return [
-        "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32", "--micro-batch", "2",
-        "--total-batch-tokens", str(PARENT_TPS), "--warmup-steps", "2", "--min-lr-ratio", "1.0",
-        "--max-steps", str(steps), "--eval-every", "2", "--eval-batches", "2", "--noise-scale-every", "1",
-        "--sample-tokens", "0", "--cache-dir", str(corpus.parent / "cache"), "--out", str(run_dir),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--total-batch-tokens",
+        str(PARENT_TPS),
+        "--warmup-steps",
+        "2",
+        "--min-lr-ratio",
+        "1.0",
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        "--noise-scale-every",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(corpus.parent / "cache"),
+        "--out",
+        str(run_dir),
+    ]
 
 
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
@@ -46,8 +71,17 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 
 
 def critical_batch(run_dir: Path, sizes: list[int] = SIZES, budget: int = BUDGET, *extra: str) -> tuple[int, str, str]:
-    return run_main(["critical-batch", str(run_dir), "--tokens-per-step", ",".join(map(str, sizes)),
-                     "--budget", str(budget), *extra])  # fmt: skip
+    return run_main(
+        [
+            "critical-batch",
+            str(run_dir),
+            "--tokens-per-step",
+            ",".join(map(str, sizes)),
+            "--budget",
+            str(budget),
+            *extra,
+        ]
+    )
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -121,8 +155,9 @@ def test_branches_train_the_same_tokens_at_each_size_and_report_the_critical_bat
         assert record["parent_step"] == PARENT_STEPS and record["tokens_per_step"] == size
         assert final_state(branch_dir)["tokens_seen"] == PARENT_STEPS * PARENT_TPS + BUDGET
     # the parent is left as it was
-    assert [p.name for p in sorted((run_dir / "checkpoints").glob("*.pt"))] == [p.name for p in sorted(
-        (parent / "checkpoints").glob("*.pt"))]  # fmt: skip
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("*.pt"))] == [
+        p.name for p in sorted((parent / "checkpoints").glob("*.pt"))
+    ]
     assert (run_dir / "metrics.jsonl").read_text() == (parent / "metrics.jsonl").read_text()
     # the table
     assert "critical batch: " in out and f"{critical:,} tokens per step" in out
@@ -165,8 +200,10 @@ def test_rerun_continues_unfinished_branches_and_reuses_finished_ones(
     twice = json.loads((run_dir / BASE / "result.json").read_text())["branches"]
     assert [b["val_loss"] for b in twice] == [b["val_loss"] for b in once]  # bitwise: resume is exact
     for size in SIZES:
-        assert_same_tensors(final_state(run_dir / BASE / f"tps_{size}")["model"],
-                            final_state(measured[0] / BASE / f"tps_{size}")["model"])  # fmt: skip
+        assert_same_tensors(
+            final_state(run_dir / BASE / f"tps_{size}")["model"],
+            final_state(measured[0] / BASE / f"tps_{size}")["model"],
+        )
     metrics = {size: (run_dir / BASE / f"tps_{size}" / "metrics.jsonl").read_text() for size in SIZES}
     code, out, err = critical_batch(run_dir)  # everything done: nothing trains
     assert code == 0, out + err
@@ -209,8 +246,13 @@ def test_a_branch_of_another_checkpoint_is_refused(measured: tuple[Path, str], t
 @pytest.mark.parametrize(
     ("sizes", "budget", "extra", "expected"),
     [
-        ("100,128", "256", [], "--tokens-per-step 100: total_batch_tokens=100 is not a multiple of micro_batch x "
-         "seq_len x world_size = 2 x 32 x 1 = 64; nearest valid totals: 64 (K=1) or 128 (K=2)"),
+        (
+            "100,128",
+            "256",
+            [],
+            "--tokens-per-step 100: total_batch_tokens=100 is not a multiple of micro_batch x "
+            "seq_len x world_size = 2 x 32 x 1 = 64; nearest valid totals: 64 (K=1) or 128 (K=2)",
+        ),
         ("4K,8Ki", "8Ki", [], "for 4,096 write 4Ki"),
         ("64,256", "128", [], "--budget 128 tokens is smaller than one step of the largest size (256 tokens)"),
         ("64,192", "320", [], "nearest budgets that do: 192 or 384"),

@@ -36,8 +36,22 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
         signal.signal(sig, handler)
 
 
-TRAIN = ["--model", "pico", "--micro-batch", "2", "--seq-len", "16", "--total-batch-tokens", "64",
-         "--max-steps", "2", "--sample-tokens", "0", "--eval-batches", "1"]  # fmt: skip
+TRAIN = [
+    "--model",
+    "pico",
+    "--micro-batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--total-batch-tokens",
+    "64",
+    "--max-steps",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--eval-batches",
+    "1",
+]
 
 
 def jsonl(path: Path, records: list[dict[str, str]]) -> Path:
@@ -223,8 +237,9 @@ def test_tokenizer_that_contradicts_the_dataset_is_an_error(prepared: Path) -> N
     line = assert_one_line_error(code, out, err)
     assert "--tokenizer bpe:300 contradicts the data" in line and "byte tokens" in line
     for agreeing in (["--tokenizer", "byte"], []):  # the dataset's own name, or the default (auto)
-        code, out, err = run_main(["train", "--data", str(prepared), *agreeing, "--out", f"run{len(agreeing)}",
-                                   *TRAIN, "--eval-every", "0"])  # fmt: skip
+        code, out, err = run_main(
+            ["train", "--data", str(prepared), *agreeing, "--out", f"run{len(agreeing)}", *TRAIN, "--eval-every", "0"]
+        )
         assert code == 0, err
         assert "byte tokenizer" in out
 

@@ -82,10 +82,32 @@ def free_port() -> int:
 
 def train_args(corpus: Path, cache: Path, out: Path) -> list[str]:
     return [
-        "-m", "bigbatch", "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32",
-        "--micro-batch", "2", "--total-batch-tokens", "256", "--max-steps", "3", "--eval-every", "3",
-        "--eval-batches", "2", "--sample-tokens", "0", "--cache-dir", str(cache), "--out", str(out),
-    ]  # fmt: skip
+        "-m",
+        "bigbatch",
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +130,10 @@ def test_two_node_rendezvous_on_loopback_matches_single_node(corpus: Path, tmp_p
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node=1"]
     command += train_args(corpus, cache, tmp_path / "two-node")
-    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
     single, two_node = final_state(tmp_path / "single"), final_state(tmp_path / "two-node")
@@ -127,7 +152,9 @@ def test_cli_nproc_trains_ddp_and_matches_one_process(corpus: Path, tmp_path: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert "parallel ddp" in done.stdout and "x K 2 x world 2" in done.stdout
     assert done.stdout.count("step 3 | loss") == 1  # only rank 0 prints
-    subprocess.run([sys.executable, *train_args(corpus, cache, tmp_path / "one")], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, *train_args(corpus, cache, tmp_path / "one")], env=env, check=True, capture_output=True
+    )
     ddp, one = final_state(tmp_path / "ddp"), final_state(tmp_path / "one")
     for name, value in one["model"].items():
         if name.endswith("attn.c_attn.bias"):
@@ -148,21 +175,47 @@ def test_token_budget_on_documents_across_two_ranks_matches_one_process(tmp_path
     import json
 
     source = tmp_path / "qa.jsonl"
-    rows = [{"prompt": f"Question {i}: " + "why? " * (i % 7), "completion": " because" * (1 + i % 5)} for i in range(60)]
+    rows = [
+        {"prompt": f"Question {i}: " + "why? " * (i % 7), "completion": " because" * (1 + i % 5)} for i in range(60)
+    ]
     source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def args(out: Path, micro_batch: int) -> list[str]:
         return [
-            sys.executable, "-m", "bigbatch", "train", "--data", str(source), "--data-mode", "documents",
-            "--model", "pico", "--seq-len", "48", "--micro-batch", str(micro_batch), "--token-budget", "150",
-            "--max-steps", "3", "--eval-every", "0", "--sample-tokens", "0",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "bigbatch",
+            "train",
+            "--data",
+            str(source),
+            "--data-mode",
+            "documents",
+            "--model",
+            "pico",
+            "--seq-len",
+            "48",
+            "--micro-batch",
+            str(micro_batch),
+            "--token-budget",
+            "150",
+            "--max-steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
 
     one = subprocess.run(args(tmp_path / "one", 4), env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*args(tmp_path / "two", 2), "--nproc", "2"], env=env, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [*args(tmp_path / "two", 2), "--nproc", "2"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert two.returncode == 0, two.stderr[-2000:]
 
     def k_and_tokens(stdout: str) -> list[str]:  # "K 4 | tokens 153" of each step line (not the noise scale: the

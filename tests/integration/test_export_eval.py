@@ -32,10 +32,30 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_dir(workspace: Path) -> Path:
     out = workspace / "run"
     argv = [
-        "train", "--data", str(workspace / "corpus.txt"), "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
-        "--total-batch-tokens", "256", "--eval-every", "2", "--eval-batches", "3", "--sample-tokens", "0",
-        "--max-steps", "3", "--cache-dir", str(workspace / "cache"), "--out", str(out),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(workspace / "corpus.txt"),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "256",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "3",
+        "--sample-tokens",
+        "0",
+        "--max-steps",
+        "3",
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--out",
+        str(out),
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
         code, stdout, stderr = run_main(argv)
@@ -54,7 +74,9 @@ def test_export_loads_in_transformers_with_identical_logits(run_dir: Path, tmp_p
     code, stdout, stderr = run_main(["export", str(run_dir), "--format", "hf", str(out)])
     assert code == 0, stderr
     assert "exported step 3" in stdout
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
 
     ours = ckpt.model_from_checkpoint(ckpt.load_checkpoint(run_dir)).eval()
@@ -96,8 +118,18 @@ def last_val_loss(run_dir: Path) -> float:
 def test_eval_reproduces_the_runs_validation_loss(run_dir: Path, workspace: Path) -> None:
     """Raw text with the run's defaults (micro-batch, seq_len, eval_batches, tokenizer, val split) gives the
     loss the trainer logged after its last step."""
-    code, stdout, stderr = run_main(["eval", str(run_dir), "--data", str(workspace / "corpus.txt"),
-                                     "--cache-dir", str(workspace / "cache"), "--device", "cpu"])  # fmt: skip
+    code, stdout, stderr = run_main(
+        [
+            "eval",
+            str(run_dir),
+            "--data",
+            str(workspace / "corpus.txt"),
+            "--cache-dir",
+            str(workspace / "cache"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0, stderr
     expected = last_val_loss(run_dir)
     match = stdout.split("| loss ")[1].split()
@@ -134,8 +166,9 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Pa
     document = ckpt.load_checkpoint(run_dir)
     document["tokenizer"] = "gpt2"  # pretend the model was trained on GPT-2 tokens
     other = tmp_path / "other_run"
-    ckpt.save_checkpoint({k: v for k, v in document.items() if k not in ("format", "version")},
-                         ckpt.checkpoint_path(other, 3))  # fmt: skip
+    ckpt.save_checkpoint(
+        {k: v for k, v in document.items() if k not in ("format", "version")}, ckpt.checkpoint_path(other, 3)
+    )
     code, stdout, stderr = run_main(["eval", str(other), "--data", document["dataset"], "--device", "cpu"])
     line = assert_one_line_error(code, stdout, stderr)
     assert "byte tokenizer" in line and "gpt2" in line
@@ -143,7 +176,11 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [(["--seq-len", "128"], "block_size"), (["--micro-batch", "0"], "--micro-batch"), (["--batches", "-1"], "--batches")],
+    [
+        (["--seq-len", "128"], "block_size"),
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--batches", "-1"], "--batches"),
+    ],
     ids=["seq-len-above-block", "zero-micro-batch", "negative-batches"],
 )
 def test_eval_bad_arguments_are_one_line_errors(run_dir: Path, workspace: Path, extra: list[str], needle: str) -> None:

@@ -95,6 +95,7 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
 
 def test_the_reference_reads_long_documents_as_the_readme_says() -> None:
     """The reference's own rows for one 8-token document with T = 3, worked out by hand."""
+
     def rows(prompt: str, policy: str) -> list[tuple[list[int], list[int]]]:
         return [(x.tolist(), y.tolist()) for x, y, _ in document_rows(prompt.encode(), b"abcdefgh", 3, policy)]
 

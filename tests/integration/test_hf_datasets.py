@@ -60,13 +60,27 @@ def documents_of(out: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     ("source", "expected"),
-    [("hf:json:{root}/jsonl/*.jsonl", KEPT), ("hf:json:{root}/jsonl", KEPT), ("hf:csv:{root}/t.csv#body", KEPT),
-     ("hf:parquet:{root}/t.parquet#body", KEPT), ("hf:{root}/saved#body", KEPT),
-     ("hf:{root}/saved_dict:validation#body", KEPT), ("hf:text:{root}/t.txt", [t.replace("\n", " ") for t in KEPT]),
-     ("hf:{root}/jsonl", KEPT)],
-    ids=["json-glob", "json-dir", "csv-column", "parquet", "save_to_disk", "save_to_disk-split", "text-lines",
-         "directory-of-files"],
-)  # fmt: skip
+    [
+        ("hf:json:{root}/jsonl/*.jsonl", KEPT),
+        ("hf:json:{root}/jsonl", KEPT),
+        ("hf:csv:{root}/t.csv#body", KEPT),
+        ("hf:parquet:{root}/t.parquet#body", KEPT),
+        ("hf:{root}/saved#body", KEPT),
+        ("hf:{root}/saved_dict:validation#body", KEPT),
+        ("hf:text:{root}/t.txt", [t.replace("\n", " ") for t in KEPT]),
+        ("hf:{root}/jsonl", KEPT),
+    ],
+    ids=[
+        "json-glob",
+        "json-dir",
+        "csv-column",
+        "parquet",
+        "save_to_disk",
+        "save_to_disk-split",
+        "text-lines",
+        "directory-of-files",
+    ],
+)
 def test_every_local_form_gives_the_documents(files: Path, tmp_path: Path, source: str, expected: list[str]) -> None:
     source = source.format(root=files)
     meta = prepare_dataset(source, tmp_path / "out", val_fraction=0.0, mode="documents", workers=1)
@@ -100,13 +114,15 @@ def test_the_cache_follows_the_local_files(files: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("source", "needle"),
-    [("hf:csv:{root}/t.csv", "no string 'text' field (fields: body, n)"),
-     ("hf:{root}/saved#nope", "has no column 'nope' (columns: body, n)"),
-     ("hf:{root}/saved_dict:test#body", "has the splits train, validation, not 'test'"),
-     ("hf:json:{root}/missing/*.jsonl", "matches no files"),
-     ("hf:json", "reads local files; write hf:json:FILES")],
+    [
+        ("hf:csv:{root}/t.csv", "no string 'text' field (fields: body, n)"),
+        ("hf:{root}/saved#nope", "has no column 'nope' (columns: body, n)"),
+        ("hf:{root}/saved_dict:test#body", "has the splits train, validation, not 'test'"),
+        ("hf:json:{root}/missing/*.jsonl", "matches no files"),
+        ("hf:json", "reads local files; write hf:json:FILES"),
+    ],
     ids=["csv-without-text", "bad-column", "bad-split", "no-files", "builder-without-files"],
-)  # fmt: skip
+)
 def test_local_mistakes_are_named(files: Path, tmp_path: Path, source: str, needle: str) -> None:
     with pytest.raises(BigBatchError) as info:
         prepare_dataset(source.format(root=files), tmp_path / "out", workers=1)
@@ -118,16 +134,24 @@ def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """The CLI in a process whose every attempt to reach the Internet is reported on stderr (no_network.py)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # not told to stay offline
     runner = Path(__file__).parents[1] / "support" / "no_network.py"
-    return subprocess.run([sys.executable, str(runner), *args], cwd=cwd, capture_output=True, text=True,
-                          env={**base, "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf-home"), **env}, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(runner), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**base, "OMP_NUM_THREADS": "1", "HF_HOME": str(cwd / "hf-home"), **env},
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
 def test_cli_prepare_of_local_files_never_reaches_the_hub(files: Path, tmp_path: Path) -> None:
     """Not told to stay offline, prepare of local files through datasets makes no network call at all (datasets
     otherwise pings a download counter for its packaged builders), in worker processes too."""
-    done = _cli(["prepare", f"hf:json:{files}/jsonl/*.jsonl", "--out", "mine", "--tokenizer", "bpe:300",
-                 "--workers", "2"], tmp_path)  # fmt: skip
+    done = _cli(
+        ["prepare", f"hf:json:{files}/jsonl/*.jsonl", "--out", "mine", "--tokenizer", "bpe:300", "--workers", "2"],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "NETWORK" not in done.stderr, done.stderr
     assert f"mine: {len(KEPT)} documents" in done.stdout
@@ -140,9 +164,13 @@ def test_cli_prepare_of_local_files_never_reaches_the_hub(files: Path, tmp_path:
 
 @pytest.mark.parametrize(("tokenizer", "workers"), [("byte", 1), ("bpe:300", 2)])
 def test_an_interrupted_prepare_resumes_from_its_position(
-    files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-    tokenizer: str, workers: int,
-) -> None:  # fmt: skip
+    files: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tokenizer: str,
+    workers: int,
+) -> None:
     """Ctrl-C after 25 records keeps .OUT.partial; the same call resumes there (reading past the documents
     done, not tokenizing them again) and writes the shards an uninterrupted prepare writes."""
     import bigbatch.data.encode as encode

@@ -48,17 +48,34 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_argv(workspace: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(workspace / "corpus.txt"), "--cache-dir", str(workspace / "cache"), "--out", str(out),
-        *TRAIN, *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(workspace / "corpus.txt"),
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--out",
+        str(out),
+        *TRAIN,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def run(workspace: Path) -> tuple[Path, str]:
     """A Qwen2 run of 3 steps with validation: its directory and what it printed."""
     out = workspace / "run"
-    argv = train_argv(workspace, out, "--model", f"hf:{workspace / 'qwen2'}", "--max-steps", "3", "--eval-every",
-                      "3", "--eval-batches", "3")  # fmt: skip
+    argv = train_argv(
+        workspace,
+        out,
+        "--model",
+        f"hf:{workspace / 'qwen2'}",
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "3",
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
         code, stdout, stderr = run_main(argv)
@@ -82,10 +99,24 @@ def first_batch(workspace: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def test_each_architecture_trains_from_its_own_weights(workspace: Path, tmp_path: Path, kind: str) -> None:
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(workspace / kind), local_files_only=True)
     out = tmp_path / "run"
-    code, stdout, stderr = run_main(train_argv(
-        workspace, out, "--model", f"hf:{workspace / kind}", "--max-steps", "2", "--eval-every", "0",
-        "--lr", "1e-4", "--warmup-steps", "0", "--shuffle", "off",
-    ))  # fmt: skip
+    code, stdout, stderr = run_main(
+        train_argv(
+            workspace,
+            out,
+            "--model",
+            f"hf:{workspace / kind}",
+            "--max-steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "0",
+            "--shuffle",
+            "off",
+        )
+    )
     assert code == 0, stdout + stderr
     assert f"| hf {CLASSES[kind]}: 2 layers, " in stdout and "| vocab 256 | block 64" in stdout
     x, y = first_batch(workspace)
@@ -136,8 +167,21 @@ def test_native_llama_and_the_hf_adapter_of_its_weights_give_equal_logits(tmp_pa
 def test_the_run_names_the_architecture_and_sample_and_eval_read_it(run: tuple[Path, str]) -> None:
     out, stdout = run
     assert "hf Qwen2ForCausalLM: 2 layers, 4 heads (2 key/value), 32 wide | vocab 256 | block 64" in stdout
-    code, text, err = run_main(["sample", "--checkpoint", str(out), "--prompt", "the ", "--max-new-tokens", "12",
-                                "--temperature", "0", "--device", "cpu"])  # fmt: skip
+    code, text, err = run_main(
+        [
+            "sample",
+            "--checkpoint",
+            str(out),
+            "--prompt",
+            "the ",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0, err
     assert text.startswith("the ") and len(text) > len("the \n")
     code, text, err = run_main(["eval", str(out), "--device", "cpu"])
@@ -179,8 +223,9 @@ def test_verify_says_equivalent(workspace: Path, kind: str) -> None:
 
 
 def test_plan_names_the_model_and_says_the_estimate_is_unavailable(workspace: Path) -> None:
-    code, stdout, stderr = run_main(["plan", "--model", f"hf:{workspace / 'qwen2'}", "--tokens-per-step", "1024",
-                                     "--micro-batch", "4"])  # fmt: skip
+    code, stdout, stderr = run_main(
+        ["plan", "--model", f"hf:{workspace / 'qwen2'}", "--tokens-per-step", "1024", "--micro-batch", "4"]
+    )
     assert code == 0, stdout + stderr
     assert "seq_len 64 (the hf:" in stdout and "hf Qwen2ForCausalLM" in stdout
     assert "the analytic memory estimate is unavailable for hf: models" in stdout
@@ -196,10 +241,20 @@ def test_a_mixture_of_experts_trains_without_its_load_balancing_loss(workspace: 
     """Mixtral with output_router_logits on in its config.json: the warning comes before the first step, the router
     logits are not collected, and the logged loss is the cross-entropy of the logits alone."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(workspace / "mixtral"), local_files_only=True)
-    code, stdout, stderr = run_main(train_argv(
-        workspace, tmp_path / "run", "--model", f"hf:{workspace / 'mixtral'}", "--max-steps", "1", "--eval-every",
-        "0", "--shuffle", "off",
-    ))  # fmt: skip
+    code, stdout, stderr = run_main(
+        train_argv(
+            workspace,
+            tmp_path / "run",
+            "--model",
+            f"hf:{workspace / 'mixtral'}",
+            "--max-steps",
+            "1",
+            "--eval-every",
+            "0",
+            "--shuffle",
+            "off",
+        )
+    )
     assert code == 0, stdout + stderr
     warning = (
         "MixtralForCausalLM is a mixture of 4 experts: its load-balancing loss (router_aux_loss_coef 0.02) is left "
@@ -215,10 +270,19 @@ def test_a_mixture_of_experts_trains_without_its_load_balancing_loss(workspace: 
 
 def not_causal(directory: Path) -> str:
     directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "max_position_embeddings": 64, "vocab_size": 256,
-    }))  # fmt: skip
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "architectures": ["BertForMaskedLM"],
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 64,
+                "vocab_size": 256,
+            }
+        )
+    )
     return "holds BertForMaskedLM, not a causal language model"
 
 
@@ -256,8 +320,10 @@ def test_a_directory_that_is_not_a_causal_lm_is_one_line(
 
 @pytest.mark.usefixtures("isolated")
 def test_dropout_and_block_size_are_the_directorys_own(workspace: Path, tmp_path: Path) -> None:
-    for flags, expected in ((["--dropout", "0.1"], "--dropout does not apply to hf:"),
-                            (["--block-size", "32"], "--block-size does not apply to hf:")):  # fmt: skip
+    for flags, expected in (
+        (["--dropout", "0.1"], "--dropout does not apply to hf:"),
+        (["--block-size", "32"], "--block-size does not apply to hf:"),
+    ):
         argv = train_argv(workspace, tmp_path / "run", "--model", f"hf:{workspace / 'llama'}", *flags)
         assert expected in assert_one_line_error(*run_main(argv))
 
@@ -272,10 +338,20 @@ def test_a_directory_without_weights_starts_from_the_seed(workspace: Path, tmp_p
     save_hf("llama", tmp_path / "config-only", weights=False)
     runs = []
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        code, stdout, stderr = run_main(train_argv(
-            workspace, tmp_path / name, "--model", f"hf:{tmp_path / 'config-only'}", "--max-steps", "1",
-            "--eval-every", "0", "--seed", seed,
-        ))  # fmt: skip
+        code, stdout, stderr = run_main(
+            train_argv(
+                workspace,
+                tmp_path / name,
+                "--model",
+                f"hf:{tmp_path / 'config-only'}",
+                "--max-steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--seed",
+                seed,
+            )
+        )
         assert code == 0, stdout + stderr
         runs.append(final_model(tmp_path / name))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
@@ -285,14 +361,37 @@ def test_a_directory_without_weights_starts_from_the_seed(workspace: Path, tmp_p
 @pytest.mark.slow
 @pytest.mark.usefixtures("isolated")
 def test_auto_micro_batch_and_memory_measure_an_hf_model(workspace: Path, tmp_path: Path) -> None:
-    argv = train_argv(workspace, tmp_path / "run", "--model", f"hf:{workspace / 'llama'}", "--max-steps", "1",
-                      "--eval-every", "0", "--memory-budget", "4000")  # fmt: skip
+    argv = train_argv(
+        workspace,
+        tmp_path / "run",
+        "--model",
+        f"hf:{workspace / 'llama'}",
+        "--max-steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--memory-budget",
+        "4000",
+    )
     argv[argv.index("--micro-batch") + 1] = "auto"
     code, stdout, stderr = run_main(argv)
     assert code == 0, stdout + stderr
     assert "auto micro-batch: 8 (largest that fits among [1, 2, 4, 8])" in stdout
-    code, stdout, stderr = run_main(["memory", "--model", f"hf:{workspace / 'llama'}", "--seq-len", "32",
-                                     "--max-micro-batch", "2", "--k", "2", "--device", "cpu"])  # fmt: skip
+    code, stdout, stderr = run_main(
+        [
+            "memory",
+            "--model",
+            f"hf:{workspace / 'llama'}",
+            "--seq-len",
+            "32",
+            "--max-micro-batch",
+            "2",
+            "--k",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0, stdout + stderr
     assert "n/a" in stdout and "estimate: the analytic memory estimate is unavailable for hf: models" in stdout
 
@@ -302,10 +401,19 @@ def test_auto_micro_batch_and_memory_measure_an_hf_model(workspace: Path, tmp_pa
 def test_compile_trains_an_hf_model_like_eager(workspace: Path, tmp_path: Path) -> None:
     losses = []
     for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
-        code, stdout, stderr = run_main(train_argv(
-            workspace, tmp_path / name, "--model", f"hf:{workspace / 'llama'}", "--max-steps", "2",
-            "--eval-every", "0", flag,
-        ))  # fmt: skip
+        code, stdout, stderr = run_main(
+            train_argv(
+                workspace,
+                tmp_path / name,
+                "--model",
+                f"hf:{workspace / 'llama'}",
+                "--max-steps",
+                "2",
+                "--eval-every",
+                "0",
+                flag,
+            )
+        )
         assert code == 0, stdout + stderr
         assert "torch.compile does not work" not in stdout + stderr
         losses.append(step_losses(tmp_path / name))
@@ -353,8 +461,19 @@ def test_two_processes_match_one(workspace: Path, tmp_path: Path, parallel: str)
     model = workspace / "qwen2"
     one = run_cli(hf_args(workspace / "corpus.txt", tmp_path / "one", model, "--eval-every", "0", "--max-steps", "3"))
     assert one.returncode == 0, one.stderr[-2000:]
-    args = hf_args(workspace / "corpus.txt", tmp_path / "two", model, "--eval-every", "0", "--max-steps", "3",
-                   "--nproc", "2", "--parallel", parallel)  # fmt: skip
+    args = hf_args(
+        workspace / "corpus.txt",
+        tmp_path / "two",
+        model,
+        "--eval-every",
+        "0",
+        "--max-steps",
+        "3",
+        "--nproc",
+        "2",
+        "--parallel",
+        parallel,
+    )
     args[args.index("--micro-batch") + 1] = "1"
     two = run_cli(args)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -44,11 +44,37 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     corpus.write_bytes(corpus_bytes(40_000))
     run = tmp_path / "run"
     command = [
-        sys.executable, "-m", "bigbatch", "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2",
-        "--seq-len", "32", "--total-batch-tokens", "256", "--max-steps", "1000000", "--save-every", "1",
-        "--eval-every", "0", "--sample-tokens", "0", "--keep-checkpoints", "2", "--nproc", "2",
-        "--cache-dir", str(tmp_path / "cache"), "--out", str(run),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bigbatch",
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "1000000",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--keep-checkpoints",
+        "2",
+        "--nproc",
+        "2",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(run),
+    ]
     log = open(tmp_path / "launcher.log", "wb")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -76,7 +102,9 @@ def test_sigkill_of_the_launcher_kills_every_worker_and_nothing_more_is_written(
             time.sleep(0.01)
         last_exit = time.monotonic() - killed
         print(f"launcher SIGKILL -> last worker gone: {last_exit:.3f}s")
-        assert not processes_of(launcher.pid), f"still alive 10 s after the launcher's SIGKILL: {processes_of(launcher.pid)}"
+        assert not processes_of(launcher.pid), (
+            f"still alive 10 s after the launcher's SIGKILL: {processes_of(launcher.pid)}"
+        )
         before = run_dir_files(run)
         time.sleep(3)
         assert run_dir_files(run) == before  # nothing new, nothing rewritten

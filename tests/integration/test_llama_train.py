@@ -39,17 +39,36 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_argv(workspace: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(workspace / "corpus.txt"), "--cache-dir", str(workspace / "cache"), "--out", str(out),
-        *TRAIN, *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(workspace / "corpus.txt"),
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--out",
+        str(out),
+        *TRAIN,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def run(workspace: Path) -> tuple[Path, str]:
     """A llama-pico run of 3 steps with validation and an MFU peak: its directory and what it printed."""
     out = workspace / "run"
-    argv = train_argv(workspace, out, "--model", "llama-pico", "--max-steps", "3", "--eval-every", "3",
-                      "--eval-batches", "3", "--peak-flops", "1e12")  # fmt: skip
+    argv = train_argv(
+        workspace,
+        out,
+        "--model",
+        "llama-pico",
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "3",
+        "--peak-flops",
+        "1e12",
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
         code, stdout, stderr = run_main(argv)
@@ -64,8 +83,10 @@ def run(workspace: Path) -> tuple[Path, str]:
 
 def test_a_llama_run_says_its_shape_and_logs_mfu_and_the_noise_scale(run: tuple[Path, str]) -> None:
     out, stdout = run
-    assert "model llama-pico | 0.03M parameters | llama: 2 layers, 2 heads (1 key/value), 32 wide, ffn 96 | vocab " \
-           "256 | block 64" in stdout
+    assert (
+        "model llama-pico | 0.03M parameters | llama: 2 layers, 2 heads (1 key/value), 32 wide, ffn 96 | vocab "
+        "256 | block 64" in stdout
+    )
     assert "| mfu " in stdout and "| noise scale " in stdout
     document = ckpt.load_checkpoint(out)
     assert document["model_family"] == "llama" and document["model_config"]["n_kv_head"] == 1
@@ -100,6 +121,7 @@ def test_accumulated_llama_updates_equal_one_giant_batch(workspace: Path, tmp_pa
 def test_sigkill_then_resume_is_bitwise_identical(workspace: Path, tmp_path: Path) -> None:
     """llama-pico with dropout (the generators matter) killed inside step 5 resumes from step 4 and ends with
     the loss sequence and parameters of a run that never stopped."""
+
     def args(out: Path, *extra: str) -> list[str]:
         argv = cli_args(workspace / "corpus.txt", out, "--dropout", "0.1", *extra)
         argv[argv.index("--model") + 1] = "llama-pico"
@@ -128,8 +150,21 @@ def test_sigkill_then_resume_is_bitwise_identical(workspace: Path, tmp_path: Pat
 
 def test_sample_and_eval_read_the_llama_checkpoint(run: tuple[Path, str]) -> None:
     out, stdout = run
-    code, text, err = run_main(["sample", "--checkpoint", str(out), "--prompt", "the ", "--max-new-tokens", "12",
-                                "--temperature", "0", "--device", "cpu"])  # fmt: skip
+    code, text, err = run_main(
+        [
+            "sample",
+            "--checkpoint",
+            str(out),
+            "--prompt",
+            "the ",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0, err
     assert text.startswith("the ") and len(text) > len("the \n")
     code, text, err = run_main(["eval", str(out), "--device", "cpu"])
@@ -171,10 +206,17 @@ def hf_llama(directory: Path, max_positions: int = 64, **extra: Any) -> Any:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     fields: dict[str, Any] = {
-        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max_positions,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **extra,
-    }  # fmt: skip
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        **extra,
+    }
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     model.save_pretrained(directory)
     return model
@@ -185,12 +227,28 @@ def test_init_from_a_llama_directory_trains_and_exports_back(workspace: Path, tm
     transformers = pytest.importorskip("transformers")
     reference = hf_llama(tmp_path / "hf")
     out = tmp_path / "run"
-    code, stdout, stderr = run_main(train_argv(
-        workspace, out, "--init-from", str(tmp_path / "hf"), "--max-steps", "2", "--eval-every", "0",
-        "--lr", "1e-4", "--warmup-steps", "0", "--shuffle", "off",  # step 1 reads the start of the stream
-    ))  # fmt: skip
+    code, stdout, stderr = run_main(
+        train_argv(
+            workspace,
+            out,
+            "--init-from",
+            str(tmp_path / "hf"),
+            "--max-steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "0",
+            "--shuffle",
+            "off",  # step 1 reads the start of the stream
+        )
+    )
     assert code == 0, stdout + stderr
-    assert f"model {tmp_path / 'hf'} |" in stdout and "llama: 2 layers, 4 heads (2 key/value), 32 wide, ffn 64" in stdout
+    assert (
+        f"model {tmp_path / 'hf'} |" in stdout and "llama: 2 layers, 4 heads (2 key/value), 32 wide, ffn 64" in stdout
+    )
     # The pretrained weights were used: step 1's loss is the reference's on the first 256 tokens of the stream.
     data = (workspace / "corpus.txt").read_bytes()[: 2 * 4 * 32 + 1]
     x, y = torch.tensor(list(data[:-1])).view(8, 32), torch.tensor(list(data[1:])).view(8, 32)
@@ -214,8 +272,18 @@ def test_init_from_a_llama_directory_trains_and_exports_back(workspace: Path, tm
 def test_init_from_caps_seq_len_auto_and_says_so(workspace: Path, tmp_path: Path) -> None:
     """A directory that declares Llama 3.2's 131,072 positions: seq_len auto is 8,192, said in the plan line."""
     hf_llama(tmp_path / "hf", max_positions=131_072)
-    argv = train_argv(workspace, tmp_path / "run", "--init-from", str(tmp_path / "hf"), "--max-steps", "1",
-                      "--eval-every", "0", "--noise-scale-every", "0")  # fmt: skip
+    argv = train_argv(
+        workspace,
+        tmp_path / "run",
+        "--init-from",
+        str(tmp_path / "hf"),
+        "--max-steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--noise-scale-every",
+        "0",
+    )
     seq_len = argv.index("--seq-len")
     del argv[seq_len : seq_len + 2]
     argv[argv.index("--micro-batch") + 1] = "1"
@@ -228,9 +296,7 @@ def test_init_from_caps_seq_len_auto_and_says_so(workspace: Path, tmp_path: Path
 
 @pytest.mark.usefixtures("isolated")
 @pytest.mark.parametrize("seq_len", [["--seq-len", "32"], []])
-def test_init_from_an_unsupported_model_type_is_one_line(
-    workspace: Path, tmp_path: Path, seq_len: list[str]
-) -> None:
+def test_init_from_an_unsupported_model_type_is_one_line(workspace: Path, tmp_path: Path, seq_len: list[str]) -> None:
     directory = tmp_path / "mistral"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 32}))
@@ -252,8 +318,9 @@ def test_resume_refuses_a_family_change_in_one_line(workspace: Path, tmp_path: P
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=256)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
-    argv = train_argv(workspace, tmp_path / "run", "--init-from", str(directory), "--max-steps", "1",
-                      "--eval-every", "0")  # fmt: skip
+    argv = train_argv(
+        workspace, tmp_path / "run", "--init-from", str(directory), "--max-steps", "1", "--eval-every", "0"
+    )
     code, stdout, stderr = run_main(argv)
     assert code == 0, stdout + stderr
     assert ckpt.load_checkpoint(tmp_path / "run")["model_family"] == "gpt"

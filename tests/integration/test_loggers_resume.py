@@ -18,14 +18,41 @@ STEPS = 6
 
 def train(corpus: Path, run_dir: Path, env: dict[str, str], fault: str | None = None) -> subprocess.CompletedProcess:
     args = [
-        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2",
-        "--save-every", "3", "--noise-scale-every", "2", "--sample-tokens", "0",
-        "--cache-dir", str(corpus.parent / "cache"), "--out", str(run_dir), "--tensorboard", "--wandb", "proj",
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        str(STEPS),
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "2",
+        "--save-every",
+        "3",
+        "--noise-scale-every",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(corpus.parent / "cache"),
+        "--out",
+        str(run_dir),
+        "--tensorboard",
+        "--wandb",
+        "proj",
+    ]
     env = {**env, "BIGBATCH_FAULT": fault} if fault else {k: v for k, v in env.items() if k != "BIGBATCH_FAULT"}
-    return subprocess.run([sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +84,11 @@ def _expected(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _numeric(record: dict) -> dict[str, float]:
-    return {k: v for k, v in record.items()
-            if k not in ("kind", "step", "skipped") and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in ("kind", "step", "skipped") and isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 @pytest.mark.slow
@@ -73,7 +103,9 @@ def test_tensorboard_curves_are_metrics_jsonl_after_a_kill_and_resume(resumed_ru
     assert scalars["val/loss"] == [(r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in evals]
     seen = [sum(r["tokens"] for r in steps[:i]) for i in range(1, STEPS + 1)]
     assert [v for _, v in scalars["train/tokens_seen"]] == seen
-    assert scalars["by_tokens/loss"] == [(n, pytest.approx(r["loss"], rel=1e-6)) for n, r in zip(seen, steps, strict=True)]
+    assert scalars["by_tokens/loss"] == [
+        (n, pytest.approx(r["loss"], rel=1e-6)) for n, r in zip(seen, steps, strict=True)
+    ]
     assert [s for s, _ in scalars["by_tokens/val_loss"]] == [seen[2], seen[5]]
     assert "train/skipped_steps" not in scalars
 

@@ -25,8 +25,9 @@ def tokenizer_json(path: Path, vocab_size: int, text: str) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
     tokenizer.save(str(path))
     return path
@@ -44,10 +45,28 @@ def gpt2_dir(root: Path, vocab_size: int, with_tokenizer: bool, text: str) -> Pa
 def args(root: Path, model: Path, *extra: str, hf: bool = False) -> list[str]:
     source = ["--model", f"hf:{model}"] if hf else ["--init-from", str(model)]
     return [
-        "train", *source, "--data", str(root / "c.txt"), "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "128", "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0",
-        "--cache-dir", str(root / "cache"), "--out", str(root / "run"), *extra,
-    ]  # fmt: skip
+        "train",
+        *source,
+        "--data",
+        str(root / "c.txt"),
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "128",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(root / "cache"),
+        "--out",
+        str(root / "run"),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -63,8 +82,9 @@ NO_NETWORK = Path(__file__).resolve().parents[1] / "support" / "no_network.py"
 def test_auto_uses_the_model_directorys_own_tokenizer_offline(tmp_path: Path, text: str) -> None:
     model = gpt2_dir(tmp_path, 320, with_tokenizer=True, text=text)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(NO_NETWORK), *args(tmp_path, model)], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(NO_NETWORK), *args(tmp_path, model)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "NETWORK:" not in done.stderr  # the model's own tokenizer: nothing to download
     assert f"--tokenizer auto: the model's own tokenizer, {model / 'tokenizer.json'}" in done.stdout

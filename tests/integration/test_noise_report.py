@@ -22,13 +22,31 @@ B_SMALL, B_BIG = 128.0, 256.0
 
 def noise_fields(smoothed: float, g_sq: float = 1.0, trace: float = 200.0) -> dict[str, float]:
     """A measurement whose raw norms are their expectations for ``|G|^2 = g_sq``, ``tr(Sigma) = trace``."""
-    return {"noise_small_sq": g_sq + trace / B_SMALL, "noise_big_sq": g_sq + trace / B_BIG, "noise_b_small": B_SMALL,
-            "noise_b_big": B_BIG, "noise_g_sq": 1.0, "noise_trace": smoothed, "noise_scale": smoothed}  # fmt: skip
+    return {
+        "noise_small_sq": g_sq + trace / B_SMALL,
+        "noise_big_sq": g_sq + trace / B_BIG,
+        "noise_b_small": B_SMALL,
+        "noise_b_big": B_BIG,
+        "noise_g_sq": 1.0,
+        "noise_trace": smoothed,
+        "noise_scale": smoothed,
+    }
 
 
 def step(n: int, tokens: int = 256, k: int = 2, skipped: bool = False, **extra: object) -> dict:
-    return {"kind": "step", "step": n, "loss": 5.0 - 0.1 * n, "grad_norm": 1.0, "lr": 1e-3, "tokens": tokens,
-            "micro_batches": k, "dt": 0.1, "skipped": skipped, "tokens_per_s": 2560.0, **extra}  # fmt: skip
+    return {
+        "kind": "step",
+        "step": n,
+        "loss": 5.0 - 0.1 * n,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens": tokens,
+        "micro_batches": k,
+        "dt": 0.1,
+        "skipped": skipped,
+        "tokens_per_s": 2560.0,
+        **extra,
+    }
 
 
 def write_run(path: Path, records: list[dict], **run_settings: object) -> Path:
@@ -45,10 +63,18 @@ def write_run(path: Path, records: list[dict], **run_settings: object) -> Path:
 
 def measured_run(path: Path) -> Path:
     """Six steps of 256 tokens, measured at 1, 2, 4 and 6 (step 5 skipped: no update, no tokens)."""
-    return write_run(path, [
-        step(1, **noise_fields(math.nan)), step(2, **noise_fields(-50.0, trace=-10.0)), step(3),
-        step(4, **noise_fields(150.0, g_sq=2.0)), step(4, skipped=True), step(5), step(6, **noise_fields(300.0)),
-    ])  # fmt: skip
+    return write_run(
+        path,
+        [
+            step(1, **noise_fields(math.nan)),
+            step(2, **noise_fields(-50.0, trace=-10.0)),
+            step(3),
+            step(4, **noise_fields(150.0, g_sq=2.0)),
+            step(4, skipped=True),
+            step(5),
+            step(6, **noise_fields(300.0)),
+        ],
+    )
 
 
 def assert_png(path: Path) -> None:
@@ -86,7 +112,12 @@ def test_plan_from_run_suggests_whole_micro_batches_near_the_last_smoothed_estim
     run = measured_run(tmp_path / "run")
     measured = measured_noise(run)
     assert (measured.tokens, measured.step, measured.micro_batch, measured.seq_len, measured.world_size) == (
-        300.0, 6, 4, 32, 1)  # fmt: skip  # 256 tokens = 4 x 32 x K 2 x world 1
+        300.0,
+        6,
+        4,
+        32,
+        1,
+    )  # 256 tokens = 4 x 32 x K 2 x world 1
     code, out, err = run_main(["plan", "--from-run", str(run)])
     assert code == 0, err
     assert f"from run {run}: measured noise scale 300 tokens, the smoothed estimate at step 6 (its last" in out
@@ -118,8 +149,10 @@ def test_plan_from_run_takes_the_last_usable_measurement(tmp_path: Path) -> None
     run = write_run(tmp_path / "run", [step(1, **noise_fields(120.0)), step(2, **noise_fields(-4.0))])
     code, out, err = run_main(["plan", "--from-run", str(run)])
     assert code == 0, err
-    assert "measured noise scale 120 tokens, the smoothed estimate at step 1 (its last usable one; the last " \
-           "measurement, at step 2, is not usable yet;" in out
+    assert (
+        "measured noise scale 120 tokens, the smoothed estimate at step 1 (its last usable one; the last "
+        "measurement, at step 2, is not usable yet;" in out
+    )
 
 
 @pytest.mark.parametrize(
@@ -127,14 +160,17 @@ def test_plan_from_run_takes_the_last_usable_measurement(tmp_path: Path) -> None
     [
         ("missing", "run directory {run} does not exist"),
         ("no-metrics", "{run} has no metrics.jsonl"),
-        ("off", "{run} has no noise-scale measurements: it was trained with --noise-scale-every 0; train with "
-                "--noise-scale-every N"),
+        (
+            "off",
+            "{run} has no noise-scale measurements: it was trained with --noise-scale-every 0; train with "
+            "--noise-scale-every N",
+        ),
         ("k1", "{run} has no noise-scale measurements: every step was one micro-batch in one process (K = 1)"),
         ("fsdp", "{run} has no noise-scale measurements: no step record carries noise_* fields"),
         ("old", "{run} has no noise-scale measurements: no step record carries noise_* fields"),
         ("unusable", "{run} has 2 noise-scale measurements but no usable estimate"),
     ],
-)  # fmt: skip
+)
 def test_plan_from_run_without_measurements_is_one_line_saying_why(case: str, expected: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
     if case == "no-metrics":
@@ -176,12 +212,37 @@ def test_a_real_run_end_to_end(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(corpus_bytes(30_000))
     run = tmp_path / "run"
-    code, out, err = run_main([
-        "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32", "--micro-batch", "2",
-        "--total-batch-tokens", "256", "--eval-every", "8", "--eval-batches", "1", "--sample-tokens", "0",
-        "--max-steps", "8", "--noise-scale-every", "1", "--noise-scale-window", "3", "--cache-dir",
-        str(tmp_path / "cache"), "--out", str(run),
-    ])  # fmt: skip
+    code, out, err = run_main(
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--model",
+            "pico",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--total-batch-tokens",
+            "256",
+            "--eval-every",
+            "8",
+            "--eval-batches",
+            "1",
+            "--sample-tokens",
+            "0",
+            "--max-steps",
+            "8",
+            "--noise-scale-every",
+            "1",
+            "--noise-scale-window",
+            "3",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(run),
+        ]
+    )
     assert code == 0, out + err
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "noise_scale" in r] == list(range(1, 9))
@@ -196,8 +257,10 @@ def test_a_real_run_end_to_end(tmp_path: Path) -> None:
     last = usable[-1]
     code, out, err = run_main(["plan", "--from-run", str(run)])
     assert code == 0, err
-    assert f"measured noise scale {round(last['noise_scale']):,} tokens, the smoothed estimate at step " \
-           f"{last['step']}" in out
+    assert (
+        f"measured noise scale {round(last['noise_scale']):,} tokens, the smoothed estimate at step "
+        f"{last['step']}" in out
+    )
     k = max(1, round(round(last["noise_scale"]) / 64))  # micro-batch 2 x 32 on the run's one device
     assert f"whole micro-batches of 2 x 32 on 1 device: {64 * k:,} (K {k})" in out
     code, out, err = run_main(["report", str(run)])

@@ -26,8 +26,11 @@ def test_two_ranks_measure_the_closed_form_noise_scale(tmp_path: Path, k: int) -
 
 
 REDUCED_FIRST = {  # spec -> K: the first micro-batch syncs (K = 1, or every micro-step), or FSDP2 defers it
-    "ddp:1": 1, "fsdp:1": 1, "fsdp:4": 4, "ddp:2:every": 2,
-}  # fmt: skip
+    "ddp:1": 1,
+    "fsdp:1": 1,
+    "fsdp:4": 4,
+    "ddp:2:every": 2,
+}
 
 
 def test_two_ranks_measure_it_before_the_reduction_with_k_1_fsdp_and_sync_every_micro_step(tmp_path: Path) -> None:

@@ -21,11 +21,39 @@ def test_k_1_per_rank_measures_it(tmp_path: Path, parallel: str) -> None:
     corpus.write_bytes(corpus_bytes(30_000))
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "bigbatch", "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32",
-        "--micro-batch", "4", "--total-batch-tokens", "256", "--max-steps", "3", "--eval-every", "3",
-        "--eval-batches", "1", "--sample-tokens", "0", "--noise-scale-every", "1", "--nproc", "2",
-        "--parallel", parallel, "--cache-dir", str(tmp_path / "cache"), "--out", str(run_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bigbatch",
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--noise-scale-every",
+        "1",
+        "--nproc",
+        "2",
+        "--parallel",
+        parallel,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(run_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

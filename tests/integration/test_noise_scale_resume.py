@@ -26,18 +26,48 @@ def test_a_resumed_run_measures_the_same_noise_scale(tmp_path: Path) -> None:
         if fault:
             env["BIGBATCH_FAULT"] = fault
         argv = [
-            "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-            "--total-batch-tokens", "256", "--max-steps", "6", "--eval-every", "0", "--sample-tokens", "0",
-            "--noise-scale-every", "2", "--noise-scale-window", "3", "--cache-dir", str(tmp_path / "cache"),
-            "--out", str(out),
-        ]  # fmt: skip
-        return subprocess.run([sys.executable, "-m", "bigbatch", *argv], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+            "train",
+            "--data",
+            str(corpus),
+            "--model",
+            "pico",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--total-batch-tokens",
+            "256",
+            "--max-steps",
+            "6",
+            "--eval-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--noise-scale-every",
+            "2",
+            "--noise-scale-window",
+            "3",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
+        return subprocess.run(
+            [sys.executable, "-m", "bigbatch", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     def noise(out: Path) -> dict[int, dict]:
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: {k: v for k, v in r.items() if k.startswith("noise_")} for r in records
-                if r["kind"] == "step" and "noise_scale" in r}  # fmt: skip
+        return {
+            r["step"]: {k: v for k, v in r.items() if k.startswith("noise_")}
+            for r in records
+            if r["kind"] == "step" and "noise_scale" in r
+        }
 
     whole = train(tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-2000:]

@@ -19,12 +19,34 @@ def train(tmp_path: Path, tokens_per_step: int, *extra: str) -> tuple[str, list[
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(corpus_bytes(30_000))
     run_dir = tmp_path / "run"
-    code, out, err = run_main([
-        "train", "--data", str(corpus), "--model", "pico", "--seq-len", "32", "--micro-batch", "4",
-        "--total-batch-tokens", str(tokens_per_step), "--eval-every", "2", "--eval-batches", "1",
-        "--sample-tokens", "0", "--max-steps", "4", "--cache-dir", str(tmp_path / "cache"), "--out", str(run_dir),
-        *extra,
-    ])  # fmt: skip
+    code, out, err = run_main(
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--model",
+            "pico",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "4",
+            "--total-batch-tokens",
+            str(tokens_per_step),
+            "--eval-every",
+            "2",
+            "--eval-batches",
+            "1",
+            "--sample-tokens",
+            "0",
+            "--max-steps",
+            "4",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(run_dir),
+            *extra,
+        ]
+    )
     assert code == 0, out + err
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     return out, steps
@@ -58,8 +80,9 @@ def test_a_run_logs_and_summarises_the_noise_scale(tmp_path: Path) -> None:
     assert re.search(r"^step 2 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
     assert re.search(r"^step 4 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
     assert not re.search(r"^step [13] \|.*noise scale", out, re.MULTILINE), out
-    assert re.search(r"^measured critical batch about (n/a|[\d,]+) tokens; this run used 512 tokens per step$", out,
-                     re.MULTILINE), out  # fmt: skip
+    assert re.search(
+        r"^measured critical batch about (n/a|[\d,]+) tokens; this run used 512 tokens per step$", out, re.MULTILINE
+    ), out
 
 
 def test_k_1_in_one_process_says_so_once_and_stays_off(tmp_path: Path) -> None:
@@ -89,7 +112,11 @@ def test_a_ramped_run_compares_the_noise_scale_with_the_size_it_ended_at(tmp_pat
     out, steps = train(tmp_path, 512, "--batch-ramp", "256:1024", "--noise-scale-every", "1")
     sizes = [r["tokens"] for r in steps]
     assert sizes[0] == 256 and sizes[-1] > sizes[0]  # the ramp grew the steps
-    match = re.search(r"^measured critical batch about (n/a|[\d,]+) tokens; this run ended at ([\d,]+) tokens per "
-                      r"step$", out, re.MULTILINE)  # fmt: skip
+    match = re.search(
+        r"^measured critical batch about (n/a|[\d,]+) tokens; this run ended at ([\d,]+) tokens per "
+        r"step$",
+        out,
+        re.MULTILINE,
+    )
     assert match, out
     assert int(match.group(2).replace(",", "")) == sizes[-1]

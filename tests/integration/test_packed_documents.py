@@ -29,10 +29,29 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def argv(pairs: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(pairs), "--data-mode", "documents", "--model", "pico", "--seq-len", "64",
-        "--micro-batch", "4", "--total-batch-tokens", "512", "--sample-tokens", "0", "--eval-every", "0",
-        "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(pairs),
+        "--data-mode",
+        "documents",
+        "--model",
+        "pico",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "512",
+        "--sample-tokens",
+        "0",
+        "--eval-every",
+        "0",
+        "--cache-dir",
+        str(out.parent / "cache"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -120,7 +139,8 @@ def test_an_hf_model_whose_head_cannot_be_taken_apart_says_so_once(
 
     save_hf("llama", tmp_path / "model", max_position_embeddings=64)
     monkeypatch.setattr(HFCausalLM, "_probe", lambda self: (False, True))  # as if it capped its logits
-    code, stdout, stderr = run_main(argv(pairs, tmp_path / "run", "--model", f"hf:{tmp_path / 'model'}",
-                                         "--max-steps", "1"))  # fmt: skip
+    code, stdout, stderr = run_main(
+        argv(pairs, tmp_path / "run", "--model", f"hf:{tmp_path / 'model'}", "--max-steps", "1")
+    )
     assert code == 0, stdout + stderr
     assert (stdout + stderr).count("--chunked-loss has no effect") == 1

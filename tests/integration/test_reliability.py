@@ -115,10 +115,35 @@ def test_reaching_max_steps_again_says_complete_and_succeeds(
 ) -> None:
     """A requeued job of a finished run exits 0 and says the run is complete; nothing in the run changes."""
     before = {p: p.stat().st_mtime_ns for p in golden.rglob("*") if p.is_file()}
-    code = main(["train", "--data", str(corpus), "--model", "pico", "--dropout", "0.1", "--micro-batch", "2",
-                 "--seq-len", "32", "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3",
-                 "--eval-batches", "2", "--sample-tokens", "0", "--cache-dir", str(golden.parent / "cache"),
-                 "--out", str(golden)])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            str(corpus),
+            "--model",
+            "pico",
+            "--dropout",
+            "0.1",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--total-batch-tokens",
+            "256",
+            "--max-steps",
+            str(STEPS),
+            "--eval-every",
+            "3",
+            "--eval-batches",
+            "2",
+            "--sample-tokens",
+            "0",
+            "--cache-dir",
+            str(golden.parent / "cache"),
+            "--out",
+            str(golden),
+        ]
+    )
     assert code == 0
     assert f"is complete: it reached step {STEPS} (max_steps {STEPS})" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in golden.rglob("*") if p.is_file()} == before
@@ -128,11 +153,16 @@ def test_reaching_max_steps_again_says_complete_and_succeeds(
 
 
 def write_checkpoints(run_dir: Path, steps: list[int]) -> list[Path]:
-    return [ckpt.save_checkpoint({"step": s, "w": torch.full((8,), float(s))}, ckpt.checkpoint_path(run_dir, s)) for s in steps]
+    return [
+        ckpt.save_checkpoint({"step": s, "w": torch.full((8,), float(s))}, ckpt.checkpoint_path(run_dir, s))
+        for s in steps
+    ]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no_marker", "bad_marker"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     older, latest = write_checkpoints(tmp_path, [10, 20])
     data = latest.read_bytes()
     if damage == "truncate":
@@ -176,7 +206,9 @@ def test_trainer_reports_a_failed_save_and_keeps_old_checkpoints(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt.torch, "save", disk_full)
-    with pytest.raises(CheckpointError, match="could not save checkpoint .*No space left.*earlier checkpoints are intact"):
+    with pytest.raises(
+        CheckpointError, match="could not save checkpoint .*No space left.*earlier checkpoints are intact"
+    ):
         trainer.train()
     monkeypatch.undo()
     assert ckpt.latest_valid_checkpoint(out) == ckpt.checkpoint_path(out, 2)
@@ -224,8 +256,23 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path: Path, capsys: pyt
     np.save(shard, tokens)
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
     assert meta["vocab_size"] == 256
-    code = main(["train", "--data", str(tmp_path / "ds"), "--model", "pico", "--seq-len", "32", "--micro-batch", "2",
-                 "--total-batch-tokens", "64", "--out", str(tmp_path / "run")])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            str(tmp_path / "ds"),
+            "--model",
+            "pico",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--total-batch-tokens",
+            "64",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "token id 300" in err and "256 ids" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
@@ -297,7 +344,9 @@ def test_nan_on_one_rank_makes_both_skip(corpus: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_hung_peer_becomes_an_error_within_the_timeout(corpus: Path, tmp_path: Path) -> None:
     started = time.monotonic()
-    done = torchrun_cli(cli_args(corpus, tmp_path / "run", "--collective-timeout", "5"), fault="hang:step=2,rank=1", timeout=240)
+    done = torchrun_cli(
+        cli_args(corpus, tmp_path / "run", "--collective-timeout", "5"), fault="hang:step=2,rank=1", timeout=240
+    )
     assert done.returncode != 0
     assert time.monotonic() - started < 120
 

@@ -43,11 +43,31 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_args(workspace: Path, out: Path, micro_batch: int, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(workspace / "corpus.txt"), "--model", "pico", "--seq-len", "32",
-        "--micro-batch", str(micro_batch), "--total-batch-tokens", "256", "--eval-every", "2", "--eval-batches", "2",
-        "--sample-tokens", "0", "--max-steps", "3", "--cache-dir", str(workspace / "cache"), "--out", str(out),
+        "train",
+        "--data",
+        str(workspace / "corpus.txt"),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        str(micro_batch),
+        "--total-batch-tokens",
+        "256",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--max-steps",
+        "3",
+        "--cache-dir",
+        str(workspace / "cache"),
+        "--out",
+        str(out),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +76,10 @@ def runs(workspace: Path) -> tuple[Path, Path]:
     k2, k1 = workspace / "k2", workspace / "k1"
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
-        for argv in (train_args(workspace, k2, 4, "--noise-scale-every", "1"), train_args(workspace, k1, 8, "--peak-flops", "1e12")):
+        for argv in (
+            train_args(workspace, k2, 4, "--noise-scale-every", "1"),
+            train_args(workspace, k1, 8, "--peak-flops", "1e12"),
+        ):
             code, out, err = run_main(argv)
             assert code == 0, out + err
     return k2, k1
@@ -159,8 +182,19 @@ def write_jsonl(path: Path, lines: list[object]) -> Path:
 
 
 def step(n: int, loss: float, tokens: int = 100, tps: float = 1000.0, skipped: bool = False, **extra: object) -> dict:
-    return {"kind": "step", "step": n, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens": tokens,
-            "micro_batches": 2, "dt": tokens / tps, "skipped": skipped, "tokens_per_s": tps, **extra}  # fmt: skip
+    return {
+        "kind": "step",
+        "step": n,
+        "loss": loss,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens": tokens,
+        "micro_batches": 2,
+        "dt": tokens / tps,
+        "skipped": skipped,
+        "tokens_per_s": tps,
+        **extra,
+    }
 
 
 def test_summary_handles_skipped_steps_nan_and_a_cut_line(tmp_path: Path) -> None:
@@ -272,6 +306,7 @@ def test_trainer_bar_only_on_a_tty_and_log_lines_unchanged(workspace: Path, tmp_
     code, out, err = run_main(train_args(workspace, tmp_path / "tty", 4), stderr=tty)
     assert code == 0, out + err
     assert "\r" not in out  # stdout: the same log lines
+
     def logged(text: str) -> list[str]:  # step and eval lines without their timings
         return [" | ".join(line.split(" | ")[:2]) for line in text.splitlines() if line.startswith(("step", "eval"))]
 
@@ -284,8 +319,9 @@ def fake_measurement(size: int):  # noqa: ANN201
     from bigbatch.memory import MicroStepMeasurement
 
     mib = 1 << 20
-    return MicroStepMeasurement(size, 10 * mib, size * mib, 2 * size * mib, mib, 3 * size * mib, 3 * size * mib, 8,
-                                0.01 * size, 0.001)  # fmt: skip
+    return MicroStepMeasurement(
+        size, 10 * mib, size * mib, 2 * size * mib, mib, 3 * size * mib, 3 * size * mib, 8, 0.01 * size, 0.001
+    )
 
 
 @pytest.mark.parametrize("tty", [False, True], ids=["pipe", "tty"])
@@ -294,8 +330,9 @@ def test_memory_progress(tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(bigbatch.memory, "measure", lambda config, size, *a, **k: fake_measurement(size))
     stream = FakeTTY() if tty else io.StringIO()
-    code, out, err = run_main(["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "4",
-                               "--device", "cpu"], stderr=stream)  # fmt: skip
+    code, out, err = run_main(
+        ["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "4", "--device", "cpu"], stderr=stream
+    )
     assert code == 0, err
     assert "micro-batch" in out
     if tty:
@@ -326,10 +363,12 @@ def test_default_loggers_write_only_jsonl(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize(
     ("flags", "module", "needle"),
-    [(["--tensorboard"], "torch.utils.tensorboard", "pip install tensorboard"),
-     (["--wandb", "myproj"], "wandb", "pip install wandb")],
+    [
+        (["--tensorboard"], "torch.utils.tensorboard", "pip install tensorboard"),
+        (["--wandb", "myproj"], "wandb", "pip install wandb"),
+    ],
     ids=["tensorboard", "wandb"],
-)  # fmt: skip
+)
 def test_missing_logger_package_is_a_one_line_error(
     flags: list[str], module: str, needle: str, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

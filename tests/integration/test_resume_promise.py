@@ -82,10 +82,29 @@ def crash_in_step(trainer: Trainer, step: int) -> None:
 
 def cli(corpus: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "256", "--warmup-steps", "2", "--max-steps", str(STEPS), "--eval-every", "0",
-        "--sample-tokens", "0", "--cache-dir", str(corpus.parent / "cache"), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "256",
+        "--warmup-steps",
+        "2",
+        "--max-steps",
+        str(STEPS),
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(corpus.parent / "cache"),
+        *extra,
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,8 +122,14 @@ def test_the_same_command_without_out_continues_the_run(corpus: Path, tmp_path: 
         env.pop("BIGBATCH_FAULT", None)
         if fault:
             env["BIGBATCH_FAULT"] = fault
-        return subprocess.run([sys.executable, "-m", "bigbatch", *cli(corpus)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "bigbatch", *cli(corpus)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     first = run("sigterm:step=3")
     assert first.returncode == 128 + signal.SIGTERM, first.stderr[-2000:]
@@ -142,7 +167,9 @@ def test_other_settings_in_an_existing_run_are_refused_by_name(corpus: Path, tmp
     out = tmp_path / "run"
     Trainer(make_config(corpus, out, max_steps=2)).train()
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    code, stdout, stderr = run_main([*cli(corpus, "--lr", "1e-3", "--seed", "7", "--dropout", "0.1"), "--out", str(out)])
+    code, stdout, stderr = run_main(
+        [*cli(corpus, "--lr", "1e-3", "--seed", "7", "--dropout", "0.1"), "--out", str(out)]
+    )
     line = assert_one_line_error(code, stdout, stderr)
     assert "optim.lr 0.002 -> 0.001" in line and "run.seed 1337 -> 7" in line and "model.dropout 0.0 -> 0.1" in line
     assert "batch.micro_batch" not in line
@@ -234,10 +261,30 @@ def two_bpe_datasets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 def bpe_run(dataset: Path, out: Path, cache: Path) -> list[str]:
     return [
-        "train", "--data", str(dataset), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "128", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1",
-        "--sample-tokens", "0", "--cache-dir", str(cache), "--out", str(out),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(dataset),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "128",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+    ]
 
 
 def test_a_same_named_tokenizer_trained_on_other_text_is_refused_on_resume_and_eval(
@@ -292,8 +339,13 @@ def test_the_run_and_its_export_carry_a_loadable_tokenizer_and_survive_a_moved_c
     from bigbatch.data.tokenizers import BPETokenizer
 
     cache, out = tmp_path / "cache", tmp_path / "run"
-    argv = [*cli(corpus, "--tokenizer", "bpe:300", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1"),
-            "--cache-dir", str(cache), "--out", str(out)]  # fmt: skip
+    argv = [
+        *cli(corpus, "--tokenizer", "bpe:300", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1"),
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+    ]
     code, stdout, stderr = run_main(argv)
     assert code == 0, stdout + stderr
     ours = BPETokenizer.from_file("bpe:300", out / "tokenizer" / "tokenizer.json")
@@ -308,8 +360,9 @@ def test_the_run_and_its_export_carry_a_loadable_tokenizer_and_survive_a_moved_c
     assert exported.eos_token == "<|endoftext|>"
 
     shutil.move(cache, tmp_path / "cache-moved")  # the prepared data (and its tokenizer.json) are gone
-    code, stdout, stderr = run_main(["sample", "--checkpoint", str(out), "--prompt", "To be", "--max-new-tokens", "8",
-                                     "--device", "cpu"])  # fmt: skip
+    code, stdout, stderr = run_main(
+        ["sample", "--checkpoint", str(out), "--prompt", "To be", "--max-new-tokens", "8", "--device", "cpu"]
+    )
     assert code == 0 and stdout.startswith("To be"), stderr
     code, stdout, stderr = run_main(["eval", str(out), "--device", "cpu"])  # the run's own data, prepared again
     assert code == 0 and "loss" in stdout, stderr
@@ -337,8 +390,9 @@ def test_gpt2_tokenizer_files_give_tiktokens_ids(monkeypatch: pytest.MonkeyPatch
     ranks = {bytes([b]): i for i, b in enumerate(sorted(range(256), key=lambda b: (b * 37) % 256))}
     for merge in [b"th", b"the", b" t", b" th", b" the", b"he", b"ll", b"llo", b"He", b"Hello", b"in", b"ing"]:
         ranks.setdefault(merge, len(ranks))
-    encoding = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": len(ranks)})  # fmt: skip
+    encoding = tiktoken.Encoding(
+        "gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)}
+    )
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: encoding)
     ours = TiktokenGPT2Tokenizer()
     write_tokenizer_files(tmp_path, ours, 64)
@@ -363,7 +417,9 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: i
     old = os.umask(umask)
     try:
         path = ckpt.save_checkpoint({"step": 1, "w": torch.zeros(4)}, ckpt.checkpoint_path(tmp_path / "run", 1))
-        export = save_hf_gpt2(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16)), tmp_path / "hf")
+        export = save_hf_gpt2(
+            GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16)), tmp_path / "hf"
+        )
         prepare_dataset(str(tmp_path / "c.txt"), tmp_path / "ds", val_fraction=0.1)
     finally:
         os.umask(old)

@@ -36,7 +36,9 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a.keys() == b.keys()
     for key in a:
         if key == "cuda":
-            assert len(a[key]) == len(b[key]) and all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True)), key
+            assert len(a[key]) == len(b[key]) and all(torch.equal(x, y) for x, y in zip(a[key], b[key], strict=True)), (
+                key
+            )
         elif torch.is_tensor(a[key]):
             assert torch.equal(a[key], b[key]), key
         else:
@@ -52,8 +54,12 @@ def draws() -> tuple[float, float, list[float]]:
 
 
 def test_rank_seeds_are_distinct_deterministic_and_not_seed_plus_rank() -> None:
-    grid = {(seed, rank, step): derive_rank_seeds(seed, rank, step) for seed in (-1, 0, 1, 2, 1337, 2**40)
-            for rank in range(4) for step in (0, 7)}  # fmt: skip
+    grid = {
+        (seed, rank, step): derive_rank_seeds(seed, rank, step)
+        for seed in (-1, 0, 1, 2, 1337, 2**40)
+        for rank in range(4)
+        for step in (0, 7)
+    }
     for field in ("python", "numpy", "torch"):
         values = [getattr(s, field) for s in grid.values()]
         assert len(set(values)) == len(values), field  # (seed, rank) and (seed + 1, rank - 1) never collide
@@ -94,9 +100,16 @@ def test_preserved_rng_restores_every_generator_even_after_an_error() -> None:
     assert draws() == expected
 
 
-def in_process_measure(config: Any, micro_batch: int, seq_len: int, k: int = 4, device: Any = "cpu",
-                       precision: str = "fp32", activation_checkpointing: bool = False,
-                       chunked_loss: bool = True) -> Any:  # fmt: skip
+def in_process_measure(
+    config: Any,
+    micro_batch: int,
+    seq_len: int,
+    k: int = 4,
+    device: Any = "cpu",
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
+) -> Any:
     """:func:`bigbatch.memory.measure` as it runs on CUDA: in this process."""
     return bigbatch.memory.measure_in_process(
         config, micro_batch, seq_len, k, torch.device(device), precision, activation_checkpointing, chunked_loss
@@ -110,11 +123,26 @@ def run_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if name == "measure_in_process":
         measure_in_process(config, 2, 16, 2, torch.device("cpu"))
     elif name == "auto micro-batch":
-        choose_micro_batch(config, [1, 2, 4], 16, k=2, device=torch.device("cpu"), precision="fp32",
-                           memory_budget_mib=1e6)  # fmt: skip
+        choose_micro_batch(
+            config, [1, 2, 4], 16, k=2, device=torch.device("cpu"), precision="fp32", memory_budget_mib=1e6
+        )
     elif name == "plan --measure":
-        code, out, err = run_main(["plan", "--tokens-per-step", "64", "--seq-len", "16", "--micro-batch", "2",
-                                   "--model", "pico", "--vocab-size", "61", "--measure"])  # fmt: skip
+        code, out, err = run_main(
+            [
+                "plan",
+                "--tokens-per-step",
+                "64",
+                "--seq-len",
+                "16",
+                "--micro-batch",
+                "2",
+                "--model",
+                "pico",
+                "--vocab-size",
+                "61",
+                "--measure",
+            ]
+        )
         assert code == 0, err
     elif name == "memory":
         code, out, err = run_main(
@@ -227,8 +255,11 @@ def test_each_ranks_stream_survives_a_killed_rank_and_resume_bitwise(corpus: Pat
     assert document["config"]["model"]["dropout"] == 0.1
     assert not torch.equal(document["rng"][0]["torch"], document["rng"][1]["torch"])  # each rank its own stream
     out = tmp_path / "run"
-    done = torchrun_cli(cli_args(corpus, out, "--dropout", "0.1", "--save-every", "2"),
-                        fault="kill:step=4,micro=1,rank=1", max_restarts=2)  # fmt: skip
+    done = torchrun_cli(
+        cli_args(corpus, out, "--dropout", "0.1", "--save-every", "2"),
+        fault="kill:step=4,micro=1,rank=1",
+        max_restarts=2,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     assert len(step_losses(out)) == STEPS

@@ -34,10 +34,31 @@ def corpus(tmp_path: Path) -> Path:
 
 def train_args(corpus: Path, out: Path, *extra: str, steps: int = 1_000_000) -> list[str]:
     return [
-        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "128", "--max-steps", str(steps), "--eval-every", "0", "--sample-tokens", "0",
-        "--noise-scale-every", "0", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "128",
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--noise-scale-every",
+        "0",
+        "--cache-dir",
+        str(out.parent / "cache"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 class Run:
@@ -50,8 +71,9 @@ class Run:
             env["BIGBATCH_FAULT"] = fault
         self.log = log
         with open(log, "wb") as handle:
-            self.process = subprocess.Popen([sys.executable, "-m", "bigbatch", *args], env=env, stdout=handle,
-                                            stderr=subprocess.STDOUT)  # fmt: skip
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "bigbatch", *args], env=env, stdout=handle, stderr=subprocess.STDOUT
+            )
 
     @property
     def output(self) -> str:
@@ -180,8 +202,10 @@ def test_a_second_ctrl_c_aborts_and_says_what_is_kept_a_double_tap_does_not(corp
         wait_for_steps(out, 2, [run])
         time.sleep(1.0)  # into step 3, which hangs
         run.process.send_signal(signal.SIGINT)
-        run.wait_for("bigbatch: SIGINT: stopping after step 3 and saving a checkpoint; press Ctrl-C again to abort "
-                     "without saving (the newest checkpoint is step 2)")  # fmt: skip
+        run.wait_for(
+            "bigbatch: SIGINT: stopping after step 3 and saving a checkpoint; press Ctrl-C again to abort "
+            "without saving (the newest checkpoint is step 2)"
+        )
         run.process.send_signal(signal.SIGINT)  # a double tap: the same press
         time.sleep(1.5)
         assert run.process.poll() is None
@@ -191,7 +215,9 @@ def test_a_second_ctrl_c_aborts_and_says_what_is_kept_a_double_tap_does_not(corp
         run.stop()
     text = run.output
     assert text.count("stopping after step") == 1
-    assert f"aborted without saving during step 3: the run continues from its newest checkpoint, step 2 in {out}" in text
+    assert (
+        f"aborted without saving during step 3: the run continues from its newest checkpoint, step 2 in {out}" in text
+    )
     assert "Traceback" not in text
     assert [int(p.stem.split("_")[1]) for p in list_checkpoints(out)] == [1, 2]
     assert not (out / RUN_LOCK).exists()

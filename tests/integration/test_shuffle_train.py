@@ -12,10 +12,33 @@ from helpers import assert_one_line_error, run_main
 
 def train_args(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(corpus), "--model", "pico", "--seq-len", "16", "--micro-batch", "2",
-        "--total-batch-tokens", "64", "--eval-every", "0", "--sample-tokens", "0", "--noise-scale-every", "0",
-        "--warmup-steps", "1", "--decay-steps", "6", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "2",
+        "--total-batch-tokens",
+        "64",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--noise-scale-every",
+        "0",
+        "--warmup-steps",
+        "1",
+        "--decay-steps",
+        "6",
+        "--cache-dir",
+        str(out.parent / "cache"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def losses(run_dir: Path) -> list[float]:

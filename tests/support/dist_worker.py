@@ -55,9 +55,13 @@ def train(parallel: str, ragged: bool, dist_ctx, device, sync_every: bool = Fals
 
         wrapped.register_comm_hook(None, counting_hook)
     engine = AccumulationEngine(
-        wrapped, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0,
-        grad_sync=grad_sync, dist=dist_ctx,
-    )  # fmt: skip
+        wrapped,
+        build_adamw(model, 1e-3),
+        constant_schedule(1e-3),
+        grad_clip=1.0,
+        grad_sync=grad_sync,
+        dist=dist_ctx,
+    )
     records = []
     for step in range(STEPS):
         batches = global_step_batches(step, dist_ctx.world_size, ragged)

@@ -43,7 +43,9 @@ def assert_parameters_match(model: GPT, reference: GPT, exact: torch.nn.Module |
             return TOL
         return max(TOL, CONDITIONING_SLACK * rel_diff(p_ref.double(), p_exact.detach().double()))
 
-    for (name, p), p_ref, p_exact in zip(model.named_parameters(), reference.parameters(), exact_parameters, strict=True):
+    for (name, p), p_ref, p_exact in zip(
+        model.named_parameters(), reference.parameters(), exact_parameters, strict=True
+    ):
         p, p_ref = p.detach(), p_ref.detach()
         if name.endswith("attn.c_attn.bias"):
             q, k, v = p.split(c)
@@ -73,7 +75,10 @@ def capture_training(trainer: Any) -> tuple[torch.nn.Module, list[list[Any]], li
 
 
 def assert_big_batch_updates(
-    trained: torch.nn.Module, initial: torch.nn.Module, steps: list[list[Any]], logged: list[dict[str, Any]],
+    trained: torch.nn.Module,
+    initial: torch.nn.Module,
+    steps: list[list[Any]],
+    logged: list[dict[str, Any]],
     check_norm: bool = True,
 ) -> None:
     """Replay every step as ONE forward and backward over all its sequences (loss = sum of per-token losses / that

@@ -83,9 +83,16 @@ def torchrun_results(settings: list[Setting], workdir: Path) -> dict[int, Outcom
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(HERE / "fuzz_worker.py"), str(job / "settings.json"), str(job),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "fuzz_worker.py"),
+        str(job / "settings.json"),
+        str(job),
+    ]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120 + 60 * len(settings))
         tail = f"exit {done.returncode}: {_last_line(done.stderr + done.stdout)}"
@@ -160,46 +167,49 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         read[seed] = set()
         expected_steps(s, s.max_steps, read[seed])
     reading = lambda event: sum(event in events for events in read.values())  # noqa: E731
-    return "\n".join([
-        f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
-        f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}, "
-        f"hf {count(lambda s: s.family == 'hf')}"
-        f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
-        f"fsdp: {count(lambda s: s.parallel == 'fsdp')} | packed {count(lambda s: s.mode == 'packed')}, "
-        f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "
-        f"token budget {count(lambda s: s.k == 0)} | partial {count(lambda s: s.last_window == 'partial')}, "
-        f"drop {count(lambda s: s.last_window == 'drop')} | clip tight {count(lambda s: s.clip == 'tight')}, "
-        f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | long documents:"
-        f" split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
-        f"truncate {count(lambda s: s.mode == 'documents' and s.long_documents == 'truncate')}",
-        f"settings that read a document longer than seq_len + 1: split {reading('split: long document')} "
-        f"(with a masked prompt {reading('split: long document with a masked prompt')}, a later window starting "
-        f"inside the prompt {reading('split: a later window starts inside the prompt')}), truncate "
-        f"{reading('truncate: long document')} (with a masked prompt "
-        f"{reading('truncate: long document with a masked prompt')})",
-        f"shuffle on {count(lambda s: s.shuffle)}, off {count(lambda s: not s.shuffle)}; shuffled settings that "
-        f"read a shifted packed epoch {reading('shuffle: a shifted epoch')} (a micro-batch straddling an epoch's "
-        f"end {reading('shuffle: a micro-batch straddles an epoch end')}, the last window kept in "
-        f"place {reading('shuffle: the last window kept in place')}), documents of a later epoch "
-        f"{reading('shuffle: documents of a later epoch')}",
-        f"documents packed into rows (--pack on) {count(lambda s: s.mode == 'documents' and s.pack)}, one per row "
-        f"{count(lambda s: s.mode == 'documents' and not s.pack)}; settings that read a row holding several "
-        f"documents {reading('pack: a row holds several documents')} (trained against each document in a row of "
-        "its own)",
-        f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
-        f"tolerance {TOL:g}",
-        f"worst single tensor: {tensor.worst_tensor[1]:.2e} ({tensor.worst_tensor[0]}, seed {tensor.seed})"
-        if tensor else "worst single tensor: n/a",
-        f"worst update (final - initial) relative L2: {worst(lambda o: o.update_rel)}; logged loss: "
-        f"{worst(lambda o: o.loss_rel)}; logged grad norm: {worst(lambda o: o.norm_rel)}; final logits: "
-        f"{worst(lambda o: o.logits_rel)}; largest masked (zero-gradient) difference: {worst(lambda o: o.masked_diff)}",
-        f"optimizer steps compared: {sum(o.steps for o in outcomes)}, "
-        f"clipped: {sum(o.clipped_steps for o in outcomes)}, steps with no valid target skipped: "
-        f"{sum(o.skipped_empty for o in outcomes)}; settings with a bar above {TOL:g} (plain fp32 lands over "
-        f"{TOL / 10:g} from float64; bar = 10x that): {sum(o.widened for o in outcomes)}; closest call: {worst(lambda o: o.closest)} "
-        "of its tolerance",
-        *(f"counterexample: seed {o.seed}: {o.problems[0]}\n  reproduce: {repro(o.seed)}" for o in bad),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
+            f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}, "
+            f"hf {count(lambda s: s.family == 'hf')}"
+            f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
+            f"fsdp: {count(lambda s: s.parallel == 'fsdp')} | packed {count(lambda s: s.mode == 'packed')}, "
+            f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "
+            f"token budget {count(lambda s: s.k == 0)} | partial {count(lambda s: s.last_window == 'partial')}, "
+            f"drop {count(lambda s: s.last_window == 'drop')} | clip tight {count(lambda s: s.clip == 'tight')}, "
+            f"loose {count(lambda s: s.clip == 'loose')}, off {count(lambda s: s.clip == 'off')} | long documents:"
+            f" split {count(lambda s: s.mode == 'documents' and s.long_documents == 'split')}, "
+            f"truncate {count(lambda s: s.mode == 'documents' and s.long_documents == 'truncate')}",
+            f"settings that read a document longer than seq_len + 1: split {reading('split: long document')} "
+            f"(with a masked prompt {reading('split: long document with a masked prompt')}, a later window starting "
+            f"inside the prompt {reading('split: a later window starts inside the prompt')}), truncate "
+            f"{reading('truncate: long document')} (with a masked prompt "
+            f"{reading('truncate: long document with a masked prompt')})",
+            f"shuffle on {count(lambda s: s.shuffle)}, off {count(lambda s: not s.shuffle)}; shuffled settings that "
+            f"read a shifted packed epoch {reading('shuffle: a shifted epoch')} (a micro-batch straddling an epoch's "
+            f"end {reading('shuffle: a micro-batch straddles an epoch end')}, the last window kept in "
+            f"place {reading('shuffle: the last window kept in place')}), documents of a later epoch "
+            f"{reading('shuffle: documents of a later epoch')}",
+            f"documents packed into rows (--pack on) {count(lambda s: s.mode == 'documents' and s.pack)}, one per row "
+            f"{count(lambda s: s.mode == 'documents' and not s.pack)}; settings that read a row holding several "
+            f"documents {reading('pack: a row holds several documents')} (trained against each document in a row of "
+            "its own)",
+            f"worst relative L2 over all parameters (zero-gradient elements masked): {worst(lambda o: o.param_rel)}; "
+            f"tolerance {TOL:g}",
+            f"worst single tensor: {tensor.worst_tensor[1]:.2e} ({tensor.worst_tensor[0]}, seed {tensor.seed})"
+            if tensor
+            else "worst single tensor: n/a",
+            f"worst update (final - initial) relative L2: {worst(lambda o: o.update_rel)}; logged loss: "
+            f"{worst(lambda o: o.loss_rel)}; logged grad norm: {worst(lambda o: o.norm_rel)}; final logits: "
+            f"{worst(lambda o: o.logits_rel)}; largest masked (zero-gradient) difference: {worst(lambda o: o.masked_diff)}",
+            f"optimizer steps compared: {sum(o.steps for o in outcomes)}, "
+            f"clipped: {sum(o.clipped_steps for o in outcomes)}, steps with no valid target skipped: "
+            f"{sum(o.skipped_empty for o in outcomes)}; settings with a bar above {TOL:g} (plain fp32 lands over "
+            f"{TOL / 10:g} from float64; bar = 10x that): {sum(o.widened for o in outcomes)}; closest call: {worst(lambda o: o.closest)} "
+            "of its tolerance",
+            *(f"counterexample: seed {o.seed}: {o.problems[0]}\n  reproduce: {repro(o.seed)}" for o in bad),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,7 +157,6 @@ def document_rows(prompt: bytes, tokens: bytes, T: int, policy: str) -> list[Row
     return rows
 
 
-
 def permutation(n: int, seed: int, epoch: int) -> list[int]:
     """The shuffled order of epoch ``epoch``'s ``n`` items (module docstring)."""
     generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, ORDER_SEED_TAG])))
@@ -333,7 +332,9 @@ def _valid(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 
 def expected_steps(
-    setting: Setting, calls: int, events: set[str] | None = None,
+    setting: Setting,
+    calls: int,
+    events: set[str] | None = None,
     alone: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
 ) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """The first ``calls`` steps: per step, per global micro-batch, every rank's (inputs, targets). ``events``
@@ -419,8 +420,9 @@ def check_composition(setting: Setting, steps: list[dict[str, Any]]) -> list[str
             break
         same = all(
             torch.equal(got[r][m][0], want[m][r][0]) and torch.equal(got[r][m][1], want[m][r][1])
-            for m in range(len(want)) for r in range(world)
-        )  # fmt: skip
+            for m in range(len(want))
+            for r in range(world)
+        )
         if not same:
             problems.append(f"call {s}: bigbatch's samples differ from the reference's assembly of the step")
             break
@@ -533,10 +535,15 @@ def hf_as_llama(hf: dict[str, Any]) -> dict[str, Any]:
     """The reference Llama's shape of a transformers Llama config.json (fuzz_settings.HF_CONFIG), read by hand."""
     assert hf["model_type"] == "llama" and hf.get("rope_scaling") is None, hf
     return {
-        "n_head": hf["num_attention_heads"], "n_kv_head": hf["num_key_value_heads"], "n_embd": hf["hidden_size"],
-        "norm_eps": hf["rms_norm_eps"], "rope_base": hf["rope_theta"], "rope_scaling": None,
-        "tie_embeddings": hf["tie_word_embeddings"], "vocab_size": hf["vocab_size"],
-    }  # fmt: skip
+        "n_head": hf["num_attention_heads"],
+        "n_kv_head": hf["num_key_value_heads"],
+        "n_embd": hf["hidden_size"],
+        "norm_eps": hf["rms_norm_eps"],
+        "rope_base": hf["rope_theta"],
+        "rope_scaling": None,
+        "tie_embeddings": hf["tie_word_embeddings"],
+        "vocab_size": hf["vocab_size"],
+    }
 
 
 def _unprefixed(state: dict[str, torch.Tensor], problems: list[str], what: str) -> dict[str, torch.Tensor]:
@@ -577,7 +584,9 @@ def _parameters(
     """Float64 copies; a tied LM head checked equal to the token table and dropped (an untied one is kept)."""
     table = EMBEDDING[family]
     params = {
-        name: value.detach().double().clone() for name, value in state.items() if not (tied and name == "lm_head.weight")
+        name: value.detach().double().clone()
+        for name, value in state.items()
+        if not (tied and name == "lm_head.weight")
     }
     if tied and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state[table]):
         problems.append(f"{what}: lm_head.weight is no longer tied to {table}")
@@ -640,7 +649,9 @@ def adam_step_bound(beta1: float, beta2: float, t: int) -> float:
 
 
 def param_difference(
-    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], start: dict[str, torch.Tensor],
+    got: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
     null: dict[str, torch.Tensor],
 ) -> tuple[float, float, tuple[str, float], float]:
     """(relative L2 over all parameters, of the updates, the worst single tensor, the largest difference
@@ -676,8 +687,14 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
         return out
     if family == "hf":  # from here on the reference's own Llama, on the transformers model's parameters
         config, family = hf_as_llama(config["hf_config"]), "llama"
-        result = {**result, **{key: _unprefixed(result[key], problems, key) for key in ("initial", "final", "checkpoint")
-                               if result.get(key) is not None}}  # fmt: skip
+        result = {
+            **result,
+            **{
+                key: _unprefixed(result[key], problems, key)
+                for key in ("initial", "final", "checkpoint")
+                if result.get(key) is not None
+            },
+        }
     c, tied = int(config["n_embd"]), family == "gpt" or bool(config["tie_embeddings"])
     calls = result["steps"]
     problems += check_composition(setting, calls)

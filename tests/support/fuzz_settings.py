@@ -29,11 +29,21 @@ FAMILIES = ("gpt", "llama", "hf")
 PRESETS = {"gpt": "pico", "llama": "llama-pico", "hf": "hf:LlamaForCausalLM"}  # 2 layers, 2 heads, 32 wide, block 64
 HF_DIR = "hf-llama"  # beside the data: the hf family's config.json (no weights: --seed initialises it)
 HF_CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "attention_dropout": 0.0, "initializer_range": 0.02,
-}  # fmt: skip
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+}
 """llama-pico's shape in transformers' terms (the reference reads it as its own Llama: fuzz_reference.hf_as_llama)."""
 MAX_SEQ_LEN = 32
 # Printable ASCII without the NUL byte: one byte = one token with the byte tokenizer, and token 0 (the
@@ -79,7 +89,9 @@ class Setting:
         data = f"{len(self.corpus)} bytes" if self.mode == "packed" else f"{len(self.documents)} docs"
         if self.mode == "documents":
             longest = max(len((p or "").encode()) + len(t.encode()) for p, t in self.documents)
-            data += f", longest {longest} tokens, long documents {self.long_documents}, pack {'on' if self.pack else 'off'}"
+            data += (
+                f", longest {longest} tokens, long documents {self.long_documents}, pack {'on' if self.pack else 'off'}"
+            )
         return (
             f"seed {self.seed}: {PRESETS[self.family]} | {self.mode} ({data}) | world {self.world} {self.parallel} | B {self.micro_batch} "
             f"x T {self.seq_len} | {sizing} | last {self.last_window} | clip {self.clip} ({self.grad_clip:g}) | "
@@ -119,22 +131,73 @@ class Setting:
             sizing = ["--token-budget", str(self.token_budget)]
         model = f"hf:{data.parent / HF_DIR}" if self.family == "hf" else PRESETS[self.family]
         return [
-            "--model", model, "--dropout", "0", "--data", str(data), "--data-mode", self.mode,
-            "--tokenizer", "byte", "--val-fraction", "0", "--cache-dir", str(cache),
-            "--micro-batch", str(self.micro_batch), "--seq-len", str(self.seq_len), *sizing,
-            "--last-window", self.last_window, "--long-documents", self.long_documents,
-            "--shuffle", "on" if self.shuffle else "off",  # the reference replays either order (fuzz_reference)
-            "--pack", "on" if self.pack else "off",  # documents: the reference packs the same rows, trains unpacked
-            "--grad-clip", repr(self.grad_clip),
-            "--max-steps", str(self.max_steps), "--lr", repr(self.lr), "--min-lr-ratio", repr(self.min_lr_ratio),
-            "--warmup-steps", str(self.warmup_steps), "--decay-steps", str(self.decay_steps or "auto"),
-            "--weight-decay", repr(self.weight_decay), "--beta1", repr(self.beta1), "--beta2", repr(self.beta2),
-            "--eps", repr(self.eps), "--seed", str(self.init_seed), "--parallel", self.parallel,
-            "--device", "cpu", "--precision", "fp32", "--no-compile", "--eval-every", "0", "--sample-tokens", "0",
-            "--collective-timeout", "120", "--out", str(out),
+            "--model",
+            model,
+            "--dropout",
+            "0",
+            "--data",
+            str(data),
+            "--data-mode",
+            self.mode,
+            "--tokenizer",
+            "byte",
+            "--val-fraction",
+            "0",
+            "--cache-dir",
+            str(cache),
+            "--micro-batch",
+            str(self.micro_batch),
+            "--seq-len",
+            str(self.seq_len),
+            *sizing,
+            "--last-window",
+            self.last_window,
+            "--long-documents",
+            self.long_documents,
+            "--shuffle",
+            "on" if self.shuffle else "off",  # the reference replays either order (fuzz_reference)
+            "--pack",
+            "on" if self.pack else "off",  # documents: the reference packs the same rows, trains unpacked
+            "--grad-clip",
+            repr(self.grad_clip),
+            "--max-steps",
+            str(self.max_steps),
+            "--lr",
+            repr(self.lr),
+            "--min-lr-ratio",
+            repr(self.min_lr_ratio),
+            "--warmup-steps",
+            str(self.warmup_steps),
+            "--decay-steps",
+            str(self.decay_steps or "auto"),
+            "--weight-decay",
+            repr(self.weight_decay),
+            "--beta1",
+            repr(self.beta1),
+            "--beta2",
+            repr(self.beta2),
+            "--eps",
+            repr(self.eps),
+            "--seed",
+            str(self.init_seed),
+            "--parallel",
+            self.parallel,
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--no-compile",
+            "--eval-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--collective-timeout",
+            "120",
+            "--out",
+            str(out),
             "--sync-every-micro-step" if self.sync_every_micro_step else "--no-sync-every-micro-step",
             "--activation-checkpointing" if self.activation_checkpointing else "--no-activation-checkpointing",
-        ]  # fmt: skip
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,13 +305,36 @@ def draw(seed: int) -> Setting:
         while math.ceil(sum(document_positions(p, t, T, long_documents) for p, t in documents) / T) < needed:
             documents += tuple(_documents(more, T))
     return Setting(
-        seed=seed, mode=mode, world=world, parallel=parallel, micro_batch=B, seq_len=T, k=k,
-        token_budget=token_budget, last_window=last_window, clip=clip, grad_clip=grad_clip, max_steps=max_steps,
-        lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup, decay_steps=decay, weight_decay=weight_decay,
-        beta1=beta1, beta2=beta2, eps=eps, init_seed=init_seed, corpus=corpus, documents=documents,
-        sync_every_micro_step=sync_every_micro_step, activation_checkpointing=activation_checkpointing,
-        long_documents=long_documents, shuffle=shuffle, family=family, pack=pack,
-    )  # fmt: skip
+        seed=seed,
+        mode=mode,
+        world=world,
+        parallel=parallel,
+        micro_batch=B,
+        seq_len=T,
+        k=k,
+        token_budget=token_budget,
+        last_window=last_window,
+        clip=clip,
+        grad_clip=grad_clip,
+        max_steps=max_steps,
+        lr=lr,
+        min_lr_ratio=min_lr_ratio,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        weight_decay=weight_decay,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        init_seed=init_seed,
+        corpus=corpus,
+        documents=documents,
+        sync_every_micro_step=sync_every_micro_step,
+        activation_checkpointing=activation_checkpointing,
+        long_documents=long_documents,
+        shuffle=shuffle,
+        family=family,
+        pack=pack,
+    )
 
 
 def _family(rng: random.Random) -> str:

@@ -26,9 +26,17 @@ import torch
 from fuzz_settings import Setting
 
 SABOTAGES = (
-    "", "mean_over_k", "schedule_off_by_one", "no_clip", "drop_last_micro_batch", "other_long_documents",
-    "shuffle_off", "shuffle_no_shift", "shuffle_first_order", "pack_without_positions",
-)  # fmt: skip
+    "",
+    "mean_over_k",
+    "schedule_off_by_one",
+    "no_clip",
+    "drop_last_micro_batch",
+    "other_long_documents",
+    "shuffle_off",
+    "shuffle_no_shift",
+    "shuffle_first_order",
+    "pack_without_positions",
+)
 """Planted bugs, to prove that the fuzzer catches them (tests only)."""
 
 
@@ -81,18 +89,28 @@ def run_bigbatch(
         if sabotage == "drop_last_micro_batch" and len(batches) > 1:  # a step assembled wrongly, counted right
             batches = batches[:-1]
             n_valid = dist.sum_int(sum(count_valid_targets(mb) for mb in batches), device)
-        calls.append({
-            "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
-            "n_valid": n_valid, "epoch_before": epoch, "epoch_after": loader.epoch, "record": None,
-        })  # fmt: skip
+        calls.append(
+            {
+                "batches": [(mb.inputs.clone(), mb.targets.clone()) for mb in batches],
+                "n_valid": n_valid,
+                "epoch_before": epoch,
+                "epoch_after": loader.epoch,
+                "record": None,
+            }
+        )
         return StepBatch(batches, n_valid, step.positions, step.padding)
 
     def recording_step(micro_batches: list, n_valid: int | None = None) -> Any:
         record = engine_step(micro_batches, n_valid)
         calls[-1]["record"] = {
-            "step": record.step, "loss": record.loss, "grad_norm": record.grad_norm, "lr": record.lr,
-            "tokens": record.tokens, "micro_batches": record.micro_batches, "skipped": record.skipped,
-        }  # fmt: skip
+            "step": record.step,
+            "loss": record.loss,
+            "grad_norm": record.grad_norm,
+            "lr": record.lr,
+            "tokens": record.tokens,
+            "micro_batches": record.micro_batches,
+            "skipped": record.skipped,
+        }
         return record
 
     if sabotage == "shuffle_no_shift":  # later epochs read the first epoch's windows (in their own order)
@@ -105,6 +123,7 @@ def run_bigbatch(
     trainer.next_step = recording_next_step  # type: ignore[method-assign]
     trainer.engine.step = recording_step  # type: ignore[method-assign]
     if sabotage == "mean_over_k":  # the classic mistake: every micro-batch's mean weighs 1/K
+
         def mean_over_k(model: torch.nn.Module, mb: Any) -> torch.Tensor:  # the engine then scales by 1/N
             mean = token_loss_sum(model, mb) / max(1, count_valid_targets(mb))
             return mean * calls[-1]["n_valid"] / len(calls[-1]["batches"])
@@ -131,17 +150,27 @@ def run_bigbatch(
     steps = []
     for per_rank in zip(*gathered, strict=True):  # the same calls on every rank, in order
         first = per_rank[0]
-        steps.append({
-            "ranks": [call["batches"] for call in per_rank], "n_valid": [call["n_valid"] for call in per_rank],
-            "epoch_before": first["epoch_before"], "epoch_after": first["epoch_after"],
-            "records": [call["record"] for call in per_rank],
-        })  # fmt: skip
+        steps.append(
+            {
+                "ranks": [call["batches"] for call in per_rank],
+                "n_valid": [call["n_valid"] for call in per_rank],
+                "epoch_before": first["epoch_before"],
+                "epoch_after": first["epoch_after"],
+                "records": [call["record"] for call in per_rank],
+            }
+        )
     assert all(len(g) == len(gathered[0]) for g in gathered), "ranks assembled different numbers of steps"
     return {
-        "setting": setting.to_json(), "model_family": model_family, "model_config": model_config,
-        "initial": initial, "final": final,
-        "checkpoint": checkpoint, "steps": steps, "steps_done": result.steps, "world": dist.world_size,
-    }  # fmt: skip
+        "setting": setting.to_json(),
+        "model_family": model_family,
+        "model_config": model_config,
+        "initial": initial,
+        "final": final,
+        "checkpoint": checkpoint,
+        "steps": steps,
+        "steps_done": result.steps,
+        "world": dist.world_size,
+    }
 
 
 def main() -> None:

@@ -10,25 +10,54 @@ import torch
 
 SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": {  # without dropout (GPT-2's config has 0.1 in three places), and special tokens in the vocabulary
-        "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0,
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 32,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
     },
     "llama": {
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
     },
     "qwen2": {
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
     },
     "mixtral": {
-        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "router_aux_loss_coef": 0.02, "output_router_logits": True,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "output_router_logits": True,
     },
-}  # fmt: skip
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "mixtral": "MixtralForCausalLM"}  # fmt: skip
+}
+CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def hf_config(kind: str, **extra: Any) -> Any:

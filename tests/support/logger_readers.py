@@ -13,11 +13,18 @@ def wandb_offline_env(root: Path) -> dict[str, str]:
     """Environment for an offline W&B run that keeps everything under ``root`` and skips what tests don't need
     (console capture, system stats, machine metadata, git)."""
     return {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_X_DISABLE_STATS": "true",
-        "WANDB_X_DISABLE_META": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
-        "WANDB_DIR": str(root / "wandb-dir"), "WANDB_CONFIG_DIR": str(root / "wandb-config"),
-        "WANDB_CACHE_DIR": str(root / "wandb-cache"), "WANDB_DATA_DIR": str(root / "wandb-data"),
-    }  # fmt: skip
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_META": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_DIR": str(root / "wandb-dir"),
+        "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+        "WANDB_CACHE_DIR": str(root / "wandb-cache"),
+        "WANDB_DATA_DIR": str(root / "wandb-data"),
+    }
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

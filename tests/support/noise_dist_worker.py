@@ -72,9 +72,15 @@ def train(parallel: str, k: int, every: bool, measure: bool, dist_ctx: DistConte
     kind = parallel.split("-")[0]
     probe = small_grad_probe(wrapped, kind, every, first_reduced_possible=k == 1) if measure else None
     engine = AccumulationEngine(
-        wrapped, build_adamw(model, 1e-2), constant_schedule(1e-2), grad_clip=1.0, grad_sync=grad_sync,
-        dist=dist_ctx, noise_scale=noise, small_grad=probe,
-    )  # fmt: skip
+        wrapped,
+        build_adamw(model, 1e-2),
+        constant_schedule(1e-2),
+        grad_clip=1.0,
+        grad_sync=grad_sync,
+        dist=dist_ctx,
+        noise_scale=noise,
+        small_grad=probe,
+    )
     records = [engine.step(my_micro_batches(step, k, dist_ctx)) for step in range(STEPS)]
     return {
         "state": full_state(model, parallel.split("-")[0]),

@@ -85,16 +85,30 @@ def count(batch: Samples) -> int:
 
 
 def run_engine(
-    k: int, steps: int, seed: int, model: nn.Module | None = None, dist: DistContext | None = None,
-    grad_sync: GradSync | None = None, decay: float = 0.995, small_grad: SmallGradProbe | None = None,
+    k: int,
+    steps: int,
+    seed: int,
+    model: nn.Module | None = None,
+    dist: DistContext | None = None,
+    grad_sync: GradSync | None = None,
+    decay: float = 0.995,
+    small_grad: SmallGradProbe | None = None,
 ) -> NoiseScale:
     """``steps`` optimizer steps at learning rate 0 (the truth stays fixed), every step measured."""
     model = model if model is not None else make_model()
     noise = NoiseScale(every=1, decay=decay)
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=loss_sum, count_fn=count, grad_sync=grad_sync, dist=dist, noise_scale=noise, small_grad=small_grad,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=loss_sum,
+        count_fn=count,
+        grad_sync=grad_sync,
+        dist=dist,
+        noise_scale=noise,
+        small_grad=small_grad,
+    )
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         engine.step([draw(MICRO, generator) for _ in range(k)])
@@ -118,8 +132,13 @@ def main() -> None:
                 k, steps, seed=1000 + dist_ctx.rank, model=wrapped, dist=dist_ctx, grad_sync=grad_sync, small_grad=probe
             )
             assert noise.last is not None
-            results[spec] = {"g_sq": noise.last.g_sq, "trace": noise.last.trace, "b_small": noise.last.b_small,
-                             "b_big": noise.last.b_big, "noise_scale": noise.last.noise_scale}  # fmt: skip
+            results[spec] = {
+                "g_sq": noise.last.g_sq,
+                "trace": noise.last.trace,
+                "b_small": noise.last.b_small,
+                "b_big": noise.last.b_big,
+                "noise_scale": noise.last.noise_scale,
+            }
     if dist_ctx.is_main:
         with open(out, "w", encoding="utf-8") as handle:
             json.dump(results, handle)

@@ -46,10 +46,31 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def cli_args(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "train", "--data", str(corpus), "--model", "pico", "--micro-batch", "2", "--seq-len", "32",
-        "--total-batch-tokens", "256", "--max-steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2",
-        "--sample-tokens", "0", "--cache-dir", str(out.parent / "cache"), "--out", str(out), *extra,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        str(STEPS),
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(out.parent / "cache"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def run_cli(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -57,16 +78,29 @@ def run_cli(args: list[str], fault: str | None = None, timeout: float = 300) -> 
     env.pop("BIGBATCH_FAULT", None)
     if fault:
         env["BIGBATCH_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bigbatch", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def torchrun_cli(args: list[str], fault: str | None, max_restarts: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun_cli(
+    args: list[str], fault: str | None, max_restarts: int = 0, timeout: float = 300
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("BIGBATCH_FAULT", None)
     if fault:
         env["BIGBATCH_FAULT"] = fault
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               f"--max-restarts={max_restarts}", "-m", "bigbatch", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "bigbatch",
+        *args,
+    ]
     if "--collective-timeout" not in args:
         command += ["--collective-timeout", "60"]  # a stuck rendezvous fails within a minute, not ten
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

@@ -183,7 +183,8 @@ def test_parallel_prepare_is_byte_identical_to_serial(
 ) -> None:
     if mode == "documents":  # prompts masked: pieces of prompt and completion must stay apart
         records = [
-            {"prompt": f"Q{i}: {TRICKY[i % len(TRICKY)]}", "completion": corpus_text(3_000)[i * 50 :]} for i in range(20)
+            {"prompt": f"Q{i}: {TRICKY[i % len(TRICKY)]}", "completion": corpus_text(3_000)[i * 50 :]}
+            for i in range(20)
         ]
         (mixed_corpus / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     monkeypatch.setattr(text_module, "PIECE_BYTES", 1_000)  # many pieces and tasks, documents spanning tasks

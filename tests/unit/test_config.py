@@ -99,16 +99,15 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     folder = Path(__file__).resolve().parents[2] / "configs"
     worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8, "llama-1b-8gpu.toml": 8}
     names = sorted(p.name for p in folder.glob("*.toml"))
-    assert names == [
-        "demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml", "llama-1b-8gpu.toml"
-    ]  # fmt: skip
+    assert names == ["demo.toml", "finetune-documents.toml", "gpt-1b-8gpu.toml", "gpt2-124m.toml", "llama-1b-8gpu.toml"]
     for name in names:
         config = resolve_seq_len(config_from_dict(load_toml(folder / name)))
         config.validate()
         assert config.batch.seq_len <= model_preset(config.model.preset).block_size, name
         if not config.batch.token_budget:
-            plan = plan_batch(config.batch.total_batch_tokens, config.batch.micro_batch, config.batch.seq_len,
-                              worlds.get(name, 1))  # fmt: skip
+            plan = plan_batch(
+                config.batch.total_batch_tokens, config.batch.micro_batch, config.batch.seq_len, worlds.get(name, 1)
+            )
             if name == "gpt-1b-8gpu.toml":
                 assert plan.accumulation_steps == 4
             if name == "llama-1b-8gpu.toml":

@@ -100,11 +100,25 @@ def result_of(losses: list[float], tolerance: float = 0.01) -> CriticalBatchResu
         for size, loss, ok in zip(sizes, losses, within, strict=True)
     ]
     return CriticalBatchResult(
-        run="runs/x", checkpoint="runs/x/checkpoints/step_0000040.pt", parent_step=40, parent_tokens_seen=655360,
-        parent_tokens_per_step=16384, parent_lr=1e-3, parent_val_loss=2.9, budget=65536, lr_rule="sqrt",
-        tolerance=tolerance, micro_batch=16, seq_len=256, eval_batches=8, eval_tokens=32768,
-        critical_tokens_per_step=critical, noise_scale=None, noise_scale_step=None, branches=branches,
-    )  # fmt: skip
+        run="runs/x",
+        checkpoint="runs/x/checkpoints/step_0000040.pt",
+        parent_step=40,
+        parent_tokens_seen=655360,
+        parent_tokens_per_step=16384,
+        parent_lr=1e-3,
+        parent_val_loss=2.9,
+        budget=65536,
+        lr_rule="sqrt",
+        tolerance=tolerance,
+        micro_batch=16,
+        seq_len=256,
+        eval_batches=8,
+        eval_tokens=32768,
+        critical_tokens_per_step=critical,
+        noise_scale=None,
+        noise_scale_step=None,
+        branches=branches,
+    )
 
 
 def test_the_answer_says_when_it_lies_beyond_the_sizes_tried() -> None:
@@ -131,9 +145,16 @@ def test_a_branch_of_a_ramped_run_trains_at_its_own_fixed_size(tmp_path: Path) -
     parent_config = TrainConfig()
     parent_config.batch.batch_ramp = "4096:500000"
     parent = _Parent(
-        checkpoint=tmp_path / "ckpt.pt", document={"config": parent_config.to_dict()}, step=40, tokens_seen=1,
-        tokens_per_step=16384, lr=1e-3, micro_batch=16, seq_len=256, sha256="0" * 64,
-    )  # fmt: skip
+        checkpoint=tmp_path / "ckpt.pt",
+        document={"config": parent_config.to_dict()},
+        step=40,
+        tokens_seen=1,
+        tokens_per_step=16384,
+        lr=1e-3,
+        micro_batch=16,
+        seq_len=256,
+        sha256="0" * 64,
+    )
     plan = BatchPlan(micro_batch=16, seq_len=256, accumulation_steps=2)
     config = branch_config(parent, tmp_path / "tps_8192", plan, lr=1e-3, steps=4, eval_batches=2, device="cpu")
     assert config.batch.batch_ramp == ""

@@ -420,9 +420,10 @@ def test_ensure_prepared_key_depends_on_source_and_settings(tmp_path: Path) -> N
     source.write_bytes(b"a changed, longer corpus\n" * 20)
     changed = ensure_prepared(str(source), "byte", 0.1, cache_dir=cache)
     assert changed not in (first, other_fraction)
-    assert np.concatenate(
-        [read_split(changed, "train"), read_split(changed, "val")]
-    ).astype(np.uint8).tobytes() == b"a changed, longer corpus\n" * 20
+    assert (
+        np.concatenate([read_split(changed, "train"), read_split(changed, "val")]).astype(np.uint8).tobytes()
+        == b"a changed, longer corpus\n" * 20
+    )
 
 
 def test_ensure_prepared_returns_a_prepared_dir_as_is(tmp_path: Path) -> None:
@@ -520,7 +521,9 @@ def test_directory_without_meta_is_a_data_error(tmp_path: Path) -> None:
         TokenDataset(tmp_path)
 
 
-@pytest.mark.parametrize("override", [{"dtype": "not-a-dtype"}, {"shards": "train_000000.npy"}], ids=["dtype", "shards"])
+@pytest.mark.parametrize(
+    "override", [{"dtype": "not-a-dtype"}, {"shards": "train_000000.npy"}], ids=["dtype", "shards"]
+)
 def test_meta_json_with_wrong_field_values_is_a_data_error(prepared: Path, override: dict) -> None:
     meta = json.loads((prepared / META_FILE).read_text())
     (prepared / META_FILE).write_text(json.dumps(dict(meta, **override)))

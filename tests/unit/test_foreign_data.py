@@ -231,11 +231,33 @@ def test_trainer_runs_two_steps_on_foreign_shards(kind: str, npy_dir: Path, bin_
 
 
 def test_cli_train_takes_a_glob_of_bin_files(bin_dir: Path, tmp_path: Path) -> None:
-    code = main([
-        "train", "--data", f"{bin_dir}/fineweb_*.bin", "--model", "pico", "--seq-len", "32", "--micro-batch", "2",
-        "--total-batch-tokens", "64", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1",
-        "--sample-tokens", "0", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"),
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            f"{bin_dir}/fineweb_*.bin",
+            "--model",
+            "pico",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--total-batch-tokens",
+            "64",
+            "--max-steps",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--sample-tokens",
+            "0",
+            "--out",
+            str(tmp_path / "run"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records if r["kind"] == "step"] == ["step"]

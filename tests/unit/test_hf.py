@@ -22,9 +22,16 @@ VOCAB = 99
 def hf_model(vocab: int = VOCAB, dropout: float = 0.0, **extra: object) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=vocab,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **extra,
-    )  # fmt: skip
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        n_positions=64,
+        vocab_size=vocab,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        **extra,
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -129,12 +136,36 @@ def test_train_init_from_a_hugging_face_directory(tmp_path: Path, capsys: pytest
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     argv = [
-        "train", "--init-from", str(tmp_path / "hf"), "--data", str(corpus), "--seq-len", "32",
-        "--micro-batch", "4", "--total-batch-tokens", "256", "--max-steps", "2", "--eval-every", "1",
-        "--eval-batches", "1", "--sample-tokens", "0", "--lr", "1e-4", "--warmup-steps", "0",
-        "--shuffle", "off",  # step 1 reads the start of the stream
-        "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
-    ]  # fmt: skip
+        "train",
+        "--init-from",
+        str(tmp_path / "hf"),
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--lr",
+        "1e-4",
+        "--warmup-steps",
+        "0",
+        "--shuffle",
+        "off",  # step 1 reads the start of the stream
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"model {tmp_path / 'hf'}" in out
@@ -154,10 +185,25 @@ def test_train_init_from_with_a_mismatched_vocabulary_is_a_one_line_error(
     _, directory = hf_dir
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("abc " * 2000)
-    code = main([
-        "train", "--init-from", str(directory), "--data", str(corpus), "--seq-len", "32", "--micro-batch", "4",
-        "--total-batch-tokens", "256", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--init-from",
+            str(directory),
+            "--data",
+            str(corpus),
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "4",
+            "--total-batch-tokens",
+            "256",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "vocabulary 99" in err and "256" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()

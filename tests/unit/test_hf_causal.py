@@ -23,19 +23,31 @@ from bigbatch.run_identity import default_run_dir
 pytest.importorskip("transformers")
 
 LLAMA_JSON: dict[str, Any] = {
-    "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 256, "intermediate_size": 64,
-}  # fmt: skip
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "vocab_size": 256,
+    "intermediate_size": 64,
+}
 
 
 def test_the_shape_comes_from_either_naming_of_config_json() -> None:
     llama = HFConfig("dir", LLAMA_JSON)
     assert (llama.block_size, llama.vocab_size, llama.n_layer, llama.n_head, llama.n_kv_head, llama.n_embd) == (
-        64, 256, 2, 4, 2, 32
+        64,
+        256,
+        2,
+        4,
+        2,
+        32,
     )
     assert llama.head_dim == 8 and llama.architecture == "LlamaForCausalLM" and llama.experts == 0
-    gpt2 = HFConfig("dir", {"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16, "n_positions": 40,
-                            "vocab_size": 300})  # fmt: skip
+    gpt2 = HFConfig(
+        "dir", {"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16, "n_positions": 40, "vocab_size": 300}
+    )
     assert (gpt2.block_size, gpt2.n_layer, gpt2.n_kv_head, gpt2.architecture) == (40, 3, 2, "GPT2LMHeadModel")
     assert HFConfig.from_dict(llama.to_dict()) == llama and family_of(llama) == "hf"
     assert config_from_dict("hf", llama.to_dict()) == llama
@@ -86,8 +98,9 @@ def test_a_batch_coupled_module_anywhere_is_refused_in_one_line() -> None:
 def test_fsdp_units_are_the_decoder_layers(kind: str, units: str) -> None:
     import transformers
 
-    model = HFCausalLM(HFConfig("d", hf_config(kind).to_dict()),
-                       transformers.AutoModelForCausalLM.from_config(hf_config(kind)))  # fmt: skip
+    model = HFCausalLM(
+        HFConfig("d", hf_config(kind).to_dict()), transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    )
     expected = list(model.hf_model.get_submodule(units))
     assert len(expected) == 2 and fsdp_units(model) == expected
 
@@ -95,8 +108,9 @@ def test_fsdp_units_are_the_decoder_layers(kind: str, units: str) -> None:
 def test_parameter_counts_and_flops() -> None:
     import transformers
 
-    gpt2 = HFCausalLM(HFConfig("d", hf_config("gpt2").to_dict()),
-                      transformers.AutoModelForCausalLM.from_config(hf_config("gpt2")))  # fmt: skip
+    gpt2 = HFCausalLM(
+        HFConfig("d", hf_config("gpt2").to_dict()), transformers.AutoModelForCausalLM.from_config(hf_config("gpt2"))
+    )
     total = sum(p.numel() for p in gpt2.parameters())
     assert gpt2.num_params(non_embedding=False) == total
     assert gpt2.num_params() == total  # tied: the token table is also the head's matmul

@@ -35,8 +35,10 @@ def fake_datasets(monkeypatch: pytest.MonkeyPatch, load: Any) -> list[tuple[tupl
 def test_parse() -> None:
     assert parse_hf_source("hf:org/name") == ("org/name", None, "train")
     assert parse_hf_source("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train") == (
-        "HuggingFaceFW/fineweb-edu", "sample-10BT", "train",
-    )  # fmt: skip
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+    )
     assert parse_hf_source("hf:x::validation") == ("x", None, "validation")
     with pytest.raises(BigBatchError, match="hf:NAME"):
         parse_hf_source("hf:a:b:c:d")

@@ -28,9 +28,12 @@ from bigbatch.model.llama_hf import llama_config_from_hf  # noqa: E402
 
 VOCAB = 99
 LLAMA3_SCALING = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # short, so that every band of the scaling is used at 64 positions
-}  # fmt: skip
+}
 
 # name -> transformers.LlamaConfig fields beyond the common ones
 CASES: dict[str, dict[str, object]] = {
@@ -46,9 +49,14 @@ CASES: dict[str, dict[str, object]] = {
 def hf_model(**extra: object) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     fields: dict[str, object] = {
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
-    }  # fmt: skip
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+    }
     fields.update(extra)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
 
@@ -177,16 +185,40 @@ def test_missing_unexpected_and_misshapen_weights_are_refused_in_one_line(hf_dir
 
 def test_transformers_4_config_fields_are_read() -> None:
     # Meta's Llama 3.2 1B config.json as transformers 4.x wrote it (rope_theta and rope_scaling, no rope_parameters).
-    config = llama_config_from_hf({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
-        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
-        "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "use_cache": True, "vocab_size": 128256,
-    })  # fmt: skip
+    config = llama_config_from_hf(
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 128000,
+            "eos_token_id": 128001,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 8192,
+            "max_position_embeddings": 131072,
+            "mlp_bias": False,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 16,
+            "num_key_value_heads": 8,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+            "rope_scaling": {
+                "factor": 32.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "use_cache": True,
+            "vocab_size": 128256,
+        }
+    )
     assert config == llama_preset("llama3.2-1b", block_size=131072)
 
 
@@ -202,10 +234,14 @@ def test_presets_build_on_meta_with_the_expected_parameter_counts() -> None:
             model = Llama(cfg)
             theirs = transformers.LlamaForCausalLM(
                 transformers.LlamaConfig(
-                    vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
-                    num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                    num_key_value_heads=cfg.n_kv_head, tie_word_embeddings=cfg.tie_embeddings,
-                )  # fmt: skip
+                    vocab_size=cfg.vocab_size,
+                    hidden_size=cfg.n_embd,
+                    intermediate_size=cfg.ffn_hidden,
+                    num_hidden_layers=cfg.n_layer,
+                    num_attention_heads=cfg.n_head,
+                    num_key_value_heads=cfg.n_kv_head,
+                    tie_word_embeddings=cfg.tie_embeddings,
+                )
             )
         n = model.num_params(non_embedding=False)
         assert n == formula(cfg) == sum(p.numel() for p in theirs.parameters()), name
@@ -218,8 +254,12 @@ def test_presets_build_on_meta_with_the_expected_parameter_counts() -> None:
     for name, gpt in (("llama-pico", "pico"), ("llama-nano", "nano")):
         ours, theirs_gpt = LLAMA_PRESETS[name], MODEL_PRESETS[gpt]
         assert (ours.n_layer, ours.n_embd, ours.n_head, ours.block_size, ours.vocab_size) == (
-            theirs_gpt.n_layer, theirs_gpt.n_embd, theirs_gpt.n_head, theirs_gpt.block_size, theirs_gpt.vocab_size,
-        )  # fmt: skip
+            theirs_gpt.n_layer,
+            theirs_gpt.n_embd,
+            theirs_gpt.n_head,
+            theirs_gpt.block_size,
+            theirs_gpt.vocab_size,
+        )
 
 
 def test_preset_lookup_covers_both_families() -> None:
@@ -249,13 +289,25 @@ def test_config_validation_and_dict_round_trip() -> None:
             llama_preset("llama3.2-1b", **change)
     with pytest.raises(ConfigError, match="low_freq_factor < high_freq_factor"):
         RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
-    assert LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=8, ffn_hidden=8, block_size=4).padded_vocab_size == 50257
+    assert (
+        LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=8, ffn_hidden=8, block_size=4).padded_vocab_size == 50257
+    )
 
 
 def test_init_ties_the_head_and_scales_residual_projections() -> None:
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=8, n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=512, block_size=16,
-                              vocab_size=512, tie_embeddings=True))  # fmt: skip
+    model = Llama(
+        LlamaConfig(
+            n_layer=8,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=256,
+            ffn_hidden=512,
+            block_size=16,
+            vocab_size=512,
+            tie_embeddings=True,
+        )
+    )
     layer = model.model.layers[0]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert layer.mlp.gate_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)

@@ -53,8 +53,25 @@ def test_estimate_is_within_ten_percent_of_the_measured_forward_peak() -> None:
 
 
 def test_plan_with_the_llama_1b_preset_derives_k_and_its_memory(capsys: pytest.CaptureFixture) -> None:
-    code = main(["plan", "--tokens-per-step", "2097152", "--seq-len", "4096", "--devices", "8", "--micro-batch", "8",
-                 "--model", "llama3.2-1b", "--precision", "bf16", "--device", "cpu"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "--tokens-per-step",
+            "2097152",
+            "--seq-len",
+            "4096",
+            "--devices",
+            "8",
+            "--micro-batch",
+            "8",
+            "--model",
+            "llama3.2-1b",
+            "--precision",
+            "bf16",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert out.split("accumulation steps (K)")[1].split()[0] == "8"
@@ -62,8 +79,9 @@ def test_plan_with_the_llama_1b_preset_derives_k_and_its_memory(capsys: pytest.C
 
 
 def test_plan_seq_len_auto_is_the_llama_presets_block_size(capsys: pytest.CaptureFixture) -> None:
-    code = main(["plan", "--tokens-per-step", "16384", "--micro-batch", "16", "--model", "llama-nano",
-                 "--device", "cpu"])  # fmt: skip
+    code = main(
+        ["plan", "--tokens-per-step", "16384", "--micro-batch", "16", "--model", "llama-nano", "--device", "cpu"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert out.startswith("seq_len 256 (the llama-nano model's block size)")
@@ -72,8 +90,9 @@ def test_plan_seq_len_auto_is_the_llama_presets_block_size(capsys: pytest.Captur
 
 @pytest.mark.slow
 def test_memory_cli_measures_a_llama_preset(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code = main(["memory", "--model", "llama-pico", "--seq-len", "32", "--max-micro-batch", "2", "--k", "2",
-                 "--device", "cpu"])  # fmt: skip
+    code = main(
+        ["memory", "--model", "llama-pico", "--seq-len", "32", "--max-micro-batch", "2", "--k", "2", "--device", "cpu"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert out.startswith("llama-pico | seq_len 32 | fp32 | cpu") and "activations grow linearly" in out
@@ -86,6 +105,13 @@ def test_auto_micro_batch_measures_a_llama() -> None:
     config = model_preset("llama-nano", vocab_size=256)
     rows = {b: measure(config, b, 128, k=2) for b in (2, 4)}
     need = {b: (r.fixed + max(r.backward_peak, r.step_peak_k2)) / 2**20 for b, r in rows.items()}
-    chosen = choose_micro_batch(config, [1, 2, 4, 8], 128, k=2, device=torch.device("cpu"), precision="fp32",
-                                memory_budget_mib=(need[2] + need[4]) / 2)  # fmt: skip
+    chosen = choose_micro_batch(
+        config,
+        [1, 2, 4, 8],
+        128,
+        k=2,
+        device=torch.device("cpu"),
+        precision="fp32",
+        memory_budget_mib=(need[2] + need[4]) / 2,
+    )
     assert chosen == 2

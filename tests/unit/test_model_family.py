@@ -45,10 +45,15 @@ def small_llama3() -> Llama:
 
 def test_a_llama_checkpoint_round_trips_with_its_rope_scaling(tmp_path: Path) -> None:
     model = small_llama3()
-    path = ckpt.save_checkpoint({
-        "model_family": family_of(model), "model_config": model.config.to_dict(), "model": model.state_dict(),
-        "step": 1,
-    }, tmp_path / "step_0000001.pt")  # fmt: skip
+    path = ckpt.save_checkpoint(
+        {
+            "model_family": family_of(model),
+            "model_config": model.config.to_dict(),
+            "model": model.state_dict(),
+            "step": 1,
+        },
+        tmp_path / "step_0000001.pt",
+    )
     document = ckpt.load_checkpoint(path)  # weights_only: the nested rope scaling is a plain dict
     assert document["model_family"] == "llama"
     assert isinstance(document["model_config"]["rope_scaling"], dict)
@@ -96,10 +101,19 @@ def test_model_type_decides_the_family_of_a_directory(tmp_path: Path) -> None:
     gpt2 = write_config(tmp_path / "gpt2", {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 40})
     assert hf_model_type(gpt2) == "gpt2"  # GPT-2 directories from before model_type existed
     assert isinstance(read_pretrained_config(gpt2), GPTConfig)
-    llama = write_config(tmp_path / "llama", {
-        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 48, "vocab_size": 256,
-    })  # fmt: skip
+    llama = write_config(
+        tmp_path / "llama",
+        {
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 48,
+            "vocab_size": 256,
+        },
+    )
     shape = read_pretrained_config(llama)
     assert family_of(shape) == "llama" and shape.block_size == 48 and shape.n_kv_head == 2
     other = write_config(tmp_path / "other", {"model_type": "mistral"})
@@ -121,9 +135,15 @@ def with_settings(**sections: dict) -> TrainConfig:
 
 @pytest.mark.parametrize(("positions", "expected"), [(48, 48), (8192, 8192), (131_072, 8192)])
 def test_seq_len_auto_from_a_llama_directory_is_capped(tmp_path: Path, positions: int, expected: int) -> None:
-    directory = write_config(tmp_path / "llama", {
-        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": positions,
-    })  # fmt: skip
+    directory = write_config(
+        tmp_path / "llama",
+        {
+            "model_type": "llama",
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "max_position_embeddings": positions,
+        },
+    )
     assert resolve_seq_len(with_settings(model={"init_from": str(directory)})).batch.seq_len == expected
     given = with_settings(model={"init_from": str(directory)}, batch={"seq_len": 16})
     assert resolve_seq_len(given).batch.seq_len == 16

@@ -51,9 +51,15 @@ def test_the_engine_arms_the_probe_only_on_measured_steps_and_takes_after_the_fi
     model = problem.make_model()
     probe = CountingProbe(model)
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=NoiseScale(every=2), small_grad=probe,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+        noise_scale=NoiseScale(every=2),
+        small_grad=probe,
+    )
     generator = torch.Generator().manual_seed(0)
     records = [engine.step([problem.draw(8, generator) for _ in range(3)]) for _ in range(4)]
     assert [r.noise is not None for r in records] == [True, True, False, True]  # steps 1, 2 and 4

@@ -47,9 +47,14 @@ def test_one_micro_batch_is_noisier_than_the_whole_step_in_expectation() -> None
     k, steps = 4, 200
     model = problem.make_model()
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=NoiseScale(every=1),
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+        noise_scale=NoiseScale(every=1),
+    )
     generator = torch.Generator().manual_seed(5)
     samples = []
     for _ in range(steps):
@@ -91,9 +96,15 @@ def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units
     want_small = float(reference.weight.grad.pow(2).sum())
     noise = NoiseScale(every=1)
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=noise, precision=precision,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+        noise_scale=noise,
+        precision=precision,
+    )
     assert engine.scaler.is_enabled() == (precision == "fp16")
     record = engine.step(batches)
     assert record.noise is not None
@@ -153,9 +164,14 @@ def test_k_1_needs_a_second_batch_size() -> None:
     # and an engine given no meter, or a one-micro-batch step, reports nothing
     model = problem.make_model()
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=NoiseScale(every=1),
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+        noise_scale=NoiseScale(every=1),
+    )
     assert engine.step([problem.draw(8, torch.Generator().manual_seed(0))]).noise is None
 
 
@@ -164,9 +180,13 @@ def test_the_step_line_shows_the_noise_scale() -> None:
     assert noise.last is not None
     model = problem.make_model()
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+    )
     record = engine.step([problem.draw(8, torch.Generator().manual_seed(0))] * 2)
     assert format_step(record, noise_scale=12345.4).endswith("| noise scale 12,345 tok")
     assert format_step(record, noise_scale=-3.0).endswith("| noise scale n/a tok")

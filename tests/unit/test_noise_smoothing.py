@@ -64,9 +64,14 @@ def test_a_step_change_is_tracked_within_a_few_windows(window: int, change: tupl
 
 def engine_for(model: torch.nn.Module, noise: NoiseScale) -> AccumulationEngine:
     return AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda step: 0.0, grad_clip=0.0,
-        loss_fn=problem.loss_sum, count_fn=problem.count, noise_scale=noise,
-    )  # fmt: skip
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        lambda step: 0.0,
+        grad_clip=0.0,
+        loss_fn=problem.loss_sum,
+        count_fn=problem.count,
+        noise_scale=noise,
+    )
 
 
 def test_through_the_engine_the_smoothed_estimates_track_the_rise() -> None:
@@ -107,7 +112,7 @@ def test_every_applied_step_sets_the_weight_of_the_next_measurement() -> None:
     generator = torch.Generator().manual_seed(1)
     records = [engine.step([problem.draw(64, generator) for _ in range(2)]) for _ in range(3)]
     assert [r.noise is not None for r in records] == [True, False, True]
-    assert noise.scale == pytest.approx(records[2].grad_norm**2)  # observed after step 3: weighs the next one
+    assert noise.scale == pytest.approx(records[2].grad_norm ** 2)  # observed after step 3: weighs the next one
     restored = NoiseScale(every=3)
     restored.load_state_dict(noise.state_dict())
     assert restored.state_dict() == noise.state_dict()

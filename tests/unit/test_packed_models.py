@@ -156,9 +156,17 @@ def test_an_hf_head_with_a_soft_cap_keeps_the_whole_logits_and_its_weights(tmp_p
     import transformers
 
     config = transformers.AutoConfig.for_model(
-        "gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, final_logit_softcapping=30.0,
-    )  # fmt: skip
+        "gemma2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        final_logit_softcapping=30.0,
+    )
     config.save_pretrained(tmp_path)
     torch.manual_seed(0)
     inner = transformers.AutoModelForCausalLM.from_config(config)

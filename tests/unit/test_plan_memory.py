@@ -57,8 +57,21 @@ def test_parse_count_suffixes() -> None:
 
 
 def test_plan_cli_prints_the_table_and_the_rounding(capsys: pytest.CaptureFixture) -> None:
-    code = main(["plan", "--tokens-per-step", "2M", "--seq-len", "4096", "--devices", "8", "--micro-batch", "16",
-                 "--model", "gpt2"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "--tokens-per-step",
+            "2M",
+            "--seq-len",
+            "4096",
+            "--devices",
+            "8",
+            "--micro-batch",
+            "16",
+            "--model",
+            "gpt2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "accumulation steps (K)" in out and out.split("accumulation steps (K)")[1].split()[0] == "4"
@@ -68,7 +81,7 @@ def test_plan_cli_prints_the_table_and_the_rounding(capsys: pytest.CaptureFixtur
 def test_memory_estimate_counts_parameters_exactly() -> None:
     config = preset("gpt2")
     estimate = estimate_memory(config, micro_batch=1, seq_len=1024)
-    n = (124_439_808 + 47 * 768)  # GPT-2 small with the padded vocabulary
+    n = 124_439_808 + 47 * 768  # GPT-2 small with the padded vocabulary
     assert (estimate.params, estimate.grads, estimate.optimizer) == (4 * n, 4 * n, 8 * n)
 
 
@@ -96,8 +109,9 @@ def test_memory_cli_writes_a_plot(tmp_path: object, capsys: pytest.CaptureFixtur
     from pathlib import Path
 
     plot = Path(str(tmp_path)) / "memory.png"
-    code = main(["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "2", "--k", "2",
-                 "--plot", str(plot)])  # fmt: skip
+    code = main(
+        ["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "2", "--k", "2", "--plot", str(plot)]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "activations grow linearly" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -125,8 +139,9 @@ def test_auto_micro_batch_respects_a_cpu_memory_budget(measured_rows: list) -> N
     config = preset("nano", vocab_size=256)
     need = {r.micro_batch: (r.fixed + max(r.backward_peak, r.step_peak_k2)) / 2**20 for r in measured_rows}
     budget = (need[2] + need[4]) / 2  # 2 fits, 4 does not
-    chosen = choose_micro_batch(config, [1, 2, 4, 8], 128, k=2, device=torch.device("cpu"), precision="fp32",
-                                memory_budget_mib=budget)  # fmt: skip
+    chosen = choose_micro_batch(
+        config, [1, 2, 4, 8], 128, k=2, device=torch.device("cpu"), precision="fp32", memory_budget_mib=budget
+    )
     assert chosen == 2
     with pytest.raises(ConfigError, match="needs --memory-budget"):
         choose_micro_batch(config, [1, 2], 128, k=2, device=torch.device("cpu"), precision="fp32", memory_budget_mib=0)
@@ -170,8 +185,25 @@ def test_train_logs_mfu_with_a_peak_and_auto_needs_a_budget(tmp_path: object, ca
     base = Path(str(tmp_path))
     corpus = base / "c.txt"
     corpus.write_text("a quick brown fox jumps over the lazy dog. " * 300)
-    args = ["train", "--data", str(corpus), "--model", "pico", "--seq-len", "32", "--total-batch-tokens", "256",
-            "--max-steps", "2", "--eval-every", "0", "--sample-tokens", "0", "--cache-dir", str(base / "cache")]  # fmt: skip
+    args = [
+        "train",
+        "--data",
+        str(corpus),
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--total-batch-tokens",
+        "256",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--cache-dir",
+        str(base / "cache"),
+    ]
     assert main([*args, "--micro-batch", "4", "--peak-flops", "1e12", "--out", str(base / "a")]) == 0
     assert "| mfu " in capsys.readouterr().out
     assert main([*args, "--micro-batch", "auto", "--out", str(base / "b")]) == 2

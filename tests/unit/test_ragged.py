@@ -26,7 +26,9 @@ VOCAB = 97
 
 
 def budget_step(loader: DocumentLoader, budget: int, last_window: str = "partial") -> StepBatch:
-    return next_step(loader, StepPolicy(token_budget=budget, last_window=last_window), DistContext(), torch.device("cpu"))
+    return next_step(
+        loader, StepPolicy(token_budget=budget, last_window=last_window), DistContext(), torch.device("cpu")
+    )
 
 
 def budget_micro_batches(loader: DocumentLoader, budget: int, last_window: str = "partial") -> list[MicroBatch]:
@@ -250,11 +252,35 @@ def test_train_on_masked_documents_with_a_token_budget(tmp_path: Path, capsys: p
     lines = [json.dumps({"prompt": f"Q: {i} + {i}?\nA:", "completion": f" {2 * i}."}) for i in range(40)]
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
-    code = main([
-        "train", "--data", str(source), "--data-mode", "documents", "--model", "pico", "--seq-len", "32",
-        "--micro-batch", "4", "--token-budget", "40", "--max-steps", "4", "--eval-every", "2", "--pack", "off",
-        "--sample-tokens", "0", "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--data",
+            str(source),
+            "--data-mode",
+            "documents",
+            "--model",
+            "pico",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "4",
+            "--token-budget",
+            "40",
+            "--max-steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--pack",
+            "off",
+            "--sample-tokens",
+            "0",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert "token budget 40 valid targets/step" in printed

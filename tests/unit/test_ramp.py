@@ -105,8 +105,9 @@ def test_the_table_is_what_the_steps_take(start: int, ramp_tokens: int, micro_ba
 
 
 def test_the_plan_command_prints_the_table() -> None:
-    code, out, err = run_main(["plan", "--tokens-per-step", "512", "--seq-len", "32", "--micro-batch", "2",
-                               "--batch-ramp", "128:2000"])  # fmt: skip
+    code, out, err = run_main(
+        ["plan", "--tokens-per-step", "512", "--seq-len", "32", "--micro-batch", "2", "--batch-ramp", "128:2000"]
+    )
     assert code == 0, err
     table = out[out.index("batch ramp:") :].splitlines()
     assert "128 -> 512 tokens/step over the first 2,000 tokens seen (K 2 -> 8" in table[0]
@@ -115,8 +116,9 @@ def test_the_plan_command_prints_the_table() -> None:
     assert rows[0] == ["1", "2", "128", "128"] and rows[-1][1:3] == ["8", "512"]
     assert [int(r[1]) for r in rows] == list(range(2, 9))
     assert table[-1].startswith(f"the ramp reaches K 8 at step {rows[-1][0]}")
-    code, out, err = run_main(["plan", "--tokens-per-step", "512", "--seq-len", "32", "--micro-batch", "2",
-                               "--batch-ramp", "32:2000"])  # fmt: skip
+    code, out, err = run_main(
+        ["plan", "--tokens-per-step", "512", "--seq-len", "32", "--micro-batch", "2", "--batch-ramp", "32:2000"]
+    )
     assert "START_TOKENS 32 is below one micro-batch" in assert_one_line_error(code, out, err)
 
 

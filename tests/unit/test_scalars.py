@@ -10,8 +10,18 @@ import pytest
 
 from bigbatch.scalars import Point, ScalarSeries
 
-STEP = {"kind": "step", "step": 1, "loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, "tokens": 100, "micro_batches": 4,
-        "dt": 0.1, "skipped": False, "tokens_per_s": 1000.0}  # fmt: skip
+STEP = {
+    "kind": "step",
+    "step": 1,
+    "loss": 2.5,
+    "grad_norm": 0.5,
+    "lr": 1e-3,
+    "tokens": 100,
+    "micro_batches": 4,
+    "dt": 0.1,
+    "skipped": False,
+    "tokens_per_s": 1000.0,
+}
 
 
 def test_a_step_gives_every_numeric_field_tokens_seen_and_the_by_tokens_curve() -> None:
@@ -23,11 +33,14 @@ def test_a_step_gives_every_numeric_field_tokens_seen_and_the_by_tokens_curve() 
     assert Point("train/tokens_seen", 2, 200.0) in points and Point("by_tokens/loss", 200, 2.0) in points
     assert not [p for p in points if p.tag in ("train/skipped", "train/step", "train/kind")]
     assert series.points({"kind": "eval", "step": 2, "val_loss": 1.5}) == [
-        Point("val/loss", 2, 1.5), Point("by_tokens/val_loss", 200, 1.5),
-    ]  # fmt: skip
+        Point("val/loss", 2, 1.5),
+        Point("by_tokens/val_loss", 200, 1.5),
+    ]
     assert series.points({"kind": "eval", "step": 2, "val_loss": 1.5, "val_tokens": 4096}) == [
-        Point("val/loss", 2, 1.5), Point("by_tokens/val_loss", 200, 1.5), Point("val/tokens", 2, 4096.0),
-    ]  # fmt: skip
+        Point("val/loss", 2, 1.5),
+        Point("by_tokens/val_loss", 200, 1.5),
+        Point("val/tokens", 2, 4096.0),
+    ]
 
 
 def test_a_skipped_step_adds_no_second_point_at_its_step() -> None:

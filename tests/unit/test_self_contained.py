@@ -81,9 +81,12 @@ class _Scanner(ast.NodeVisitor):
         if isinstance(node, ast.Attribute) and node.attr == "parent":
             return self._up(self.path_of(node.value), 1)
         if (
-            isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents"
-            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
-        ):  # fmt: skip
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "parents"
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, int)
+        ):
             return self._up(self.path_of(node.value.value), node.slice.value + 1)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             return self._join(self.path_of(node.left), node.right)

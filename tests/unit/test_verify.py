@@ -18,7 +18,9 @@ from bigbatch.verify_cli import token_batch
 
 def gpt(dropout: float = 0.0) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=verify_factories.VOCAB, dropout=dropout))
+    return GPT(
+        GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=verify_factories.VOCAB, dropout=dropout)
+    )
 
 
 def batch(samples: int, ragged: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +104,9 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "16"]) == 0
     assert "verdict: EQUIVALENT" in capsys.readouterr().out
     report_path = tmp_path / "reports" / "new" / "report.json"  # a folder that does not exist yet is made
-    code = main(["verify", "--factory", "verify_factories:batchnorm_lm", "--vocab-size", "50", "--json", str(report_path)])
+    code = main(
+        ["verify", "--factory", "verify_factories:batchnorm_lm", "--vocab-size", "50", "--json", str(report_path)]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "verdict: NOT EQUIVALENT" in out
     saved = json.loads(report_path.read_text())
@@ -168,7 +172,9 @@ def test_instance_norm_with_running_stats_is_not_equivalent() -> None:
 
 
 def test_batch_coupled_type_fails_the_verdict_below_the_tolerance() -> None:
-    report = check_equivalence(verify_factories.scaled_branch_batchnorm_lm(), batch(8, ragged=False), k=4, precision="bf16")
+    report = check_equivalence(
+        verify_factories.scaled_branch_batchnorm_lm(), batch(8, ragged=False), k=4, precision="bf16"
+    )
     assert all(s.total_rel_diff < report.tolerance for s in report.splits)  # hidden under the bf16 tolerance
     assert not report.equivalent
     assert any("bn [BatchNorm1d]" in reason for reason in report.reasons)
@@ -243,7 +249,9 @@ def test_exact_models_pass_every_split() -> None:
 def test_unknown_split_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(ValueError, match="splits must be one or more of equal, unequal, permuted"):
         check_equivalence(gpt(), batch(4, ragged=False), k=2, splits=["diagonal"])
-    assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "8", "--splits", "x"]) == 2
+    assert (
+        main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "8", "--splits", "x"]) == 2
+    )
     assert "splits must be one or more of" in capsys.readouterr().err
 
 
@@ -261,8 +269,19 @@ def test_cli_verdicts(
     factory: str, splits: str, expected_code: int, named: str | None, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     report_path = tmp_path / "report.json"
-    argv = ["verify", "--factory", f"verify_factories:{factory}", "--vocab-size", "50", "--seq-len", "12",
-            "--splits", splits, "--json", str(report_path)]  # fmt: skip
+    argv = [
+        "verify",
+        "--factory",
+        f"verify_factories:{factory}",
+        "--vocab-size",
+        "50",
+        "--seq-len",
+        "12",
+        "--splits",
+        splits,
+        "--json",
+        str(report_path),
+    ]
     assert main(argv) == expected_code
     out = capsys.readouterr().out
     saved = json.loads(report_path.read_text())
@@ -281,8 +300,22 @@ def test_distributed_verify_scans_modules_and_buffers() -> None:
     from launch import support_pythonpath
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": support_pythonpath()}
-    command = [sys.executable, "-m", "bigbatch", "verify", "--nproc", "2", "--factory", "verify_factories:tracked_lm",
-               "--vocab-size", "50", "--k", "2", "--seq-len", "8"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "bigbatch",
+        "verify",
+        "--nproc",
+        "2",
+        "--factory",
+        "verify_factories:tracked_lm",
+        "--vocab-size",
+        "50",
+        "--k",
+        "2",
+        "--seq-len",
+        "8",
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "rank 0: tracker.ema" in done.stdout and "rank 1: tracker.ema" in done.stdout
@@ -312,8 +345,23 @@ def test_verification_leaves_the_callers_generators_alone() -> None:
 
 
 def test_packed_rows_give_the_gradient_of_one_document_per_row(capsys: pytest.CaptureFixture) -> None:
-    assert main(["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "24", "--packed",
-                 "--splits", "equal"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "verify",
+                "--factory",
+                "verify_factories:pico_gpt",
+                "--k",
+                "2",
+                "--seq-len",
+                "24",
+                "--packed",
+                "--splits",
+                "equal",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "packed rows vs the same documents one per row: relative L2 difference" in out
     assert "verdict: EQUIVALENT" in out

@@ -106,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except OSError as exc:  # disk full, permissions, a file where a directory should be
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
-              file=sys.stderr)
+        print(
+            f"bigbatch: error: {exc.strerror or exc}{where}; check the path, its permissions and free space",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     except Terminated:
         print("bigbatch: terminated", file=sys.stderr)

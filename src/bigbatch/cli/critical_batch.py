@@ -44,27 +44,53 @@ def _budget(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bigbatch.critical_batch import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
 
-    parser.add_argument("run", type=Path, metavar="RUN", help="the run directory to branch from (its newest "
-                        "checkpoint)")
-    parser.add_argument("--tokens-per-step", required=True, metavar="N,N,...", type=_sizes,
-                        help="comma-separated tokens per step, e.g. 16Ki,32Ki,64Ki,128Ki (Ki = 1,024; K = 1,000)")
-    parser.add_argument("--budget", required=True, metavar="TOKENS", type=_budget,
-                        help="tokens each branch trains on (e.g. 512Ki); a whole number of steps at every size")
-    parser.add_argument("--tolerance", type=NON_NEGATIVE.argtype(), default=DEFAULT_TOLERANCE,
-                        help="a size is as good as the smallest when its loss is at most (1 + tolerance) times the "
-                        f"smallest's; 0: no higher at all (default: {DEFAULT_TOLERANCE}, i.e. "
-                        f"{DEFAULT_TOLERANCE * 100:g}%%)")
-    parser.add_argument("--lr-rule", choices=LR_RULES, default=DEFAULT_LR_RULE,
-                        help="the branch's constant learning rate: the run's at the branch point times "
-                        "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)")
-    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
-                        help="sequences per micro-batch for every branch and evaluation (default: the run's)")
-    parser.add_argument("--eval-batches", type=POSITIVE_INT.argtype(),
-                        help="validation micro-batches scored per branch (default: the run's eval_batches)")
-    parser.add_argument("--step", type=POSITIVE_INT.argtype(),
-                        help="branch from RUN's checkpoint at this step (default: its newest)")
+    parser.add_argument(
+        "run", type=Path, metavar="RUN", help="the run directory to branch from (its newest checkpoint)"
+    )
+    parser.add_argument(
+        "--tokens-per-step",
+        required=True,
+        metavar="N,N,...",
+        type=_sizes,
+        help="comma-separated tokens per step, e.g. 16Ki,32Ki,64Ki,128Ki (Ki = 1,024; K = 1,000)",
+    )
+    parser.add_argument(
+        "--budget",
+        required=True,
+        metavar="TOKENS",
+        type=_budget,
+        help="tokens each branch trains on (e.g. 512Ki); a whole number of steps at every size",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=NON_NEGATIVE.argtype(),
+        default=DEFAULT_TOLERANCE,
+        help="a size is as good as the smallest when its loss is at most (1 + tolerance) times the "
+        f"smallest's; 0: no higher at all (default: {DEFAULT_TOLERANCE}, i.e. "
+        f"{DEFAULT_TOLERANCE * 100:g}%%)",
+    )
+    parser.add_argument(
+        "--lr-rule",
+        choices=LR_RULES,
+        default=DEFAULT_LR_RULE,
+        help="the branch's constant learning rate: the run's at the branch point times "
+        "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=POSITIVE_INT.argtype(),
+        help="sequences per micro-batch for every branch and evaluation (default: the run's)",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=POSITIVE_INT.argtype(),
+        help="validation micro-batches scored per branch (default: the run's eval_batches)",
+    )
+    parser.add_argument(
+        "--step", type=POSITIVE_INT.argtype(), help="branch from RUN's checkpoint at this step (default: its newest)"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")  # fmt: skip
+    parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,10 +98,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = measure_critical_batch(
-            args.run, args.tokens_per_step, args.budget, tolerance=args.tolerance, lr_rule=args.lr_rule,
-            micro_batch=args.micro_batch, eval_batches=args.eval_batches, device=args.device, plot=not args.no_plot,
+            args.run,
+            args.tokens_per_step,
+            args.budget,
+            tolerance=args.tolerance,
+            lr_rule=args.lr_rule,
+            micro_batch=args.micro_batch,
+            eval_batches=args.eval_batches,
+            device=args.device,
+            plot=not args.no_plot,
             step=args.step,
-        )  # fmt: skip
+        )
     except Interrupted as stop:
         logging.getLogger(__name__).warning(
             "critical-batch stopped; the branch's checkpoint is saved: run the same command to continue"

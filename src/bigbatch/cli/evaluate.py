@@ -18,17 +18,27 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
-    parser.add_argument("--data", help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
-                        "prepared with the checkpoint's tokenizer (default: the run's own data)")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
+        "prepared with the checkpoint's tokenizer (default: the run's own data)",
+    )
     parser.add_argument("--split", default="val", choices=("val", "train"))
-    parser.add_argument("--batches", type=NON_NEGATIVE_INT.argtype(),
-                        help="micro-batches' worth of windows, spread uniformly over the split; 0: no limit, the "
-                        "whole split (default: the run's eval_batches, i.e. its own validation windows)")  # fmt: skip
-    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(),
-                        help="sequences per micro-batch (default: the run's)")  # fmt: skip
+    parser.add_argument(
+        "--batches",
+        type=NON_NEGATIVE_INT.argtype(),
+        help="micro-batches' worth of windows, spread uniformly over the split; 0: no limit, the "
+        "whole split (default: the run's eval_batches, i.e. its own validation windows)",
+    )
+    parser.add_argument(
+        "--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch (default: the run's)"
+    )
     parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
-    parser.add_argument("--cache-dir", type=Path, help="where raw text is prepared (default: the run's cache "
-                        "if it exists, else the default cache)")  # fmt: skip
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where raw text is prepared (default: the run's cache if it exists, else the default cache)",
+    )
     add_precision(parser, default="fp32")
     parser.add_argument("--device", default="auto")
 
@@ -38,8 +48,15 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(
-        args.run, args.data, split=args.split, batches=args.batches, micro_batch=args.micro_batch,
-        seq_len=args.seq_len, device=resolve_device(args.device), precision=args.precision, cache_dir=args.cache_dir,
-    )  # fmt: skip
+        args.run,
+        args.data,
+        split=args.split,
+        batches=args.batches,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        device=resolve_device(args.device),
+        precision=args.precision,
+        cache_dir=args.cache_dir,
+    )
     print(result.format())
     return 0

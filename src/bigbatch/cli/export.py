@@ -14,8 +14,12 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
-    parser.add_argument("--format", default="hf", choices=("hf",),
-                        help="hf: the Hugging Face layout of the run's model, GPT-2 or Llama (default)")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        default="hf",
+        choices=("hf",),
+        help="hf: the Hugging Face layout of the run's model, GPT-2 or Llama (default)",
+    )
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) output directory")
 
 

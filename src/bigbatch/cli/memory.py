@@ -17,17 +17,28 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="nano",
-                        help="preset, GPT or Llama, or hf:DIR (a Hugging Face causal LM) (default: nano)")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
-                        help="tokens per sequence; auto: the preset's block size (default: auto)")  # fmt: skip
+    parser.add_argument(
+        "--model", default="nano", help="preset, GPT or Llama, or hf:DIR (a Hugging Face causal LM) (default: nano)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=POSITIVE_INT_OR_AUTO.argtype(),
+        default=AUTO,
+        metavar="T|auto",
+        help="tokens per sequence; auto: the preset's block size (default: auto)",
+    )
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
     parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
-    parser.add_argument("--vocab-size", type=POSITIVE_INT.argtype(), default=256,
-                        help="default: 256 (byte tokens); hf:DIR: its own")  # fmt: skip
+    parser.add_argument(
+        "--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens); hf:DIR: its own"
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--no-chunked-loss", dest="chunked_loss", action="store_false",
-                        help="score the whole (micro_batch, seq_len, vocab) logits at once")  # fmt: skip
+    parser.add_argument(
+        "--no-chunked-loss",
+        dest="chunked_loss",
+        action="store_false",
+        help="score the whole (micro_batch, seq_len, vocab) logits at once",
+    )
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
@@ -49,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
         seq_len = min(seq_len, INIT_FROM_AUTO_SEQ_LEN_CAP)
     device = resolve_device(args.device)
     sweep = sweep_memory(
-        args.model, seq_len, args.max_micro_batch, k=args.k, vocab_size=args.vocab_size, device=device,
-        precision=resolve_precision(args.precision, device), activation_checkpointing=args.activation_checkpointing,
+        args.model,
+        seq_len,
+        args.max_micro_batch,
+        k=args.k,
+        vocab_size=args.vocab_size,
+        device=device,
+        precision=resolve_precision(args.precision, device),
+        activation_checkpointing=args.activation_checkpointing,
         chunked_loss=args.chunked_loss,
     )
     print(sweep.format())

@@ -28,28 +28,49 @@ def _count(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens-per-step", "--total-batch-tokens", dest="tokens_per_step", type=_count,
-                        help="e.g. 524288, 2M (2,000,000) or 512Ki")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="T|auto",
-                        help="tokens per sequence (T); auto: the run's with --from-run, else the --model preset's "
-                        "block size (default: auto)")  # fmt: skip
+    parser.add_argument(
+        "--tokens-per-step",
+        "--total-batch-tokens",
+        dest="tokens_per_step",
+        type=_count,
+        help="e.g. 524288, 2M (2,000,000) or 512Ki",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=POSITIVE_INT_OR_AUTO.argtype(),
+        default=AUTO,
+        metavar="T|auto",
+        help="tokens per sequence (T); auto: the run's with --from-run, else the --model preset's "
+        "block size (default: auto)",
+    )
     parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
     parser.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
     parser.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
-    parser.add_argument("--from-run", type=Path, metavar="RUN_DIR",
-                        help="tokens per step from the gradient noise scale measured by a run (the smoothed "
-                        "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
-                        "run's")  # fmt: skip
-    parser.add_argument("--model", help="a preset (GPT or Llama) or hf:DIR, for memory (and with --measure, step "
-                        "time)")  # fmt: skip
-    parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
-                        help="vocabulary; auto: the preset's, 50257 (llama3.2-1b: 128256) (default: auto)")  # fmt: skip
+    parser.add_argument(
+        "--from-run",
+        type=Path,
+        metavar="RUN_DIR",
+        help="tokens per step from the gradient noise scale measured by a run (the smoothed "
+        "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
+        "run's",
+    )
+    parser.add_argument("--model", help="a preset (GPT or Llama) or hf:DIR, for memory (and with --measure, step time)")
+    parser.add_argument(
+        "--vocab-size",
+        type=POSITIVE_INT_OR_AUTO.argtype(),
+        default=AUTO,
+        metavar="N|auto",
+        help="vocabulary; auto: the preset's, 50257 (llama3.2-1b: 128256) (default: auto)",
+    )
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch-ramp", metavar="START_TOKENS:RAMP_TOKENS|auto", default="",
-                        help="also print the ramp table: step, K, tokens per step, cumulative tokens "
-                        "(e.g. 32K:10M)")  # fmt: skip
+    parser.add_argument(
+        "--batch-ramp",
+        metavar="START_TOKENS:RAMP_TOKENS|auto",
+        default="",
+        help="also print the ramp table: step, K, tokens per step, cumulative tokens (e.g. 32K:10M)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

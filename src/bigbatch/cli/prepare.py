@@ -22,15 +22,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
     parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
-    parser.add_argument("--val-fraction", type=PROBABILITY.argtype(), default=0.1,
-                        help="held-out share; 0 holds none out (default: 0.1)")  # fmt: skip
-    parser.add_argument("--shard-tokens", type=POSITIVE_INT.argtype(), default=SHARD_TOKENS,
-                        help=f"tokens per shard (default: {SHARD_TOKENS:,})")  # fmt: skip
-    parser.add_argument("--workers", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
-                        help="tokenizer processes; auto: one per CPU core (at most 32) for a large corpus and a "
-                        "tokenizer other than byte, else 1 (default: auto)")  # fmt: skip
     parser.add_argument(
-        "--mode", default="packed", choices=DATA_MODE,
+        "--val-fraction",
+        type=PROBABILITY.argtype(),
+        default=0.1,
+        help="held-out share; 0 holds none out (default: 0.1)",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=POSITIVE_INT.argtype(),
+        default=SHARD_TOKENS,
+        help=f"tokens per shard (default: {SHARD_TOKENS:,})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=POSITIVE_INT_OR_AUTO.argtype(),
+        default=AUTO,
+        metavar="N|auto",
+        help="tokenizer processes; auto: one per CPU core (at most 32) for a large corpus and a "
+        "tokenizer other than byte, else 1 (default: auto)",
+    )
+    parser.add_argument(
+        "--mode",
+        default="packed",
+        choices=DATA_MODE,
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
     )
 

@@ -14,8 +14,9 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
-    parser.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/report for one run, "
-                        "./report for several)")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, help="output directory (default: RUN_DIR/report for one run, ./report for several)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

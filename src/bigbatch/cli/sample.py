@@ -16,13 +16,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint file")
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT.argtype(), default=200)
-    parser.add_argument("--temperature", type=NON_NEGATIVE.argtype(), default=0.8,
-                        help="0 samples greedily (default: 0.8)")  # fmt: skip
-    parser.add_argument("--top-k", type=NON_NEGATIVE_INT.argtype(), default=50,
-                        help="keep the k most likely tokens; 0 disables top-k filtering (default: 50)")  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=NON_NEGATIVE.argtype(), default=0.8, help="0 samples greedily (default: 0.8)"
+    )
+    parser.add_argument(
+        "--top-k",
+        type=NON_NEGATIVE_INT.argtype(),
+        default=50,
+        help="keep the k most likely tokens; 0 disables top-k filtering (default: 50)",
+    )
     parser.add_argument("--num-samples", type=POSITIVE_INT.argtype(), default=1)
-    parser.add_argument("--seed", type=SEED.argtype(), default=1337,
-                        help="random seed, any integer from 0 to 2**63 - 1 (default: 1337)")  # fmt: skip
+    parser.add_argument(
+        "--seed", type=SEED.argtype(), default=1337, help="random seed, any integer from 0 to 2**63 - 1 (default: 1337)"
+    )
     parser.add_argument("--device", default="auto")
 
 
@@ -30,7 +36,14 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.sample import sample_checkpoint
 
     sample_checkpoint(
-        args.checkpoint, args.prompt, sys.stdout, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, num_samples=args.num_samples, seed=args.seed, device_name=args.device,
+        args.checkpoint,
+        args.prompt,
+        sys.stdout,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        device_name=args.device,
     )
     return 0

@@ -20,44 +20,64 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="nano", help="model preset, GPT or Llama, or hf:DIR (default: nano)")
-    parser.add_argument(
-        "--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])"
-    )
+    parser.add_argument("--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])")
     parser.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
-    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), default=2,
-                        help="sequences per micro-batch (default: 2)")  # fmt: skip
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), default=64,
-                        help="tokens per sequence, at most the model's block size (default: 64, which every preset "
-                        "holds)")  # fmt: skip
-    parser.add_argument("--vocab-size", type=POSITIVE_INT_OR_AUTO.argtype(), default=AUTO, metavar="N|auto",
-                        help="vocabulary; auto: the model's (default: auto)")  # fmt: skip
-    parser.add_argument("--dropout", type=PROBABILITY.argtype(), default=0.0,
-                        help="preset dropout probability, 0: none (disabled for the comparison) "
-                        "(default: 0)")  # fmt: skip
     parser.add_argument(
-        "--ragged", action=argparse.BooleanOptionalAction, default=True,
+        "--micro-batch", type=POSITIVE_INT.argtype(), default=2, help="sequences per micro-batch (default: 2)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=POSITIVE_INT.argtype(),
+        default=64,
+        help="tokens per sequence, at most the model's block size (default: 64, which every preset holds)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=POSITIVE_INT_OR_AUTO.argtype(),
+        default=AUTO,
+        metavar="N|auto",
+        help="vocabulary; auto: the model's (default: auto)",
+    )
+    parser.add_argument(
+        "--dropout",
+        type=PROBABILITY.argtype(),
+        default=0.0,
+        help="preset dropout probability, 0: none (disabled for the comparison) (default: 0)",
+    )
+    parser.add_argument(
+        "--ragged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="mask a random-length tail of each sequence so micro-batches hold different valid counts (default: on)",
     )
     parser.add_argument(
-        "--packed", action="store_true",
+        "--packed",
+        action="store_true",
         help="rows packed with random documents (positions restarting at each, prompts masked): also compares their "
         "gradient with the same documents one per row (what --pack on must give)",
     )
     add_precision(parser, default="fp32")
     parser.add_argument(
-        "--splits", default="equal,unequal,permuted",
+        "--splits",
+        default="equal,unequal,permuted",
         help="how the batch is cut into micro-batches, comma-separated: equal (K pieces), unequal (sizes 1, 2, 3, "
         "... and the remainder), permuted (K pieces of the shuffled samples) (default: all three)",
     )
     parser.add_argument("--tolerance", type=POSITIVE.argtype(), help="relative L2 tolerance (default: by precision)")
-    parser.add_argument("--top", type=NON_NEGATIVE_INT.argtype(), default=5,
-                        help="parameters listed, worst first; 0 lists none (default: 5)")  # fmt: skip
+    parser.add_argument(
+        "--top",
+        type=NON_NEGATIVE_INT.argtype(),
+        default=5,
+        help="parameters listed, worst first; 0 lists none (default: 5)",
+    )
     parser.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
-    parser.add_argument("--nproc", type=POSITIVE_INT.argtype(), default=1,
-                        help="processes: >1 checks DDP across ranks via torchrun")  # fmt: skip
-    parser.add_argument("--seed", type=SEED.argtype(), default=0,
-                        help="random seed, any integer from 0 to 2**63 - 1 (default: 0)")  # fmt: skip
+    parser.add_argument(
+        "--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun"
+    )
+    parser.add_argument(
+        "--seed", type=SEED.argtype(), default=0, help="random seed, any integer from 0 to 2**63 - 1 (default: 0)"
+    )
     parser.add_argument("--device", default="cpu")
 
 
@@ -73,10 +93,20 @@ def run(args: argparse.Namespace) -> int:
         return relaunch_under_torchrun(args.nproc, "verify", args.argv)
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the model's
     settings = VerifySettings(
-        model=args.model, factory=args.factory, k=args.k, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        vocab_size=vocab_size, dropout=args.dropout, ragged=args.ragged, packed=args.packed, precision=args.precision,
-        splits=tuple(name.strip() for name in args.splits.split(",") if name.strip()), tolerance=args.tolerance,
-        seed=args.seed, device=args.device,
+        model=args.model,
+        factory=args.factory,
+        k=args.k,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        vocab_size=vocab_size,
+        dropout=args.dropout,
+        ragged=args.ragged,
+        packed=args.packed,
+        precision=args.precision,
+        splits=tuple(name.strip() for name in args.splits.split(",") if name.strip()),
+        tolerance=args.tolerance,
+        seed=args.seed,
+        device=args.device,
     )
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         distributed, is_main = verify_across_ranks(settings)

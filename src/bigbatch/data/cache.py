@@ -82,6 +82,13 @@ def ensure_prepared(
     if is_prepared_dataset(target):
         return target
     log.info("preparing %s with the %s tokenizer into %s (once; later runs reuse it)", data, tokenizer_name, target)
-    prepare_dataset(data, target, tokenizer_name=tokenizer_name, val_fraction=val_fraction, mode=mode,
-                    bpe_json=bpe_json if is_bpe(tokenizer_name) else None, wait_for_lock=True)  # fmt: skip
+    prepare_dataset(
+        data,
+        target,
+        tokenizer_name=tokenizer_name,
+        val_fraction=val_fraction,
+        mode=mode,
+        bpe_json=bpe_json if is_bpe(tokenizer_name) else None,
+        wait_for_lock=True,
+    )
     return target

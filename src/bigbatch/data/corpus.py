@@ -81,8 +81,11 @@ def text_files(files: list[Path]) -> list[Path]:
     if binary:
         log.warning(
             "skipped %d binary file%s (e.g. %s): not text (a NUL byte in the first %d KiB)",
-            len(binary), "" if len(binary) == 1 else "s", binary[0], _BINARY_PROBE_BYTES // 1024,
-        )  # fmt: skip
+            len(binary),
+            "" if len(binary) == 1 else "s",
+            binary[0],
+            _BINARY_PROBE_BYTES // 1024,
+        )
     return kept
 
 

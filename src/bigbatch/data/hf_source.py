@@ -69,8 +69,10 @@ def parse(source: str) -> HFSource:
     column = column or DEFAULT_COLUMN
     if name in FILE_BUILDERS:
         if second is None:
-            raise DataError(f"{source}: the {name} builder reads local files; write hf:{name}:FILES, e.g. "
-                            f"hf:{name}:data/*.{'jsonl' if name == 'json' else name}")  # fmt: skip
+            raise DataError(
+                f"{source}: the {name} builder reads local files; write hf:{name}:FILES, e.g. "
+                f"hf:{name}:data/*.{'jsonl' if name == 'json' else name}"
+            )
         return HFSource(source, name, None, second, split, column)
     if Path(name).expanduser().is_dir():  # a local directory: the second part, if any, is the split
         return HFSource(source, name, None, None, parts[-1] if len(parts) > 1 and parts[-1] else split, column)
@@ -133,8 +135,9 @@ def _open(src: HFSource, datasets: Any) -> Any:
             loaded = datasets.load_from_disk(str(directory))
             if isinstance(loaded, datasets.DatasetDict):
                 if src.split not in loaded:
-                    raise DataError(f"{directory} has the splits {', '.join(loaded)}, not {src.split!r}; write "
-                                    f"hf:{src.name}:SPLIT")  # fmt: skip
+                    raise DataError(
+                        f"{directory} has the splits {', '.join(loaded)}, not {src.split!r}; write hf:{src.name}:SPLIT"
+                    )
                 loaded = loaded[src.split]
             return loaded
         return datasets.load_dataset(str(directory), split=src.split, streaming=True)
@@ -180,8 +183,10 @@ def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str]]:
     records = _open(src, datasets)
     columns = _columns(records)
     if columns and src.column not in columns:
-        raise DataError(f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
-                        f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}")  # fmt: skip
+        raise DataError(
+            f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
+            f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}"
+        )
     for number, record in enumerate(records, start=1):
         text = record.get(src.column) if isinstance(record, dict) else None
         if not isinstance(text, str):

@@ -259,9 +259,18 @@ def loader_for(
         pad = dataset.meta.eot_token or 0
         shards = dataset.document_shards(split)
         return DocumentLoader(
-            shards, micro_batch, seq_len, rank, world_size, pad_token=pad, name=name, long_documents=long_documents,
-            shuffle=shuffle, seed=seed, pack=pack,
-        )  # fmt: skip
+            shards,
+            micro_batch,
+            seq_len,
+            rank,
+            world_size,
+            pad_token=pad,
+            name=name,
+            long_documents=long_documents,
+            shuffle=shuffle,
+            seed=seed,
+            pack=pack,
+        )
     if shuffle:
         return ShuffledPackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed)
     return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)

@@ -130,8 +130,14 @@ def preparation_lock(out: Path, wait: bool) -> FileLock:
 
 
 def _prepare(
-    source: str, out: Path, tokenizer_name: str, val_fraction: float, shard_tokens: int, mode: str,
-    workers: int | None, bpe_json: str | None,
+    source: str,
+    out: Path,
+    tokenizer_name: str,
+    val_fraction: float,
+    shard_tokens: int,
+    mode: str,
+    workers: int | None,
+    bpe_json: str | None,
 ) -> DatasetMeta:
     """:func:`prepare_dataset` once ``out`` is held and known to be new."""
     tokenizer: Tokenizer | None = None
@@ -186,10 +192,19 @@ def _prepare(
     log.info(
         "prepared %s: %d documents, %.1f MB of text -> %s train + %s val tokens (%s, %s) in %.1fs (%.1f MB/s; "
         "tokenizing %.1f MB/s with %d %s)",
-        out, len(found.lengths), n_bytes / 1e6, f"{meta.tokens['train']:,}", f"{meta.tokens['val']:,}",
-        tokenizer.name, mode, elapsed, n_bytes / 1e6 / max(elapsed, 1e-9),
-        n_bytes / 1e6 / max(found.seconds, 1e-9), n_workers, "process" if n_workers == 1 else "processes",
-    )  # fmt: skip
+        out,
+        len(found.lengths),
+        n_bytes / 1e6,
+        f"{meta.tokens['train']:,}",
+        f"{meta.tokens['val']:,}",
+        tokenizer.name,
+        mode,
+        elapsed,
+        n_bytes / 1e6 / max(elapsed, 1e-9),
+        n_bytes / 1e6 / max(found.seconds, 1e-9),
+        n_workers,
+        "process" if n_workers == 1 else "processes",
+    )
     if invalid.replacements:
         log.warning("%s: %s", out, invalid.describe(tokenizer.name))
     return meta
@@ -263,9 +278,14 @@ def _tokenize(
             if checkpoint is not None and lengths_file is not None:
                 write_lengths(lengths_file, len(ids), prompt_length)
                 if checkpoint.due():
-                    checkpoint.sync(stream_file, lengths_file, documents=len(found.lengths), n_bytes=found.n_bytes,
-                                    utf8_replacements=invalid.replacements if invalid else 0,
-                                    utf8_documents=invalid.documents if invalid else 0)  # fmt: skip
+                    checkpoint.sync(
+                        stream_file,
+                        lengths_file,
+                        documents=len(found.lengths),
+                        n_bytes=found.n_bytes,
+                        utf8_replacements=invalid.replacements if invalid else 0,
+                        utf8_documents=invalid.documents if invalid else 0,
+                    )
     found.seconds = time.perf_counter() - started
     return found
 
@@ -376,6 +396,10 @@ def _train_bpe(name: str, documents: Callable[[], Iterable[Document]], source: s
     elapsed = time.perf_counter() - started
     log.info(
         "trained %s: vocabulary %d on %.1f MB of text in %.1fs (%.1f MB/s)",
-        name, tokenizer.vocab_size, seen["bytes"] / 1e6, elapsed, seen["bytes"] / 1e6 / max(elapsed, 1e-9),
-    )  # fmt: skip
+        name,
+        tokenizer.vocab_size,
+        seen["bytes"] / 1e6,
+        elapsed,
+        seen["bytes"] / 1e6 / max(elapsed, 1e-9),
+    )
     return tokenizer

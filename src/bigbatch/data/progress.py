@@ -40,7 +40,10 @@ class CorpusProgress:
         self.next_report = now + PROGRESS_SECONDS
         log.info(
             "%s %s documents, %.1f MB of text, %.1f MB/s",
-            self.what, f"{documents:,}", n_bytes / 1e6, n_bytes / 1e6 / max(now - self.started, 1e-9),
+            self.what,
+            f"{documents:,}",
+            n_bytes / 1e6,
+            n_bytes / 1e6 / max(now - self.started, 1e-9),
         )
 
     def close(self) -> None:

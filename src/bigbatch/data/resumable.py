@@ -111,16 +111,21 @@ def resumable_directory(out: Path, fingerprint: str) -> Iterator[tuple[Path, Che
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
             position = Position(fingerprint=fingerprint)
         elif position.documents:
-            log.info("%s: resuming an interrupted prepare after %s documents (%s)", out,
-                     f"{position.documents:,}", staging)  # fmt: skip
+            log.info(
+                "%s: resuming an interrupted prepare after %s documents (%s)", out, f"{position.documents:,}", staging
+            )
         apply_umask(staging, directory=True)
         checkpoint = Checkpoint(staging, position)
         try:
             yield staging, checkpoint
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what is saved
             if (staging / PROGRESS_FILE).is_file():
-                log.warning("%s: prepare interrupted; %s documents are kept in %s: run the same command to "
-                            "resume", out, f"{checkpoint.position.documents:,}", staging)  # fmt: skip
+                log.warning(
+                    "%s: prepare interrupted; %s documents are kept in %s: run the same command to resume",
+                    out,
+                    f"{checkpoint.position.documents:,}",
+                    staging,
+                )
             else:
                 shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -109,9 +109,7 @@ def validation_windows(
     (in document order)."""
     wanted = 2**62 if whole else wanted_windows(eval_batches, micro_batch, seq_len, world_size)
     if dataset.meta.mode == "documents":
-        loader = loader_for(
-            dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents, pack=pack
-        )
+        loader = loader_for(dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents, pack=pack)
         assert isinstance(loader, DocumentLoader)
         return ValidationWindows(loader, wanted, micro_batch, rank, world_size)
     windows = PackedWindows(dataset.shard_arrays(split), seq_len)

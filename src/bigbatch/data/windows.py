@@ -56,9 +56,7 @@ class PackedWindows:
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (n_shards + 1,)
         self.count = int(self.first[-1])
 
-    def read(
-        self, indices: np.ndarray | list[int], pad_token: int = 0, shifts: np.ndarray | None = None
-    ) -> MicroBatch:
+    def read(self, indices: np.ndarray | list[int], pad_token: int = 0, shifts: np.ndarray | None = None) -> MicroBatch:
         """One micro-batch whose row ``b`` is window ``indices[b]``; a negative index is a row of padding (input
         ``pad_token``, target ``-100``: it counts for nothing). ``shifts[b]`` (in ``[0, T)``) moves row ``b``'s
         window that many tokens later in its shard, unless that would run past the shard's end (its last window)."""

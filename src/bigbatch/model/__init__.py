@@ -46,9 +46,7 @@ def hf_shape(name: str, **overrides: Any) -> HFConfig:
         if key in ("vocab_size", "block_size") and value == getattr(shape, key):
             continue
         what = {"vocab_size": "vocabulary", "block_size": "context length", "dropout": "dropout"}.get(key, key)
-        raise ConfigError(
-            f"the {what} of {name} is its config.json's, not bigbatch's to change (asked: {key} {value})"
-        )
+        raise ConfigError(f"the {what} of {name} is its config.json's, not bigbatch's to change (asked: {key} {value})")
     return shape
 
 

@@ -303,9 +303,13 @@ class HFCausalLM(nn.Module):
         if self.head_detachable and parts is not None and (targets is not None or last_only):
             trunk, head = parts
             return logits_or_loss(
-                self._hidden(trunk, idx, positions), head.weight, targets, bias=head.bias, chunked=self.chunked_loss,
+                self._hidden(trunk, idx, positions),
+                head.weight,
+                targets,
+                bias=head.bias,
+                chunked=self.chunked_loss,
                 last_only=last_only,
-            )  # fmt: skip
+            )
         logits = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits  # (B, T, V)
         if targets is None:
             return logits[:, -1:] if last_only else logits
@@ -405,8 +409,10 @@ class CompiledOrEager(nn.Module):
             reason = (str(exc).strip().splitlines() or [""])[0][:200]
             log.warning(
                 "torch.compile does not work for this model (%s: %s); training without it (--no-compile skips the "
-                "attempt)", type(exc).__name__, reason,
-            )  # fmt: skip
+                "attempt)",
+                type(exc).__name__,
+                reason,
+            )
             self.compiled = None
             return self.eager(*args, **kwargs)
         self._proven = True

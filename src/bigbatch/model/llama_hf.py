@@ -211,4 +211,3 @@ def save_hf_llama(model: Llama, directory: Path | str) -> Path:
         # A copy of each (safetensors refuses tensors that share memory), on the CPU in fp32.
         tensors[key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
     return _write_hf_directory(directory, tensors, hf_llama_config(model))
-

@@ -131,8 +131,14 @@ class TextTokenizer(PromptTokenizer, Protocol):
 
 
 def sample_text(
-    model: LanguageModel, tokenizer: TextTokenizer, prompt: str, max_new_tokens: int, seed: int, device: torch.device,
-    temperature: float = 0.8, top_k: int = 50,
+    model: LanguageModel,
+    tokenizer: TextTokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    seed: int,
+    device: torch.device,
+    temperature: float = 0.8,
+    top_k: int = 50,
 ) -> str:
     """The text ``model`` writes after ``prompt`` (the prompt itself not included), reproducibly from ``seed``."""
     ids = prompt_ids(tokenizer, prompt, model.config.vocab_size)

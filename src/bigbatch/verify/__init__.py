@@ -30,7 +30,6 @@ items it sums over. A loss that returns a mean ``m`` over ``c`` items returns
 ``(m * c, c)``.
 """
 
-
 from bigbatch.verify.distributed import check_distributed_equivalence
 from bigbatch.verify.equivalence import check_equivalence
 from bigbatch.verify.inputs import (

@@ -74,15 +74,17 @@ def compare_params(
         gf64, ga64 = gf.double().flatten(), g_acc[name].double().flatten()
         params.append(
             ParamComparison(
-                name=name, full_norm=gf64.norm().item(), accumulated_norm=ga64.norm().item(),
+                name=name,
+                full_norm=gf64.norm().item(),
+                accumulated_norm=ga64.norm().item(),
                 max_abs_diff=(ga64 - gf64).abs().max().item() if gf64.numel() else 0.0,
-                rel_diff=rel_diff(ga64, gf64), cosine=cosine(ga64, gf64), within_tolerance=True,
+                rel_diff=rel_diff(ga64, gf64),
+                cosine=cosine(ga64, gf64),
+                within_tolerance=True,
             )
         )
     total_norm = flat(list(g_full.values())).norm().item()
     # A parameter passes when its difference is within tolerance of its own gradient norm, or of a floor tied to
     # the whole gradient: coordinates whose true gradient is zero (e.g. attention key biases) hold only rounding.
     floor = tolerance * 1e-3 * total_norm
-    return [
-        replace(p, within_tolerance=p.rel_diff * p.full_norm <= tolerance * p.full_norm + floor) for p in params
-    ]
+    return [replace(p, within_tolerance=p.rel_diff * p.full_norm <= tolerance * p.full_norm + floor) for p in params]

@@ -66,9 +66,15 @@ def check_distributed_equivalence(
     replica = copy.deepcopy(base)
     ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[device.index] if device.type == "cuda" else None)
     engine = AccumulationEngine(
-        ddp, torch.optim.SGD(replica.parameters(), lr=0.0), constant_schedule(1.0), grad_clip=0.0,
-        device=device, loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0], count_fn=lambda b: local[id(b)],
-        grad_sync=DDPGradSync(ddp), dist=dist_ctx,
+        ddp,
+        torch.optim.SGD(replica.parameters(), lr=0.0),
+        constant_schedule(1.0),
+        grad_clip=0.0,
+        device=device,
+        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
+        count_fn=lambda b: local[id(b)],
+        grad_sync=DDPGradSync(ddp),
+        dist=dist_ctx,
     )
     replica.zero_grad(set_to_none=True)
     engine.accumulate(parts, n_valid=n_valid)

@@ -55,9 +55,14 @@ class _Runner:
     """Runs passes on fresh copies of the model, counting each part's valid items once."""
 
     def __init__(
-        self, base: nn.Module, loss_fn: VerifyLossFn, precision: str, device: torch.device, seed: int,
+        self,
+        base: nn.Module,
+        loss_fn: VerifyLossFn,
+        precision: str,
+        device: torch.device,
+        seed: int,
         make_optimizer: OptimizerFactory,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.base, self.loss_fn, self.precision, self.device, self.seed = base, loss_fn, precision, device, seed
         self.make_optimizer = make_optimizer
         self._counter = copy.deepcopy(base)  # a forward in training mode may update buffers: never count on base
@@ -74,10 +79,15 @@ class _Runner:
         """Forward and backward over ``parts`` through the engine, gradients in true units (fp16 unscaled)."""
         replica = copy.deepcopy(self.base)
         engine = AccumulationEngine(
-            replica, self.make_optimizer(replica.parameters()), constant_schedule(1.0), grad_clip=0.0,
-            precision=self.precision, device=self.device,
-            loss_fn=lambda m, b: self.loss_fn(m, *b.tensors)[0], count_fn=self.count,
-        )  # fmt: skip
+            replica,
+            self.make_optimizer(replica.parameters()),
+            constant_schedule(1.0),
+            grad_clip=0.0,
+            precision=self.precision,
+            device=self.device,
+            loss_fn=lambda m, b: self.loss_fn(m, *b.tensors)[0],
+            count_fn=self.count,
+        )
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
         engine.schedule = constant_schedule(lr)
         engine._set_lr(lr)
@@ -135,9 +145,13 @@ def check_equivalence(
     base.train()
     dropout_disabled = disable_dropout(base)
     runner = _Runner(
-        base, loss_fn or lm_loss, precision, device, seed,
+        base,
+        loss_fn or lm_loss,
+        precision,
+        device,
+        seed,
         optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)),
-    )  # fmt: skip
+    )
     full_batch = TensorBatch(tensors)
     n_total = runner.count(full_batch)
     if n_total == 0:
@@ -174,31 +188,49 @@ def check_equivalence(
         if split == splits[0]:
             update_rel_diff = rel_diff(flat([p.detach() for p in acc.model.parameters()]) - before, update_full)
         result = SplitResult(
-            name=split, sizes=sizes, valid_counts=[runner.count(p) for p in parts],
+            name=split,
+            sizes=sizes,
+            valid_counts=[runner.count(p) for p in parts],
             params=compare_params(full.grads, acc.grads, tolerance),
-            total_rel_diff=rel_diff(acc.flat, full.flat), total_cosine=cosine(acc.flat, full.flat),
+            total_rel_diff=rel_diff(acc.flat, full.flat),
+            total_cosine=cosine(acc.flat, full.flat),
             max_abs_diff=(acc.flat - full.flat).abs().max().item(),
-            buffers=compare_buffers(buffers_full, buffers_of(acc.model), tolerance), tolerance=tolerance,
-        )  # fmt: skip
+            buffers=compare_buffers(buffers_full, buffers_of(acc.model), tolerance),
+            tolerance=tolerance,
+        )
         results.append(result)
         comparisons = compare_calls(full.calls, acc.calls, sizes, torch.cat(indices))
         findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
 
     return EquivalenceReport(
-        packing_rel_diff=packing_rel_diff, k=len(results[0].sizes), samples=samples,
-        valid_counts=results[0].valid_counts, precision=precision,
-        tolerance=tolerance, params=results[0].params, total_rel_diff=results[0].total_rel_diff,
-        total_cosine=results[0].total_cosine, max_abs_diff=results[0].max_abs_diff,
+        packing_rel_diff=packing_rel_diff,
+        k=len(results[0].sizes),
+        samples=samples,
+        valid_counts=results[0].valid_counts,
+        precision=precision,
+        tolerance=tolerance,
+        params=results[0].params,
+        total_rel_diff=results[0].total_rel_diff,
+        total_cosine=results[0].total_cosine,
+        max_abs_diff=results[0].max_abs_diff,
         mistakes=_classic_mistakes(runner, tensors, split_indices(samples, k, splits[0], seed), full),
-        update_rel_diff=update_rel_diff, findings=findings, dropout_disabled=dropout_disabled,
-        seconds=time.perf_counter() - started, splits=results, buffers_compared=len(buffers_full),
-    )  # fmt: skip
+        update_rel_diff=update_rel_diff,
+        findings=findings,
+        dropout_disabled=dropout_disabled,
+        seconds=time.perf_counter() - started,
+        splits=results,
+        buffers_compared=len(buffers_full),
+    )
 
 
 def _split_findings(
-    result: SplitResult, comparisons: dict[str, ModuleComparison], known: list[Finding], full_loss: float,
-    split_loss: float, tolerance: float,
-) -> list[Finding]:  # fmt: skip
+    result: SplitResult,
+    comparisons: dict[str, ModuleComparison],
+    known: list[Finding],
+    full_loss: float,
+    split_loss: float,
+    tolerance: float,
+) -> list[Finding]:
     """What a split exposed that the findings so far do not name: the module where mixing starts, the owner
     of a differing buffer, or the loss function (every module's output matches, yet losses or gradients do not)."""
     named = {f.module for f in known}
@@ -213,13 +245,14 @@ def _split_findings(
     if model_matches and LOSS not in named and (loss_diff > tolerance or not result.gradient_matches):
         found.append(
             Finding(
-                LOSS, "loss",
+                LOSS,
+                "loss",
                 "the loss function couples samples: the model's outputs match across the split but the "
                 f"per-micro-batch loss sums add up to a different total (relative difference {loss_diff:.2e}) "
                 "or give a different gradient",
                 split=result.name,
             )
-        )  # fmt: skip
+        )
     return found
 
 

@@ -68,7 +68,8 @@ def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
             findings.append(
                 Finding(
-                    name or ROOT, type(module).__name__,
+                    name or ROOT,
+                    type(module).__name__,
                     "normalizes with statistics of the whole batch in training mode",
                 )
             )
@@ -77,7 +78,8 @@ def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:
         ):
             findings.append(
                 Finding(
-                    name or ROOT, type(module).__name__,
+                    name or ROOT,
+                    type(module).__name__,
                     "running statistics are updated K times instead of once (gradients are per sample)",
                 )
             )

@@ -130,20 +130,29 @@ class EquivalenceReport:
     def to_dict(self) -> dict[str, Any]:
         """The report as plain values (``bigbatch verify --json``)."""
         return {
-            "equivalent": self.equivalent, "k": self.k, "valid_counts": self.valid_counts,
-            "precision": self.precision, "tolerance": self.tolerance,
-            "total_rel_diff": self.total_rel_diff, "total_cosine": self.total_cosine,
-            "update_rel_diff": self.update_rel_diff, "seconds": self.seconds,
+            "equivalent": self.equivalent,
+            "k": self.k,
+            "valid_counts": self.valid_counts,
+            "precision": self.precision,
+            "tolerance": self.tolerance,
+            "total_rel_diff": self.total_rel_diff,
+            "total_cosine": self.total_cosine,
+            "update_rel_diff": self.update_rel_diff,
+            "seconds": self.seconds,
             "packing_rel_diff": self.packing_rel_diff,
             "mistakes": {m.name: m.rel_diff for m in self.mistakes},
-            "findings": [asdict(f) for f in self.findings], "dropout_disabled": self.dropout_disabled,
-            "params": [asdict(p) for p in self.params], "reasons": self.reasons,
+            "findings": [asdict(f) for f in self.findings],
+            "dropout_disabled": self.dropout_disabled,
+            "params": [asdict(p) for p in self.params],
+            "reasons": self.reasons,
             "splits": [
-                {**{k: v for k, v in asdict(s).items() if k not in ("params", "buffers")},
-                 "buffers": [asdict(b) for b in s.buffers]}
+                {
+                    **{k: v for k, v in asdict(s).items() if k not in ("params", "buffers")},
+                    "buffers": [asdict(b) for b in s.buffers],
+                }
                 for s in self.splits
             ],
-        }  # fmt: skip
+        }
 
     def format(self, top: int = 5) -> str:
         lines = [
@@ -228,9 +237,11 @@ class DistributedReport:
     @property
     def equivalent(self) -> bool:
         return (
-            self.rank_max_abs_diff == 0.0 and self.total_rel_diff <= self.tolerance
-            and not self.findings and not self.buffers
-        )  # fmt: skip
+            self.rank_max_abs_diff == 0.0
+            and self.total_rel_diff <= self.tolerance
+            and not self.findings
+            and not self.buffers
+        )
 
     def format(self) -> str:
         lines = [
