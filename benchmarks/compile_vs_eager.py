@@ -20,10 +20,10 @@ import traceback
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import GPT, preset
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, preset
 
 PRESET, B, T, K = "nano", 4, 128, 2
 WARMUP = 2  # untimed steps per copy; the compiled copy compiles forward and backward in the first

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import GPT, preset
-from bigbatch.optim import CosineSchedule, build_adamw
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import CosineSchedule, build_adamw
+from bigbatch.models import GPT, preset
 
 K, B, T = 4, 8, 128
 STEPS, WARMUP = 20, 2  # timed steps per alternative (at most), untimed steps first

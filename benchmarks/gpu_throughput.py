@@ -10,7 +10,7 @@ of random tokens per step, for micro-batch sizes 8, 16 and 32; a size that runs
 out of memory is reported and skipped. Each size gets a fresh model and a fresh
 compilation (static shapes); compilation and warm-up steps are not timed.
 MFU = flops_per_token x tokens/s / the GPU's dense bf16 peak (the table in
-``bigbatch.metrics``: A100 312, H100 and H200 989 TFLOP/s; other GPUs: unknown).
+``bigbatch.observe.metrics``: A100 312, H100 and H200 989 TFLOP/s; other GPUs: unknown).
 
 Then, at the best micro-batch, side by side (alternating blocks of steps, same data): the engine, the engine
 under DDP with NCCL in one process (a process group of world size 1: the wrapping and bucketed all-reduce a
@@ -35,12 +35,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_gpt import ReferenceGPT, make_adamw  # noqa: E402
 
-from bigbatch.accumulate import AccumulationEngine  # noqa: E402
-from bigbatch.batch import MicroBatch  # noqa: E402
-from bigbatch.distributed import DistContext, wrap_model  # noqa: E402
-from bigbatch.metrics import device_peak_flops, mfu  # noqa: E402
-from bigbatch.model import GPT, preset  # noqa: E402
-from bigbatch.optim import build_adamw, constant_schedule  # noqa: E402
+from bigbatch.engine.accumulate import AccumulationEngine  # noqa: E402
+from bigbatch.engine.batch import MicroBatch  # noqa: E402
+from bigbatch.engine.optim import build_adamw, constant_schedule  # noqa: E402
+from bigbatch.models import GPT, preset  # noqa: E402
+from bigbatch.observe.metrics import device_peak_flops, mfu  # noqa: E402
+from bigbatch.parallel.distributed import DistContext, wrap_model  # noqa: E402
 
 T, K = 1024, 2
 MICRO_BATCHES = (8, 16, 32)

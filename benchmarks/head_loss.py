@@ -5,7 +5,7 @@
 GPT-2's head (C 768, V 50257, fp32, no bias), rows of one and two sequences of T=1024, every target valid, and a
 case with 30% of the targets IGNORE_INDEX (padding, masked prompts): the plain path,
 ``F.cross_entropy(F.linear(h, W).float(), targets, reduction="sum")``, computes logits for those rows anyway; the
-chunked one (``bigbatch.model.head_loss.linear_cross_entropy_sum``) drops them before the head.
+chunked one (``bigbatch.models.head_loss.linear_cross_entropy_sum``) drops them before the head.
 
 Time: forward + backward (with the rows' and the head's gradients) of each variant, in interleaved rounds (the
 order flips every round; round 0 is an untimed warm-up), median seconds, and the median of the per-round ratios
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from bench_config import interleaved_seconds
 
-from bigbatch.batch import IGNORE_INDEX
-from bigbatch.model.head_loss import default_chunk_rows, linear_cross_entropy_sum
+from bigbatch.engine.batch import IGNORE_INDEX
+from bigbatch.models.head_loss import default_chunk_rows, linear_cross_entropy_sum
 
 C, V, T = 768, 50257, 1024
 PADDED = 0.3

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from bench_config import interleaved_step_rates
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import Llama, llama_preset
-from bigbatch.model.hf_causal import build_hf_model, read_hf_config
-from bigbatch.model.llama_hf import save_hf_llama
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import Llama, llama_preset
+from bigbatch.models.hf_causal import build_hf_model, read_hf_config
+from bigbatch.models.llama.hf import save_hf_llama
 
 B, T, K = 8, 128, 4
 ROUNDS, MIN_ROUNDS, BUDGET_S = 12, 3, 90.0  # fewer rounds when a busy machine makes them slow

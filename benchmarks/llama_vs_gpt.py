@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from bench_config import interleaved_step_rates
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import build_model, model_preset
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import build_model, model_preset
 
 PRESETS = {"gpt": "nano", "llama": "llama-nano"}
 B, T, K = 8, 128, 4

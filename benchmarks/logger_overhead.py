@@ -32,7 +32,7 @@ SETTINGS = {
 
 def one(out: Path, steps: int, flags: list[str]) -> dict[str, float]:
     """In this process: train the demo with ``flags``, timing the metrics sinks."""
-    import bigbatch.metrics as metrics
+    import bigbatch.observe.metrics as metrics
     from bigbatch.cli.app import main
 
     spent = {"sinks": 0.0, "open": 0.0}
@@ -57,7 +57,7 @@ def one(out: Path, steps: int, flags: list[str]) -> dict[str, float]:
 
     metrics.MetricsFanout.write_step = timed("sinks", metrics.MetricsFanout.write_step)  # type: ignore[method-assign]
     metrics.MetricsFanout.write_eval = timed("sinks", metrics.MetricsFanout.write_eval)  # type: ignore[method-assign]
-    import bigbatch.trainer as trainer
+    import bigbatch.run.trainer as trainer
 
     trainer.open_metrics = opened  # type: ignore[attr-defined]
     code = main(

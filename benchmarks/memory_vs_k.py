@@ -2,7 +2,7 @@
 
     python benchmarks/memory_vs_k.py
 
-Measured with bigbatch.memory.measure (CPU: a fresh process per configuration,
+Measured with bigbatch.sizing.memory.measure (CPU: a fresh process per configuration,
 peak resident memory per phase; CUDA: allocator peaks). Goals: the peak of a
 whole step is flat in K (within 2%), and accumulation turns the memory of a
 32-sequence step into that of a 1-sequence step.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from bigbatch.memory import MiB, measure
-from bigbatch.model import preset
+from bigbatch.models import preset
+from bigbatch.sizing.memory import MiB, measure
 
 B, T = 4, 128
 

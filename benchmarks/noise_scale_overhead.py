@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.distributed import DistContext, distributed_session, launched_by_torchrun, wrap_model
-from bigbatch.model import GPT, fsdp_units, preset
-from bigbatch.noise_probe import small_grad_probe
-from bigbatch.noise_scale import NoiseScale
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, fsdp_units, preset
+from bigbatch.noise.probe import small_grad_probe
+from bigbatch.noise.scale import NoiseScale
+from bigbatch.parallel.distributed import DistContext, distributed_session, launched_by_torchrun, wrap_model
 
 PRESET, B, T, K = "nano", 8, 128, 4
 ROUNDS, BUDGET_S = 9, 90.0

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import StepPolicy, next_step
 from bigbatch.data.dataset import open_dataset
 from bigbatch.data.loader import DocumentLoader, loader_for
 from bigbatch.data.prepare import prepare_dataset
-from bigbatch.distributed import DistContext
-from bigbatch.model import build_model, model_preset
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import StepPolicy, next_step
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import build_model, model_preset
+from bigbatch.parallel.distributed import DistContext
 
 MODULES = (
     "os",

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bigbatch.batch import MicroBatch
-from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
-from bigbatch.trainer import Trainer
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import bench_corpus, cpu_run_config  # noqa: E402

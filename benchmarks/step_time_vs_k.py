@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import GPT, preset
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, preset
 
 PRESET, B, T = "nano", 8, 128
 KS = (1, 2, 4, 8)

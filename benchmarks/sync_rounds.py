@@ -22,11 +22,11 @@ K, B, T, STEPS, WARMUP = 8, 4, 128, 6, 1
 def worker() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from bigbatch.accumulate import AccumulationEngine
-    from bigbatch.batch import MicroBatch
-    from bigbatch.distributed import distributed_session, wrap_model
-    from bigbatch.model import GPT, preset
-    from bigbatch.optim import build_adamw, constant_schedule
+    from bigbatch.engine.accumulate import AccumulationEngine
+    from bigbatch.engine.batch import MicroBatch
+    from bigbatch.engine.optim import build_adamw, constant_schedule
+    from bigbatch.models import GPT, preset
+    from bigbatch.parallel.distributed import distributed_session, wrap_model
 
     with distributed_session("cpu") as (dist, device):
         engines, rounds = {}, {}

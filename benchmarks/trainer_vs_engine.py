@@ -32,15 +32,15 @@ from typing import Any
 
 import torch
 
-from bigbatch.accumulate import AccumulationEngine, StepRecord
-from bigbatch.batch import MicroBatch
-from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.loader import PackedLoader
 from bigbatch.data.shards import TokenDataset
-from bigbatch.model import GPT, preset
-from bigbatch.optim import CosineSchedule, build_adamw
-from bigbatch.trainer import Trainer
+from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import CosineSchedule, build_adamw
+from bigbatch.models import GPT, preset
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import cpu_run_config, generated_corpus  # noqa: E402

@@ -8,7 +8,7 @@ the byte tokenizer and bigbatch's 10% validation split, 2,000 steps, bigbatch's 
 (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1, 20 warmup steps, cosine to 10% at the last step, clip 1.0).
 Four runs per seed (``--runs`` picks some):
 
-* bigbatch ``--shuffle on`` (the default): the ``bigbatch train`` path (:class:`~bigbatch.trainer.Trainer`);
+* bigbatch ``--shuffle on`` (the default): the ``bigbatch train`` path (:class:`~bigbatch.run.trainer.Trainer`);
 * bigbatch ``--shuffle off``: the same, windows in the order of the data;
 * the reference (``benchmarks/reference_gpt.py``, a minimal GPT-2 and the plainest loop) with windows at
   random offsets, the way the minimal scripts sample them, seeded with the same seed (``reference``);
@@ -45,13 +45,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import open_dataset
 from bigbatch.data.validation import validation_windows
 from bigbatch.data.windows import PackedWindows
-from bigbatch.model import preset
-from bigbatch.trainer import Trainer
+from bigbatch.models import preset
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import bench_corpus, cpu_run_config  # noqa: E402

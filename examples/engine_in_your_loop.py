@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from bigbatch import GPT, preset
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.optim import CosineSchedule, build_adamw
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import CosineSchedule, build_adamw
 
 
 def main(steps: int = 5, k: int = 4, micro_batch: int = 8, seq_len: int = 64) -> list[float]:

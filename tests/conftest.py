@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny import VOCAB
 
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.models import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -327,7 +327,7 @@ def test_the_catalogue_is_large_and_covers_every_command() -> None:
 def test_every_numeric_config_field_declares_a_range() -> None:
     from dataclasses import fields
 
-    from bigbatch.config import SECTIONS
+    from bigbatch.run.config import SECTIONS
 
     missing = [
         f"{section}.{f.name}"
@@ -355,7 +355,7 @@ def test_no_command_has_an_unchecked_numeric_flag() -> None:
 
 
 def test_a_checkpoints_own_config_may_store_auto_as_zero() -> None:
-    from bigbatch.config import config_from_dict
+    from bigbatch.run.config import config_from_dict
 
     assert config_from_dict({"batch": {"micro_batch": 0}}).batch.micro_batch == 0  # what to_dict() writes for auto
 
@@ -460,7 +460,8 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_earlier_chec
     turns that into a RuntimeError ('unexpected pos') that hid the cause in a 35-line trace."""
     import tempfile as tempfile_module
 
-    from bigbatch import atomic_file, checkpoint
+    from bigbatch.files import atomic as atomic_file
+    from bigbatch.run import checkpoint
 
     real_mkstemp, real_fdopen = tempfile_module.mkstemp, os.fdopen
     names: dict[int, str] = {}

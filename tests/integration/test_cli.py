@@ -187,9 +187,9 @@ def test_sample_continues_the_prompt(trained_run: tuple[int, str, str, Path], ca
 def test_sample_streams_the_same_text_as_a_batch(
     trained_run: tuple[int, str, str, Path], capsys: pytest.CaptureFixture
 ) -> None:
-    from bigbatch.checkpoint import load_checkpoint, model_from_checkpoint
     from bigbatch.data.tokenizers import get_tokenizer
-    from bigbatch.model.sampling import generate
+    from bigbatch.models.sampling import generate
+    from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
 
     _, _, _, run_dir = trained_run
     for temperature in ("0", "0.8"):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch import choices
-from bigbatch.choices import DATA_MODE, PRECISION, SWITCH, Choices
 from bigbatch.cli import COMMANDS, build_parser
-from bigbatch.config import SECTIONS, TrainConfig
 from bigbatch.errors import ConfigError
+from bigbatch.run.config import SECTIONS, TrainConfig
+from bigbatch.settings import choices
+from bigbatch.settings.choices import DATA_MODE, PRECISION, SWITCH, Choices
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -128,14 +128,14 @@ def test_choice_messages_keep_their_wording() -> None:
 def test_names_the_parser_lists_match_the_library() -> None:
     """The torch-free copies the help uses: the tokenizers and model presets they describe."""
     from bigbatch.data.tokenizers import TOKENIZER_NAMES
-    from bigbatch.model import LLAMA_PRESETS, MODEL_PRESETS
+    from bigbatch.models import LLAMA_PRESETS, MODEL_PRESETS
 
     assert choices.TOKENIZER_NAMES == TOKENIZER_NAMES
     assert sorted(choices.MODEL_PRESET_NAMES) == sorted([*MODEL_PRESETS, *LLAMA_PRESETS])
 
 
 def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bigbatch import launch, lifeline
+    from bigbatch.parallel import launch, lifeline
 
     seen: list[list[str]] = []
     monkeypatch.setattr(lifeline, "run_supervised", lambda command: seen.append(command) or 7)
@@ -144,7 +144,7 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
     (command,) = seen
     assert command[1:] == [
         "-m",
-        "bigbatch.cli.launcher",
+        "bigbatch.parallel.agent",
         "--standalone",
         "--nproc-per-node=3",
         "-m",
@@ -168,7 +168,7 @@ def test_default_tolerances_cover_the_resolved_precisions() -> None:
 def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
     import re
 
-    from bigbatch.config import _flag
+    from bigbatch.run.config import _flag
 
     field = next(f for f in fields(SECTIONS[section]) if f.name == name)
     readme = (SRC.parent / "README.md").read_text()

@@ -20,10 +20,10 @@ from helpers import assert_one_line_error, run_main
 from text_corpus import text_corpus
 
 from bigbatch.cli import build_parser
-from bigbatch.config import SECTIONS, TrainConfig, apply_mapping, resolve_seq_len
 from bigbatch.errors import ConfigError
-from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE_INT
-from bigbatch.run_identity import default_run_dir
+from bigbatch.run.config import SECTIONS, TrainConfig, apply_mapping, resolve_seq_len
+from bigbatch.run.identity import default_run_dir
+from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 
 NOT_NUMBERS = (None, str, Path)  # a flag with another type= parses a number (int, float, a Range, a count)
 
@@ -214,7 +214,7 @@ def test_plan_takes_seq_len_from_the_model_or_asks_for_it() -> None:
 
 
 def test_memory_measures_at_the_presets_block_size_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bigbatch import memory
+    from bigbatch.sizing import memory
 
     asked: list[int] = []
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.critical_batch import critical_batch_size
+from bigbatch.critical_batch.measure import critical_batch_size
 
 PARENT_STEPS, PARENT_TPS = 4, 128  # micro-batch 2 x seq_len 32 x K 2
 SIZES, BUDGET = [64, 128, 256], 512  # K 1, 2, 4; 8, 4 and 2 steps
@@ -292,10 +292,10 @@ def test_no_such_run_and_no_checkpoint_are_one_line(tmp_path: Path) -> None:
 def test_the_branch_mode_refuses_a_parent_of_another_model_sequence_length_or_data(
     parent: Path, tmp_path: Path, section: str, key: str, value: object, expected: str
 ) -> None:
-    from bigbatch.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from bigbatch.config import config_from_dict
     from bigbatch.errors import CheckpointError
-    from bigbatch.trainer import Trainer
+    from bigbatch.run.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from bigbatch.run.config import config_from_dict
+    from bigbatch.run.trainer import Trainer
 
     checkpoint = latest_valid_checkpoint(parent)
     assert checkpoint is not None

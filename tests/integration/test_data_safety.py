@@ -15,15 +15,15 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.batch import IGNORE_INDEX, EmptyStepGuard, MicroBatch, StepBatch
-from bigbatch.config import TrainConfig
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
 from bigbatch.data.split import document_splits
 from bigbatch.data.text import utf8_replacements
+from bigbatch.engine.batch import IGNORE_INDEX, EmptyStepGuard, MicroBatch, StepBatch
 from bigbatch.errors import DataError
-from bigbatch.trainer import Trainer
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -358,7 +358,7 @@ def test_prepare_reports_invalid_utf8_under_a_text_tokenizer(tmp_path: Path) -> 
 
 
 def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bigbatch.model.sampling as sampling
+    import bigbatch.models.sampling as sampling
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
     code, out, err = run_main(["train", "--data", str(tmp_path / "c.txt"), "--out", "run", *TRAIN, "--max-steps", "1"])

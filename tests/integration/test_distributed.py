@@ -15,8 +15,8 @@ from exactness import assert_parameters_match
 from helpers import corpus_bytes
 from launch import SUPPORT, torchrun
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.optim import build_adamw, constant_schedule
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.evaluate import evaluate_checkpoint
+from bigbatch.artifacts.evaluate import evaluate_checkpoint
+from bigbatch.run import checkpoint as ckpt
 
 
 @pytest.fixture(autouse=True)

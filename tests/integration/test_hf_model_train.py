@@ -18,12 +18,12 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 from hf_models import CLASSES, save_hf
 from reliability_runs import cli_args, final_model, run_cli, step_losses
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig
-from bigbatch.model import HFCausalLM, Llama, llama_preset
-from bigbatch.model.hf_causal import build_hf_model, read_hf_config
-from bigbatch.model.llama_hf import save_hf_llama
-from bigbatch.trainer import Trainer
+from bigbatch.models import HFCausalLM, Llama, llama_preset
+from bigbatch.models.hf_causal import build_hf_model, read_hf_config
+from bigbatch.models.llama.hf import save_hf_llama
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 

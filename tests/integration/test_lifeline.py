@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import corpus_bytes
 
-from bigbatch.lifeline import LAUNCHER_ENV
+from bigbatch.parallel.lifeline import LAUNCHER_ENV
 
 pytestmark = pytest.mark.slow
 

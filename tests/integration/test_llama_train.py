@@ -16,10 +16,10 @@ from exactness import assert_big_batch_updates, capture_training
 from helpers import assert_one_line_error, corpus_bytes, run_main
 from reliability_runs import cli_args, final_model, run_cli, step_losses
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig
-from bigbatch.model import Llama, llama_preset
-from bigbatch.trainer import Trainer
+from bigbatch.models import Llama, llama_preset
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 TRAIN = ["--seq-len", "32", "--micro-batch", "4", "--total-batch-tokens", "256", "--sample-tokens", "0"]
 

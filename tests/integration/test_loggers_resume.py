@@ -132,8 +132,8 @@ def test_a_resumed_wandb_session_logs_no_step_twice_and_the_config_once(
     """In process: a session that ended cleanly after step 3, resumed from a checkpoint at step 2 with one
     setting changed: step 3 (replayed) is not logged again, step 4 is; one W&B run; the config once, then only
     the changed setting."""
-    from bigbatch.accumulate import StepRecord
-    from bigbatch.metrics import open_metrics, truncate_metrics
+    from bigbatch.engine.accumulate import StepRecord
+    from bigbatch.observe.metrics import open_metrics, truncate_metrics
 
     for key, value in wandb_offline_env(tmp_path).items():
         monkeypatch.setenv(key, value)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.noise_report import NOISE_PLOT, measured_noise, noise_series
-from bigbatch.report import PLOTS, make_report, read_metrics
+from bigbatch.observe.noise_report import NOISE_PLOT, measured_noise, noise_series
+from bigbatch.observe.report import PLOTS, make_report, read_metrics
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

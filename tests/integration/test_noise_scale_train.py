@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import corpus_bytes, run_main
 
-from bigbatch.noise_scale import NoiseScale
+from bigbatch.noise.scale import NoiseScale
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

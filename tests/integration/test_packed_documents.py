@@ -13,9 +13,9 @@ from exactness import assert_big_batch_updates, capture_training
 from helpers import assert_one_line_error, run_main
 from reliability_runs import final_model
 
-from bigbatch.config import TrainConfig
-from bigbatch.model.hf_causal import HFCausalLM
-from bigbatch.trainer import Trainer
+from bigbatch.models.hf_causal import HFCausalLM
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import corpus_bytes
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig
 from bigbatch.data.loader import PackedLoader
-from bigbatch.trainer import Trainer
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 STEPS = 6
 

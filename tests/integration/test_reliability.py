@@ -13,11 +13,11 @@ import torch
 from helpers import corpus_bytes
 from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli, step_losses, torchrun_cli
 
-from bigbatch import checkpoint as ckpt
 from bigbatch.cli import main
+from bigbatch.engine.rng import capture_rng_state, restore_rng_state
 from bigbatch.errors import CheckpointError
-from bigbatch.rng import capture_rng_state, restore_rng_state
-from bigbatch.trainer import Trainer
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

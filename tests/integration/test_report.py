@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.accumulate import StepRecord
+from bigbatch.engine.accumulate import StepRecord
 from bigbatch.errors import BigBatchError
-from bigbatch.metrics import (
+from bigbatch.observe.metrics import (
     JsonlLog,
     MetricsFanout,
     check_optional_loggers,
     open_metrics,
 )
+from bigbatch.observe.report import PLOTS, make_report, read_metrics, run_labels, summarize
 from bigbatch.progress import ProgressBar, format_duration
-from bigbatch.report import PLOTS, make_report, read_metrics, run_labels, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -316,7 +316,7 @@ def test_trainer_bar_only_on_a_tty_and_log_lines_unchanged(workspace: Path, tmp_
 
 
 def fake_measurement(size: int):  # noqa: ANN201
-    from bigbatch.memory import MicroStepMeasurement
+    from bigbatch.sizing.memory import MicroStepMeasurement
 
     mib = 1 << 20
     return MicroStepMeasurement(
@@ -326,9 +326,9 @@ def fake_measurement(size: int):  # noqa: ANN201
 
 @pytest.mark.parametrize("tty", [False, True], ids=["pipe", "tty"])
 def test_memory_progress(tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bigbatch.memory
+    import bigbatch.sizing.memory
 
-    monkeypatch.setattr(bigbatch.memory, "measure", lambda config, size, *a, **k: fake_measurement(size))
+    monkeypatch.setattr(bigbatch.sizing.memory, "measure", lambda config, size, *a, **k: fake_measurement(size))
     stream = FakeTTY() if tty else io.StringIO()
     code, out, err = run_main(
         ["memory", "--model", "pico", "--seq-len", "32", "--max-micro-batch", "4", "--device", "cpu"], stderr=stream

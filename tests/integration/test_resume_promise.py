@@ -18,12 +18,12 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig
+from bigbatch.engine.optim import CosineSchedule
 from bigbatch.errors import ConfigError
-from bigbatch.optim import CosineSchedule
-from bigbatch.run_identity import MAY_CHANGE, default_run_dir, identity_settings
-from bigbatch.trainer import Trainer
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.identity import MAY_CHANGE, default_run_dir, identity_settings
+from bigbatch.run.trainer import Trainer
 
 STEPS = 6
 
@@ -384,8 +384,8 @@ def test_gpt2_tokenizer_files_give_tiktokens_ids(monkeypatch: pytest.MonkeyPatch
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
 
+    from bigbatch.data.tokenizer_files import write_tokenizer_files
     from bigbatch.data.tokenizers import TiktokenGPT2Tokenizer
-    from bigbatch.tokenizer_files import write_tokenizer_files
 
     ranks = {bytes([b]): i for i, b in enumerate(sorted(range(256), key=lambda b: (b * 37) % 256))}
     for merge in [b"th", b"the", b" t", b" th", b" the", b"he", b"ll", b"llo", b"He", b"Hello", b"in", b"ing"]:
@@ -410,8 +410,8 @@ def test_gpt2_tokenizer_files_give_tiktokens_ids(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: int, dir_mode: int) -> None:
     from bigbatch.data.prepare import prepare_dataset
-    from bigbatch.model import GPT, GPTConfig
-    from bigbatch.model.hf import save_hf_gpt2
+    from bigbatch.models import GPT, GPTConfig
+    from bigbatch.models.gpt.hf import save_hf_gpt2
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(5_000))
     old = os.umask(umask)
@@ -431,8 +431,8 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: i
 
 def test_the_run_directory_copy_of_the_tokenizer_follows_the_runs_tokenizer(tmp_path: Path) -> None:
     """A run started over (--resume never --overwrite) with other data replaces a stale tokenizer copy."""
+    from bigbatch.data.tokenizer_files import INFO_FILE, save_run_tokenizer
     from bigbatch.data.tokenizers import ByteTokenizer, train_bpe
-    from bigbatch.tokenizer_files import INFO_FILE, save_run_tokenizer
 
     run = tmp_path / "run"
     run.mkdir()
@@ -447,8 +447,8 @@ def test_the_run_directory_copy_of_the_tokenizer_follows_the_runs_tokenizer(tmp_
 
 def test_byte_tokenizer_files_give_byte_ids(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
+    from bigbatch.data.tokenizer_files import write_tokenizer_files
     from bigbatch.data.tokenizers import ByteTokenizer
-    from bigbatch.tokenizer_files import write_tokenizer_files
 
     write_tokenizer_files(tmp_path, ByteTokenizer(), 64)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)

@@ -14,14 +14,14 @@ from helpers import corpus_bytes, run_main
 from launch import SUPPORT, torchrun
 from reliability_runs import STEPS, cli_args, final_model, make_config, step_losses, torchrun_cli
 
-import bigbatch.autobatch
-import bigbatch.memory
-from bigbatch import checkpoint as ckpt
-from bigbatch.autobatch import choose_micro_batch
-from bigbatch.memory import measure_in_process
-from bigbatch.model import preset
-from bigbatch.rng import capture_rng_state, derive_rank_seeds, preserved_rng, seed_rank_generators
-from bigbatch.trainer import Trainer
+import bigbatch.sizing.autobatch
+import bigbatch.sizing.memory
+from bigbatch.engine.rng import capture_rng_state, derive_rank_seeds, preserved_rng, seed_rank_generators
+from bigbatch.models import preset
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.trainer import Trainer
+from bigbatch.sizing.autobatch import choose_micro_batch
+from bigbatch.sizing.memory import measure_in_process
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +110,16 @@ def in_process_measure(
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
 ) -> Any:
-    """:func:`bigbatch.memory.measure` as it runs on CUDA: in this process."""
-    return bigbatch.memory.measure_in_process(
+    """:func:`bigbatch.sizing.memory.measure` as it runs on CUDA: in this process."""
+    return bigbatch.sizing.memory.measure_in_process(
         config, micro_batch, seq_len, k, torch.device(device), precision, activation_checkpointing, chunked_loss
     )
 
 
 def run_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     config = preset("pico", vocab_size=61)
-    monkeypatch.setattr(bigbatch.autobatch, "measure", in_process_measure)
-    monkeypatch.setattr(bigbatch.memory, "measure", in_process_measure)
+    monkeypatch.setattr(bigbatch.sizing.autobatch, "measure", in_process_measure)
+    monkeypatch.setattr(bigbatch.sizing.memory, "measure", in_process_measure)
     if name == "measure_in_process":
         measure_in_process(config, 2, 16, 2, torch.device("cpu"))
     elif name == "auto micro-batch":
@@ -165,15 +165,15 @@ def test_rng_after_start_up_depends_on_the_seed_not_on_micro_batch_auto(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--micro-batch auto`` on CUDA probes in this process; simulated on CPU by measuring in-process."""
-    monkeypatch.setattr(bigbatch.autobatch, "measure", in_process_measure)
+    monkeypatch.setattr(bigbatch.sizing.autobatch, "measure", in_process_measure)
     probed: list[int] = []
-    real_measure_in_process = bigbatch.memory.measure_in_process
+    real_measure_in_process = bigbatch.sizing.memory.measure_in_process
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         probed.append(args[1])
         return real_measure_in_process(*args, **kwargs)
 
-    monkeypatch.setattr(bigbatch.memory, "measure_in_process", counting)
+    monkeypatch.setattr(bigbatch.sizing.memory, "measure_in_process", counting)
 
     def started(name: str, micro_batch: int, seed: int = 1337) -> tuple[Trainer, dict[str, Any]]:
         config = make_config(corpus, tmp_path / name, seed=seed)
@@ -204,7 +204,7 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
         document = real_load(path)
         return {**document, "world_size": 2, "rng": document["rng"] * 2}
 
-    monkeypatch.setattr("bigbatch.train_state.load_checkpoint", saved_by_two_ranks)
+    monkeypatch.setattr("bigbatch.run.state.load_checkpoint", saved_by_two_ranks)
     resumed = Trainer(make_config(corpus, out, max_steps=4, save_every=2, eval_every=0))
     assert resumed.resumed_from is not None and resumed.engine.step_count == 2
     state = capture_rng_state()

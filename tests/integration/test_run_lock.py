@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.checkpoint import list_checkpoints
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.prepare import preparation_lock
 from bigbatch.data.shards import is_prepared_dataset
-from bigbatch.run_lock import RUN_LOCK
+from bigbatch.run.checkpoint import list_checkpoints
+from bigbatch.run.lock import RUN_LOCK
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import sys
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.distributed import distributed_session, wrap_model
-from bigbatch.model import GPT, GPTConfig, fsdp_units
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, GPTConfig, fsdp_units
+from bigbatch.parallel.distributed import distributed_session, wrap_model
 
 K, B, T, VOCAB, STEPS = 3, 2, 16, 61, 3
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from bigbatch.model import GPT
+from bigbatch.models import GPT
 
 TOL = 1e-5
 CONDITIONING_SLACK = 10.0  # as in fuzz_reference.py: bigbatch may be this many times as far as plain fp32
@@ -58,7 +58,7 @@ def assert_parameters_match(model: GPT, reference: GPT, exact: torch.nn.Module |
 
 
 def capture_training(trainer: Any) -> tuple[torch.nn.Module, list[list[Any]], list[dict[str, Any]]]:
-    """Train ``trainer`` (a :class:`bigbatch.trainer.Trainer`): a copy of its initial model, every step's
+    """Train ``trainer`` (a :class:`bigbatch.run.trainer.Trainer`): a copy of its initial model, every step's
     micro-batches as the engine received them, and the step records of its metrics log."""
     initial = copy.deepcopy(trainer.model)
     steps: list[list[Any]] = []
@@ -86,7 +86,7 @@ def assert_big_batch_updates(
     replay runs in float64 as well: how far fp32 itself lands from exact sets the bar where that is above ``TOL``."""
     from helpers import mean_loss
 
-    from bigbatch.optim import build_adamw
+    from bigbatch.engine.optim import build_adamw
 
     exact = copy.deepcopy(initial).double()
     for model in (initial, exact):

@@ -1,5 +1,5 @@
 """The bigbatch side of the differential fuzzer: train a :class:`~fuzz_settings.Setting` through the real
-``bigbatch train`` path (flags -> config -> :class:`~bigbatch.trainer.Trainer`) and record what happened.
+``bigbatch train`` path (flags -> config -> :class:`~bigbatch.run.trainer.Trainer`) and record what happened.
 
 In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many settings in one job
 (amortising torchrun's start-up)::
@@ -52,14 +52,14 @@ def run_bigbatch(
     setting: Setting, workdir: Path, dist: Any = None, device: Any = None, sabotage: str = ""
 ) -> dict | None:
     """Train ``setting`` with bigbatch; the record on rank 0 (``None`` on other ranks)."""
-    from bigbatch.accumulate import token_loss_sum
-    from bigbatch.batch import MicroBatch, StepBatch, count_valid_targets
-    from bigbatch.checkpoint import load_checkpoint, resolve_checkpoint
     from bigbatch.cli import build_parser
-    from bigbatch.config import config_from_args
-    from bigbatch.distributed import DistContext
-    from bigbatch.model import family_of
-    from bigbatch.trainer import Trainer
+    from bigbatch.engine.accumulate import token_loss_sum
+    from bigbatch.engine.batch import MicroBatch, StepBatch, count_valid_targets
+    from bigbatch.models import family_of
+    from bigbatch.parallel.distributed import DistContext
+    from bigbatch.run.checkpoint import load_checkpoint, resolve_checkpoint
+    from bigbatch.run.config import config_from_args
+    from bigbatch.run.trainer import Trainer
 
     assert sabotage in SABOTAGES, sabotage
     dist = dist or DistContext()
@@ -174,7 +174,7 @@ def run_bigbatch(
 
 
 def main() -> None:
-    from bigbatch.distributed import distributed_session
+    from bigbatch.parallel.distributed import distributed_session
 
     settings_file, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     settings = [Setting.from_json(s) for s in json.loads(settings_file.read_text())]

@@ -9,9 +9,9 @@ import logging
 import torch
 from text_corpus import text_corpus
 
-from bigbatch.accumulate import token_loss_sum
-from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.cli import main
+from bigbatch.engine.accumulate import token_loss_sum
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 
 
 def run_main(argv: list[str], stderr: io.StringIO | None = None) -> tuple[int, str, str]:

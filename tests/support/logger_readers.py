@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bigbatch.wandb_log import LoggedRun, read_logged_run
+from bigbatch.observe.wandb_log import LoggedRun, read_logged_run
 
 
 def wandb_offline_env(root: Path) -> dict[str, str]:

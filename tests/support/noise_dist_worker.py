@@ -15,13 +15,20 @@ import sys
 import torch
 from dist_worker import VOCAB, make_model
 
-from bigbatch.accumulate import AccumulationEngine, token_loss_sum
-from bigbatch.batch import MicroBatch, count_valid_targets
-from bigbatch.distributed import DistContext, FSDPGradSync, GradSync, LocalGradSync, distributed_session, wrap_model
-from bigbatch.model import fsdp_units
-from bigbatch.noise_probe import small_grad_probe
-from bigbatch.noise_scale import NoiseScale
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine, token_loss_sum
+from bigbatch.engine.batch import MicroBatch, count_valid_targets
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import fsdp_units
+from bigbatch.noise.probe import small_grad_probe
+from bigbatch.noise.scale import NoiseScale
+from bigbatch.parallel.distributed import (
+    DistContext,
+    FSDPGradSync,
+    GradSync,
+    LocalGradSync,
+    distributed_session,
+    wrap_model,
+)
 
 B, T, STEPS = 2, 16, 3
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.distributed import DistContext, GradSync
-from bigbatch.noise_probe import SmallGradProbe
-from bigbatch.noise_scale import NoiseScale
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.probe import SmallGradProbe
+from bigbatch.noise.scale import NoiseScale
+from bigbatch.parallel.distributed import DistContext, GradSync
 
 DIM, SIGMA, DELTA_SQ = 64, 0.5, 1.0
 MICRO = 64  # samples per micro-batch
@@ -116,8 +116,8 @@ def run_engine(
 
 
 def main() -> None:
-    from bigbatch.distributed import distributed_session, wrap_model
-    from bigbatch.noise_probe import small_grad_probe
+    from bigbatch.noise.probe import small_grad_probe
+    from bigbatch.parallel.distributed import distributed_session, wrap_model
 
     steps, out, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     results = {}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig
 
 STEPS = 6
 

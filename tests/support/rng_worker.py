@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from reliability_runs import make_config
 
-from bigbatch.distributed import distributed_session
-from bigbatch.rng import capture_rng_state
-from bigbatch.trainer import Trainer
+from bigbatch.engine.rng import capture_rng_state
+from bigbatch.parallel.distributed import distributed_session
+from bigbatch.run.trainer import Trainer
 
 
 def main() -> None:

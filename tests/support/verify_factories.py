@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.models import GPT, GPTConfig
 
 VOCAB = 50
 

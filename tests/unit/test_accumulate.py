@@ -13,10 +13,10 @@ from exactness import TOL, assert_parameters_match, rel_diff
 from helpers import mean_loss
 from tiny import random_batch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import GPT
-from bigbatch.optim import CosineSchedule, build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import CosineSchedule, build_adamw, constant_schedule
+from bigbatch.models import GPT
 
 SEQ = 16
 

@@ -1,4 +1,4 @@
-"""Atomic writes (bigbatch/atomic_file.py): a file is the old one or the whole new one, never half of either,
+"""Atomic writes (bigbatch/files/atomic.py): a file is the old one or the whole new one, never half of either,
 and every file bigbatch rewrites in place goes through them."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from bigbatch import atomic_file
-from bigbatch.atomic_file import write_atomically, write_text_atomically
+from bigbatch.files import atomic as atomic_file
+from bigbatch.files.atomic import write_atomically, write_text_atomically
 
 SRC = Path(atomic_file.__file__).resolve().parent
 
@@ -84,14 +84,14 @@ def test_the_data_and_the_rename_are_fsynced(tmp_path: Path, monkeypatch: pytest
 
 # Where bigbatch may still rename or write a file directly, and why that is safe.
 DIRECT_WRITES_ALLOWED = {
-    "atomic_file.py": "the atomic writer itself",
+    "files/atomic.py": "the atomic writer itself",
     "data/writer.py": "files inside a staging directory, renamed into place as a whole",
     "data/resumable.py": "a staging directory renamed into place, and its append-only token stream",
-    "model/hf.py": "files inside a staging directory, renamed into place as a whole",
-    "tokenizer_files.py": "files inside a staging directory, renamed into place as a whole",
-    "launch.py": "one-shot notes from a worker to its launcher in a private temporary folder",
-    "memory.py": "/proc/self/clear_refs, not a file",
-    "metrics.py": "the append-only metrics log (a cut last line is skipped on read)",
+    "models/gpt/hf.py": "files inside a staging directory, renamed into place as a whole",
+    "data/tokenizer_files.py": "files inside a staging directory, renamed into place as a whole",
+    "parallel/launch.py": "one-shot notes from a worker to its launcher in a private temporary folder",
+    "sizing/memory.py": "/proc/self/clear_refs, not a file",
+    "observe/metrics.py": "the append-only metrics log (a cut last line is skipped on read)",
 }
 DIRECT = re.compile(r"os\.replace\(|os\.rename\(|\.write_text\(|\.write_bytes\(|open\([^)]*[\"'][wa]b?[\"']")
 
@@ -107,7 +107,7 @@ def test_every_file_bigbatch_rewrites_goes_through_the_atomic_writer() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if DIRECT.search(line):
                 offenders.append(f"{name}:{number}: {line.strip()}")
-    assert offenders == [], "write these through bigbatch.atomic_file:\n" + "\n".join(offenders)
+    assert offenders == [], "write these through bigbatch.files.atomic:\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("name", sorted(DIRECT_WRITES_ALLOWED))

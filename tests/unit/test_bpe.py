@@ -13,14 +13,14 @@ from text_corpus import text_corpus_str
 import bigbatch.data.encode as encode_module
 import bigbatch.data.text as text_module
 from bigbatch.cli import main
-from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, TokenDataset
 from bigbatch.data.text import split_text
 from bigbatch.data.tokenizers import BPE_FILE, get_tokenizer, train_bpe
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.trainer import Trainer
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 TRICKY = [
     "héllo wörld, naïve café — “quotes” and ‘apostrophes’\n",

@@ -4,8 +4,8 @@ import tomllib
 
 import pytest
 
-from bigbatch.config import TrainConfig, apply_mapping, config_from_dict
 from bigbatch.errors import ConfigError
+from bigbatch.run.config import TrainConfig, apply_mapping, config_from_dict
 
 
 def test_toml_round_trip_preserves_every_field() -> None:
@@ -63,7 +63,7 @@ def test_validation_rejects_out_of_range_values(section: str, key: str, value: o
 def test_demo_config_file_equals_the_defaults() -> None:
     from pathlib import Path
 
-    from bigbatch.config import load_toml
+    from bigbatch.run.config import load_toml
 
     path = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
     assert config_from_dict(load_toml(path)) == TrainConfig()
@@ -92,9 +92,9 @@ def test_compile_switch_accepts_booleans_and_rejects_other_words() -> None:
 def test_every_ready_config_loads_validates_and_divides() -> None:
     from pathlib import Path
 
-    from bigbatch.config import load_toml, resolve_seq_len
-    from bigbatch.model import model_preset
-    from bigbatch.plan import plan_batch
+    from bigbatch.models import model_preset
+    from bigbatch.run.config import load_toml, resolve_seq_len
+    from bigbatch.sizing.plan import plan_batch
 
     folder = Path(__file__).resolve().parents[2] / "configs"
     worlds = {"gpt2-124m.toml": 8, "gpt-1b-8gpu.toml": 8, "llama-1b-8gpu.toml": 8}
@@ -121,7 +121,7 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
 def test_gpt_1b_preset_is_about_a_billion_parameters() -> None:
     import torch
 
-    from bigbatch.model import GPT, preset
+    from bigbatch.models import GPT, preset
 
     with torch.device("meta"):
         n = GPT(preset("gpt-1b")).num_params(non_embedding=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.critical_batch import (
+from bigbatch.critical_batch.measure import (
     BranchResult,
     CriticalBatchResult,
     branch_lr,
@@ -138,9 +138,9 @@ def test_the_answer_says_when_it_lies_beyond_the_sizes_tried() -> None:
 
 def test_a_branch_of_a_ramped_run_trains_at_its_own_fixed_size(tmp_path: Path) -> None:
     """The parent's batch ramp would resize the branch's steps: a branch drops it (and never allows a change)."""
-    from bigbatch.config import TrainConfig
-    from bigbatch.critical_batch import _Parent, branch_config
-    from bigbatch.plan import BatchPlan
+    from bigbatch.critical_batch.measure import _Parent, branch_config
+    from bigbatch.run.config import TrainConfig
+    from bigbatch.sizing.plan import BatchPlan
 
     parent_config = TrainConfig()
     parent_config.batch.batch_ramp = "4096:500000"

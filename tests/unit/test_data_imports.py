@@ -10,7 +10,7 @@ from pathlib import Path
 import bigbatch.data
 
 DATA = Path(bigbatch.data.__file__).parent
-FORBIDDEN = ("bigbatch.accumulate", "bigbatch.engine", "bigbatch.model", "bigbatch.trainer")
+FORBIDDEN = ("bigbatch.engine.accumulate", "bigbatch.engine", "bigbatch.models", "bigbatch.run.trainer")
 
 
 def imports_of(path: Path) -> set[str]:

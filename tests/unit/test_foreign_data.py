@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from bigbatch.cli import main
-from bigbatch.config import TrainConfig
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import open_dataset
 from bigbatch.data.foreign import BIN_MAGIC, ForeignDataset, foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import TokenDataset
 from bigbatch.errors import DataError
-from bigbatch.trainer import Trainer
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

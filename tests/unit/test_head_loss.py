@@ -1,4 +1,4 @@
-"""The chunked head + cross-entropy (bigbatch.model.head_loss) against the plain ``F.linear`` + ``F.cross_entropy``:
+"""The chunked head + cross-entropy (bigbatch.models.head_loss) against the plain ``F.linear`` + ``F.cross_entropy``:
 the summed loss and the gradients of the rows, the head and its bias, in fp32 and under bf16 autocast, with ignored
 targets, odd chunk sizes, a tied head, a scaled loss, no_grad, torch.compile; and that no tensor saved for backward
 is logits-sized."""
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.batch import IGNORE_INDEX
-from bigbatch.model.head_loss import default_chunk_rows, linear_cross_entropy_sum
+from bigbatch.engine.batch import IGNORE_INDEX
+from bigbatch.models.head_loss import default_chunk_rows, linear_cross_entropy_sum
 
 N, C, V = 96, 24, 130
 FP32_RTOL = 1e-5  # fp32 sums in another order: a few ulps, relative to the norm

@@ -12,9 +12,9 @@ transformers = pytest.importorskip("transformers")
 
 from bigbatch.cli import main  # noqa: E402
 from bigbatch.errors import CheckpointError  # noqa: E402
-from bigbatch.model.hf import load_hf_gpt2, save_hf_gpt2  # noqa: E402
+from bigbatch.models.gpt.hf import load_hf_gpt2, save_hf_gpt2  # noqa: E402
 from bigbatch.verify import check_equivalence  # noqa: E402
-from bigbatch.verify_cli import token_batch  # noqa: E402
+from bigbatch.verify.command import token_batch  # noqa: E402
 
 VOCAB = 99
 
@@ -76,7 +76,7 @@ def test_save_then_load_is_bit_exact(hf_dir: tuple, tmp_path: Path) -> None:
 
 
 def test_export_loads_in_transformers_with_identical_logits(tmp_path: Path) -> None:
-    from bigbatch.model import GPT, GPTConfig
+    from bigbatch.models import GPT, GPTConfig
 
     torch.manual_seed(1)
     ours = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=VOCAB)).eval()

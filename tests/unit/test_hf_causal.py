@@ -13,12 +13,12 @@ import torch
 import torch.nn as nn
 from hf_models import hf_config, save_hf
 
-from bigbatch.build import check_exactness
-from bigbatch.config import TrainConfig
 from bigbatch.errors import ConfigError
-from bigbatch.model import HFCausalLM, HFConfig, build_model, config_from_dict, family_of, fsdp_units, model_preset
-from bigbatch.model.hf_causal import CompiledOrEager, training_notes
-from bigbatch.run_identity import default_run_dir
+from bigbatch.models import HFCausalLM, HFConfig, build_model, config_from_dict, family_of, fsdp_units, model_preset
+from bigbatch.models.hf_causal import CompiledOrEager, training_notes
+from bigbatch.run.build import check_exactness
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.identity import default_run_dir
 
 pytest.importorskip("transformers")
 
@@ -176,7 +176,7 @@ def test_the_default_run_directory_is_named_after_the_model_directory(tmp_path: 
 
 
 def test_seq_len_auto_of_an_hf_directory_is_its_context_capped(tmp_path: Path) -> None:
-    from bigbatch.config import resolve_seq_len
+    from bigbatch.run.config import resolve_seq_len
 
     for positions, expected in ((64, 64), (131_072, 8192)):
         save_hf("llama", tmp_path / str(positions), weights=False, max_position_embeddings=positions)

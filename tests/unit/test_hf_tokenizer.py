@@ -21,6 +21,13 @@ import bigbatch.data.text as text_module
 from bigbatch.data.fingerprint import tokenizer_cache_key, tokenizer_fingerprint
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import DatasetMeta, TokenDataset, check_requested_tokenizer
+from bigbatch.data.tokenizer_files import (
+    INFO_FILE,
+    RUN_TOKENIZER_DIR,
+    _bytes_to_unicode,
+    checkpoint_tokenizer,
+    save_run_tokenizer,
+)
 from bigbatch.data.tokenizers import (
     BPE_FILE,
     FileTokenizer,
@@ -32,13 +39,6 @@ from bigbatch.data.tokenizers import (
     tokenizer_label,
 )
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.tokenizer_files import (
-    INFO_FILE,
-    RUN_TOKENIZER_DIR,
-    _bytes_to_unicode,
-    checkpoint_tokenizer,
-    save_run_tokenizer,
-)
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.\n",
@@ -457,8 +457,8 @@ def test_the_run_owns_a_copy_that_sample_and_export_use_after_the_model_moved(mo
 @pytest.mark.usefixtures("isolated")
 def test_a_run_samples_and_exports_after_the_model_and_the_cache_are_gone(tmp_path: Path) -> None:
     from bigbatch.cli import main
-    from bigbatch.config import TrainConfig
-    from bigbatch.trainer import Trainer
+    from bigbatch.run.config import TrainConfig
+    from bigbatch.run.trainer import Trainer
 
     model = gpt2_like(tmp_path / "model")
     (tmp_path / "c.txt").write_text("".join(corpus(200)), encoding="utf-8")

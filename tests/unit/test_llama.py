@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from bigbatch.errors import CheckpointError, ConfigError  # noqa: E402
-from bigbatch.model import (  # noqa: E402
+from bigbatch.models import (  # noqa: E402
     LLAMA_PRESETS,
     MODEL_PRESETS,
     GPTConfig,
@@ -24,7 +24,7 @@ from bigbatch.model import (  # noqa: E402
     model_preset,
     save_hf_llama,
 )
-from bigbatch.model.llama_hf import llama_config_from_hf  # noqa: E402
+from bigbatch.models.llama.hf import llama_config_from_hf  # noqa: E402
 
 VOCAB = 99
 LLAMA3_SCALING = {
@@ -393,7 +393,7 @@ def test_a_damaged_or_escaping_shard_index_is_refused(hf_dir: Path) -> None:
 
 def test_verifier_passes_on_a_llama_and_disables_its_dropout() -> None:
     from bigbatch.verify import check_equivalence
-    from bigbatch.verify_cli import token_batch
+    from bigbatch.verify.command import token_batch
 
     torch.manual_seed(0)
     model = Llama(llama_preset("llama-pico", vocab_size=VOCAB, dropout=0.1)).train()

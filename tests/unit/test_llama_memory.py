@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch.autobatch import choose_micro_batch
 from bigbatch.cli import main
-from bigbatch.memory import estimate_memory, llama_layer_bytes_per_token, measure
-from bigbatch.model import llama_preset, model_preset
+from bigbatch.models import llama_preset, model_preset
+from bigbatch.sizing.autobatch import choose_micro_batch
+from bigbatch.sizing.memory import estimate_memory, llama_layer_bytes_per_token, measure
 
 
 def test_estimate_counts_parameters_exactly() -> None:
@@ -44,7 +44,7 @@ def test_activation_estimate_counts_the_llama_layer_by_hand() -> None:
 
 @pytest.mark.slow
 def test_estimate_is_within_ten_percent_of_the_measured_forward_peak() -> None:
-    """On CPU in fp32 (a fresh process per size, see bigbatch/memory.py), llama-nano at 2 and 4 sequences of 128."""
+    """On CPU in fp32 (a fresh process per size, see bigbatch/sizing/memory.py), llama-nano at 2 and 4 sequences of 128."""
     config = llama_preset("llama-nano", vocab_size=256)
     for micro_batch in (2, 4):
         measured = measure(config, micro_batch, 128, k=2).forward_peak

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.locking import (
+from bigbatch.files.lock import (
     INHERITED_ENV,
     Holder,
     LockBusy,
@@ -23,12 +23,12 @@ from bigbatch.locking import (
     read_holder,
     this_process,
 )
-from bigbatch.signals import StopRequest
+from bigbatch.parallel.signals import StopRequest
 
 HOLD_IN_CHILD = """
 import sys, time
 from pathlib import Path
-from bigbatch.locking import acquire
+from bigbatch.files.lock import acquire
 lock = acquire(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(600)

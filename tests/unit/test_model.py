@@ -9,7 +9,7 @@ from helpers import mean_loss
 from tiny import VOCAB, random_batch
 
 from bigbatch.errors import ConfigError
-from bigbatch.model import GPT, GPTConfig, pad_vocab, preset
+from bigbatch.models import GPT, GPTConfig, pad_vocab, preset
 
 
 def test_vocab_is_padded_but_logits_are_not(tiny_model: GPT) -> None:

@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch import checkpoint as ckpt
-from bigbatch.config import TrainConfig, apply_mapping, resolve_seq_len
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.model import (
+from bigbatch.models import (
     GPT,
     GPTConfig,
     Llama,
@@ -23,8 +21,10 @@ from bigbatch.model import (
     llama_preset,
     model_preset,
 )
-from bigbatch.model.pretrained import hf_model_type, read_pretrained_config
-from bigbatch.resume import check_compatible
+from bigbatch.models.pretrained import hf_model_type, read_pretrained_config
+from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.config import TrainConfig, apply_mapping, resolve_seq_len
+from bigbatch.run.resume import check_compatible
 
 
 def test_presets_build_their_own_family() -> None:

@@ -7,9 +7,9 @@ import noise_problem as problem
 import pytest
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.noise_probe import GradReadProbe, PreReduceMeter, small_grad_probe
-from bigbatch.noise_scale import NoiseScale
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.probe import GradReadProbe, PreReduceMeter, small_grad_probe
+from bigbatch.noise.scale import NoiseScale
 
 
 def test_the_meter_adds_only_while_armed_and_disarms_on_take() -> None:

@@ -10,12 +10,12 @@ import pytest
 import torch
 from tiny import random_batch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.metrics import format_step
-from bigbatch.model import GPT
-from bigbatch.noise_scale import NoiseScale, unavailable_reason, unbiased_estimates
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT
+from bigbatch.noise.scale import NoiseScale, unavailable_reason, unbiased_estimates
+from bigbatch.observe.metrics import format_step
 
 
 def test_the_closed_form_matches_many_samples() -> None:

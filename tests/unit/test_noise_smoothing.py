@@ -8,8 +8,8 @@ import noise_problem as problem
 import pytest
 import torch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.noise_scale import DEFAULT_WINDOW, NoiseScale, decay_for_window
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.scale import DEFAULT_WINDOW, NoiseScale, decay_for_window
 
 B_SMALL, K = 64, 4  # samples per micro-batch and micro-batches per step, as in the closed-form engine tests
 BEFORE, AFTER = 30, 30  # measurements before and after the change

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from bigbatch.model import GPT
-from bigbatch.optim import CosineSchedule, build_adamw, param_groups
+from bigbatch.engine.optim import CosineSchedule, build_adamw, param_groups
+from bigbatch.models import GPT
 
 
 def test_schedule_warmup_peak_midpoint_and_floor() -> None:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.packing import PACK_GROUP, next_fit_rows, pack_rows, padding_share
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import ValidationWindows
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import DataError
 
 T = 16

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from bigbatch.errors import PlanError
-from bigbatch.plan import plan_batch, suggest_micro_batches
+from bigbatch.sizing.plan import plan_batch, suggest_micro_batches
 
 
 @pytest.mark.parametrize(

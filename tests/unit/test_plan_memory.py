@@ -8,17 +8,17 @@ import pytest
 import torch
 from helpers import mean_loss
 
-from bigbatch.autobatch import (
+from bigbatch.cli import main
+from bigbatch.errors import ConfigError, PlanError
+from bigbatch.models import GPT, GPTConfig, preset
+from bigbatch.observe.metrics import device_peak_flops, mfu
+from bigbatch.sizing.autobatch import (
     candidate_micro_batches,
     choose_micro_batch,
     largest_fitting,
 )
-from bigbatch.cli import main
-from bigbatch.errors import ConfigError, PlanError
-from bigbatch.memory import estimate_memory, linear_fit, measure
-from bigbatch.metrics import device_peak_flops, mfu
-from bigbatch.model import GPT, GPTConfig, preset
-from bigbatch.plan import parse_count, solve_plan
+from bigbatch.sizing.memory import estimate_memory, linear_fit, measure
+from bigbatch.sizing.plan import parse_count, solve_plan
 
 
 @pytest.mark.parametrize(

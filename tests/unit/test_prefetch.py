@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.batch import StepPolicy, next_step
 from bigbatch.data.loader import DocumentLoader, PackedLoader
 from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.distributed import DistContext
+from bigbatch.engine.batch import StepPolicy, next_step
+from bigbatch.parallel.distributed import DistContext
 
 
 def packed(n_tokens: int = 200, B: int = 2, T: int = 8) -> PackedLoader:

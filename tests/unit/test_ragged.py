@@ -11,15 +11,15 @@ import pytest
 import torch
 from helpers import mean_loss
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch, StepBatch, StepPolicy, count_valid_targets, next_step
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import DocumentShard, TokenDataset
-from bigbatch.distributed import DistContext
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch, StepBatch, StepPolicy, count_valid_targets, next_step
+from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.model import GPT, GPTConfig
-from bigbatch.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, GPTConfig
+from bigbatch.parallel.distributed import DistContext
 
 TOL = 1e-5
 VOCAB = 97

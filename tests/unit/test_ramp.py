@@ -1,4 +1,4 @@
-"""Batch-size ramp-up (bigbatch.ramp): parsing, validation, the K schedule, its table, auto growth, resume checks."""
+"""Batch-size ramp-up (bigbatch.sizing.ramp): parsing, validation, the K schedule, its table, auto growth, resume checks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 from helpers import assert_one_line_error, run_main
 
-from bigbatch.config import TrainConfig, apply_mapping
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.plan import BatchPlan
-from bigbatch.ramp import BatchRamp, RampSpec, check_ramp_change, format_ramp_table, parse_ramp
+from bigbatch.run.config import TrainConfig, apply_mapping
+from bigbatch.sizing.plan import BatchPlan
+from bigbatch.sizing.ramp import BatchRamp, RampSpec, check_ramp_change, format_ramp_table, parse_ramp
 
 PLAN = BatchPlan(micro_batch=2, seq_len=32, accumulation_steps=8)  # 64 tokens per micro-batch, 512 per step
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bigbatch.data.tokenizers import get_tokenizer
-from bigbatch.model import GPT, GPTConfig
-from bigbatch.model.sampling import decoded_pieces, generate, generate_stream
+from bigbatch.models import GPT, GPTConfig
+from bigbatch.models.sampling import decoded_pieces, generate, generate_stream
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The curves a metrics.jsonl record gives (bigbatch/scalars.py), and TensorBoard's event files made to match
-metrics.jsonl on resume (bigbatch/tensorboard_log.py), read back with TensorBoard's own reader."""
+"""The curves a metrics.jsonl record gives (bigbatch/observe/scalars.py), and TensorBoard's event files made to match
+metrics.jsonl on resume (bigbatch/observe/tensorboard_log.py), read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.scalars import Point, ScalarSeries
+from bigbatch.observe.scalars import Point, ScalarSeries
 
 STEP = {
     "kind": "step",
@@ -58,7 +58,7 @@ def test_event_files_are_made_to_match_metrics_jsonl(tmp_path: Path) -> None:
     from logger_readers import tensorboard_scalars
     from torch.utils.tensorboard import SummaryWriter
 
-    from bigbatch.tensorboard_log import event_files, read_scalar_events, reconcile_event_files
+    from bigbatch.observe.tensorboard_log import event_files, read_scalar_events, reconcile_event_files
 
     log_dir = tmp_path / "tb"
     writer = SummaryWriter(str(log_dir))

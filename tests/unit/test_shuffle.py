@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args
 from bigbatch.data.loader import DocumentLoader, PackedLoader, ShuffledPackedLoader
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.windows import PackedWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.run_identity import settings_diff
+from bigbatch.run.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args
+from bigbatch.run.identity import settings_diff
 
 T = 5
 

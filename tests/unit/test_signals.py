@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from bigbatch.signals import StopRequest, listening_stop_request, sigterm_unwinds
+from bigbatch.parallel.signals import StopRequest, listening_stop_request, sigterm_unwinds
 
 
 def test_only_the_training_loop_listens_for_a_polite_stop() -> None:

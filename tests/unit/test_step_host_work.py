@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 from tiny import random_batch
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.batch import MicroBatch
-from bigbatch.model import GPT, GPTConfig
-from bigbatch.optim import build_adamw, constant_schedule, fused_adamw_supported
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule, fused_adamw_supported
+from bigbatch.models import GPT, GPTConfig
 
 
 def batches(k: int = 2) -> list[MicroBatch]:

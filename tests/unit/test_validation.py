@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.accumulate import summed_loss
-from bigbatch.config import TrainConfig
 from bigbatch.data.loader import DocumentLoader
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
 from bigbatch.data.windows import PackedWindows, spread_sample
-from bigbatch.model import GPT, GPTConfig
-from bigbatch.trainer import Trainer
+from bigbatch.engine.accumulate import summed_loss
+from bigbatch.models import GPT, GPTConfig
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.trainer import Trainer
 
 T = 4
 

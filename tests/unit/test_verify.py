@@ -11,9 +11,9 @@ import torch
 import verify_factories
 
 from bigbatch.cli import main
-from bigbatch.model import GPT, GPTConfig
+from bigbatch.models import GPT, GPTConfig
 from bigbatch.verify import check_equivalence, split_indices
-from bigbatch.verify_cli import token_batch
+from bigbatch.verify.command import token_batch
 
 
 def gpt(dropout: float = 0.0) -> GPT:
@@ -330,7 +330,7 @@ def test_verification_leaves_the_callers_generators_alone() -> None:
 
     import numpy as np
 
-    from bigbatch.rng import capture_rng_state
+    from bigbatch.engine.rng import capture_rng_state
 
     model, data = gpt(dropout=0.1), batch(4, ragged=True)
     torch.manual_seed(77)
@@ -368,7 +368,7 @@ def test_packed_rows_give_the_gradient_of_one_document_per_row(capsys: pytest.Ca
 
 
 def test_attention_that_crosses_documents_is_caught_by_the_packed_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bigbatch.model.gpt as gpt_module
+    import bigbatch.models.gpt.model as gpt_module
     from bigbatch.verify.packing import packed_documents
 
     monkeypatch.setattr(gpt_module, "document_causal_mask", lambda positions: None)  # plain causal: rows mix

@@ -16,7 +16,7 @@ from bigbatch import __version__
 from bigbatch.cli import critical_batch, evaluate, export, memory, plan, prepare, report, sample, train, verify
 from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, silence_stdout
 from bigbatch.errors import BigBatchError
-from bigbatch.launch import peer_exit_code, record_quiet_exit, record_user_error
+from bigbatch.parallel.launch import peer_exit_code, record_quiet_exit, record_user_error
 
 EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = raw[1:]  # after the subcommand
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 speaks
     if "RANK" in os.environ:
-        from bigbatch.lifeline import watch_parents
+        from bigbatch.parallel.lifeline import watch_parents
 
         watch_parents()  # a worker dies with its launcher and its torchrun agent
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    from bigbatch.signals import Terminated, sigterm_unwinds
+    from bigbatch.parallel.signals import Terminated, sigterm_unwinds
 
     def user_error(message: str) -> int:
         """One line from one process: under bigbatch's launcher it prints the first rank's; else rank 0."""

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from bigbatch.errors import BigBatchError
-from bigbatch.ranges import NON_NEGATIVE, POSITIVE_INT
+from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
 
 HELP = "measure the critical batch: branch short runs from a run's checkpoint at several tokens per step"
 DESCRIPTION = (
@@ -22,7 +22,7 @@ DESCRIPTION = (
 
 def _sizes(text: str) -> list[int]:
     """``--tokens-per-step``: at least two positive counts, refused at parse time like every other flag."""
-    from bigbatch.critical_batch import parse_sizes
+    from bigbatch.critical_batch.measure import parse_sizes
 
     try:
         return parse_sizes(text)
@@ -33,7 +33,7 @@ def _sizes(text: str) -> list[int]:
 
 def _budget(text: str) -> int:
     """``--budget``: a positive count such as 512Ki."""
-    from bigbatch.plan import parse_count
+    from bigbatch.sizing.plan import parse_count
 
     try:
         return parse_count(text)
@@ -42,7 +42,7 @@ def _budget(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bigbatch.critical_batch import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
+    from bigbatch.critical_batch.measure import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
 
     parser.add_argument(
         "run", type=Path, metavar="RUN", help="the run directory to branch from (its newest checkpoint)"
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.critical_batch import RESULT_FILE, Interrupted, measure_critical_batch
+    from bigbatch.critical_batch.measure import RESULT_FILE, Interrupted, measure_critical_batch
 
     try:
         result = measure_critical_batch(

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from bigbatch.cli.common import add_precision
-from bigbatch.ranges import NON_NEGATIVE_INT, POSITIVE_INT
+from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 
 HELP = "loss and perplexity of a saved run's model on a token set"
 DESCRIPTION = (
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.distributed import resolve_device
-    from bigbatch.evaluate import evaluate_checkpoint
+    from bigbatch.artifacts.evaluate import evaluate_checkpoint
+    from bigbatch.parallel.distributed import resolve_device
 
     result = evaluate_checkpoint(
         args.run,

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.export import export_hf
+    from bigbatch.artifacts.export import export_hf
 
     print(export_hf(args.run, args.out_dir))
     return 0

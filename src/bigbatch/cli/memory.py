@@ -6,12 +6,12 @@ import argparse
 from pathlib import Path
 
 from bigbatch.cli.common import add_precision
-from bigbatch.ranges import AUTO, MEMORY_K, POSITIVE_INT, POSITIVE_INT_OR_AUTO
+from bigbatch.settings.ranges import AUTO, MEMORY_K, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."
 DESCRIPTION = (
     "Measured, not estimated: CUDA allocator peaks, or on CPU the peak resident memory of a fresh "
-    "process per size (see bigbatch/memory.py). Prints fixed and activation parts, checks linear growth "
+    "process per size (see bigbatch/sizing/memory.py). Prints fixed and activation parts, checks linear growth "
     "and that the peak does not grow with K, and can write a PNG plot."
 )
 
@@ -46,12 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.accumulate import resolve_precision
-    from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
-    from bigbatch.distributed import resolve_device
-    from bigbatch.memory import plot_memory, sweep_memory
-    from bigbatch.model import is_hf_name, model_preset
-    from bigbatch.outputs import require_new_file
+    from bigbatch.engine.accumulate import resolve_precision
+    from bigbatch.files.outputs import require_new_file
+    from bigbatch.models import is_hf_name, model_preset
+    from bigbatch.parallel.distributed import resolve_device
+    from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
+    from bigbatch.sizing.memory import plot_memory, sweep_memory
 
     if args.plot:
         require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring

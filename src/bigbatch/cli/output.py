@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from bigbatch.signals import listening_stop_request
+from bigbatch.parallel.signals import listening_stop_request
 
 
 class CurrentStdoutHandler(logging.StreamHandler):

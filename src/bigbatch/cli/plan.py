@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bigbatch.cli.common import add_precision
 from bigbatch.errors import BigBatchError, PlanError
-from bigbatch.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
+from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "derive K (or micro-batch, or devices) from a token budget; memory and step time"
 DESCRIPTION = (
@@ -19,7 +19,7 @@ DESCRIPTION = (
 
 def _count(text: str) -> int:
     """``--tokens-per-step``: a positive count such as 524288, 2M or 512Ki."""
-    from bigbatch.plan import parse_count
+    from bigbatch.sizing.plan import parse_count
 
     try:
         return parse_count(text)
@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.plan import solve_plan
-    from bigbatch.plan_report import report_plan
+    from bigbatch.sizing.plan import solve_plan
+    from bigbatch.sizing.plan_report import report_plan
 
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the preset's
     if args.from_run is not None:
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if seq_len == AUTO:
         if not args.model:
             raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
-        from bigbatch.config import INIT_FROM_AUTO_SEQ_LEN_CAP
-        from bigbatch.model import is_hf_name, model_preset
+        from bigbatch.models import is_hf_name, model_preset
+        from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
 
         seq_len = model_preset(args.model).block_size
         if is_hf_name(args.model) and seq_len > INIT_FROM_AUTO_SEQ_LEN_CAP:  # capped as train caps it
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
     ramp = None
     if args.batch_ramp:
-        from bigbatch.ramp import BatchRamp, check_ramp_settings, format_ramp_table
+        from bigbatch.sizing.ramp import BatchRamp, check_ramp_settings, format_ramp_table
 
         spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
         ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     """``--from-run``: tokens per step from the run's measured noise scale; K derived for the devices given."""
-    from bigbatch.noise_report import plan_from_run
-    from bigbatch.plan_report import report_plan
+    from bigbatch.observe.noise_report import plan_from_run
+    from bigbatch.sizing.plan_report import report_plan
 
     for given, flag in ((args.tokens_per_step, "--tokens-per-step"), (args.k, "--k")):
         if given is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.choices import DATA_MODE, TOKENIZER_NAMES
-from bigbatch.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY
+from bigbatch.settings.choices import DATA_MODE, TOKENIZER_NAMES
+from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY
 
 HELP = "tokenize text into token shards"
 DESCRIPTION = None

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.report import make_report
+    from bigbatch.observe.report import make_report
 
     out, summaries, plots = make_report(args.runs, args.out)
     print("\n\n".join(s.format() for s in summaries))

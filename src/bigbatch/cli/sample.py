@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bigbatch.ranges import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, SEED
+from bigbatch.settings.ranges import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, SEED
 
 HELP = "generate text from a saved run"
 DESCRIPTION = None
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.sample import sample_checkpoint
+    from bigbatch.artifacts.sample import sample_checkpoint
 
     sample_checkpoint(
         args.checkpoint,

@@ -7,9 +7,17 @@ import json
 import os
 from pathlib import Path
 
-from bigbatch.atomic_file import write_text_atomically
 from bigbatch.cli.common import add_precision
-from bigbatch.ranges import AUTO, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY, SEED
+from bigbatch.files.atomic import write_text_atomically
+from bigbatch.settings.ranges import (
+    AUTO,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_AUTO,
+    PROBABILITY,
+    SEED,
+)
 
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
 DESCRIPTION = (
@@ -82,10 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.distributed import launched_by_torchrun
-    from bigbatch.launch import relaunch_under_torchrun
-    from bigbatch.outputs import require_new_file
-    from bigbatch.verify_cli import VerifySettings, verify_across_ranks, verify_here
+    from bigbatch.files.outputs import require_new_file
+    from bigbatch.parallel.distributed import launched_by_torchrun
+    from bigbatch.parallel.launch import relaunch_under_torchrun
+    from bigbatch.verify.command import VerifySettings, verify_across_ranks, verify_here
 
     if args.json:
         require_new_file(args.json, "--json", args.overwrite)

@@ -7,8 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.batch import IGNORE_INDEX, MicroBatch
-from bigbatch.choices import LONG_DOCUMENTS
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.packing import PACK_GROUP, pack_rows
 from bigbatch.data.shards import DocumentShard
@@ -21,7 +19,9 @@ from bigbatch.data.windows import (
     epoch_order,
     epoch_shift,
 )
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import DataError
+from bigbatch.settings.choices import LONG_DOCUMENTS
 
 
 class PackedLoader:
@@ -72,7 +72,7 @@ class PackedLoader:
     def reset(self) -> None:
         self._slot, self.offset, self.epoch = 0, 0, 0
 
-    # The step assembler's view (bigbatch.batch.MicroBatchSource): an endless stream of full micro-batches.
+    # The step assembler's view (bigbatch.engine.batch.MicroBatchSource): an endless stream of full micro-batches.
     def sequences_left(self) -> int | None:
         return None
 
@@ -421,7 +421,7 @@ class DocumentLoader:
     def reset(self) -> None:
         self.position, self.epoch = 0, 0
 
-    # The step assembler's view (bigbatch.batch.MicroBatchSource): a finite epoch of padded sequences (or rows).
+    # The step assembler's view (bigbatch.engine.batch.MicroBatchSource): a finite epoch of padded sequences (or rows).
     def sequences_left(self) -> int | None:
         return self.docs_left()
 

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bigbatch.batch import MicroBatch
+from bigbatch.engine.batch import MicroBatch
 
 
 class Source(Protocol):

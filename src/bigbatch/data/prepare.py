@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bigbatch.choices import DATA_MODE
 from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
 from bigbatch.data.encode import encoded_documents, worker_count
 from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
@@ -41,7 +40,8 @@ from bigbatch.data.text import InvalidUTF8, split_text
 from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
-from bigbatch.locking import FileLock, Holder, LockBusy, acquire
+from bigbatch.files.lock import FileLock, Holder, LockBusy, acquire
+from bigbatch.settings.choices import DATA_MODE
 
 log = logging.getLogger(__name__)
 

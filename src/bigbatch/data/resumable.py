@@ -26,9 +26,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from bigbatch.atomic_file import write_text_atomically
 from bigbatch.data.writer import staged_directory
-from bigbatch.fileperm import apply_umask
+from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.permissions import apply_umask
 
 log = logging.getLogger(__name__)
 

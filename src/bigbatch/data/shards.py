@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bigbatch.choices import DATA_MODE
 from bigbatch.data.tokenizers import BPE_FILE, file_tokenizer_fingerprint, file_tokenizer_path, is_file_tokenizer
 from bigbatch.errors import DataError
+from bigbatch.settings.choices import DATA_MODE
 
 META_FILE = "meta.json"
 FORMAT_NAME = "bigbatch-tokens"

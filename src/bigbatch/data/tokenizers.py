@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from bigbatch.atomic_file import write_text_atomically
 from bigbatch.errors import BigBatchError, ConfigError, DataError
+from bigbatch.files.atomic import write_text_atomically
 
 
 class Tokenizer(Protocol):

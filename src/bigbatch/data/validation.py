@@ -18,10 +18,10 @@ import math
 
 import numpy as np
 
-from bigbatch.batch import MicroBatch
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.loader import DocumentLoader, loader_for
 from bigbatch.data.windows import PackedWindows, spread_sample
+from bigbatch.engine.batch import MicroBatch
 from bigbatch.errors import DataError
 
 AUTO_EVAL_TOKENS = 131_072
@@ -39,7 +39,8 @@ def wanted_windows(eval_batches: int, micro_batch: int, seq_len: int, world_size
 
 class ValidationWindows:
     """This process's micro-batches of a fixed sample of a split's windows; read with :meth:`next_micro_batch`
-    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.accumulate.summed_loss`); :meth:`reset` rewinds."""
+    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.engine.accumulate.summed_loss`);
+    :meth:`reset` rewinds."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import ConfigError
 
 ORDER_SEED_TAG = 0x5F5E  # keeps the data order's stream apart from any other use of the run's seed

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigbatch.accumulate import AccumulationEngine
-from bigbatch.optim import constant_schedule
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.optim import constant_schedule
 from bigbatch.verify.compare import buffers_of, compare_buffers, flat, gradients, rel_diff
 from bigbatch.verify.inputs import (
     DEFAULT_TOLERANCE,
@@ -40,7 +40,7 @@ def check_distributed_equivalence(
     only on the last). Then every rank's gradient is compared with rank 0's and
     with the gradient of one process over the whole batch.
     """
-    from bigbatch.distributed import DDPGradSync
+    from bigbatch.parallel.distributed import DDPGradSync
 
     started = time.perf_counter()
     device = torch.device(device)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from bigbatch.accumulate import AccumulationEngine, resolve_precision
-from bigbatch.optim import constant_schedule
-from bigbatch.rng import preserved_rng
+from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
+from bigbatch.engine.optim import constant_schedule
+from bigbatch.engine.rng import preserved_rng
 from bigbatch.verify.attribution import CallRecorder, ModuleComparison, attribute, compare_calls
 from bigbatch.verify.compare import (
     buffer_owner,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from bigbatch.accumulate import token_loss_sum
-from bigbatch.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.accumulate import token_loss_sum
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.verify.report import ROOT, Finding
 
 VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]

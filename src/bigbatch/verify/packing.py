@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from bigbatch.batch import IGNORE_INDEX
+from bigbatch.engine.batch import IGNORE_INDEX
 
 PackedBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # inputs, targets, positions, each (rows, T)
 UnpackedBatch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets, each (documents, T)

@@ -1,0 +1,1 @@
+"""What a saved run gives: evaluation, samples, and a Hugging Face export."""

@@ -1,0 +1,34 @@
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face model directory (GPT-2 or Llama
+layout, by the run's model family; an ``hf:DIR`` model in its own architecture's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bigbatch.data.tokenizer_files import export_tokenizer
+from bigbatch.errors import BigBatchError
+from bigbatch.models import HFCausalLM, Llama
+from bigbatch.models.pretrained import hf_class_name, save_pretrained
+from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+
+
+def export_hf(run: Path, out: Path) -> str:
+    """Write the model (and its tokenizer) of ``run``'s newest valid checkpoint to the new or empty directory
+    ``out``; return the line that says what was written and how to load it."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
+        raise BigBatchError(f"{out} already exists and is not empty; choose a new output directory")
+    path = resolve_checkpoint(run)
+    document = load_checkpoint(path)
+    model = model_from_checkpoint(document)
+    save_pretrained(model, out)
+    tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
+    cfg = model.config
+    layout = "Llama" if isinstance(model, Llama) else "GPT-2"
+    if isinstance(model, HFCausalLM):  # its own save_pretrained: the architecture it was trained as
+        layout = model.config.architecture
+    return (
+        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {layout} layout: config.json + "
+        f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+        f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
+        f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained"
+    )

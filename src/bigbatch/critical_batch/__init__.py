@@ -1,0 +1,1 @@
+"""The critical batch size, measured directly by branching short runs from one checkpoint."""

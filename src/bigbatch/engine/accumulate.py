@@ -1,0 +1,337 @@
+"""The engine: one optimizer step from K micro-batches.
+
+For a step made of micro-batches ``m_1..m_K`` (on every rank) with ``N`` valid
+target tokens in total, the engine back-propagates, for each micro-batch,
+
+    loss_sum(m_i) * world_size / N
+
+where ``loss_sum`` is the *sum* of per-token losses. The gradients add up over
+the K backward passes and DDP averages them over ``world_size`` ranks, so the
+final gradient is that of ``(sum of all per-token losses) / N``: the mean loss of
+one giant batch. With full micro-batches this is the classic ``mean / K``; with
+padding or masks, ``mean / K`` over-weights short micro-batches and is wrong.
+That scale is applied here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from bigbatch.engine.batch import MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.models.lm_output import computes_loss, logits_loss
+from bigbatch.noise.probe import GradReadProbe, SmallGradProbe
+from bigbatch.noise.scale import NoiseSample, NoiseScale
+from bigbatch.parallel.distributed import DistContext, GradSync, LocalGradSync
+from bigbatch.settings.choices import RESOLVED_PRECISIONS
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+"""``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
+
+CountFn = Callable[[Any], int]
+"""``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
+
+
+def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """Sum of next-token cross-entropies over valid targets.
+
+    bigbatch's own families compute it in their forward (from the final hidden states, in chunks, with packed
+    documents' positions); any other model returning ``(logits, ...)`` or an output with ``.logits`` is scored
+    from its whole logits (and cannot take packed rows)."""
+    positions = getattr(batch, "positions", None)
+    if computes_loss(model):
+        if positions is None:
+            return model(batch.inputs, targets=batch.targets)
+        return model(batch.inputs, targets=batch.targets, positions=positions)
+    if positions is not None:
+        raise ValueError(
+            f"{type(model).__name__} does not take packed rows (positions): its forward has no way to keep the "
+            "documents apart; use --pack off"
+        )
+    output = model(batch.inputs)
+    if hasattr(output, "logits"):  # Hugging Face model outputs
+        output = output.logits
+    logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
+    return logits_loss(logits, batch.targets)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` means bf16 on a CUDA device that supports it, else fp32."""
+    if precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    if precision not in RESOLVED_PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose auto, {', '.join(RESOLVED_PRECISIONS)}")
+    return precision
+
+
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """Autocast for a resolved precision: none for fp32, bf16 or fp16 on ``device`` otherwise."""
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def summed_loss(
+    model: nn.Module,
+    loader: Any,
+    max_batches: int,
+    device: torch.device,
+    precision: str = "fp32",
+    loss_fn: LossFn = token_loss_sum,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over at most ``max_batches``
+    micro-batches (0: no limit), stopping at the end of the loader's split; and the micro-batches read.
+    ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
+    The caller puts ``model`` in eval mode (and sums over ranks)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    read = 0
+    with torch.no_grad():
+        while max_batches == 0 or read < max_batches:
+            if should_stop is not None and should_stop():
+                break
+            batch = loader.next_micro_batch()
+            with autocast_for(precision, device):
+                loss_sum = loss_fn(model, batch.to(device))
+            totals[0] += loss_sum.double()
+            totals[1] += count_valid_targets(batch)
+            read += 1
+            if loader.epoch:  # the whole split was read
+                break
+    return totals, read
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did. ``loss`` is the token-weighted mean over the whole global step."""
+
+    step: int  # optimizer steps applied so far, this one included
+    loss: float
+    grad_norm: float  # global norm before clipping
+    lr: float
+    tokens: int  # valid target tokens in the global step
+    micro_batches: int  # K on this rank
+    dt: float  # seconds
+    skipped: bool = False  # non-finite gradient: no update was applied
+    noise: NoiseSample | None = None  # the gradient noise scale, on the steps that measure it
+    # Documents: the shares of the step's positions that are padding and masked prompt tokens (the trainer's).
+    padding_share: float | None = None
+    prompt_share: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.dt if self.dt > 0 else 0.0
+
+
+class AccumulationEngine:
+    """Runs optimizer steps made of K micro-batches, exactly as one big batch would.
+
+    Per :meth:`step`: gradients are zeroed once; each micro-batch runs forward
+    (under autocast) and backward with the exact scale above, gradient sync off
+    for all but the last; then the global gradient norm is clipped (after
+    unscaling for fp16), the optimizer steps once, and the learning rate for the
+    next step is set from ``schedule``.
+
+    Micro-batches are :class:`~bigbatch.data.loader.MicroBatch` by default; any
+    object with ``.to(device, non_blocking=...)`` works with a matching
+    ``loss_fn`` and ``count_fn``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Callable[[int], float],
+        *,
+        grad_clip: float = 1.0,
+        precision: str = "fp32",
+        device: torch.device | str = "cpu",
+        loss_fn: LossFn = token_loss_sum,
+        count_fn: CountFn = count_valid_targets,
+        grad_sync: GradSync | None = None,
+        dist: DistContext | None = None,
+        noise_scale: NoiseScale | None = None,
+        small_grad: SmallGradProbe | None = None,
+    ) -> None:
+        self.model = model
+        # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
+        # and setting every module's training flag again each step was host work the step did not need.
+        self._params = list(model.parameters())
+        self._modules = list(model.modules())
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.grad_clip = grad_clip
+        self.device = torch.device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.loss_fn = loss_fn
+        self.count_fn = count_fn
+        self.grad_sync = grad_sync or LocalGradSync()
+        self.dist = dist or DistContext()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.step_count = 0  # optimizer steps applied
+        self.skipped_steps = 0  # steps dropped for a non-finite gradient
+        # Measures the gradient noise scale on its due steps (None: off). Only reads gradients: the trajectory is
+        # the same with it or without. The caller checks the run can measure it (noise_scale.unavailable_reason).
+        self.noise_scale = noise_scale
+        # Where the first micro-batch's own gradient is read (noise_probe): by default .grad after the first
+        # backward, which needs a second micro-batch whose sync is deferred; DDP/FSDP probes also read it before
+        # the reduction of a first micro-batch that syncs (K = 1 per rank, sync on every micro-step).
+        self.small_grad = small_grad or GradReadProbe(model)
+        self._small: tuple[torch.Tensor, int, float] | None = None  # first micro-batch: raw |g|^2, tokens, loss scale
+        self._set_lr(self.schedule(self.step_count))
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return autocast_for(self.precision, self.device)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def global_valid_targets(self, micro_batches: Sequence[Any]) -> int:
+        """Valid targets over all micro-batches on all ranks, known before the first backward (for callers that
+        do not bring ``n_valid``, e.g. a :class:`~bigbatch.engine.batch.StepBatch`'s)."""
+        return global_valid_targets(micro_batches, self.dist, self.device, self.count_fn)
+
+    def accumulate(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> tuple[torch.Tensor, int]:
+        """Forward and backward over the micro-batches, adding into ``.grad``.
+
+        Returns the summed loss of this rank (a detached fp32 tensor on the
+        device) and the global valid-target count ``N``. A caller that already
+        knows ``N`` (packed data: every target is valid) passes it and saves the
+        all-reduce. Gradients are not zeroed here; with fp16 they carry the
+        GradScaler's scale.
+        """
+        if not micro_batches:
+            raise ValueError("a step needs at least one micro-batch")
+        if n_valid is None:
+            n_valid = self.global_valid_targets(micro_batches)
+        if n_valid == 0:
+            raise ValueError("the step holds no valid target tokens (every target is -100)")
+        scale = self.dist.world_size / n_valid  # the one place the loss is scaled
+        loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = len(micro_batches) - 1
+        measure = (
+            self.noise_scale is not None
+            and self.small_grad.can_measure(len(micro_batches))
+            and self.noise_scale.due(self.step_count + 1)
+        )
+        self._small = None
+        if measure:
+            self.small_grad.arm(len(micro_batches))
+        for i, micro_batch in enumerate(micro_batches):
+            micro_batch = micro_batch.to(self.device, non_blocking=True)
+            sync = nullcontext() if i == last else self.grad_sync.no_sync()
+            with sync:  # covers forward and backward: DDP decides at forward time
+                with self.autocast():
+                    loss_sum = self.loss_fn(self.model, micro_batch)
+                self.scaler.scale(loss_sum * scale).backward()
+            loss_total += loss_sum.detach().float()
+            if measure and i == 0:  # this micro-batch's own gradient, before any cross-rank reduction
+                loss_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+                self._small = (self.small_grad.take(), int(self.count_fn(micro_batch)), loss_scale)
+        return loss_total, n_valid
+
+    def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
+        """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""
+        started = time.perf_counter()
+        if not all(module.training for module in self._modules):  # e.g. after an evaluation
+            self.model.train()
+        lr = self.schedule(self.step_count)
+        self._set_lr(lr)
+        self._zero_grad()
+        loss_total, n_valid = self.accumulate(micro_batches, n_valid)
+
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_steps += 1
+            self._zero_grad()
+            if self.scaler.is_enabled():
+                self.scaler.update()  # lowers the fp16 loss scale
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step_count += 1
+            self._set_lr(self.schedule(self.step_count))  # ready for the next step
+        noise = None if skipped else self._measure_noise(grad_norm, n_valid)
+        if self.noise_scale is not None and not skipped:
+            self.noise_scale.observe(grad_norm**2)  # weighs the next measurement (see noise_scale.py)
+        loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
+        return StepRecord(
+            step=self.step_count,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=n_valid,
+            micro_batches=len(micro_batches),
+            dt=time.perf_counter() - started,
+            skipped=skipped,
+            noise=noise,
+        )
+
+    def _zero_grad(self) -> None:
+        """``model.zero_grad(set_to_none=True)`` over the parameters listed once."""
+        for param in self._params:
+            param.grad = None
+
+    def _measure_noise(self, grad_norm: float, n_valid: int) -> NoiseSample | None:
+        """Fold this step's two squared norms into the noise scale (steps that read a small gradient only).
+
+        The first micro-batch's raw gradient is ``loss_scale * world_size / N`` times that of its loss *sum*;
+        its own mean-loss gradient is the raw one times ``N / (world_size * loss_scale * n_0)``. Ranks average
+        ``|G_small|^2`` and ``1 / n_0`` (one small all-reduce); ``|G_big|^2`` is the pre-clip norm squared.
+        """
+        if self._small is None or self.noise_scale is None:
+            return None
+        raw_sq, n_small, loss_scale = self._small
+        self._small = None
+        # A first micro-batch without valid targets (all masked or padding) has no mean-loss gradient: every rank
+        # still takes part in the one all-reduce (a rank that left it would hang the others) and all skip together.
+        empty = n_small == 0
+        factor = 0.0 if empty else n_valid / (self.dist.world_size * loss_scale * n_small)
+        values = torch.stack(
+            [
+                raw_sq.to(self.device, torch.float64) * factor**2,
+                torch.tensor(0.0 if empty else 1.0 / n_small, dtype=torch.float64, device=self.device),
+                torch.tensor(float(empty), dtype=torch.float64, device=self.device),
+            ]
+        )
+        small_sq, inv_b_small, empty_ranks = self.dist.all_reduce_sum(values).tolist()
+        if empty_ranks:
+            return None
+        small_sq, b_small = small_sq / self.dist.world_size, self.dist.world_size / inv_b_small
+        if not b_small < n_valid:  # the other micro-batches held no valid target: one batch size, nothing to compare
+            return None
+        return self.noise_scale.update(small_sq, grad_norm**2, b_small, n_valid)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            **({"noise_scale": self.noise_scale.state_dict()} if self.noise_scale is not None else {}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.noise_scale is not None and state.get("noise_scale"):
+            self.noise_scale.load_state_dict(state["noise_scale"])
+        self._set_lr(self.schedule(self.step_count))

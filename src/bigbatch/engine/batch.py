@@ -1,0 +1,259 @@
+"""The batch: micro-batches, their valid targets, and the optimizer step they make up.
+
+Everything that moves tokens into the engine meets here, at the bottom of the
+import graph (this module imports only torch and :mod:`bigbatch.parallel.distributed`):
+
+* :class:`MicroBatch`, ``(B, T)`` inputs and targets, with :data:`IGNORE_INDEX`
+  (-100) marking targets without loss;
+* :func:`count_valid_targets` and :func:`global_valid_targets`: the one
+  definition of "valid targets of a step" (``N_step``: every micro-batch on
+  every rank), by which the engine normalizes;
+* :func:`next_step`: the next step assembled from a micro-batch source, a
+  :class:`StepPolicy` and the :class:`~bigbatch.parallel.distributed.DistContext`,
+  counting and reducing ``N_step`` exactly once.
+
+Two ways to size a step:
+
+* fixed K: K micro-batches per rank;
+* a token budget: micro-batches are taken until the valid targets of the step
+  (all ranks) reach the budget. **Remainder rule:** the micro-batch that reaches
+  or crosses the budget is included whole, so a step holds at least ``budget``
+  valid targets and overshoots by less than one global micro-batch; nothing is
+  carried into the next step. K varies.
+
+The **last window of an epoch** of a document split (fewer sequences left than
+one step needs) follows ``last_window``: ``partial`` (default) trains on what is
+there, with a smaller K and exact normalization; ``drop`` skips it and starts
+the next epoch. A packed token stream is endless (it wraps at micro-batch
+granularity), so with fixed K the policy does not apply to it; with a token
+budget it applies at the stream's wrap point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from bigbatch.errors import ConfigError, DataError
+from bigbatch.parallel.distributed import DistContext
+from bigbatch.settings.choices import LAST_WINDOW
+
+IGNORE_INDEX = -100
+"""A target without loss (padding, a masked prompt): ``F.cross_entropy``'s ``ignore_index``."""
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: ``targets`` are ``inputs`` shifted by one token; ``-100`` marks no loss.
+
+    ``positions`` (packed documents only) is each input token's position within its own document, 0 at every
+    document's first token: a row holds several documents back to back, attention stays within each (a new
+    document begins wherever the position is 0) and learned or rotary positions restart with it. The padding at a
+    row's end is a segment of its own, also counted from 0, whose targets are all ``-100``. ``None``: one sequence
+    per row, positions ``0..T-1``. ``padding`` counts the positions of this micro-batch that hold no document
+    token (only metrics read it)."""
+
+    inputs: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64
+    positions: torch.Tensor | None = None  # (B, T) int64
+    padding: int = 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)
+        return MicroBatch(
+            self.inputs.to(device, non_blocking=non_blocking),
+            self.targets.to(device, non_blocking=non_blocking),
+            positions,
+            self.padding,
+        )
+
+    def pin_memory(self) -> MicroBatch:
+        positions = None if self.positions is None else self.positions.pin_memory()
+        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory(), positions, self.padding)
+
+
+def count_valid_targets(batch: MicroBatch) -> int:
+    """Targets that are not ``IGNORE_INDEX`` (-100)."""
+    return int((batch.targets != IGNORE_INDEX).sum())
+
+
+def global_valid_targets(
+    micro_batches: Sequence[object], dist: DistContext, device: torch.device, count: Callable[[object], int]
+) -> int:
+    """Valid targets of ``micro_batches`` summed over every rank: one small all-reduce (none for one process)."""
+    return dist.sum_int(sum(count(mb) for mb in micro_batches), device)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step: this rank's micro-batches and the valid targets of the whole step (all ranks); for
+    documents also the step's positions and those of them that are padding (all ranks; 0 for a token stream,
+    where every position is a valid target)."""
+
+    micro_batches: list[MicroBatch]
+    n_valid: int
+    positions: int = 0
+    padding: int = 0
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the step's positions that hold no document token."""
+        return self.padding / self.positions if self.positions else 0.0
+
+    @property
+    def prompt_share(self) -> float:
+        """Share of the step's positions that hold a document token without loss (a masked prompt)."""
+        return (self.positions - self.padding - self.n_valid) / self.positions if self.positions else 0.0
+
+    @property
+    def k(self) -> int:
+        return len(self.micro_batches)
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """How a step is sized: ``k`` micro-batches per rank, or a ``token_budget`` of valid targets (K varies)."""
+
+    k: int = 1
+    token_budget: int = 0  # 0: fixed K
+    last_window: str = "partial"
+
+    def __post_init__(self) -> None:
+        LAST_WINDOW.check(self.last_window)
+        if self.k < 1:
+            raise ConfigError(f"K must be at least 1, got {self.k}")
+        if self.token_budget < 0:
+            raise ConfigError(f"token_budget must be positive, got {self.token_budget}")
+
+
+class MicroBatchSource(Protocol):
+    """What :func:`next_step` reads: a loader of this rank's micro-batches that counts completed epochs."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def next_micro_batch(self) -> MicroBatch: ...
+
+    def sequences_left(self) -> int | None:
+        """Sequences (all ranks) left in this epoch; ``None`` for an endless packed stream."""
+        ...
+
+    def sequences_per_micro_batch(self) -> int:
+        """Sequences one global micro-batch holds: micro_batch x world_size."""
+        ...
+
+    def sequences_per_epoch(self) -> int | None:
+        """Sequences in one epoch of the split; ``None`` for an endless packed stream."""
+        ...
+
+    def skip_rest_of_epoch(self) -> None: ...
+
+    def known_valid_targets(self) -> int | None:
+        """Valid targets in each of this rank's micro-batches when known without counting (a packed stream:
+        micro_batch x seq_len); ``None`` when they must be counted (documents: padding, masks)."""
+        ...
+
+
+def next_step(source: MicroBatchSource, policy: StepPolicy, dist: DistContext, device: torch.device) -> StepBatch:
+    """This rank's micro-batches for the next step and the step's valid targets on all ranks.
+
+    Every rank calls it with its own source and makes the same decisions: a token budget's stop depends on
+    global counts, read once per micro-batch (one small all-reduce each, none for packed data or one process);
+    a fixed K's count is one all-reduce per step (none for packed data, where it is known)."""
+    known = source.known_valid_targets()
+    per_micro_batch = known * dist.world_size if known is not None else None  # all ranks' micro-batches alike
+
+    def count_global(batch: MicroBatch) -> int:
+        if per_micro_batch is not None:
+            return per_micro_batch
+        return dist.sum_int(count_valid_targets(batch), device)
+
+    if policy.token_budget:
+        step = _budget_step(source, policy, count_global)
+        if per_micro_batch is not None:
+            return step
+        padding = dist.sum_int(sum(batch.padding for batch in step.micro_batches), device)
+        return StepBatch(step.micro_batches, step.n_valid, _global_positions(step.micro_batches, dist), padding)
+    batches = _fixed_k_batches(source, policy)
+    if per_micro_batch is not None:
+        return StepBatch(batches, len(batches) * per_micro_batch)
+    local_valid = sum(count_valid_targets(batch) for batch in batches)
+    n_valid, padding = dist.sum_ints([local_valid, sum(batch.padding for batch in batches)], device)
+    return StepBatch(batches, n_valid, _global_positions(batches, dist), padding)
+
+
+def _global_positions(batches: Sequence[MicroBatch], dist: DistContext) -> int:
+    """Positions of the step on all ranks: every rank reads the same number of micro-batches of one shape."""
+    return sum(batch.inputs.numel() for batch in batches) * dist.world_size
+
+
+def _fixed_k_batches(source: MicroBatchSource, policy: StepPolicy) -> list[MicroBatch]:
+    """K micro-batches, or fewer for the last window of a document epoch under ``partial``."""
+    k = policy.k
+    left = source.sequences_left()
+    if left is not None:
+        per_micro_batch = source.sequences_per_micro_batch()
+        needed = k * per_micro_batch
+        if left < needed:
+            if policy.last_window == "drop":
+                total = source.sequences_per_epoch() or 0
+                if total < needed:
+                    raise DataError(
+                        f"the data holds {total} sequences, fewer than one step of {needed} "
+                        "(K x micro_batch x world_size); use last_window = partial or a smaller batch"
+                    )
+                source.skip_rest_of_epoch()
+            else:
+                k = math.ceil(left / per_micro_batch)
+    return [source.next_micro_batch() for _ in range(k)]
+
+
+def _budget_step(source: MicroBatchSource, policy: StepPolicy, count_global: Callable[[MicroBatch], int]) -> StepBatch:
+    """Micro-batches until the step's valid targets reach the budget (see the module docstring)."""
+    budget = policy.token_budget
+    batches: list[MicroBatch] = []
+    total = 0
+    epoch = source.epoch
+    wraps = 0
+    while total < budget:
+        batch = source.next_micro_batch()
+        batches.append(batch)
+        total += count_global(batch)
+        if source.epoch != epoch:  # this micro-batch ended an epoch
+            epoch = source.epoch
+            wraps += 1
+            if total >= budget:
+                break
+            if policy.last_window == "partial" and total > 0:
+                break
+            if wraps > 1:
+                raise DataError(
+                    f"token_budget={budget:,} is more than the valid targets of the whole training data; "
+                    "lower --token-budget or add data"
+                )
+            batches, total = [], 0  # drop: the epoch's incomplete remainder is skipped
+    return StepBatch(batches, total)
+
+
+class EmptyStepGuard:
+    """Bounds the steps skipped in a row because they hold no valid target: a training split with valid
+    targets yields one within an epoch, so two epochs of empty steps mean none will come."""
+
+    def __init__(self) -> None:
+        self.first_epoch: int | None = None
+
+    def reset(self) -> None:
+        self.first_epoch = None
+
+    def skipped(self, loader: MicroBatchSource) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = loader.epoch
+        elif loader.epoch - self.first_epoch >= 2:
+            raise DataError(
+                "every step of a whole epoch held no valid targets (documents that are a single token or wholly "
+                "masked); fix the training data"
+            )

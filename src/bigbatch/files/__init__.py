@@ -1,0 +1,1 @@
+"""Files written safely: atomic replacement, the user's permissions, advisory locks, and where commands may write."""

@@ -1,0 +1,1 @@
+"""The GPT-2 family: the model and its Hugging Face conversion."""

@@ -1,0 +1,187 @@
+"""The LM head and its cross-entropy in one pass that never holds the ``(N, V)`` logits.
+
+The plain loss, ``F.cross_entropy(F.linear(h, W).float(), targets, reduction="sum")``, materializes the logits:
+for GPT-2 at T=1024 that is 1024 x 50257 x 4 bytes = 206 MB per sequence in fp32, held three times around the
+backward (the logits, the log-softmax saved for backward, and the logits' gradient). :func:`linear_cross_entropy_sum`
+computes the same sum chunk by chunk of rows (the idea of Liger-kernel's fused linear cross-entropy and of "Cut Your
+Losses in Large-Vocabulary Language Models"): per chunk, the logits, their log-sum-exp and target logit, and, when a
+gradient will be needed, right away ``dlogits = softmax - one_hot`` and its products with the head and the rows.
+Only the gradients (``N x C`` for the rows, ``V x C`` and ``V`` for the head) are kept for backward, which just
+scales them by the incoming gradient. Beyond the gradients (which the plain path makes too), peak extra memory is
+one chunk of logits, turned into its softmax in place; the matmul FLOPs are those of the plain forward + backward
+(no recompute); rows whose target is ``IGNORE_INDEX`` never reach the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bigbatch.engine.batch import IGNORE_INDEX
+
+CHUNK_BYTES = 128 << 20
+"""At most this many bytes of float32 logits in one chunk by default (see :func:`default_chunk_rows`). Measured on
+a 2-core CPU, GPT-2's head, fp32 forward + backward of 1024 rows (benchmarks/head_loss.py): chunks of 512 rows
+(this default) took 0.87x the plain path's time, of 256 rows 0.96x, of 166 (32 MiB) 1.2x: every chunk streams
+the (V, C) head twice and its (V, C) gradient once more, so small chunks pay in memory traffic and skinny matmuls.
+One chunk is still a fraction of the plain path's three (N, V) tensors."""
+MIN_CHUNK_ROWS = 64
+"""Fewer rows make skinny matmuls that waste the head's bandwidth (a small vocabulary still gets this many)."""
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Most rows of logits per chunk: ``CHUNK_BYTES`` of float32 logits, at least ``MIN_CHUNK_ROWS`` (GPT-2: 667,
+    so 1024 rows go as two even chunks of 512)."""
+    return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab))
+
+
+def largest_chunk(rows: int, vocab: int) -> int:
+    """Rows of the largest chunk the default chunking makes of ``rows`` rows (what the memory estimate counts)."""
+    return max((stop - start for start, stop in _chunks(rows, default_chunk_rows(vocab))), default=0)
+
+
+def _chunks(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the fewest chunks of at most ``chunk_rows`` rows covering ``n`` rows, sized evenly (1024
+    rows at most 667 a chunk: two of 512, not 667 + 357) so that no chunk is a skinny, slow matmul."""
+    if n == 0:
+        return []
+    count = -(-n // chunk_rows)
+    size = -(-n // count)
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the plain path's head matmul runs in: autocast's when it is on and would cast ``hidden`` (a
+    floating tensor other than float64, as autocast decides), else the inputs' own."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.is_floating_point() and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``start:stop`` of ``h``: their logits transposed, (V, n), in the matmul dtype and as float32 (the same
+    tensor when the matmul runs in float32). Transposed because the head times the rows (``W @ h.T``, a plain
+    row-major product) ran 8-14% faster for the whole chunk step than ``h @ W.T`` on the CPU it was measured on
+    (GPT-2's head, 256 to 1024 rows); every later step reads the columns as easily."""
+    rows_t = h[start:stop].t()  # (C, n)
+    logits = torch.mm(weight, rows_t) if bias is None else torch.addmm(bias[:, None], weight, rows_t)  # (V, n)
+    return logits, logits.float()
+
+
+def _chunked_loss(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_rows: int
+) -> torch.Tensor:
+    """The summed cross-entropy of ``h``'s rows (all valid), in float32, without gradient buffers."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start, stop in _chunks(h.shape[0], chunk_rows):
+        in_dtype, logits = _chunk_logits(h, weight, bias, start, stop)  # (V, n): matmul dtype, float32
+        t = targets[None, start:stop]  # (1, n)
+        loss += (torch.logsumexp(logits, dim=0) - logits.gather(0, t).squeeze(0)).sum()
+        del in_dtype, logits  # one chunk in memory at a time
+    return loss
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """The summed loss of rows that all have a target; its forward computes the gradients too (see the module)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # (n_valid, C)
+        weight: torch.Tensor,  # (V, C)
+        bias: torch.Tensor | None,  # (V,)
+        targets: torch.Tensor,  # (n_valid,) int64, none ignored
+        chunk_rows: int,
+        dtype: torch.dtype,  # the head matmul's
+        needs: tuple[bool, bool, bool],  # which of hidden, weight, bias want a gradient (grad mode is off in here)
+    ) -> torch.Tensor:
+        # The casts autocast would make (once, not per chunk); the gradients go back in the inputs' own dtypes, so
+        # the head's float32 sum of the chunks' products is not rounded to the matmul dtype on its way.
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        h, weight = hidden.to(dtype), weight.to(dtype)  # (n_valid, C), (V, C)
+        bias = None if bias is None else bias.to(dtype)  # (V,)
+        n, vocab = h.shape[0], weight.shape[0]
+        need_h, need_w, need_b = needs
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        # The gradients, filled chunk by chunk: the rows' in the matmul dtype (what the plain backward's matmul
+        # returns), the head's accumulated in float32 so that summing the chunks' partial products loses nothing.
+        grad_h = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None  # (n_valid, C), contiguous
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None  # (V, C)
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else None  # (V,)
+        for start, stop in _chunks(n, chunk_rows):
+            h_chunk = h[start:stop]  # (n, C)
+            logits, p = _chunk_logits(h, weight, bias, start, stop)  # (V, n): matmul dtype, float32
+            t = targets[None, start:stop]  # (1, n)
+            target_logit = p.gather(0, t)  # (1, n), read before p is overwritten in place
+            # softmax with one exp pass: p <- exp(logits - max) / sum, in place (no second (V, n) buffer in fp32)
+            col_max = p.amax(dim=0, keepdim=True)  # (1, n)
+            p.sub_(col_max).exp_()
+            total = p.sum(dim=0, keepdim=True)  # (1, n)
+            loss += (total.log() + col_max - target_logit).sum()  # log-sum-exp - target logit
+            p.div_(total)
+            p.scatter_add_(0, t, torch.full_like(target_logit, -1.0))  # d(loss)/d(logits) = softmax - one_hot
+            # The products run in the forward matmul's dtype, as autocast's backward would run them.
+            dlogits = p if logits.dtype == torch.float32 else p.to(logits.dtype)  # (V, n)
+            del logits
+            if grad_h is not None:
+                torch.mm(dlogits.t(), weight, out=grad_h[start:stop])  # (n, C)
+            if grad_w is not None:
+                if dlogits.dtype == torch.float32:
+                    grad_w.addmm_(dlogits, h_chunk)  # (V, C) in place, no (V, C) temporary
+                else:
+                    grad_w.add_(torch.mm(dlogits, h_chunk))  # (V, C), promoted to float32 as it is added
+            if grad_b is not None:
+                grad_b += dlogits.sum(dim=1, dtype=torch.float32)  # (V,)
+            del p, dlogits  # before the next chunk's logits exist: one chunk in memory at a time, not two
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The loss is a scalar: each stored gradient times the incoming one, cast to its input's dtype (new tensors,
+        # not in place, so that a retained graph can run backward again).
+        grads = [
+            None if g is None else g.to(dtype) * grad_output.to(dtype)
+            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+        ]
+        return grads[0], grads[1], grads[2], None, None, None, None
+
+
+@torch.compiler.disable  # dynamo graph-breaks around it: the chunk loop and the Function run eagerly
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=-100, reduction="sum")``
+    to rounding, gradients included, without ever holding the ``(N, V)`` logits.
+
+    ``hidden`` (N, C) (leading dimensions are flattened), ``weight`` (V, C), ``targets`` (N,) int64 with
+    ``IGNORE_INDEX`` for no loss, ``bias`` (V,) or None. Under autocast the head matmuls run in autocast's dtype
+    and the softmax in float32, as for the plain path. ``chunk_rows``: rows of logits per chunk (default
+    :func:`default_chunk_rows`). Returns a 0-d float32 tensor."""
+    width = hidden.shape[-1]
+    hidden, targets = hidden.reshape(-1, width), targets.reshape(-1)  # (N, C), (N,)
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # (n_valid,)
+    if rows.numel() < targets.numel():
+        # Only the rows with a target enter the head; index_select's backward scatters the rows' gradient back
+        # into zeros for the others.
+        hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)  # (n_valid, C), (n_valid,)
+    dtype = _compute_dtype(hidden)
+    with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is chosen here: nothing casts twice
+        needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        if not (torch.is_grad_enabled() and any(needs)):  # evaluation: the loss alone, no gradient buffers
+            b = None if bias is None else bias.to(dtype)
+            return _chunked_loss(hidden.to(dtype), weight.to(dtype), b, targets, chunk_rows)
+        loss: torch.Tensor = _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_rows, dtype, needs)
+        return loss

@@ -1,0 +1,419 @@
+"""Any local Hugging Face causal language model as a bigbatch model (``--model hf:DIR``).
+
+:class:`HFConfig` is the shape: the directory and its ``config.json`` as read, with the few numbers the rest of
+bigbatch reads (block size, vocabulary, layers, heads, width). :class:`HFCausalLM` wraps the
+``AutoModelForCausalLM`` built from it: ``forward(idx)`` returns the logits only (no labels, no cache), so the
+loss, and with it the exactness of accumulation, stays bigbatch's own. ``transformers`` is imported only when
+a model is read or built: the rest of bigbatch starts without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
+from bigbatch.models.gpt.hf import WEIGHT_FILES, _read_config
+from bigbatch.models.lm_output import logits_loss, logits_or_loss
+
+log = logging.getLogger(__name__)
+
+HF_PREFIX = "hf:"
+"""``--model hf:DIR``: a local Hugging Face model directory instead of a preset."""
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""config.json keys that count a mixture of experts' experts (Mixtral, Qwen2-MoE / OLMoE, DeepSeek)."""
+
+HEAD_PROBE_SCALE = 1024.0
+"""A power of two: the probe's scaling of the head's weight is undone exactly."""
+
+CAPACITY_KEYS = ("capacity_factor", "expert_capacity")
+"""Routing with an expert capacity drops tokens by what else is in the batch: not per sample."""
+
+
+def is_hf_name(name: str) -> bool:
+    """Whether a ``--model`` value names a Hugging Face directory (``hf:DIR``)."""
+    return name.startswith(HF_PREFIX)
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or one line that says how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise BigBatchError(
+            "--model hf:DIR needs the transformers package, which is not installed: pip install transformers"
+        ) from exc
+    return transformers
+
+
+def _first_int(values: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = values.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The shape of a Hugging Face causal LM: its directory and ``config.json`` (what a checkpoint stores, so the
+    model can be rebuilt wherever the directory has gone)."""
+
+    directory: str
+    hf_config: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            getattr(self, name)  # each refuses, in one line, a config.json that lacks it
+
+    def _required(self, what: str, *keys: str) -> int:
+        value = _first_int(self.hf_config, *keys)
+        if value is None or value < 1:
+            raise ConfigError(
+                f"{self.directory}/config.json gives no {what} (looked for {', '.join(keys)}); bigbatch needs it"
+            )
+        return value
+
+    @property
+    def model_type(self) -> str:
+        return str(self.hf_config.get("model_type", ""))
+
+    @property
+    def block_size(self) -> int:
+        return self._required("context length", "max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._required("vocabulary size", "vocab_size")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def n_layer(self) -> int:
+        return self._required("number of layers", "num_hidden_layers", "n_layer", "num_layers")
+
+    @property
+    def n_head(self) -> int:
+        return self._required("number of attention heads", "num_attention_heads", "n_head", "num_heads")
+
+    @property
+    def n_kv_head(self) -> int:
+        return _first_int(self.hf_config, "num_key_value_heads") or self.n_head
+
+    @property
+    def n_embd(self) -> int:
+        return self._required("width", "hidden_size", "n_embd", "d_model")
+
+    @property
+    def head_dim(self) -> int:
+        return _first_int(self.hf_config, "head_dim") or self.n_embd // self.n_head
+
+    @property
+    def architecture(self) -> str:
+        """The class ``AutoModelForCausalLM`` builds for this ``model_type`` (e.g. ``Qwen2ForCausalLM``)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(self.model_type, self.model_type))
+
+    @property
+    def experts(self) -> int:
+        """The number of experts of a mixture of experts; 0 for a dense model."""
+        count = _first_int(self.hf_config, *EXPERT_COUNT_KEYS) or 0
+        return count if count > 1 else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"directory": self.directory, "hf_config": self.hf_config}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> HFConfig:
+        return cls(directory=str(values["directory"]), hf_config=dict(values["hf_config"]))
+
+    def transformers_config(self) -> Any:
+        """The ``transformers`` config object of ``config.json``."""
+        transformers = require_transformers()
+        values = {k: v for k, v in self.hf_config.items() if k != "model_type"}
+        return transformers.AutoConfig.for_model(self.model_type, **values)
+
+
+def read_hf_config(directory: Path | str) -> HFConfig:
+    """The shape of ``hf:DIR`` from its config.json alone; one line when it is not a causal LM transformers knows."""
+    path = Path(directory).expanduser()  # hf:~/models/x: no shell expands a ~ after "hf:"
+    if not path.exists():
+        raise ConfigError(f"hf:{path} does not exist; give a local Hugging Face model directory (with config.json)")
+    if not path.is_dir():
+        raise ConfigError(f"hf:{path} is not a directory; give a local Hugging Face model directory")
+    try:
+        values = _read_config(path, kind="model")
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
+    require_transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{path}/config.json has no model_type; bigbatch cannot tell which architecture it is")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ConfigError(
+            f"{path}/config.json has model_type {model_type!r}, an architecture this transformers does not know "
+            "(custom code is not run); upgrade transformers or choose another model"
+        )
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    declared = values.get("architectures") or []
+    if causal is None or (declared and causal not in declared):
+        what = declared[0] if declared else f"a {model_type} model"
+        raise ConfigError(
+            f"hf:{path} holds {what}, not a causal language model (AutoModelForCausalLM has no class for it); "
+            "bigbatch trains next-token prediction"
+        )
+    return HFConfig(directory=str(path), hf_config=values)
+
+
+def has_weights(directory: Path | str) -> bool:
+    return any((Path(directory) / name).is_file() for name in WEIGHT_FILES)
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No transformers progress bars on bigbatch's console while weights are read or written."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def build_hf_model(config: HFConfig, weights: bool = False) -> HFCausalLM:
+    """The model of ``config``: with ``weights``, those of its directory (fp32, on the CPU) when it has any; else
+    freshly initialised from the config (from torch's generator: the caller's seed decides)."""
+    transformers = require_transformers()
+    hf_config = config.transformers_config()
+    auto = transformers.AutoModelForCausalLM
+    if weights and has_weights(config.directory):
+        with _quiet_progress():
+            model = auto.from_pretrained(config.directory, config=hf_config, local_files_only=True, dtype=torch.float32)
+    else:
+        model = auto.from_config(hf_config, dtype=torch.float32)
+    return HFCausalLM(config, model)
+
+
+def save_hf_model(model: HFCausalLM, directory: Path | str) -> Path:
+    """The wrapped model's own ``save_pretrained`` (config.json + safetensors)."""
+    with _quiet_progress():
+        model.hf_model.save_pretrained(str(directory))  # type: ignore[operator]
+    return Path(directory)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM with bigbatch's model interface: ``forward(idx, targets, positions)`` -> the logits
+    (B, T, V), or the summed loss with ``targets``; ``config``, ``activation_checkpointing``, ``chunked_loss``,
+    ``num_params``, ``flops_per_token`` and :meth:`decoder_layers` (FSDP2's units).
+
+    No labels go in (the engine's token-weighted loss is computed here from the final hidden states, in chunks of
+    rows when the head can be taken apart from the trunk: :attr:`head_detachable`), no key/value cache, and a
+    mixture of experts' router logits are not collected (its load-balancing loss is left out). ``positions`` go in
+    as ``position_ids``, from which transformers confines attention to each packed document
+    (:attr:`packs_documents` says whether this architecture does)."""
+
+    computes_loss = True
+
+    def __init__(self, config: HFConfig, model: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.hf_model = model.train()  # from_pretrained returns it in eval mode
+        self._checkpointing = False
+        self._forward_kwargs: dict[str, Any] = {"use_cache": False}
+        if hasattr(model.config, "output_router_logits"):
+            self._forward_kwargs["output_router_logits"] = False
+        self.head_detachable, self.packs_documents = self._probe()
+        self.chunked_loss = self.head_detachable
+
+    def _trunk_and_head(self) -> tuple[nn.Module, nn.Linear] | None:
+        model: Any = self.hf_model
+        trunk = getattr(model, str(getattr(model, "base_model_prefix", "")), None)
+        head = model.get_output_embeddings()
+        if not isinstance(trunk, nn.Module) or not isinstance(head, nn.Linear):
+            return None
+        return trunk, head
+
+    def _hidden(self, trunk: nn.Module, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return trunk(input_ids=idx, position_ids=positions, **self._forward_kwargs).last_hidden_state
+
+    def _probe(self) -> tuple[bool, bool]:
+        """(whether the logits are the head's linear map of the trunk's last hidden state, so the loss can be
+        computed in chunks from it; whether ``position_ids`` keep packed documents apart), each decided by
+        running this architecture on 8 tokens (no random numbers drawn: dropout is off)."""
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            return self._run_probe()
+        except (TypeError, ValueError, AttributeError, RuntimeError, StopIteration):
+            return False, False  # not a model that runs on input_ids alone: the whole logits, no packing
+        finally:
+            self.hf_model.train(was_training)
+
+    @torch.no_grad()
+    def _run_probe(self) -> tuple[bool, bool]:
+        device = next(self.hf_model.parameters()).device
+        tokens = ((torch.arange(8, device=device) * 7 + 3) % self.config.vocab_size).unsqueeze(0)  # (1, 8)
+        detachable = False
+        parts = self._trunk_and_head()
+        if parts is not None:
+            # The head scaled by 2**10 (exactly undone after): logits in the hundreds, where a soft cap or a scale
+            # applied after the head shows (a freshly initialised model's logits are too small to tell).
+            weight = parts[1].weight
+            weight.mul_(HEAD_PROBE_SCALE)
+            try:
+                reference = self.hf_model(input_ids=tokens, **self._forward_kwargs).logits.float()  # (1, 8, V)
+                logits = parts[1](self._hidden(parts[0], tokens, None)).float()
+                detachable = logits.shape == reference.shape and torch.allclose(logits, reference, rtol=1e-4, atol=1e-3)
+            except (TypeError, ValueError, AttributeError, RuntimeError):
+                detachable = False
+            finally:
+                weight.div_(HEAD_PROBE_SCALE)
+        # Two documents in one row (3 + 5 tokens): the second's logits must be those it has alone.
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
+        packed = self.hf_model(input_ids=tokens, position_ids=positions, **self._forward_kwargs).logits
+        alone = self.hf_model(input_ids=tokens[:, 3:], **self._forward_kwargs).logits
+        packs = torch.allclose(packed[:, 3:].float(), alone.float(), rtol=1e-4, atol=1e-5)
+        return detachable, packs
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        parts = self._trunk_and_head()
+        if self.head_detachable and parts is not None and (targets is not None or last_only):
+            trunk, head = parts
+            return logits_or_loss(
+                self._hidden(trunk, idx, positions),
+                head.weight,
+                targets,
+                bias=head.bias,
+                chunked=self.chunked_loss,
+                last_only=last_only,
+            )
+        logits = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits  # (B, T, V)
+        if targets is None:
+            return logits[:, -1:] if last_only else logits
+        return logits_loss(logits, targets)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, on: bool) -> None:
+        """transformers' own checkpointing of each decoder layer (non-reentrant, so it composes with DDP/FSDP)."""
+        if on == self._checkpointing:
+            return
+        model: Any = self.hf_model
+        if on and not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"--activation-checkpointing: {self.config.architecture} does not support activation checkpointing "
+                "in transformers; leave it off"
+            )
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+        prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+        if on:
+            getattr(model, f"{prefix}_checkpointing_enable")({"use_reentrant": False})
+        else:
+            getattr(model, f"{prefix}_checkpointing_disable")()
+        self._checkpointing = on
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The repeated decoder blocks: the first ``nn.ModuleList`` whose children are all of one class (e.g.
+        ``model.layers``, ``transformer.h``); none when there is no such list."""
+        for module in self.hf_model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+                return list(module)
+        return []
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; tied weights are counted once. ``non_embedding`` drops an input embedding that is not
+        also the output head (a lookup, not a matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        model: Any = self.hf_model
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if non_embedding and (head is None or head.weight is not embedding.weight):
+            n -= int(embedding.weight.numel())
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: ``6N + 12 * L * H * Q * T`` as for the native families (attention over
+        ``seq_len`` with ``H`` query heads of ``Q`` dimensions); a mixture of experts' N counts every expert, an
+        upper bound."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+def training_notes(config: HFConfig) -> tuple[str | None, str | None]:
+    """(why ``config`` cannot be trained exactly by bigbatch, or None; a warning about what is left out, or None),
+    from config.json alone."""
+    capacity = [key for key in CAPACITY_KEYS if config.hf_config.get(key)]
+    if config.experts and capacity:
+        return (
+            f"hf:{config.directory} routes tokens to experts with a capacity ({capacity[0]} "
+            f"{config.hf_config[capacity[0]]}): which tokens an expert drops depends on the rest of the batch, so "
+            "micro-batches cannot add up to the big batch; bigbatch refuses it",
+            None,
+        )
+    if config.experts:
+        coef = config.hf_config.get("router_aux_loss_coef")
+        weight = f" (router_aux_loss_coef {coef:g})" if isinstance(coef, (int, float)) else ""
+        return None, (
+            f"{config.architecture} is a mixture of {config.experts} experts: its load-balancing loss{weight} is left "
+            "out: bigbatch's loss is the token-weighted cross-entropy only (the router still routes each token on its "
+            "own, so that gradient stays exact)"
+        )
+    return None, None
+
+
+class CompiledOrEager(nn.Module):
+    """``torch.compile(module)``, or ``module`` itself from the first call on when that call fails to compile (an
+    architecture of any kind may not): said in one line, and training goes on eagerly."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.eager = module
+        self.compiled: nn.Module | None = torch.compile(module)  # type: ignore[assignment]
+        self._proven = False  # a call went through compiled: later failures are real errors, not compile support
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            return self.eager(*args, **kwargs)
+        if self._proven:
+            return self.compiled(*args, **kwargs)
+        try:
+            output = self.compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # dynamo and inductor fail in many types
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
+            log.warning(
+                "torch.compile does not work for this model (%s: %s); training without it (--no-compile skips the "
+                "attempt)",
+                type(exc).__name__,
+                reason,
+            )
+            self.compiled = None
+            return self.eager(*args, **kwargs)
+        self._proven = True
+        return output

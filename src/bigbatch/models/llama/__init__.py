@@ -1,0 +1,1 @@
+"""The Llama family: the model and its Hugging Face conversion."""

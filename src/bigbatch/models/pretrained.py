@@ -1,0 +1,62 @@
+"""A local Hugging Face model directory of either family: which family it is, its shape, its weights; and a
+model written back out in its family's layout. ``config.json``'s ``model_type`` decides (GPT-2 directories
+from before the field existed have none: they are read as gpt2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bigbatch.errors import CheckpointError
+from bigbatch.models.gpt.hf import _read_config, load_hf_gpt2, read_hf_gpt_config, save_hf_gpt2
+from bigbatch.models.gpt.model import GPT, GPTConfig
+from bigbatch.models.hf_causal import HFCausalLM, save_hf_model
+from bigbatch.models.llama.hf import load_hf_llama, read_hf_llama_config, save_hf_llama
+from bigbatch.models.llama.model import Llama, LlamaConfig
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+"""The ``model_type`` values ``--init-from`` reads."""
+
+
+def hf_model_type(directory: Path | str) -> str:
+    """``config.json``'s ``model_type`` (gpt2 when absent); one line when it is not one bigbatch trains."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory; give a Hugging Face GPT-2 or Llama directory")
+    model_type = _read_config(directory, kind="GPT-2 or Llama").get("model_type", "gpt2")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{directory}/config.json has model_type {model_type!r}, which is not supported by --init-from; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or train a --model preset from scratch)"
+        )
+    return str(model_type)
+
+
+def read_pretrained_config(directory: Path | str) -> GPTConfig | LlamaConfig:
+    """The shape of a GPT-2 or Llama directory, from its config.json alone (no weights are read)."""
+    if hf_model_type(directory) == "llama":
+        return read_hf_llama_config(directory)
+    return read_hf_gpt_config(directory)
+
+
+def load_pretrained(directory: Path | str) -> GPT | Llama:
+    """The model of a GPT-2 or Llama directory, with its weights (fp32, on the CPU)."""
+    if hf_model_type(directory) == "llama":
+        return load_hf_llama(directory)
+    return load_hf_gpt2(directory)
+
+
+def hf_class_name(model: GPT | Llama | HFCausalLM) -> str:
+    """The transformers class that loads ``model``'s export."""
+    if isinstance(model, HFCausalLM):
+        return model.config.architecture
+    return "LlamaForCausalLM" if isinstance(model, Llama) else "GPT2LMHeadModel"
+
+
+def save_pretrained(model: GPT | Llama | HFCausalLM, directory: Path | str) -> Path:
+    """Write ``model`` in its family's Hugging Face layout (config.json + model.safetensors); a Hugging Face
+    model through its own ``save_pretrained``."""
+    if isinstance(model, HFCausalLM):
+        return save_hf_model(model, directory)
+    if isinstance(model, Llama):
+        return save_hf_llama(model, directory)
+    return save_hf_gpt2(model, directory)

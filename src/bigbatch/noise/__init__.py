@@ -1,0 +1,1 @@
+"""The gradient noise scale, measured from the accumulation itself through a step hook."""

@@ -1,0 +1,209 @@
+"""Step records: the console line, a JSONL file, and optional TensorBoard / Weights & Biases loggers."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from bigbatch.engine.accumulate import StepRecord
+from bigbatch.errors import BigBatchError
+from bigbatch.files.atomic import write_text_atomically
+from bigbatch.observe.scalars import eval_values, step_values
+
+METRICS_FILE = "metrics.jsonl"
+
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+"""Dense bf16 peak FLOP/s per device (tensor cores, no sparsity), matched against the CUDA device name."""
+
+
+def device_peak_flops(device_name: str) -> float | None:
+    """The table's peak for a device name such as ``NVIDIA H200``; ``None`` when unknown (CPUs included)."""
+    for key, flops in PEAK_FLOPS.items():
+        if key in device_name.upper():
+            return flops
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: float, world_size: int = 1) -> float:
+    """Model FLOPs utilization: achieved training FLOP/s over the peak of all devices."""
+    return flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)
+
+
+def format_step(
+    record: StepRecord, show_k: bool = False, mfu_value: float | None = None, noise_scale: float | None = None
+) -> str:
+    """``step 12 | loss 2.413 | norm 0.84 | lr 6.0e-04 | dt 812 ms | tok/s 20,171``
+
+    ``tok/s`` counts valid target tokens. With ``show_k`` (K varies from step to
+    step) the line also gives K and the step's valid tokens. ``noise_scale`` (the smoothed gradient noise
+    scale, in tokens) is shown when given.
+    """
+    line = (
+        f"step {record.step} | loss {record.loss:.4f} | norm {record.grad_norm:.2f} | lr {record.lr:.1e} | "
+        f"dt {record.dt * 1000:.0f} ms | tok/s {record.tokens_per_s:,.0f}"
+    )
+    if mfu_value is not None:
+        line += f" | mfu {mfu_value:.1%}"
+    if show_k:
+        line += f" | K {record.micro_batches} | tokens {record.tokens:,}"
+    if noise_scale is not None:
+        line += f" | noise scale {format_noise_scale(noise_scale)} tok"
+    if record.skipped:
+        line += " | SKIPPED (non-finite gradient)"
+    return line
+
+
+def format_noise_scale(tokens: float) -> str:
+    """``12,345``; a non-positive or NaN estimate (the smoothed |G|^2 or tr(Sigma) is still noise) as ``n/a``."""
+    return f"{tokens:,.0f}" if tokens > 0 else "n/a"
+
+
+class JsonlLog:
+    """Appends one JSON object per line; flushed after each so a crash loses at most the current record."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle: IO[str] = self.path.open("a", encoding="utf-8")
+
+    def write(self, kind: str, **values: Any) -> None:
+        self._handle.write(json.dumps({"kind": kind, **values}) + "\n")
+        self._handle.flush()
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        self.write("step", **step_values(record, mfu))
+
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        self.write("eval", **eval_values(step, val_loss, val_tokens))
+
+    def write_documents(self, step: int, **shares: Any) -> None:
+        """A documents run's positions as its epoch lays them out (``kind: documents``), at the step a session
+        starts from; the step records hold each step's own shares."""
+        self.write("documents", step=step, **shares)
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Optional loggers: TensorBoard and Weights & Biases, behind the same three methods
+# --------------------------------------------------------------------------------------------
+
+
+class MetricsSink(Protocol):
+    """Where step and eval records go: ``write_step``, ``write_eval``, ``close``."""
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None: ...
+
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def require_package(module: str, feature: str, pip_name: str) -> Any:
+    """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BigBatchError(
+            f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
+        ) from exc
+
+
+class MetricsFanout:
+    """Sends every record to each sink; :meth:`close` closes them all, then re-raises the first failure."""
+
+    def __init__(self, sinks: list[MetricsSink]) -> None:
+        self.sinks = sinks
+
+    def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
+        for sink in self.sinks:
+            sink.write_step(record, mfu)
+
+    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+        for sink in self.sinks:
+            sink.write_eval(step, val_loss, val_tokens)
+
+    def write_documents(self, step: int, **shares: Any) -> None:
+        """To ``metrics.jsonl`` only: the loggers plot the per-step shares of the step records."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlLog):
+                sink.write_documents(step, **shares)
+
+    def close(self) -> None:
+        error: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # close the rest; report the first
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+def check_optional_loggers(tensorboard: bool, wandb_project: str) -> None:
+    """Fail early, before any training, when an enabled logger's package is missing."""
+    if tensorboard:
+        require_package("torch.utils.tensorboard", "run.tensorboard (--tensorboard)", "tensorboard")
+    if wandb_project:
+        require_package("wandb", f"run.wandb (--wandb {wandb_project})", "wandb")
+
+
+def open_metrics(
+    run_dir: Path | str, tensorboard: bool = False, wandb_project: str = "", config: dict[str, Any] | None = None
+) -> MetricsFanout:
+    """``RUN_DIR/metrics.jsonl`` always; TensorBoard and W&B when enabled (off by default: nothing else happens)."""
+    from bigbatch.observe.tensorboard_log import TensorBoardLog
+    from bigbatch.observe.wandb_log import WandbLog
+
+    run_dir = Path(run_dir)
+    history = read_metrics(run_dir) if tensorboard or wandb_project else []  # the earlier sessions' records
+    sinks: list[MetricsSink] = [JsonlLog(run_dir / METRICS_FILE)]
+    try:
+        if tensorboard:
+            sinks.append(TensorBoardLog(run_dir / "tensorboard", history))
+        if wandb_project:
+            sinks.append(WandbLog(wandb_project, run_dir, config, history))
+    except BaseException:
+        MetricsFanout(sinks).close()
+        raise
+    return MetricsFanout(sinks)
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl``, in order (a line cut by a crash is left out)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop records after ``step`` (written before a crash, about to be replayed) from the metrics log."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = []
+    lines = path.read_text().splitlines()
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the crash
+        recorded = int(record.get("step", 0))
+        # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint.
+        if recorded < step or (recorded == step and not record.get("skipped")):
+            kept.append(line)
+    if len(kept) == len(lines):
+        return  # nothing to drop: the file stays untouched
+    write_text_atomically(path, "".join(line + "\n" for line in kept))

@@ -1,0 +1,93 @@
+"""``bigbatch train --nproc N``: the workers under torchrun's elastic agent (:mod:`bigbatch.parallel.agent`),
+and how a worker tells that launcher about a user error.
+
+The workers write a user error into the directory named by :data:`ERROR_DIR_ENV`
+instead of printing it; a worker whose peer recorded one leaves quietly (its
+broken collective is a consequence, not a cause). The agent's own log lines and
+its ChildFailedError report are kept back: the user sees the first user error
+once and exit code 2, or one line naming the rank that failed and its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ERROR_DIR_ENV = "BIGBATCH_ERROR_DIR"
+EXIT_USER_ERROR = 2
+# A worker that stopped as asked: SIGINT/SIGTERM (saved), or its output pipe closed. The agent kills the
+# others with a signal (a negative exit code) once one has exited.
+QUIET_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE}
+
+
+def record_user_error(message: str) -> bool:
+    """Under this launcher, leave ``message`` for it to print once; ``False`` when there is no launcher."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        (Path(folder) / f"rank_{rank:05d}").write_text(message)
+    except OSError:
+        return False
+    return True
+
+
+def record_quiet_exit(code: int) -> None:
+    """Under this launcher, note that this worker ends on purpose and quietly (its output pipe closed)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        try:
+            (Path(folder) / f"quiet_{int(os.environ.get('RANK', '0')):05d}").write_text(str(code))
+        except OSError:
+            pass
+
+
+def peer_exit_code() -> int | None:
+    """When another worker of this launch has ended with a recorded reason (a user error, or quietly), the
+    exit code this worker should end with instead of reporting its broken collective; else ``None``."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not Path(folder).is_dir():
+        return None
+    if any(Path(folder).glob("rank_*")):
+        return EXIT_USER_ERROR
+    quiet = sorted(Path(folder).glob("quiet_*"))
+    return int(quiet[0].read_text() or 1) if quiet else None
+
+
+def strip_nproc(argv: Sequence[str]) -> list[str]:
+    """The command line without ``--nproc N`` / ``--nproc=N``, for the workers."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) -> int:
+    """Run ``bigbatch SUBCOMMAND ARGV`` (less ``--nproc``) in ``nproc`` workers and return the exit code.
+
+    The workers run under ``python -m bigbatch.parallel.agent --standalone --nproc-per-node N`` (a worker's
+    failure becomes one line) and die with this process (see :mod:`bigbatch.parallel.lifeline`)."""
+    from bigbatch.parallel.lifeline import run_supervised
+
+    command = [
+        sys.executable,
+        "-m",
+        "bigbatch.parallel.agent",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "bigbatch",
+        subcommand,
+        *strip_nproc(argv),
+    ]
+    return run_supervised(command)

@@ -1,0 +1,597 @@
+"""Run configuration: dataclasses whose field help becomes the CLI help.
+
+Precedence: field defaults < a TOML file (``--config``) < command-line flags.
+A TOML file has one table per section::
+
+    [batch]
+    total_batch_tokens = 524288
+    micro_batch = 16
+    seq_len = 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from bigbatch.errors import ConfigError
+from bigbatch.settings.choices import (
+    DATA_MODE,
+    LAST_WINDOW,
+    LONG_DOCUMENTS,
+    MODEL_PRESET_NAMES,
+    PACK,
+    PARALLEL,
+    PRECISION,
+    RESUME,
+    SHUFFLE,
+    SWITCH,
+    Choices,
+)
+from bigbatch.settings.ranges import (
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_AUTO,
+    POSITIVE_OR_AUTO,
+    PROBABILITY,
+    SEED,
+    Range,
+)
+
+SWITCH_VALUES = SWITCH.values
+
+INIT_FROM_AUTO_SEQ_LEN_CAP = 8192
+"""seq_len auto with ``--init-from`` is the directory's context length, at most this: Llama 3.2 declares 131,072
+positions, and sequences that long rarely fit a training step (``--seq-len`` asks for more)."""
+
+
+def _opt(
+    default: Any,
+    help: str,
+    flag: str | None = None,
+    range: Range | None = None,
+    choices: Choices | None = None,
+    legacy_zero: bool = False,
+) -> Any:
+    """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
+    field declares its allowed :class:`~bigbatch.settings.ranges.Range`, a closed choice its
+    :class:`~bigbatch.settings.choices.Choices`: both are checked for flags, TOML files and Python alike.
+
+    A range that takes ``auto`` makes an auto field: ``auto`` is stored as 0 and resolved where it is used.
+    ``legacy_zero``: config files from before the word ``auto`` wrote 0 for it; a file's 0 still reads as auto
+    (the flag refuses 0)."""
+    metadata: dict[str, Any] = {"help": help}
+    if flag:
+        metadata["flag"] = flag
+    if range is not None:
+        metadata["range"] = range
+        if range.auto:
+            metadata["auto"] = True
+    if legacy_zero:
+        metadata["legacy_zero"] = True
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelSection:
+    preset: str = _opt(
+        "nano",
+        f"model preset: {', '.join(MODEL_PRESET_NAMES)}; or hf:DIR, a local Hugging Face causal LM",
+        flag="model",
+    )
+    block_size: int = _opt(
+        0,
+        "maximum context length; auto: the preset's",
+        range=POSITIVE_INT_OR_AUTO,
+        legacy_zero=True,
+    )
+    dropout: float = _opt(
+        0.0,
+        "dropout probability (0 keeps micro-batch and full-batch gradients identical)",
+        range=PROBABILITY,
+    )
+    activation_checkpointing: bool = _opt(
+        False, "recompute each transformer block in backward (less activation memory, about 1/3 more compute)"
+    )
+    chunked_loss: bool = _opt(
+        True,
+        "compute the head and the loss in chunks of rows, never holding the whole (micro_batch, seq_len, vocab) "
+        "logits (the same numbers to rounding; an hf: model whose logits are not its head's linear map uses the "
+        "whole logits)",
+    )
+    init_from: str = _opt(
+        "",
+        "start from a local Hugging Face GPT-2 or Llama directory (config.json + model.safetensors; its model_type "
+        "decides); replaces the preset; its tokenizer.json, when present, is what --tokenizer auto uses",
+    )
+
+
+@dataclass
+class DataSection:
+    data: str = _opt(
+        "builtin",
+        "a prepared dataset directory; raw text (file, directory, glob, or 'builtin'); or token shards from "
+        "build-nanogpt (.npy) / llm.c (.bin): a directory or glob",
+    )
+    tokenizer: str = _opt(
+        "auto",
+        "tokenizer for raw text: byte (no download), gpt2 (tiktoken), bpe:VOCAB (byte-level BPE trained on the "
+        "data, e.g. bpe:4096) or file:PATH (a Hugging Face tokenizer.json, or the directory holding one); auto: with "
+        "--init-from, that directory's tokenizer.json when it has one, else byte for raw text; the dataset's own for "
+        "prepared or token-shard data (another name than the dataset's is an error)",
+    )
+    val_fraction: float = _opt(
+        0.1,
+        "share of the token stream held out for validation when preparing raw text; 0 holds none out (then set "
+        "--eval-every 0)",
+        range=PROBABILITY,
+    )
+    cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
+    data_mode: str = _opt(
+        "packed",
+        "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
+        ".jsonl prompt/completion records mask the prompt)",
+        choices=DATA_MODE,
+    )
+    long_documents: str = _opt(
+        "split",
+        "documents mode, a document longer than seq_len: split (into seq_len windows, each padded only at its end; "
+        "every token is trained on) or truncate (keep its first seq_len+1 tokens, drop the rest)",
+        choices=LONG_DOCUMENTS,
+    )
+    pack: str = _opt(
+        "auto",
+        "documents mode: on (rows of seq_len filled with whole documents back to back, attention and positions "
+        "within each; a long document's windows as --long-documents split makes them), off (one padded document "
+        "per row); auto: on for a new run, and what the run started with on resume",
+        choices=PACK,
+    )
+    shuffle: str = field(
+        default="on",
+        metadata={
+            "help": "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of "
+            "a step depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; "
+            "documents: the epoch's sequences) or off (the order of the data)",
+            "switch": True,
+            "choices": SHUFFLE,
+        },
+    )
+
+
+@dataclass
+class BatchSection:
+    total_batch_tokens: int = _opt(
+        16384,
+        "tokens per optimizer step = micro_batch x seq_len x K x world_size",
+        range=POSITIVE_INT,
+    )
+    micro_batch: int = field(
+        default=16,
+        metadata={
+            "help": "sequences per micro-batch per device (B); 'auto' picks the largest that fits",
+            "auto": True,
+            "range": POSITIVE_INT_OR_AUTO,
+        },
+    )
+    memory_budget: float = _opt(
+        0.0,
+        "MiB a training step may use on CPU, for --micro-batch auto; auto: none given (CUDA probes what fits in the "
+        "device's memory; on CPU --micro-batch auto then asks for one)",
+        range=POSITIVE_OR_AUTO,
+        legacy_zero=True,
+    )
+    seq_len: int = _opt(
+        0,
+        "tokens per sequence (T); auto: the model's block size (the preset's, --block-size or --init-from's; "
+        f"--init-from's and hf:DIR's at most {INIT_FROM_AUTO_SEQ_LEN_CAP:,})",
+        range=POSITIVE_INT_OR_AUTO,
+    )
+    token_budget: int = _opt(
+        0,
+        "valid target tokens per step; when set, K varies per step (the micro-batch that reaches the budget is "
+        "included whole) and total_batch_tokens is not used; 0 disables it (K fixed by total_batch_tokens)",
+        range=NON_NEGATIVE_INT,
+    )
+    last_window: str = _opt(
+        "partial",
+        "last incomplete window of a document epoch: partial (train on it, exactly normalized) or drop (skip it)",
+        choices=LAST_WINDOW,
+    )
+    batch_ramp: str = _opt(
+        "",
+        "batch-size ramp-up START_TOKENS:RAMP_TOKENS (e.g. 32K:10M): tokens per step grow linearly in tokens seen "
+        "from START to total_batch_tokens over the first RAMP_TOKENS, in whole micro-batches; auto: grow toward "
+        "the measured gradient noise scale; empty: no ramp",
+    )
+
+
+@dataclass
+class OptimSection:
+    lr: float = _opt(2e-3, "peak learning rate (after warmup)", range=POSITIVE)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr; 0 decays to zero", range=FRACTION)
+    warmup_steps: int = _opt(20, "linear warmup steps; 0: none", range=NON_NEGATIVE_INT)
+    decay_steps: int = _opt(
+        0,
+        "step at which cosine decay reaches the minimum; auto: max_steps",
+        range=POSITIVE_INT_OR_AUTO,
+        legacy_zero=True,
+    )
+    weight_decay: float = _opt(
+        0.1,
+        "AdamW weight decay on matrices and embeddings; 0 disables",
+        range=NON_NEGATIVE,
+    )
+    beta1: float = _opt(0.9, "AdamW beta1; 0: no moving average of the gradient", range=PROBABILITY)
+    beta2: float = _opt(0.95, "AdamW beta2; 0: no moving average of its square", range=PROBABILITY)
+    eps: float = _opt(1e-8, "AdamW epsilon", range=POSITIVE)
+    grad_clip: float = _opt(
+        1.0,
+        "clip the global gradient norm to this after accumulation; 0 disables",
+        range=NON_NEGATIVE,
+    )
+
+
+@dataclass
+class RunSection:
+    max_steps: int = _opt(120, "optimizer steps to train", range=POSITIVE_INT)
+    out: str = _opt(
+        "",
+        "run directory (default: runs/<model>-<hash of the run's settings>, so the same command continues the "
+        "same run)",
+    )
+    seed: int = _opt(1337, "random seed, any integer from 0 to 2**63 - 1", range=SEED)
+    device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
+    precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16", choices=PRECISION)
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off",
+            "switch": True,
+            "choices": SWITCH,
+        },
+    )
+    nproc: int = _opt(
+        1,
+        "processes on this machine: >1 launches torchrun's elastic agent (--standalone) for you",
+        range=POSITIVE_INT,
+    )
+    parallel: str = _opt(
+        "auto",
+        "auto (ddp when world_size > 1), none, ddp or fsdp (FSDP2 fully_shard per block and root)",
+        choices=PARALLEL,
+    )
+    sync_every_micro_step: bool = _opt(
+        False, "reduce gradients after every micro-step instead of once per step (for comparison; costs K rounds)"
+    )
+    collective_timeout: float = _opt(600.0, "seconds before a hung collective becomes an error", range=POSITIVE)
+    peak_flops: float = _opt(
+        0.0,
+        "peak FLOP/s per device for MFU; auto: looked up by the GPU's name (A100, H100, H200; others: no MFU)",
+        range=POSITIVE_OR_AUTO,
+        legacy_zero=True,
+    )
+    tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
+    wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
+    eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables", range=NON_NEGATIVE_INT)
+    eval_batches: int = field(
+        default=0,
+        metadata={
+            "help": "validation micro-batches per process per evaluation, as windows spread uniformly over the "
+            "validation split (the same windows every time; the whole split when it holds no more); 'auto': "
+            "131,072 tokens' worth, whatever the micro-batch and processes (a split of at most 131,072 tokens is "
+            "read whole)",
+            "auto": True,
+            "range": POSITIVE_INT_OR_AUTO,
+        },
+    )
+    save_every: int = _opt(
+        0,
+        "checkpoint every N steps; the final step is always saved (0: only the final step)",
+        range=NON_NEGATIVE_INT,
+    )
+    keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
+    resume: str = _opt(
+        "auto",
+        "auto: continue from the newest valid checkpoint in --out if there is one; "
+        "never: refuse a run directory that holds checkpoints",
+        choices=RESUME,
+    )
+    overwrite: bool = _opt(False, "with --resume never: delete the run directory's checkpoints and logs, start over")
+    wait_for_lock: bool = _opt(
+        False,
+        "when another process is training in the run directory: wait until it ends, then continue its run, instead "
+        "of refusing",
+    )
+    max_consecutive_skips: int = _opt(
+        5,
+        "abort after this many consecutive steps with a non-finite gradient",
+        range=POSITIVE_INT,
+    )
+    log_every: int = _opt(1, "print a step line every N steps", range=POSITIVE_INT)
+    noise_scale_every: int = _opt(
+        10,
+        "measure the gradient noise scale (critical batch, in tokens) at step 1 and every N steps from the "
+        "accumulation's own gradients, without changing training; 0 disables",
+        range=NON_NEGATIVE_INT,
+    )
+    noise_scale_window: int = _opt(
+        5,
+        "measurements the noise scale is smoothed over: the EMA of |G|^2 and tr(Sigma) decays by 1 - 1/N per "
+        "measurement, so it follows a change within about 2N measurements",
+        range=POSITIVE_INT,
+    )
+    sample_tokens: int = _opt(200, "tokens to generate at the end of training; 0 disables", range=NON_NEGATIVE_INT)
+    sample_prompt: str = _opt("def ", "prompt for the end-of-training sample")
+    extend_schedule: bool = _opt(
+        False,
+        "on resume: stretch the saved learning-rate schedule to this run's max_steps (or decay_steps) instead of "
+        "keeping it",
+    )
+    allow_data_change: bool = _opt(
+        False, "on resume: continue on data whose tokens differ from the checkpoint's (same tokenizer only)"
+    )
+    allow_ramp_change: bool = _opt(False, "on resume: apply a --batch-ramp other than the run's from the next step")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "batch": BatchSection,
+    "optim": OptimSection,
+    "run": RunSection,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value == 0 and _field_meta(SECTIONS[section], key).get("auto"):
+                    value = "auto"
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def validate(self) -> None:
+        for section, section_cls in SECTIONS.items():
+            for f in fields(section_cls):
+                value = getattr(getattr(self, section), f.name)
+                allowed: Choices | None = f.metadata.get("choices")
+                if allowed is not None:
+                    allowed.check(value)
+                declared: Range | None = f.metadata.get("range")
+                if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
+                    continue
+                declared.check(f"--{_flag(f)} ({section}.{f.name})", value)
+        if self.model.init_from and self.model.preset.startswith("hf:"):
+            raise ConfigError(
+                f"--init-from and --model {self.model.preset} both name a model directory; give one (--model hf:DIR "
+                "loads the directory's weights itself)"
+            )
+        if self.optim.decay_steps and self.optim.decay_steps < self.optim.warmup_steps:
+            raise ConfigError(
+                f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
+                "raise decay_steps or set it to auto (= max_steps)"
+            )
+        from bigbatch.sizing.ramp import check_ramp_settings
+
+        check_ramp_settings(self.batch.batch_ramp, self.batch.total_batch_tokens, self.batch.token_budget)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{text}"'
+
+
+def _flag(f: Any) -> str:
+    return f.metadata.get("flag", f.name).replace("_", "-")
+
+
+def _check_type(where: str, value: Any, expected: type) -> Any:
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{where} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+_SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _field_meta(section_cls: type, name: str) -> Any:
+    return _field(section_cls, name).metadata
+
+
+def _field(section_cls: type, name: str) -> Any:
+    return {f.name: f for f in fields(section_cls)}[name]
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    """The scalar type of a config field (annotations are strings under ``from __future__ import annotations``)."""
+    annotation = {f.name: f.type for f in fields(section_cls)}[name]
+    return _SCALAR_TYPES[annotation if isinstance(annotation, str) else annotation.__name__]
+
+
+def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, check_ranges: bool = True) -> None:
+    """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys, wrong types and, unless
+    ``check_ranges`` is off (a checkpoint's own stored config, where 0 means auto), values out of range."""
+    for section, values in mapping.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: [{section}] must be a table of key = value")
+        section_cls = SECTIONS[section]
+        known = [f.name for f in fields(section_cls)]
+        target = getattr(config, section)
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
+            meta = _field_meta(section_cls, key)
+            legacy_auto = meta.get("legacy_zero") and _is_zero(value)  # an older file's 0 for auto
+            if meta.get("auto") and (value == "auto" or legacy_auto):
+                value = _field_type(section_cls, key)(0)  # stored as 0, resolved where it is used
+            elif isinstance(value, bool) and meta.get("switch"):
+                value = "on" if value else "off"
+            else:
+                name = f"{origin}: {section}.{key}"
+                value = _check_type(name, value, _field_type(section_cls, key))
+                declared: Range | None = meta.get("range")
+                if check_ranges and declared is not None:
+                    declared.check(f"{name} (--{_flag(_field(section_cls, key))})", value)
+            setattr(target, key, value)
+
+
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def load_toml(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per config field, help taken from the field; defaults stay unset so a TOML file can fill them."""
+    for section, section_cls in SECTIONS.items():
+        group = parser.add_argument_group(f"[{section}]")
+        for f in fields(section_cls):
+            kind = _field_type(section_cls, f.name)
+            auto = f.metadata.get("auto", False)
+            default = f.default if f.default is not MISSING else None
+            if auto and _is_zero(default):
+                default = "auto"
+            help_text = f"{f.metadata['help']} (default: {default!r})"
+            dest = f"{section}.{f.name}"
+            if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
+                group.add_argument(
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    nargs="?",
+                    const="on",
+                    choices=f.metadata["choices"],
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
+                group.add_argument(
+                    f"--no-{_flag(f)}",
+                    dest=dest,
+                    action="store_const",
+                    const="off",
+                    default=argparse.SUPPRESS,
+                    help=f"same as --{_flag(f)} off",
+                )
+            elif kind is bool:
+                group.add_argument(
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
+            else:
+                declared: Range | None = f.metadata.get("range")
+                group.add_argument(
+                    f"--{_flag(f)}",
+                    dest=dest,
+                    type=declared.argtype() if declared else kind,
+                    default=argparse.SUPPRESS,
+                    metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(),
+                    help=help_text,
+                )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then ``args.config`` (a TOML file) if given, then the flags that were set."""
+    config = TrainConfig()
+    if getattr(args, "config", None):
+        apply_mapping(config, load_toml(args.config), origin=str(args.config))
+    overrides: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            overrides.setdefault(section, {})[key] = value
+    apply_mapping(config, overrides, origin="command line")
+    config.validate()
+    return config
+
+
+def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
+    config = TrainConfig()
+    apply_mapping(config, mapping, origin="checkpoint config", check_ranges=False)
+    return config
+
+
+def model_block_size(config: TrainConfig) -> int:
+    """The context length of the model ``config`` trains, from the settings alone (no weights are read):
+    ``--init-from``'s config.json (GPT-2 ``n_positions``, Llama ``max_position_embeddings``), else
+    ``--block-size``, else the preset's."""
+    if config.model.init_from:
+        from bigbatch.models.pretrained import read_pretrained_config
+
+        return read_pretrained_config(config.model.init_from).block_size
+    if config.model.block_size:
+        return config.model.block_size
+    from bigbatch.models import model_preset
+
+    return model_preset(config.model.preset).block_size
+
+
+def auto_seq_len(config: TrainConfig) -> int:
+    """What seq_len auto resolves to: the model's block size; with ``--init-from`` or ``--model hf:DIR`` at most
+    :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` (a preset's or ``--block-size``'s is the user's own choice)."""
+    block_size = model_block_size(config)
+    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if model_directory(config) else block_size
+
+
+def model_directory(config: TrainConfig) -> str:
+    """The directory the model comes from (``--init-from DIR`` or ``--model hf:DIR``), or ``""`` for a preset."""
+    if config.model.init_from:
+        return config.model.init_from
+    return config.model.preset.removeprefix("hf:") if config.model.preset.startswith("hf:") else ""
+
+
+def resolve_seq_len(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``seq_len`` auto (stored 0) replaced by :func:`auto_seq_len` (a copy), or ``config`` itself
+    when ``seq_len`` is set; everything that plans, reads or names a run uses the resolved one."""
+    if config.batch.seq_len:
+        return config
+    return replace(config, batch=replace(config.batch, seq_len=auto_seq_len(config)))

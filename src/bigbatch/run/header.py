@@ -1,0 +1,111 @@
+"""The lines a run prints before its first step: version and devices, data, model, plan, long documents."""
+
+from __future__ import annotations
+
+from bigbatch import __version__
+from bigbatch.data.loader import DocumentLoader
+from bigbatch.models import HFConfig, LlamaConfig, ModelConfig
+from bigbatch.run.build import RunParts
+from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
+
+
+def header_lines(parts: RunParts) -> list[str]:
+    meta, cfg = parts.dataset.meta, parts.model.config
+    plan = f"plan | {describe_plan(parts)}"
+    if parts.seq_len_auto:  # no --seq-len: say where the number came from
+        if parts.plan.seq_len < cfg.block_size:  # --init-from's context, capped (see config.auto_seq_len)
+            plan += (
+                f" | seq_len {parts.plan.seq_len} (the model's block size {cfg.block_size:,}, capped at "
+                f"{INIT_FROM_AUTO_SEQ_LEN_CAP:,}; --seq-len sets it)"
+            )
+        else:
+            plan += f" | seq_len {parts.plan.seq_len} (the model's block size)"
+    lines = [
+        f"bigbatch {__version__} | device {parts.device} | precision {parts.engine.precision} | parallel "
+        f"{parts.parallel} | run {parts.run_dir}",
+        f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train {meta.tokens.get('train', 0):,} tokens "
+        f"| val {meta.tokens.get('val', 0):,} tokens",
+        f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
+        f"parameters | {describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
+        plan,
+    ]
+    if parts.ramp is not None:
+        lines.append(f"batch ramp | {parts.ramp.describe()}")
+    if isinstance(parts.train_loader, DocumentLoader):
+        lines.append(f"documents | {describe_positions(parts.train_loader)}")
+        lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
+    lines.append(f"order | {describe_order(parts)}")
+    if parts.val_loader is not None:
+        lines.append(f"validation | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
+    return lines
+
+
+def describe_shape(cfg: ModelConfig) -> str:
+    """Layers, heads and width; for a Llama also its key/value heads and MLP width; for ``hf:DIR`` the
+    transformers class it is."""
+    if isinstance(cfg, HFConfig):
+        kv = f" ({cfg.n_kv_head} key/value)" if cfg.n_kv_head != cfg.n_head else ""
+        experts = f", {cfg.experts} experts" if cfg.experts else ""
+        return f"hf {cfg.architecture}: {cfg.n_layer} layers, {cfg.n_head} heads{kv}, {cfg.n_embd} wide{experts}"
+    if isinstance(cfg, LlamaConfig):
+        return (
+            f"llama: {cfg.n_layer} layers, {cfg.n_head} heads ({cfg.n_kv_head} key/value), {cfg.n_embd} wide, "
+            f"ffn {cfg.ffn_hidden}"
+        )
+    return f"{cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide"
+
+
+def describe_plan(parts: RunParts) -> str:
+    p, last_window = parts.plan, parts.policy.last_window
+    if parts.policy.token_budget:
+        return (
+            f"token budget {parts.policy.token_budget:,} valid targets/step | micro_batch {p.micro_batch} x seq_len "
+            f"{p.seq_len} x world {p.world_size} per micro-batch | K varies (the micro-batch that reaches the "
+            f"budget is included whole) | last window: {last_window}"
+        )
+    if parts.documents:
+        return (
+            f"{p.describe()} (positions; one document, or one window of a long one, per sequence, normalized by "
+            f"the valid targets of each step) | last window: {last_window}"
+        )
+    return p.describe()
+
+
+def describe_positions(loader: DocumentLoader) -> str:
+    """Where one epoch's positions go, as read and the other way: e.g. ``packed into 1,210 rows of 512 (--pack
+    on): 2.1% padding, 24.0% masked prompts, 73.9% valid targets (one per row: 56.3% padding)``."""
+    padding, prompt = loader.position_shares()
+    other_padding, _ = loader.position_shares(packed=not loader.pack)
+    if loader.pack:
+        how = f"packed into {loader.n_sequences:,} rows of {loader.seq_len} (--pack on)"
+        other = f"one per row: {other_padding:.1%} padding"
+    else:
+        how = f"{loader.n_sequences:,} sequences, one per row of {loader.seq_len} (--pack off)"
+        other = f"--pack on: {other_padding:.1%} padding"
+    return (
+        f"{how}: {padding:.1%} padding, {prompt:.1%} masked prompts, {1 - padding - prompt:.1%} valid targets ({other})"
+    )
+
+
+def describe_long_documents(loader: DocumentLoader) -> str:
+    """The long-document policy of a documents-mode training split and what it costs."""
+    total = loader.valid_targets + loader.dropped_targets
+    longer = f"{loader.long_document_count:,} of {loader.n_docs:,} documents longer than seq_len+1={loader.seq_len + 1}"
+    if loader.long_documents == "split":
+        return (
+            f"split into seq_len windows ({loader.sequence_count:,} sequences; {longer}) | "
+            f"0 of {total:,} target tokens dropped"
+        )
+    share = loader.dropped_targets / total if total else 0.0
+    return (
+        f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {total:,} target tokens dropped "
+        f"({share:.1%}); --long-documents split trains on every one"
+    )
+
+
+def describe_order(parts: RunParts) -> str:
+    """How the training windows are read: shuffled per epoch (``--shuffle on``) or in the data's order."""
+    if parts.config.data.shuffle == "on":
+        unit = "sequences" if parts.documents else f"windows of {parts.plan.seq_len} tokens"
+        return f"shuffled: a permutation of the {unit} per epoch, seed {parts.config.run.seed} (--shuffle on)"
+    return "the data's order (--shuffle off)"

@@ -1,0 +1,3 @@
+"""Sizing a step: the batch arithmetic, the batch-size ramp, memory estimated and measured, ``--micro-batch
+auto``, ``bigbatch plan``'s table.
+"""

@@ -1,0 +1,107 @@
+"""The table of ``bigbatch plan``: the batch arithmetic, memory and the step-time model."""
+
+from __future__ import annotations
+
+from bigbatch.errors import ConfigError
+from bigbatch.models import HFConfig, ModelConfig
+from bigbatch.sizing.memory import HF_ESTIMATE_UNAVAILABLE, MiB, MicroStepMeasurement, estimate_memory
+from bigbatch.sizing.plan import SolvedPlan
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n < 1024 * MiB else f"{n / 1024 / MiB:,.2f} GiB"
+
+
+def format_plan(
+    solved: SolvedPlan,
+    model_name: str | None = None,
+    model_config: ModelConfig | None = None,
+    precision: str = "fp32",
+    measured: MicroStepMeasurement | None = None,
+) -> str:
+    plan = solved.plan
+    rows: list[tuple[str, str]] = [
+        ("tokens per step", f"{plan.tokens_per_step:,}"),
+        ("sequences per step", f"{plan.sequences_per_step:,}"),
+        ("sequence length (T)", f"{plan.seq_len:,}"),
+        ("micro-batch per device (B)", f"{plan.micro_batch}"),
+        ("accumulation steps (K)", f"{plan.accumulation_steps}"),
+        ("micro-steps per device per step", f"{plan.accumulation_steps}"),
+        ("devices (world size)", f"{plan.world_size}"),
+        ("tokens per micro-batch", f"{plan.tokens_per_micro_batch:,}"),
+    ]
+    notes = []
+    if solved.solved_for:
+        notes.append(f"derived: {solved.solved_for}")
+    if solved.rounded:
+        notes.append(
+            f"{solved.requested_tokens:,} tokens is not a whole number of micro-batches on every device; rounded "
+            f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens"
+            + (f" ({plan.tokens_per_step / 1e6:.1f}M)" if plan.tokens_per_step >= 100_000 else "")
+        )
+    if isinstance(model_config, HFConfig):
+        rows.append((f"model {model_name}", f"hf {model_config.architecture}"))
+        notes.append(HF_ESTIMATE_UNAVAILABLE + ("; --measure measures it" if measured is None else ""))
+    elif model_config is not None:
+        estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
+        rows += [
+            (f"model {model_name}", f"{estimate.params // 4 / 1e6:,.1f}M parameters"),
+            ("parameters (fp32)", _mib(estimate.params)),
+            ("gradients (fp32)", _mib(estimate.grads)),
+            ("AdamW state", _mib(estimate.optimizer)),
+            (f"activations per micro-batch ({precision}, estimate)", _mib(estimate.activations)),
+            ("peak per device (estimate)", _mib(estimate.fixed + estimate.activations)),
+        ]
+    if measured is not None:
+        step = plan.accumulation_steps * measured.micro_step_seconds + measured.optimizer_seconds
+        rows += [
+            ("activations per micro-batch (measured)", _mib(measured.forward_peak)),
+            ("peak per device (measured)", _mib(measured.fixed + max(measured.backward_peak, measured.step_peak_k))),
+            ("micro-step time (measured)", f"{measured.micro_step_seconds * 1000:,.1f} ms"),
+            ("optimizer step time (measured)", f"{measured.optimizer_seconds * 1000:,.1f} ms"),
+            ("step time = K x micro-step + optimizer", f"{step * 1000:,.0f} ms"),
+            ("tokens/s per device (model)", f"{plan.tokens_per_step / plan.world_size / step:,.0f}"),
+        ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def report_plan(
+    solved: SolvedPlan,
+    model_name: str | None = None,
+    vocab_size: int = 0,
+    precision: str = "auto",
+    device_name: str = "auto",
+    measure_step: bool = False,
+) -> str:
+    """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
+    ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
+    from bigbatch.engine.accumulate import resolve_precision
+    from bigbatch.models import model_preset
+    from bigbatch.parallel.distributed import resolve_device
+    from bigbatch.sizing.memory import measure
+
+    if not model_name:
+        return format_plan(solved, model_name, None, "fp32", None)
+    device = resolve_device(device_name)
+    resolved = resolve_precision(precision, device)
+    overrides = {"vocab_size": vocab_size} if vocab_size else {}
+    model_config = model_preset(model_name, **overrides)
+    if solved.plan.seq_len > model_config.block_size:
+        if isinstance(model_config, HFConfig):  # its context is its config.json's: it cannot grow here
+            raise ConfigError(
+                f"--seq-len {solved.plan.seq_len} exceeds {model_name}'s context length {model_config.block_size:,}"
+            )
+        model_config = model_preset(model_name, block_size=solved.plan.seq_len, **overrides)
+    measured = None
+    if measure_step:
+        measured = measure(
+            model_config,
+            solved.plan.micro_batch,
+            solved.plan.seq_len,
+            k=min(solved.plan.accumulation_steps, 4),
+            device=device,
+            precision=resolved,
+        )
+    return format_plan(solved, model_name, model_config, resolved, measured)
