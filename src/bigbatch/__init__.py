@@ -33,7 +33,27 @@ _PUBLIC = {
     "EquivalenceReport": "bigbatch.verify",
 }
 
-__all__ = [*_PUBLIC, "__version__"]
+__all__ = [
+    "AccumulationEngine",
+    "StepRecord",
+    "token_loss_sum",
+    "StepHook",
+    "MicroBatch",
+    "build_adamw",
+    "CosineSchedule",
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "model_preset",
+    "preset",
+    "TrainConfig",
+    "Trainer",
+    "check_equivalence",
+    "check_distributed_equivalence",
+    "EquivalenceReport",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from bigbatch.engine.accumulate import AccumulationEngine, StepRecord, token_loss_sum

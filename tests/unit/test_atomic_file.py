@@ -14,7 +14,7 @@ import pytest
 from bigbatch.files import atomic as atomic_file
 from bigbatch.files.atomic import write_atomically, write_text_atomically
 
-SRC = Path(atomic_file.__file__).resolve().parent
+SRC = Path(atomic_file.__file__).resolve().parent.parent  # src/bigbatch
 
 
 def test_write_text_atomically_replaces_the_whole_file_and_leaves_no_temporary(tmp_path: Path) -> None:
