@@ -1,47 +1,58 @@
 # Two entry points on a fresh machine: `make demo` and `make test`.
-# Each creates the virtual environment with pinned dependencies on first use.
+# Each creates the virtual environment with pinned dependencies on first use, in two steps: the runtime pins
+# (requirements.txt) and the package, which is all `make demo` needs; then, for the targets that test, lint or
+# benchmark, the dev pins on top (requirements-dev.txt: test tools, transformers, the optional loggers).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.runtime
+DEV := $(VENV)/.dev
 
-.PHONY: demo test test-fast lint format bench fuzz venv clean
+.PHONY: demo test test-fast lint format bench fuzz venv venv-runtime clean
 
-venv: $(STAMP)
+# The runtime environment: the pins `bigbatch train` needs and the package itself (editable).
+venv-runtime: $(RUNTIME)
 
-$(STAMP): pyproject.toml requirements.txt requirements-dev.txt
+# The development environment: the runtime one plus the dev pins (changing requirements-dev.txt re-runs only this).
+venv: $(DEV)
+
+$(RUNTIME): pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	touch $(RUNTIME)
 
-demo: $(STAMP)
+$(DEV): $(RUNTIME) requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	touch $(DEV)
+
+demo: $(RUNTIME)
 	$(BIN)/bigbatch train
 
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -q
 
 # The inner loop: every test not marked slow, unit and integration (under 2 minutes on 2 CPU cores).
-test-fast: $(STAMP)
+test-fast: $(DEV)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # Lint, format and type checks (pinned in requirements-dev.txt, configured in pyproject.toml); CI runs them too.
 # `make format` rewrites the files the format check would refuse.
-lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+lint: $(DEV)
+	$(BIN)/ruff check src tests benchmarks examples docs
+	$(BIN)/ruff format --check src tests benchmarks examples docs
 	$(BIN)/mypy
 
-format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks examples
-	$(BIN)/ruff check --fix src tests benchmarks examples
+format: $(DEV)
+	$(BIN)/ruff format src tests benchmarks examples docs
+	$(BIN)/ruff check --fix src tests benchmarks examples docs
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(BIN)/python benchmarks/run_all.py
 
 # Differential fuzzer (tests/support/fuzz.py): bigbatch's training step against one naive giant batch.
 # `make fuzz` runs CI's fixed seeds, `make fuzz N=200` 200 random seeds, `make fuzz SEED=1234` one seed.
-fuzz: $(STAMP)
+fuzz: $(DEV)
 	OMP_NUM_THREADS=1 $(BIN)/python tests/support/fuzz.py $(if $(SEED),--seed $(SEED) --verbose,$(if $(N),--n $(N)))
 
 clean:

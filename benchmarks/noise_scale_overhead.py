@@ -29,6 +29,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import GPT, fsdp_units, preset
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.probe import small_grad_probe
 from bigbatch.noise.scale import NoiseScale
 from bigbatch.parallel.distributed import DistContext, distributed_session, launched_by_torchrun, wrap_model
@@ -79,8 +80,7 @@ def measure(args: argparse.Namespace, dist_ctx: DistContext, device: torch.devic
             device=device,
             grad_sync=grad_sync,
             dist=dist_ctx,
-            noise_scale=noise,
-            small_grad=probe,
+            hooks=noise_meter_hooks(noise, wrapped, probe),
         )
     generator = torch.Generator().manual_seed(1 + dist_ctx.rank)
     tokens = torch.randint(0, config.vocab_size, (k * B, T + 1), generator=generator)

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from bigbatch.data.dataset import open_dataset
-from bigbatch.data.loader import DocumentLoader, loader_for
+from bigbatch.data.documents import DocumentLoader
+from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import StepPolicy, next_step

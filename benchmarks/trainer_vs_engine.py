@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from bigbatch.data.cache import ensure_prepared
-from bigbatch.data.loader import PackedLoader
 from bigbatch.data.shards import TokenDataset
+from bigbatch.data.stream import PackedLoader
 from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import CosineSchedule, build_adamw

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from bigbatch import GPT, preset
-from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.batch import MicroBatch
-from bigbatch.engine.optim import CosineSchedule, build_adamw
+from bigbatch import GPT, AccumulationEngine, CosineSchedule, MicroBatch, build_adamw, preset
 
 
 def main(steps: int = 5, k: int = 4, micro_batch: int = 8, seq_len: int = 64) -> list[float]:

@@ -171,7 +171,7 @@ def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: 
     from bigbatch.run.config import _flag
 
     field = next(f for f in fields(SECTIONS[section]) if f.name == name)
-    readme = (SRC.parent / "README.md").read_text()
+    readme = (SRC.parent / "docs" / "configuration.md").read_text()
     rows = [
         line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]
     ]

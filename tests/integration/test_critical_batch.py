@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.critical_batch.measure import critical_batch_size
+from bigbatch.critical_batch.rules import critical_batch_size
 
 PARENT_STEPS, PARENT_TPS = 4, 128  # micro-batch 2 x seq_len 32 x K 2
 SIZES, BUDGET = [64, 128, 256], 512  # K 1, 2, 4; 8, 4 and 2 steps

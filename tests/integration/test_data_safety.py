@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, DocumentShard, TokenDataset
 from bigbatch.data.split import document_splits
@@ -377,7 +377,7 @@ def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest
 
 
 def test_prefix_sums_read_in_chunks_match_a_cumsum() -> None:
-    from bigbatch.data.loader import _prefix_sums
+    from bigbatch.data.documents import _prefix_sums
 
     rng = np.random.default_rng(1)
     values = rng.integers(0, 2, size=10_007).astype(np.uint8)

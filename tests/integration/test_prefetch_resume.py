@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import corpus_bytes
 
-from bigbatch.data.loader import PackedLoader
+from bigbatch.data.stream import PackedLoader
 from bigbatch.run import checkpoint as ckpt
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer

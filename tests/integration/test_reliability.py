@@ -352,7 +352,7 @@ def test_a_hung_peer_becomes_an_error_within_the_timeout(corpus: Path, tmp_path:
 
 
 def test_loader_state_from_a_smaller_world_continues_in_the_next_shard() -> None:
-    from bigbatch.data.loader import PackedLoader
+    from bigbatch.data.stream import PackedLoader
 
     shards = [np.arange(1000, dtype=np.uint16), np.arange(1000, 2000, dtype=np.uint16)]
     single = PackedLoader(shards, micro_batch=2, seq_len=50)  # global window 100

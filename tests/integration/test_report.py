@@ -18,6 +18,7 @@ from bigbatch.observe.metrics import (
     MetricsFanout,
     check_optional_loggers,
     open_metrics,
+    read_records,
 )
 from bigbatch.observe.report import PLOTS, make_report, read_metrics, run_labels, summarize
 from bigbatch.progress import ProgressBar, format_duration
@@ -223,9 +224,105 @@ def test_summary_handles_skipped_steps_nan_and_a_cut_line(tmp_path: Path) -> Non
     assert "skipped steps      1" in (out_dir / "summary.txt").read_text()
 
 
+def test_one_reader_of_metrics_jsonl(tmp_path: Path) -> None:
+    """read_records: every JSON object, in file order (the loggers' history); read_metrics: the steps and
+    evaluations among them, for report, plan --from-run and critical-batch."""
+    lines = [
+        step(1, 5.0),
+        {"kind": "documents", "step": 0, "padding_share": 0.1},
+        "",
+        "[1, 2]",  # not an object
+        {"kind": "eval", "step": 1, "val_loss": 4.5},
+        {"kind": "step", "loss": 1.0},  # no step number
+        '{"kind": "step", "step": 2, "lo',  # cut by a crash
+    ]
+    run_dir = write_jsonl(tmp_path / "r", lines)
+    kinds = [r["kind"] for r in read_records(run_dir)]
+    assert kinds == ["step", "documents", "eval", "step"]
+    run = read_metrics(run_dir)
+    assert [r["step"] for r in run.steps] == [1] and [r["val_loss"] for r in run.evals] == [4.5]
+    assert run.label == "r" and read_records(tmp_path / "nothing-here") == []
+
+
+def test_run_labels_are_the_directory_names(tmp_path: Path) -> None:
+    default, chosen = tmp_path / "runs" / "nano-6771823094", tmp_path / "runs" / "my-experiment"
+    assert run_labels([default, chosen]) == ["nano-6771823094", "my-experiment"]  # not the settings hash alone
+    assert run_labels([tmp_path / "k1", tmp_path / "k8"]) == ["k1", "k8"]
+    assert run_labels([Path("runs/nano-6771823094")]) == ["nano-6771823094"]  # relative as given
+
+
 def test_run_labels_disambiguate_equal_names(tmp_path: Path) -> None:
     assert run_labels([tmp_path / "a" / "run", tmp_path / "b" / "run"]) == ["a/run", "b/run"]
-    assert run_labels([tmp_path / "k1", tmp_path / "k8"]) == ["k1", "k8"]
+    # only the runs that share a name grow, and only as far as it takes
+    assert run_labels([tmp_path / "x" / "a" / "run", tmp_path / "y" / "a" / "run", tmp_path / "k1"]) == [
+        "x/a/run",
+        "y/a/run",
+        "k1",
+    ]
+    # one run's path is the end of the other's: the longer one grows past it
+    assert run_labels([tmp_path / "a" / "run", tmp_path / "b" / "a" / "run"]) == [
+        f"{tmp_path.name}/a/run",
+        "b/a/run",
+    ]
+    assert run_labels([tmp_path / "k1", tmp_path / "k1"]) == ["k1", "k1"]  # the same run twice
+
+
+def named_run(path: Path, name: str) -> Path:
+    """A run directory whose config.toml carries ``run.name`` (as bigbatch train writes it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.toml").write_text(f'[run]\nout = ""\nname = "{name}"\n')
+    return path
+
+
+def test_run_labels_use_the_name_given_at_training_time(tmp_path: Path) -> None:
+    named = named_run(tmp_path / "runs" / "nano-6771823094", "baseline")
+    assert run_labels([named, tmp_path / "runs" / "nano-1234567890"]) == ["baseline", "nano-1234567890"]
+    # two runs with one name: each says which directory it is
+    again = named_run(tmp_path / "other" / "nano-6771823094", "baseline")
+    assert run_labels([named, again]) == ["baseline (runs/nano-6771823094)", "baseline (other/nano-6771823094)"]
+    # a name equal to another run's directory name: both say where they are
+    assert run_labels([named_run(tmp_path / "a" / "k1", "k2"), tmp_path / "b" / "k2"]) == ["k2 (k1)", "b/k2"]
+    # an empty name, a config.toml without one, or no readable config.toml: the directory's name
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.toml").write_text("[run\n")
+    unnamed = [named_run(tmp_path / "empty", ""), named_run(tmp_path / "blank", "  "), tmp_path / "broken"]
+    assert run_labels(unnamed) == ["empty", "blank", "broken"]
+
+
+def test_the_run_name_is_not_part_of_the_runs_identity() -> None:
+    from bigbatch.run.config import TrainConfig
+    from bigbatch.run.identity import default_run_dir, identity_settings, settings_diff, settings_fingerprint
+
+    base, named = TrainConfig(), TrainConfig()
+    named.run.name = "my-experiment"
+    assert default_run_dir(named) == default_run_dir(base)
+    assert settings_fingerprint(named) == settings_fingerprint(base)
+    assert "run.name" not in identity_settings(named)
+    assert settings_diff(base.to_dict(), named) == [] and settings_diff(named.to_dict(), base) == []
+
+
+def test_train_name_labels_the_report_and_survives_a_resume(workspace: Path, tmp_path: Path) -> None:
+    """--name goes into config.toml (the run directory and its identity stay), report labels the run by it, a
+    resume may rename the run, and a resume without --name keeps the name."""
+    run_dir = tmp_path / "runs" / "plain-dir"
+    code, out, err = run_main([*train_args(workspace, run_dir, 8), "--name", "baseline lr 2e-3"])
+    assert code == 0, out + err
+    assert 'name = "baseline lr 2e-3"' in (run_dir / "config.toml").read_text()
+    code, out, err = run_main(["report", str(run_dir), "--out", str(tmp_path / "r1")])
+    assert code == 0, err
+    assert "run baseline lr 2e-3\n" in (tmp_path / "r1" / "summary.txt").read_text()
+
+    code, out, err = run_main(train_args(workspace, run_dir, 8, "--max-steps", "4", "--name", "renamed"))
+    assert code == 0, out + err
+    assert "resumed from" in out and "step 4 | loss" in out  # another name is the same run, continued
+    code, out, err = run_main(train_args(workspace, run_dir, 8, "--max-steps", "5"))
+    assert code == 0, out + err
+    assert "resumed from" in out and 'name = "renamed"' in (run_dir / "config.toml").read_text()
+    other = tmp_path / "elsewhere" / "plain-dir"  # an unnamed run with the same directory name
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    _, summaries, _ = make_report([run_dir, other], tmp_path / "r2")
+    assert [s.label for s in summaries] == ["renamed", "plain-dir"]
 
 
 @pytest.mark.parametrize("case", ["missing-dir", "no-metrics", "empty-metrics", "only-eval"])

@@ -19,6 +19,7 @@ from bigbatch.engine.accumulate import AccumulationEngine, token_loss_sum
 from bigbatch.engine.batch import MicroBatch, count_valid_targets
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import fsdp_units
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.probe import small_grad_probe
 from bigbatch.noise.scale import NoiseScale
 from bigbatch.parallel.distributed import (
@@ -85,8 +86,7 @@ def train(parallel: str, k: int, every: bool, measure: bool, dist_ctx: DistConte
         grad_clip=1.0,
         grad_sync=grad_sync,
         dist=dist_ctx,
-        noise_scale=noise,
-        small_grad=probe,
+        hooks=noise_meter_hooks(noise, wrapped, probe),
     )
     records = [engine.step(my_micro_batches(step, k, dist_ctx)) for step in range(STEPS)]
     return {

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.probe import SmallGradProbe
 from bigbatch.noise.scale import NoiseScale
 from bigbatch.parallel.distributed import DistContext, GradSync
@@ -106,8 +107,7 @@ def run_engine(
         count_fn=count,
         grad_sync=grad_sync,
         dist=dist,
-        noise_scale=noise,
-        small_grad=small_grad,
+        hooks=noise_meter_hooks(noise, model, small_grad),
     )
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -4,6 +4,7 @@ and every file bigbatch rewrites in place goes through them."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from bigbatch.files import atomic as atomic_file
-from bigbatch.files.atomic import write_atomically, write_text_atomically
+from bigbatch.files.atomic import write_atomically, write_json_atomically, write_text_atomically
 
 SRC = Path(atomic_file.__file__).resolve().parent.parent  # src/bigbatch
 
@@ -23,6 +24,17 @@ def test_write_text_atomically_replaces_the_whole_file_and_leaves_no_temporary(t
     write_text_atomically(target, "new\n")
     assert target.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+@pytest.mark.parametrize("indent", [2, 1, None])
+def test_write_json_atomically_writes_what_json_dumps_gives_and_a_newline(tmp_path: Path, indent: int | None) -> None:
+    """The same bytes as the ``write_text_atomically(path, json.dumps(payload, indent=...) + "\\n")`` it replaces."""
+    payload = {"b": [1, 2.5, None], "a": {"nested": True}, "text": "caf\u00e9"}
+    write_json_atomically(tmp_path / "out.json", payload, indent=indent)
+    assert (tmp_path / "out.json").read_text() == json.dumps(payload, indent=indent) + "\n"
+    write_json_atomically(tmp_path / "default.json", payload)
+    assert (tmp_path / "default.json").read_text() == json.dumps(payload, indent=2) + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["default.json", "out.json"]
 
 
 def test_the_new_file_gets_the_mode_the_umask_gives(tmp_path: Path) -> None:
@@ -87,7 +99,7 @@ DIRECT_WRITES_ALLOWED = {
     "files/atomic.py": "the atomic writer itself",
     "data/writer.py": "files inside a staging directory, renamed into place as a whole",
     "data/resumable.py": "a staging directory renamed into place, and its append-only token stream",
-    "models/gpt/hf.py": "files inside a staging directory, renamed into place as a whole",
+    "models/hf_files.py": "files inside a staging directory, renamed into place as a whole",
     "data/tokenizer_files.py": "files inside a staging directory, renamed into place as a whole",
     "parallel/launch.py": "one-shot notes from a worker to its launcher in a private temporary folder",
     "sizing/memory.py": "/proc/self/clear_refs, not a file",

@@ -126,3 +126,23 @@ def test_gpt_1b_preset_is_about_a_billion_parameters() -> None:
     with torch.device("meta"):
         n = GPT(preset("gpt-1b")).num_params(non_embedding=False)
     assert 1.0e9 < n < 1.2e9
+
+
+def test_auto_set_from_python_is_stored_as_the_flag_stores_it() -> None:
+    """``config.batch.micro_batch = "auto"`` reads as the flag's ``--micro-batch auto`` once validated, for every
+    field that takes auto; the word on a field that does not take it is refused."""
+    from dataclasses import fields
+
+    from bigbatch.run.config import SECTIONS
+
+    config = TrainConfig()
+    auto_fields = [(s, f.name) for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("auto")]
+    assert ("batch", "micro_batch") in auto_fields and ("batch", "seq_len") in auto_fields
+    for section, name in auto_fields:
+        setattr(getattr(config, section), name, "auto")
+    config.validate()
+    assert all(getattr(getattr(config, section), name) == 0 for section, name in auto_fields)
+    assert 'micro_batch = "auto"' in config.to_toml()
+    config.run.max_steps = "auto"  # type: ignore[assignment]
+    with pytest.raises(ConfigError):
+        config.validate()

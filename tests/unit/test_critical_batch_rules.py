@@ -8,16 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.critical_batch.measure import (
-    BranchResult,
-    CriticalBatchResult,
-    branch_lr,
-    check_budget,
-    critical_batch_size,
-    noise_scale_series,
-    parse_sizes,
-    plan_sizes,
-)
+from bigbatch.critical_batch.result import BranchResult, CriticalBatchResult, noise_scale_series
+from bigbatch.critical_batch.rules import branch_lr, check_budget, critical_batch_size, parse_sizes, plan_sizes
 from bigbatch.errors import BigBatchError, ConfigError, PlanError
 
 

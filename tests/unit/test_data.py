@@ -12,9 +12,9 @@ import torch
 
 import bigbatch.data.cache as cache_module
 from bigbatch.data.cache import ensure_prepared
-from bigbatch.data.loader import PackedLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, TokenDataset
+from bigbatch.data.stream import PackedLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 

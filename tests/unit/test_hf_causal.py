@@ -16,7 +16,7 @@ from hf_models import hf_config, save_hf
 from bigbatch.errors import ConfigError
 from bigbatch.models import HFCausalLM, HFConfig, build_model, config_from_dict, family_of, fsdp_units, model_preset
 from bigbatch.models.hf_causal import CompiledOrEager, training_notes
-from bigbatch.run.build import check_exactness
+from bigbatch.run.build.model import check_exactness
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.identity import default_run_dir
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.probe import GradReadProbe, PreReduceMeter, small_grad_probe
 from bigbatch.noise.scale import NoiseScale
 
@@ -50,6 +51,7 @@ class CountingProbe(GradReadProbe):
 def test_the_engine_arms_the_probe_only_on_measured_steps_and_takes_after_the_first_backward() -> None:
     model = problem.make_model()
     probe = CountingProbe(model)
+    noise = NoiseScale(every=2)
     engine = AccumulationEngine(
         model,
         torch.optim.SGD(model.parameters(), lr=0.0),
@@ -57,14 +59,13 @@ def test_the_engine_arms_the_probe_only_on_measured_steps_and_takes_after_the_fi
         grad_clip=0.0,
         loss_fn=problem.loss_sum,
         count_fn=problem.count,
-        noise_scale=NoiseScale(every=2),
-        small_grad=probe,
+        hooks=noise_meter_hooks(noise, model, probe),
     )
     generator = torch.Generator().manual_seed(0)
     records = [engine.step([problem.draw(8, generator) for _ in range(3)]) for _ in range(4)]
     assert [r.noise is not None for r in records] == [True, True, False, True]  # steps 1, 2 and 4
     assert probe.calls == [("arm", 3), ("take", 0)] * 3
     k_1 = [engine.step([problem.draw(8, generator)]) for _ in range(2)]  # step 6 is due, but K = 1 in one process
-    assert engine.noise_scale is not None and engine.noise_scale.due(k_1[-1].step)
+    assert noise.due(k_1[-1].step)
     assert all(r.noise is None for r in k_1)
     assert len(probe.calls) == 6

@@ -14,6 +14,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import GPT
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.scale import NoiseScale, unavailable_reason, unbiased_estimates
 from bigbatch.observe.metrics import format_step
 
@@ -53,7 +54,7 @@ def test_one_micro_batch_is_noisier_than_the_whole_step_in_expectation() -> None
         grad_clip=0.0,
         loss_fn=problem.loss_sum,
         count_fn=problem.count,
-        noise_scale=NoiseScale(every=1),
+        hooks=noise_meter_hooks(NoiseScale(every=1), model),
     )
     generator = torch.Generator().manual_seed(5)
     samples = []
@@ -102,7 +103,7 @@ def test_the_small_gradient_is_the_first_micro_batch_mean_gradient_in_true_units
         grad_clip=0.0,
         loss_fn=problem.loss_sum,
         count_fn=problem.count,
-        noise_scale=noise,
+        hooks=noise_meter_hooks(noise, model),
         precision=precision,
     )
     assert engine.scaler.is_enabled() == (precision == "fp16")
@@ -119,7 +120,11 @@ def test_measuring_never_changes_the_trajectory(tiny_model: GPT) -> None:
     for noise in (None, NoiseScale(every=1)):
         model = copy.deepcopy(tiny_model)
         engine = AccumulationEngine(
-            model, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0, noise_scale=noise
+            model,
+            build_adamw(model, 1e-3),
+            constant_schedule(1e-3),
+            grad_clip=1.0,
+            hooks=noise_meter_hooks(noise, model),
         )
         for step in range(4):
             x, y = random_batch(6, 16, seed=step)
@@ -170,7 +175,7 @@ def test_k_1_needs_a_second_batch_size() -> None:
         grad_clip=0.0,
         loss_fn=problem.loss_sum,
         count_fn=problem.count,
-        noise_scale=NoiseScale(every=1),
+        hooks=noise_meter_hooks(NoiseScale(every=1), model),
     )
     assert engine.step([problem.draw(8, torch.Generator().manual_seed(0))]).noise is None
 
@@ -198,7 +203,11 @@ def test_a_first_micro_batch_without_valid_targets_skips_the_measurement(tiny_mo
     step with a valid first micro-batch measures again (under DDP every rank skips together, see test_fuzz)."""
     model = copy.deepcopy(tiny_model)
     engine = AccumulationEngine(
-        model, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0, noise_scale=NoiseScale(every=1)
+        model,
+        build_adamw(model, 1e-3),
+        constant_schedule(1e-3),
+        grad_clip=1.0,
+        hooks=noise_meter_hooks(NoiseScale(every=1), model),
     )
     x, y = random_batch(6, 16, seed=0)
     masked = torch.full_like(y[:2], -100)

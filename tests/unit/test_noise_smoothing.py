@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.scale import DEFAULT_WINDOW, NoiseScale, decay_for_window
 
 B_SMALL, K = 64, 4  # samples per micro-batch and micro-batches per step, as in the closed-form engine tests
@@ -70,7 +71,7 @@ def engine_for(model: torch.nn.Module, noise: NoiseScale) -> AccumulationEngine:
         grad_clip=0.0,
         loss_fn=problem.loss_sum,
         count_fn=problem.count,
-        noise_scale=noise,
+        hooks=noise_meter_hooks(noise, model),
     )
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.packing import PACK_GROUP, next_fit_rows, pack_rows, padding_share
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import ValidationWindows

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.data.loader import DocumentLoader, PackedLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.engine.batch import StepPolicy, next_step
+from bigbatch.data.stream import PackedLoader
+from bigbatch.engine.batch import StepPolicy, read_step
 from bigbatch.parallel.distributed import DistContext
 
 
@@ -98,11 +99,11 @@ def test_load_state_dict_and_skip_rest_of_epoch_drop_what_was_read_ahead() -> No
 
 
 def test_steps_assembled_from_the_read_ahead_loader_are_the_loaders() -> None:
-    """next_step's epoch-dependent decisions (the last window of a document epoch) see the taken position."""
+    """read_step's epoch-dependent decisions (the last window of a document epoch) see the taken position."""
     policy, dist, cpu = StepPolicy(k=3, last_window="drop"), DistContext(), torch.device("cpu")
     plain, ahead = documents(), PrefetchLoader(documents(), depth=3)
     for _ in range(30):
-        a, b = next_step(plain, policy, dist, cpu), next_step(ahead, policy, dist, cpu)
+        a, b = read_step(plain, policy, dist, cpu), read_step(ahead, policy, dist, cpu)
         assert a.n_valid == b.n_valid and len(a.micro_batches) == len(b.micro_batches)
         for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
             assert torch.equal(x.targets, y.targets)

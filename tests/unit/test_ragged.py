@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import mean_loss
 
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import DocumentShard, TokenDataset
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.batch import MicroBatch, StepBatch, StepPolicy, count_valid_targets, next_step
+from bigbatch.engine.batch import MicroBatch, StepBatch, StepPolicy, count_valid_targets, read_step
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.models import GPT, GPTConfig
@@ -26,7 +26,7 @@ VOCAB = 97
 
 
 def budget_step(loader: DocumentLoader, budget: int, last_window: str = "partial") -> StepBatch:
-    return next_step(
+    return read_step(
         loader, StepPolicy(token_budget=budget, last_window=last_window), DistContext(), torch.device("cpu")
     )
 
@@ -36,7 +36,7 @@ def budget_micro_batches(loader: DocumentLoader, budget: int, last_window: str =
 
 
 def step_micro_batches(loader: DocumentLoader, k: int, last_window: str = "partial") -> list[MicroBatch]:
-    return next_step(loader, StepPolicy(k=k, last_window=last_window), DistContext(), torch.device("cpu")).micro_batches
+    return read_step(loader, StepPolicy(k=k, last_window=last_window), DistContext(), torch.device("cpu")).micro_batches
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

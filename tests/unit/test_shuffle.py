@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.data.loader import DocumentLoader, PackedLoader, ShuffledPackedLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.shards import DocumentShard
+from bigbatch.data.stream import PackedLoader, ShuffledPackedLoader
 from bigbatch.data.windows import PackedWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.run.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args

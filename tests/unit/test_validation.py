@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
 from bigbatch.data.windows import PackedWindows, spread_sample

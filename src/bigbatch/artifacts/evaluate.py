@@ -1,20 +1,16 @@
 """``bigbatch eval``: loss and perplexity of a saved run's model on a token set.
 
-The loss is the token-weighted mean over valid targets (targets of ``-100``
-do not count), over the same windows as the trainer's validation pass reads
-(:mod:`bigbatch.data.validation`: the whole split when it is small, else a fixed
-sample spread uniformly over it), so with the run's own data, micro-batch,
-sequence length and ``eval_batches`` it reproduces the run's last logged
+This module finds the checkpoint, its data and its windows; the scoring is the trainer's own
+(:func:`bigbatch.run.validation.score_windows`, on the windows of :mod:`bigbatch.data.validation`), so with the
+run's own data, micro-batch, sequence length and ``eval_batches`` it reproduces the run's last logged
 validation loss.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,21 +20,18 @@ from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
 from bigbatch.data.tokenizers import is_bpe
 from bigbatch.data.validation import validation_windows
-from bigbatch.engine.accumulate import resolve_precision, summed_loss
+from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.parallel.distributed import reshard
 from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
 from bigbatch.run.resume import check_tokenizer
-
-if TYPE_CHECKING:
-    from bigbatch.run.build import RunParts
+from bigbatch.run.validation import ValidationResult, score_windows
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float  # mean per valid target token, nats
-    tokens: int  # valid targets scored
-    micro_batches: int
+    """The score of :func:`~bigbatch.run.validation.score_windows` and what was scored, for the report line."""
+
+    scored: ValidationResult
     split: str
     dataset: Path
     tokenizer: str
@@ -48,8 +41,23 @@ class EvalResult:
     whole_split: bool  # the split was read to its end
 
     @property
+    def loss(self) -> float:
+        """Mean per valid target token, nats."""
+        return self.scored.loss
+
+    @property
+    def tokens(self) -> int:
+        """Valid targets scored."""
+        return self.scored.tokens
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches read (one process)."""
+        return self.scored.micro_batches
+
+    @property
     def perplexity(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        return self.scored.perplexity
 
     def format(self) -> str:
         read = f"{self.micro_batches} micro-batches" + (" (the whole split)" if self.whole_split else "")
@@ -102,7 +110,7 @@ def evaluate_checkpoint(
         micro_batch = int(batch_cfg.get("micro_batch") or 0) or 8
     if seq_len is None:
         seq_len = int(batch_cfg.get("seq_len") or 0) or model.config.block_size
-    run_batches = int(run_cfg.get("eval_batches", 8))  # 0: auto (before auto existed: 8)
+    run_batches = int(run_cfg.get("eval_batches", 8))  # 0: auto; a checkpoint without the setting read 8
     if micro_batch < 1 or seq_len < 1 or (batches is not None and batches < 0):
         raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
     if seq_len > model.config.block_size:
@@ -134,10 +142,10 @@ def evaluate_checkpoint(
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
     try:
-        # the run's long-document policy (a run from before the policy existed truncated long documents)
+        # Read the split as the run's evaluations did, or the loss is not the one it logged: its long-document
+        # policy (a checkpoint without one truncated), its packing (without one: a document per row) and, unless
+        # --batches says otherwise, its own windows (batches=0: the whole split).
         long_documents = str(data_cfg.get("long_documents", "truncate"))
-        # by default the run's own windows, as its evaluations read them; batches=0: the whole split
-        # documents packed into rows as the run packed them (a run from before packing read one per row)
         pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
         loader = validation_windows(
             dataset,
@@ -157,15 +165,11 @@ def evaluate_checkpoint(
             "masked): there is nothing to score"
         )
 
-    model = model.to(device).eval()
-    totals, read = summed_loss(model, loader, 0, device, resolve_precision(precision, device))
-    n_valid = int(totals[1].item())
-    if n_valid == 0:
+    scored = score_windows(model.to(device), loader, device, resolve_precision(precision, device))
+    if scored is None:
         raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
     return EvalResult(
-        loss=float(totals[0] / n_valid),
-        tokens=n_valid,
-        micro_batches=read,
+        scored=scored,
         split=split,
         dataset=directory,
         tokenizer=tokenizer,
@@ -174,50 +178,3 @@ def evaluate_checkpoint(
         seq_len=seq_len,
         whole_split=loader.whole,
     )
-
-
-@dataclass(frozen=True)
-class ValidationResult:
-    loss: float  # mean per valid target token over all ranks, nats
-    tokens: int  # valid targets scored, all ranks
-
-
-@torch.no_grad()
-def validation_loss(parts: RunParts, should_stop: Callable[[], bool] | None = None) -> float | None:
-    """The loss of :func:`validation_result`, or ``None``."""
-    result = validation_result(parts, should_stop)
-    return None if result is None else result.loss
-
-
-@torch.no_grad()
-def validation_result(parts: RunParts, should_stop: Callable[[], bool] | None = None) -> ValidationResult | None:
-    """A training run's mean validation loss over its fixed validation windows (the whole split when small, else
-    a sample spread uniformly over it: :mod:`bigbatch.data.validation`), summed over ranks, and the valid targets
-    it scored; ``None`` when those windows hold no valid target (no number is made up) or ``should_stop`` (asked
-    before each micro-batch) ended the pass early."""
-    assert parts.val_loader is not None
-    parts.val_loader.reset()
-    stopped = False
-
-    def stop_now() -> bool:
-        nonlocal stopped
-        stopped = stopped or bool(should_stop is not None and should_stop())
-        return stopped
-
-    parts.train_model.eval()
-    totals, _ = summed_loss(
-        parts.train_model,
-        parts.val_loader,
-        0,
-        parts.device,
-        parts.engine.precision,
-        parts.engine.loss_fn,
-        should_stop=stop_now if should_stop is not None else None,
-    )  # (loss sum, valid targets) on this rank: every micro-batch of the sample
-    parts.train_model.train()
-    if parts.parallel == "fsdp":
-        reshard(parts.model)
-    parts.dist.all_reduce_sum(totals)
-    if stopped or totals[1] == 0:
-        return None
-    return ValidationResult(float(totals[0] / totals[1]), int(totals[1].item()))

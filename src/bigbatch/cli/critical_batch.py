@@ -6,8 +6,10 @@ import argparse
 import logging
 from pathlib import Path
 
+from bigbatch.critical_batch.rules import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES, parse_sizes
 from bigbatch.errors import BigBatchError
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
+from bigbatch.sizing.plan import parse_count
 
 HELP = "measure the critical batch: branch short runs from a run's checkpoint at several tokens per step"
 DESCRIPTION = (
@@ -22,8 +24,6 @@ DESCRIPTION = (
 
 def _sizes(text: str) -> list[int]:
     """``--tokens-per-step``: at least two positive counts, refused at parse time like every other flag."""
-    from bigbatch.critical_batch.measure import parse_sizes
-
     try:
         return parse_sizes(text)
     except BigBatchError as exc:
@@ -33,8 +33,6 @@ def _sizes(text: str) -> list[int]:
 
 def _budget(text: str) -> int:
     """``--budget``: a positive count such as 512Ki."""
-    from bigbatch.sizing.plan import parse_count
-
     try:
         return parse_count(text)
     except BigBatchError as exc:
@@ -42,8 +40,6 @@ def _budget(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bigbatch.critical_batch.measure import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES
-
     parser.add_argument(
         "run", type=Path, metavar="RUN", help="the run directory to branch from (its newest checkpoint)"
     )

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 from bigbatch.cli.common import add_precision
-from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.atomic import write_json_atomically
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
@@ -125,5 +124,5 @@ def run(args: argparse.Namespace) -> int:
     print(report.format(top=args.top))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before verifying
-        write_text_atomically(Path(args.json), json.dumps(report.to_dict(), indent=2) + "\n")
+        write_json_atomically(Path(args.json), report.to_dict())
     return 0 if report.equivalent else 1

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bigbatch.data.cache import ensure_prepared
-    from bigbatch.data.loader import PackedLoader
     from bigbatch.data.prepare import prepare_dataset
     from bigbatch.data.shards import DatasetMeta, TokenDataset
+    from bigbatch.data.stream import PackedLoader
     from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.engine.batch import MicroBatch
 
 _HOMES = {
     "DatasetMeta": "bigbatch.data.shards",
     "MicroBatch": "bigbatch.engine.batch",
-    "PackedLoader": "bigbatch.data.loader",
+    "PackedLoader": "bigbatch.data.stream",
     "TokenDataset": "bigbatch.data.shards",
     "ensure_prepared": "bigbatch.data.cache",
     "get_tokenizer": "bigbatch.data.tokenizers",

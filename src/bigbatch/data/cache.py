@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
-from bigbatch.data.fingerprint import tokenizer_cache_key, tokenizer_json_fingerprint
+from bigbatch.data.fingerprint import tokenizer_cache_key
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.data.split import SPLIT_RULE
-from bigbatch.data.tokenizers import is_bpe, tokenizer_label
+from bigbatch.data.tokenizers import is_bpe, tokenizer_json_fingerprint, tokenizer_label
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from bigbatch.data.tokenizers import (
     file_tokenizer_path,
     is_file_tokenizer,
 )
-from bigbatch.data.tokenizers import tokenizer_json_fingerprint as tokenizer_json_fingerprint  # kept importable here
 from bigbatch.errors import DataError
 
 LENGTH = FINGERPRINT_LENGTH  # hex digits kept

@@ -1,9 +1,9 @@
 """Data loading off the critical path: a loader read ahead by a background thread.
 
-:class:`PrefetchLoader` wraps a training loader (packed or documents) from outside. A background thread reads
-up to ``depth`` micro-batches ahead (pinning them when the device is CUDA, so the engine's non-blocking copy
-overlaps compute) while the current step computes; the step assembler takes them in order, in the main thread,
-exactly as it would from the loader itself.
+:class:`PrefetchLoader` wraps a training loader (a :class:`~bigbatch.data.loader.ResumableLoader`, packed or
+documents) from outside. A background thread reads up to ``depth`` micro-batches ahead (pinning them when the
+device is CUDA, so the engine's non-blocking copy overlaps compute) while the current step computes; the step
+assembler takes them in order, in the main thread, exactly as it would from the loader itself.
 
 What the wrapper reports is the state **after the micro-batches taken**, never after those read ahead:
 ``epoch``, ``sequences_left()`` and ``state_dict()`` come from a snapshot the thread takes after reading each
@@ -21,33 +21,10 @@ import copy
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from bigbatch.data.loader import ResumableLoader
 from bigbatch.engine.batch import MicroBatch
-
-
-class Source(Protocol):
-    """The loader being wrapped (:class:`~bigbatch.data.loader.PackedLoader` or ``DocumentLoader``)."""
-
-    epoch: int
-
-    def next_micro_batch(self) -> MicroBatch: ...
-
-    def sequences_left(self) -> int | None: ...
-
-    def sequences_per_micro_batch(self) -> int: ...
-
-    def sequences_per_epoch(self) -> int | None: ...
-
-    def skip_rest_of_epoch(self) -> None: ...
-
-    def known_valid_targets(self) -> int | None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def reset(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +37,7 @@ class _Position:
     sequences_per_epoch: int | None  # packed documents: the rows of this epoch, which may differ from the next's
 
 
-def _position(loader: Source) -> _Position:
+def _position(loader: ResumableLoader) -> _Position:
     return _Position(
         copy.deepcopy(loader.state_dict()), int(loader.epoch), loader.sequences_left(), loader.sequences_per_epoch()
     )
@@ -69,7 +46,7 @@ def _position(loader: Source) -> _Position:
 class PrefetchLoader:
     """``loader`` read ``depth`` micro-batches ahead by a background thread (see the module docstring)."""
 
-    def __init__(self, loader: Source, depth: int, pin_memory: bool = False) -> None:
+    def __init__(self, loader: ResumableLoader, depth: int, pin_memory: bool = False) -> None:
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.loader = loader

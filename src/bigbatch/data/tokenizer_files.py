@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from bigbatch.data.fingerprint import tokenizer_fingerprint, tokenizer_json_fingerprint
+from bigbatch.data.fingerprint import tokenizer_fingerprint
 from bigbatch.data.tokenizers import (
     BPE_FILE,
     EOT_TEXT,
@@ -40,6 +40,7 @@ from bigbatch.data.tokenizers import (
     is_bpe,
     is_file_tokenizer,
     read_eos_token,
+    tokenizer_json_fingerprint,
 )
 from bigbatch.errors import BigBatchError, CheckpointError
 from bigbatch.files.permissions import apply_umask

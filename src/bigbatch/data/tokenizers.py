@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bigbatch.errors import BigBatchError, ConfigError, DataError
-from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.atomic import write_json_atomically, write_text_atomically
 
 
 class Tokenizer(Protocol):
@@ -252,7 +252,7 @@ class FileTokenizer(BPETokenizer):
         end-of-text token, so a copy loads with the same one."""
         write_text_atomically(Path(path), self._text)
         config = {"eos_token": self.eot_text} if self.eot_text is not None else {}
-        write_text_atomically(Path(path).parent / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        write_json_atomically(Path(path).parent / TOKENIZER_CONFIG_FILE, config)
 
 
 def read_eos_token(directory: Path) -> str | None:

@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from bigbatch.data.dataset import Dataset
-from bigbatch.data.loader import DocumentLoader, loader_for
+from bigbatch.data.documents import DocumentLoader
+from bigbatch.data.loader import loader_for
 from bigbatch.data.windows import PackedWindows, spread_sample
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.errors import DataError
@@ -39,7 +40,7 @@ def wanted_windows(eval_batches: int, micro_batch: int, seq_len: int, world_size
 
 class ValidationWindows:
     """This process's micro-batches of a fixed sample of a split's windows; read with :meth:`next_micro_batch`
-    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.engine.accumulate.summed_loss`);
+    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.run.validation.score_windows`);
     :meth:`reset` rewinds."""
 
     def __init__(

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from bigbatch.engine.batch import MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.engine.hooks import StepHook, StepOutcome
 from bigbatch.models.lm_output import computes_loss, logits_loss
-from bigbatch.noise.probe import GradReadProbe, SmallGradProbe
-from bigbatch.noise.scale import NoiseSample, NoiseScale
 from bigbatch.parallel.distributed import DistContext, GradSync, LocalGradSync
 from bigbatch.settings.choices import RESOLVED_PRECISIONS
 
@@ -93,7 +92,8 @@ def summed_loss(
     """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over at most ``max_batches``
     micro-batches (0: no limit), stopping at the end of the loader's split; and the micro-batches read.
     ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
-    The caller puts ``model`` in eval mode (and sums over ranks)."""
+    This loop alone computes a validation loss; evaluations call it through
+    :func:`bigbatch.run.validation.score_windows`, which puts ``model`` in eval mode and sums over ranks."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     read = 0
     with torch.no_grad():
@@ -123,7 +123,8 @@ class StepRecord:
     micro_batches: int  # K on this rank
     dt: float  # seconds
     skipped: bool = False  # non-finite gradient: no update was applied
-    noise: NoiseSample | None = None  # the gradient noise scale, on the steps that measure it
+    # What the step hooks measured on this step, by hook name (see engine/hooks.py).
+    measurements: Mapping[str, Any] = field(default_factory=dict)
     # Documents: the shares of the step's positions that are padding and masked prompt tokens (the trainer's).
     padding_share: float | None = None
     prompt_share: float | None = None
@@ -131,6 +132,12 @@ class StepRecord:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.dt if self.dt > 0 else 0.0
+
+    @property
+    def noise(self) -> Any:
+        """The gradient noise scale's sample (:class:`~bigbatch.noise.scale.NoiseSample`) on the steps that
+        measured it (the ``noise_scale`` hook's measurement), else ``None``."""
+        return self.measurements.get("noise_scale")
 
 
 class AccumulationEngine:
@@ -140,9 +147,10 @@ class AccumulationEngine:
     (under autocast) and backward with the exact scale above, gradient sync off
     for all but the last; then the global gradient norm is clipped (after
     unscaling for fp16), the optimizer steps once, and the learning rate for the
-    next step is set from ``schedule``.
+    next step is set from ``schedule``. Measurements and fault injection attach
+    through ``hooks`` (:mod:`bigbatch.engine.hooks`), called in order.
 
-    Micro-batches are :class:`~bigbatch.data.loader.MicroBatch` by default; any
+    Micro-batches are :class:`~bigbatch.engine.batch.MicroBatch` by default; any
     object with ``.to(device, non_blocking=...)`` works with a matching
     ``loss_fn`` and ``count_fn``.
     """
@@ -160,8 +168,7 @@ class AccumulationEngine:
         count_fn: CountFn = count_valid_targets,
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
-        noise_scale: NoiseScale | None = None,
-        small_grad: SmallGradProbe | None = None,
+        hooks: Sequence[StepHook] = (),
     ) -> None:
         self.model = model
         # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
@@ -180,14 +187,10 @@ class AccumulationEngine:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step_count = 0  # optimizer steps applied
         self.skipped_steps = 0  # steps dropped for a non-finite gradient
-        # Measures the gradient noise scale on its due steps (None: off). Only reads gradients: the trajectory is
-        # the same with it or without. The caller checks the run can measure it (noise_scale.unavailable_reason).
-        self.noise_scale = noise_scale
-        # Where the first micro-batch's own gradient is read (noise_probe): by default .grad after the first
-        # backward, which needs a second micro-batch whose sync is deferred; DDP/FSDP probes also read it before
-        # the reduction of a first micro-batch that syncs (K = 1 per rank, sync on every micro-step).
-        self.small_grad = small_grad or GradReadProbe(model)
-        self._small: tuple[torch.Tensor, int, float] | None = None  # first micro-batch: raw |g|^2, tokens, loss scale
+        names = [hook.name for hook in hooks if hook.name]
+        if len(names) != len(set(names)):
+            raise ValueError(f"step hooks need distinct names, got {names}")
+        self.hooks = list(hooks)
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -220,25 +223,18 @@ class AccumulationEngine:
         scale = self.dist.world_size / n_valid  # the one place the loss is scaled
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
-        measure = (
-            self.noise_scale is not None
-            and self.small_grad.can_measure(len(micro_batches))
-            and self.noise_scale.due(self.step_count + 1)
-        )
-        self._small = None
-        if measure:
-            self.small_grad.arm(len(micro_batches))
         for i, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
             with sync:  # covers forward and backward: DDP decides at forward time
                 with self.autocast():
                     loss_sum = self.loss_fn(self.model, micro_batch)
+                for hook in self.hooks:
+                    loss_sum = hook.after_forward(self, i, loss_sum)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_total += loss_sum.detach().float()
-            if measure and i == 0:  # this micro-batch's own gradient, before any cross-rank reduction
-                loss_scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
-                self._small = (self.small_grad.take(), int(self.count_fn(micro_batch)), loss_scale)
+            for hook in self.hooks:
+                hook.after_backward(self, i, micro_batch)
         return loss_total, n_valid
 
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
@@ -248,29 +244,20 @@ class AccumulationEngine:
             self.model.train()
         lr = self.schedule(self.step_count)
         self._set_lr(lr)
+        for hook in self.hooks:
+            hook.before_step(self, self.step_count + 1, len(micro_batches))
         self._zero_grad()
         loss_total, n_valid = self.accumulate(micro_batches, n_valid)
-
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
+        grad_norm = self._clip()
         skipped = not math.isfinite(grad_norm)
         if skipped:
-            self.skipped_steps += 1
-            self._zero_grad()
-            if self.scaler.is_enabled():
-                self.scaler.update()  # lowers the fp16 loss scale
+            self._skip()
         else:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.step_count += 1
-            self._set_lr(self.schedule(self.step_count))  # ready for the next step
-        noise = None if skipped else self._measure_noise(grad_norm, n_valid)
-        if self.noise_scale is not None and not skipped:
-            self.noise_scale.observe(grad_norm**2)  # weighs the next measurement (see noise_scale.py)
+            self._apply()
+        outcome = StepOutcome(
+            step=self.step_count + int(skipped), grad_norm=grad_norm, n_valid=n_valid, skipped=skipped
+        )
+        measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
         loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,
@@ -281,50 +268,43 @@ class AccumulationEngine:
             micro_batches=len(micro_batches),
             dt=time.perf_counter() - started,
             skipped=skipped,
-            noise=noise,
+            measurements=measurements,
         )
+
+    def _clip(self) -> float:
+        """Unscales (fp16), clips the global gradient norm and returns it before clipping (inf or nan: skip)."""
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _apply(self) -> None:
+        """The optimizer step, and the learning rate of the next one."""
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.step_count += 1
+        self._set_lr(self.schedule(self.step_count))
+
+    def _skip(self) -> None:
+        """A non-finite gradient: no update; fp16 lowers its loss scale."""
+        self.skipped_steps += 1
+        self._zero_grad()
+        if self.scaler.is_enabled():
+            self.scaler.update()
 
     def _zero_grad(self) -> None:
         """``model.zero_grad(set_to_none=True)`` over the parameters listed once."""
         for param in self._params:
             param.grad = None
 
-    def _measure_noise(self, grad_norm: float, n_valid: int) -> NoiseSample | None:
-        """Fold this step's two squared norms into the noise scale (steps that read a small gradient only).
-
-        The first micro-batch's raw gradient is ``loss_scale * world_size / N`` times that of its loss *sum*;
-        its own mean-loss gradient is the raw one times ``N / (world_size * loss_scale * n_0)``. Ranks average
-        ``|G_small|^2`` and ``1 / n_0`` (one small all-reduce); ``|G_big|^2`` is the pre-clip norm squared.
-        """
-        if self._small is None or self.noise_scale is None:
-            return None
-        raw_sq, n_small, loss_scale = self._small
-        self._small = None
-        # A first micro-batch without valid targets (all masked or padding) has no mean-loss gradient: every rank
-        # still takes part in the one all-reduce (a rank that left it would hang the others) and all skip together.
-        empty = n_small == 0
-        factor = 0.0 if empty else n_valid / (self.dist.world_size * loss_scale * n_small)
-        values = torch.stack(
-            [
-                raw_sq.to(self.device, torch.float64) * factor**2,
-                torch.tensor(0.0 if empty else 1.0 / n_small, dtype=torch.float64, device=self.device),
-                torch.tensor(float(empty), dtype=torch.float64, device=self.device),
-            ]
-        )
-        small_sq, inv_b_small, empty_ranks = self.dist.all_reduce_sum(values).tolist()
-        if empty_ranks:
-            return None
-        small_sq, b_small = small_sq / self.dist.world_size, self.dist.world_size / inv_b_small
-        if not b_small < n_valid:  # the other micro-batches held no valid target: one batch size, nothing to compare
-            return None
-        return self.noise_scale.update(small_sq, grad_norm**2, b_small, n_valid)
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            **({"noise_scale": self.noise_scale.state_dict()} if self.noise_scale is not None else {}),
+            **{hook.name: hook.state_dict() for hook in self.hooks if hook.name},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -332,6 +312,7 @@ class AccumulationEngine:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        if self.noise_scale is not None and state.get("noise_scale"):
-            self.noise_scale.load_state_dict(state["noise_scale"])
+        for hook in self.hooks:
+            if hook.name and state.get(hook.name):
+                hook.load_state_dict(state[hook.name])
         self._set_lr(self.schedule(self.step_count))

@@ -1,14 +1,15 @@
 """The batch: micro-batches, their valid targets, and the optimizer step they make up.
 
 Everything that moves tokens into the engine meets here, at the bottom of the
-import graph (this module imports only torch and :mod:`bigbatch.parallel.distributed`):
+import graph (this module imports only torch, :mod:`bigbatch.parallel.distributed` and the loss's
+:data:`~bigbatch.models.head_loss.IGNORE_INDEX`):
 
 * :class:`MicroBatch`, ``(B, T)`` inputs and targets, with :data:`IGNORE_INDEX`
   (-100) marking targets without loss;
 * :func:`count_valid_targets` and :func:`global_valid_targets`: the one
   definition of "valid targets of a step" (``N_step``: every micro-batch on
   every rank), by which the engine normalizes;
-* :func:`next_step`: the next step assembled from a micro-batch source, a
+* :func:`read_step`: the next step assembled from a micro-batch source, a
   :class:`StepPolicy` and the :class:`~bigbatch.parallel.distributed.DistContext`,
   counting and reducing ``N_step`` exactly once.
 
@@ -39,11 +40,9 @@ from typing import Protocol
 import torch
 
 from bigbatch.errors import ConfigError, DataError
+from bigbatch.models.head_loss import IGNORE_INDEX  # the loss's convention; batches follow it (and re-export it)
 from bigbatch.parallel.distributed import DistContext
 from bigbatch.settings.choices import LAST_WINDOW
-
-IGNORE_INDEX = -100
-"""A target without loss (padding, a masked prompt): ``F.cross_entropy``'s ``ignore_index``."""
 
 
 @dataclass
@@ -131,7 +130,7 @@ class StepPolicy:
 
 
 class MicroBatchSource(Protocol):
-    """What :func:`next_step` reads: a loader of this rank's micro-batches that counts completed epochs."""
+    """What :func:`read_step` reads: a loader of this rank's micro-batches that counts completed epochs."""
 
     @property
     def epoch(self) -> int: ...
@@ -158,7 +157,7 @@ class MicroBatchSource(Protocol):
         ...
 
 
-def next_step(source: MicroBatchSource, policy: StepPolicy, dist: DistContext, device: torch.device) -> StepBatch:
+def read_step(source: MicroBatchSource, policy: StepPolicy, dist: DistContext, device: torch.device) -> StepBatch:
     """This rank's micro-batches for the next step and the step's valid targets on all ranks.
 
     Every rank calls it with its own source and makes the same decisions: a token budget's stop depends on

@@ -7,6 +7,7 @@ metrics log when a resume cuts it back, logger state and data-preparation positi
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -77,3 +78,9 @@ def write_text_atomically(path: Path, text: str) -> None:
     """``text`` (UTF-8) as the whole content of ``path``, written by :func:`write_atomically`."""
     data = text.encode("utf-8")
     write_atomically(path, lambda handle: handle.write(data))
+
+
+def write_json_atomically(path: Path, payload: Any, indent: int | None = 2) -> None:
+    """``payload`` as JSON (``json.dumps(payload, indent=indent)``) and a newline, written by
+    :func:`write_text_atomically`: never half a file."""
+    write_text_atomically(path, json.dumps(payload, indent=indent) + "\n")

@@ -10,13 +10,12 @@ that says so. Every check runs before the work whose result would be written.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from bigbatch import __version__
 from bigbatch.errors import ConfigError, require_creatable_dir
-from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.atomic import write_json_atomically
 
 RUN_MARKER = ".bigbatch-run"
 RUN_LOCK = ".bigbatch-lock"  # held while a process trains in the run (see bigbatch.run.lock)
@@ -55,7 +54,7 @@ def mark_own_dir(path: Path, marker: str, kind: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     target = path / marker
     if not target.exists():
-        write_text_atomically(target, json.dumps({"made_by": f"bigbatch {__version__}", "kind": kind}) + "\n")
+        write_json_atomically(target, {"made_by": f"bigbatch {__version__}", "kind": kind}, indent=None)
 
 
 def require_new_file(path: Path, flag: str, overwrite: bool, overwrite_flag: str = "--overwrite") -> None:

@@ -1,7 +1,9 @@
-"""The models: the GPT-2 architecture (:mod:`.gpt`), a Llama-style one (:mod:`.llama`) and any local Hugging Face
-causal LM (:mod:`.hf_causal`, ``hf:DIR``), how they are sharded (:mod:`.parallel`), Hugging Face interop (:mod:`.hf`
-for GPT-2, :mod:`.llama_hf` for Llama, :mod:`.pretrained` for a directory of either) and sampling
-(:mod:`.sampling`). They know nothing of batches, accumulation or files beyond their own weights."""
+"""The models: the GPT-2 architecture (:mod:`.gpt.model`), a Llama-style one (:mod:`.llama.model`) and any local
+Hugging Face causal LM (:mod:`.hf_causal`, ``hf:DIR``); how they are sharded (:mod:`.sharding`: each family names
+its FSDP2 units); Hugging Face interop (:mod:`.gpt.hf` for GPT-2, :mod:`.llama.hf` for Llama, :mod:`.pretrained`
+for a directory of either, :mod:`.hf_files` for the directory itself); their loss (:mod:`.lm_output`,
+:mod:`.head_loss`, whose ``IGNORE_INDEX`` batches follow) and sampling (:mod:`.sampling`). They know nothing of
+batches, accumulation or files beyond their own weights."""
 
 from typing import Any
 

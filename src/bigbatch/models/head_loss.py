@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from bigbatch.engine.batch import IGNORE_INDEX
+IGNORE_INDEX = -100
+"""A target without loss (padding, a masked prompt): ``F.cross_entropy``'s ``ignore_index``. The loss's convention,
+so it is defined here, beside the loss; :mod:`bigbatch.engine.batch` and the data pipeline use it from here."""
 
 CHUNK_BYTES = 128 << 20
 """At most this many bytes of float32 logits in one chunk by default (see :func:`default_chunk_rows`). Measured on

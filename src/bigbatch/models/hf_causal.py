@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
-from bigbatch.models.gpt.hf import WEIGHT_FILES, _read_config
+from bigbatch.models.hf_files import WEIGHT_FILES, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def read_hf_config(directory: Path | str) -> HFConfig:
     if not path.is_dir():
         raise ConfigError(f"hf:{path} is not a directory; give a local Hugging Face model directory")
     try:
-        values = _read_config(path, kind="model")
+        values = read_config(path, kind="model")
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from exc
     require_transformers()
@@ -221,7 +221,7 @@ def save_hf_model(model: HFCausalLM, directory: Path | str) -> Path:
 class HFCausalLM(nn.Module):
     """A Hugging Face causal LM with bigbatch's model interface: ``forward(idx, targets, positions)`` -> the logits
     (B, T, V), or the summed loss with ``targets``; ``config``, ``activation_checkpointing``, ``chunked_loss``,
-    ``num_params``, ``flops_per_token`` and :meth:`decoder_layers` (FSDP2's units).
+    ``num_params``, ``flops_per_token`` and :meth:`fsdp_units` (its :meth:`decoder_layers`).
 
     No labels go in (the engine's token-weighted loss is computed here from the final hidden states, in chunks of
     rows when the head can be taken apart from the trunk: :attr:`head_detachable`), no key/value cache, and a
@@ -345,6 +345,11 @@ class HFCausalLM(nn.Module):
             if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
                 return list(module)
         return []
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards as units before the root (see :func:`bigbatch.models.sharding.fsdp_units`): the
+        :meth:`decoder_layers`; the embeddings, final norm and head stay with the root."""
+        return self.decoder_layers()
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops an input embedding that is not

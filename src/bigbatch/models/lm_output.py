@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.engine.batch import IGNORE_INDEX
-from bigbatch.models.head_loss import linear_cross_entropy_sum
+from bigbatch.models.head_loss import IGNORE_INDEX, linear_cross_entropy_sum
 
 
 def computes_loss(model: nn.Module) -> bool:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigbatch.errors import CheckpointError
-from bigbatch.models.gpt.hf import _read_config, load_hf_gpt2, read_hf_gpt_config, save_hf_gpt2
+from bigbatch.models.gpt.hf import load_hf_gpt2, read_hf_gpt_config, save_hf_gpt2
 from bigbatch.models.gpt.model import GPT, GPTConfig
 from bigbatch.models.hf_causal import HFCausalLM, save_hf_model
+from bigbatch.models.hf_files import read_config
 from bigbatch.models.llama.hf import load_hf_llama, read_hf_llama_config, save_hf_llama
 from bigbatch.models.llama.model import Llama, LlamaConfig
 
@@ -22,7 +23,7 @@ def hf_model_type(directory: Path | str) -> str:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a Hugging Face GPT-2 or Llama directory")
-    model_type = _read_config(directory, kind="GPT-2 or Llama").get("model_type", "gpt2")
+    model_type = read_config(directory, kind="GPT-2 or Llama").get("model_type", "gpt2")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{directory}/config.json has model_type {model_type!r}, which is not supported by --init-from; "

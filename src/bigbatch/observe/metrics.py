@@ -159,7 +159,7 @@ def open_metrics(
     from bigbatch.observe.wandb_log import WandbLog
 
     run_dir = Path(run_dir)
-    history = read_metrics(run_dir) if tensorboard or wandb_project else []  # the earlier sessions' records
+    history = read_records(run_dir) if tensorboard or wandb_project else []  # the earlier sessions' records
     sinks: list[MetricsSink] = [JsonlLog(run_dir / METRICS_FILE)]
     try:
         if tensorboard:
@@ -172,13 +172,15 @@ def open_metrics(
     return MetricsFanout(sinks)
 
 
-def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl``, in order (a line cut by a crash is left out)."""
+def read_records(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (one JSON object a line), in file order; a line that is not one
+    (cut by a crash) is left out, and a run without the file has none. The one reader of the log: the loggers'
+    history here, :func:`bigbatch.observe.report.read_metrics` (a run's steps and evaluations) for the rest."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

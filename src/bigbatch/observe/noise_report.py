@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bigbatch.errors import BigBatchError, ConfigError
+from bigbatch.errors import BigBatchError
 from bigbatch.noise.scale import unbiased_estimates
-from bigbatch.observe.report import RunMetrics, read_metrics
-from bigbatch.run.config import load_toml
+from bigbatch.observe.report import RunMetrics, read_metrics, run_settings
+from bigbatch.observe.report import setting as _setting
 from bigbatch.sizing.plan import SolvedPlan, solve_plan
 
 NOISE_PLOT = "noise_scale.png"
@@ -175,22 +175,6 @@ class MeasuredNoise:
     micro_batch: int | None  # from the run's config.toml (None when not a number there)
     seq_len: int | None
     world_size: int | None  # derived from a full step's tokens (packed data, fixed K), else None
-
-
-def run_settings(run_dir: Path) -> dict[str, Any]:
-    """The run's resolved ``config.toml`` as a mapping (empty when it is missing or unreadable)."""
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        return {}
-    try:
-        return load_toml(path)
-    except ConfigError:
-        return {}
-
-
-def _setting(settings: dict[str, Any], section: str, key: str) -> Any:
-    value = settings.get(section, {})
-    return value.get(key) if isinstance(value, dict) else None
 
 
 def _positive_int(value: Any) -> int | None:

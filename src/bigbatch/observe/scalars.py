@@ -32,17 +32,18 @@ class Point(NamedTuple):
 
 def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     """The fields of a step record in ``metrics.jsonl`` (without ``kind``): the record, ``tokens_per_s``, the
-    MFU when known and the noise-scale fields (flattened) on the steps that measure it."""
+    MFU when known and the step hooks' measurements (the noise scale's fields) flattened on the steps that
+    made them."""
     values = asdict(record)
-    del values["noise"]  # flattened below, on the steps that measure it
+    del values["measurements"]  # flattened below
     for share in ("padding_share", "prompt_share"):  # documents only
         if values[share] is None:
             del values[share]
     values["tokens_per_s"] = record.tokens_per_s
     if mfu is not None:
         values["mfu"] = mfu
-    if record.noise is not None:
-        values.update(record.noise.as_dict())
+    for measurement in record.measurements.values():
+        values.update(measurement.as_dict())
     return values
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.engine.accumulate import StepRecord
-from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.atomic import write_json_atomically
 from bigbatch.observe.scalars import BY_TOKENS, Point, ScalarSeries, eval_values, step_values
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class WandbLog:
 
     def _save_state(self, state: dict[str, Any]) -> None:
         path = self.run_dir / STATE_FILE
-        write_text_atomically(path, json.dumps(state, indent=1) + "\n")
+        write_json_atomically(path, state, indent=1)
 
     def _log(self, step: int, points: list[Point]) -> None:
         if step <= self.logged_through:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +26,9 @@ import torch.nn as nn
 
 from bigbatch.errors import ConfigError
 from bigbatch.settings.choices import PARALLEL
+
+Say = Callable[..., None]
+"""``say(message, *args, level=logging.INFO)``: a log line from rank 0 (the others stay quiet)."""
 
 
 class GradSync(Protocol):

@@ -18,7 +18,7 @@ from typing import Any
 
 from bigbatch.errors import CheckpointError
 from bigbatch.models import family_of
-from bigbatch.run.build import Say
+from bigbatch.parallel.distributed import Say
 from bigbatch.run.checkpoint import load_checkpoint
 from bigbatch.run.resume import check_family, check_tokenizer, data_changed
 from bigbatch.run.state import TrainState

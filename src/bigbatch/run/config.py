@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,7 @@ from bigbatch.settings.ranges import (
     SEED,
     Range,
 )
-
-SWITCH_VALUES = SWITCH.values
+from bigbatch.sizing.ramp import check_ramp_settings
 
 INIT_FROM_AUTO_SEQ_LEN_CAP = 8192
 """seq_len auto with ``--init-from`` is the directory's context length, at most this: Llama 3.2 declares 131,072
@@ -58,14 +57,17 @@ def _opt(
     range: Range | None = None,
     choices: Choices | None = None,
     legacy_zero: bool = False,
+    switch: bool = False,
 ) -> Any:
     """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
     field declares its allowed :class:`~bigbatch.settings.ranges.Range`, a closed choice its
     :class:`~bigbatch.settings.choices.Choices`: both are checked for flags, TOML files and Python alike.
+    Every field is declared here, so its metadata has one shape.
 
     A range that takes ``auto`` makes an auto field: ``auto`` is stored as 0 and resolved where it is used.
     ``legacy_zero``: config files from before the word ``auto`` wrote 0 for it; a file's 0 still reads as auto
-    (the flag refuses 0)."""
+    (the flag refuses 0). ``switch``: a choice of ``auto``/``on``/``off`` words whose flag also works bare
+    (``--compile`` is ``on``) and negated (``--no-compile``), and which a TOML file may give as a boolean."""
     metadata: dict[str, Any] = {"help": help}
     if flag:
         metadata["flag"] = flag
@@ -75,6 +77,8 @@ def _opt(
             metadata["auto"] = True
     if legacy_zero:
         metadata["legacy_zero"] = True
+    if switch:
+        metadata["switch"] = True
     if choices is not None:
         metadata["choices"] = choices
     return field(default=default, metadata=metadata)
@@ -154,15 +158,13 @@ class DataSection:
         "per row); auto: on for a new run, and what the run started with on resume",
         choices=PACK,
     )
-    shuffle: str = field(
-        default="on",
-        metadata={
-            "help": "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of "
-            "a step depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; "
-            "documents: the epoch's sequences) or off (the order of the data)",
-            "switch": True,
-            "choices": SHUFFLE,
-        },
+    shuffle: str = _opt(
+        "on",
+        "training order: on (a seeded permutation of the windows each epoch; packed data: the windows of a step "
+        "depend only on the seed, seq_len and tokens per step, not on micro_batch or processes; documents: the "
+        "epoch's sequences) or off (the order of the data)",
+        choices=SHUFFLE,
+        switch=True,
     )
 
 
@@ -173,13 +175,10 @@ class BatchSection:
         "tokens per optimizer step = micro_batch x seq_len x K x world_size",
         range=POSITIVE_INT,
     )
-    micro_batch: int = field(
-        default=16,
-        metadata={
-            "help": "sequences per micro-batch per device (B); 'auto' picks the largest that fits",
-            "auto": True,
-            "range": POSITIVE_INT_OR_AUTO,
-        },
+    micro_batch: int = _opt(
+        16,
+        "sequences per micro-batch per device (B); 'auto' picks the largest that fits",
+        range=POSITIVE_INT_OR_AUTO,
     )
     memory_budget: float = _opt(
         0.0,
@@ -247,16 +246,17 @@ class RunSection:
         "run directory (default: runs/<model>-<hash of the run's settings>, so the same command continues the "
         "same run)",
     )
+    name: str = _opt(
+        "",
+        "a name for the run, which bigbatch report labels it by (default: the run directory's name); not one of the "
+        "run's settings (it neither moves the default run directory nor stops a resume); a resume without it keeps "
+        "the run's name",
+    )
     seed: int = _opt(1337, "random seed, any integer from 0 to 2**63 - 1", range=SEED)
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N")
     precision: str = _opt("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16", choices=PRECISION)
-    compile: str = field(
-        default="auto",
-        metadata={
-            "help": "torch.compile the model: auto (on for CUDA, off for CPU), on or off",
-            "switch": True,
-            "choices": SWITCH,
-        },
+    compile: str = _opt(
+        "auto", "torch.compile the model: auto (on for CUDA, off for CPU), on or off", choices=SWITCH, switch=True
     )
     nproc: int = _opt(
         1,
@@ -281,16 +281,12 @@ class RunSection:
     tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
     wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables", range=NON_NEGATIVE_INT)
-    eval_batches: int = field(
-        default=0,
-        metadata={
-            "help": "validation micro-batches per process per evaluation, as windows spread uniformly over the "
-            "validation split (the same windows every time; the whole split when it holds no more); 'auto': "
-            "131,072 tokens' worth, whatever the micro-batch and processes (a split of at most 131,072 tokens is "
-            "read whole)",
-            "auto": True,
-            "range": POSITIVE_INT_OR_AUTO,
-        },
+    eval_batches: int = _opt(
+        0,
+        "validation micro-batches per process per evaluation, as windows spread uniformly over the validation "
+        "split (the same windows every time; the whole split when it holds no more); 'auto': 131,072 tokens' worth, "
+        "whatever the micro-batch and processes (a split of at most 131,072 tokens is read whole)",
+        range=POSITIVE_INT_OR_AUTO,
     )
     save_every: int = _opt(
         0,
@@ -366,16 +362,21 @@ class TrainConfig:
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
             for key, value in values.items():
-                if value == 0 and _field_meta(SECTIONS[section], key).get("auto"):
+                if value == 0 and _field(SECTIONS[section], key).metadata.get("auto"):
                     value = "auto"
                 lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
 
     def validate(self) -> None:
+        """Refuse a value out of its choices or range. The word ``auto`` set from Python on a field that takes it
+        is stored as the flag stores it (0, resolved where it is used)."""
         for section, section_cls in SECTIONS.items():
             for f in fields(section_cls):
                 value = getattr(getattr(self, section), f.name)
+                if f.metadata.get("auto") and value == "auto":
+                    value = 0
+                    setattr(getattr(self, section), f.name, value)
                 allowed: Choices | None = f.metadata.get("choices")
                 if allowed is not None:
                     allowed.check(value)
@@ -393,8 +394,6 @@ class TrainConfig:
                 f"decay_steps={self.optim.decay_steps} is below warmup_steps={self.optim.warmup_steps}; "
                 "raise decay_steps or set it to auto (= max_steps)"
             )
-        from bigbatch.sizing.ramp import check_ramp_settings
-
         check_ramp_settings(self.batch.batch_ramp, self.batch.total_batch_tokens, self.batch.token_budget)
 
 
@@ -407,8 +406,22 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def _flag(f: Any) -> str:
+_SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _field(section_cls: type, name: str) -> Field[Any]:
+    """The field ``name`` of a config section (declared by :func:`_opt`); :func:`_flag` and :func:`_kind` read it."""
+    return next(f for f in fields(section_cls) if f.name == name)
+
+
+def _flag(f: Field[Any]) -> str:
+    """The field's command-line flag, without the dashes: ``micro-batch``, ``model`` (``preset``'s)."""
     return f.metadata.get("flag", f.name).replace("_", "-")
+
+
+def _kind(f: Field[Any]) -> type:
+    """The field's scalar type (annotations are strings under ``from __future__ import annotations``)."""
+    return _SCALAR_TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
 
 
 def _check_type(where: str, value: Any, expected: type) -> Any:
@@ -426,23 +439,6 @@ def _check_type(where: str, value: Any, expected: type) -> Any:
     return value
 
 
-_SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def _field_meta(section_cls: type, name: str) -> Any:
-    return _field(section_cls, name).metadata
-
-
-def _field(section_cls: type, name: str) -> Any:
-    return {f.name: f for f in fields(section_cls)}[name]
-
-
-def _field_type(section_cls: type, name: str) -> type:
-    """The scalar type of a config field (annotations are strings under ``from __future__ import annotations``)."""
-    annotation = {f.name: f.type for f in fields(section_cls)}[name]
-    return _SCALAR_TYPES[annotation if isinstance(annotation, str) else annotation.__name__]
-
-
 def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, check_ranges: bool = True) -> None:
     """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys, wrong types and, unless
     ``check_ranges`` is off (a checkpoint's own stored config, where 0 means auto), values out of range."""
@@ -457,18 +453,19 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, che
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
-            meta = _field_meta(section_cls, key)
+            f = _field(section_cls, key)
+            meta = f.metadata
             legacy_auto = meta.get("legacy_zero") and _is_zero(value)  # an older file's 0 for auto
             if meta.get("auto") and (value == "auto" or legacy_auto):
-                value = _field_type(section_cls, key)(0)  # stored as 0, resolved where it is used
+                value = _kind(f)(0)  # stored as 0, resolved where it is used
             elif isinstance(value, bool) and meta.get("switch"):
                 value = "on" if value else "off"
             else:
                 name = f"{origin}: {section}.{key}"
-                value = _check_type(name, value, _field_type(section_cls, key))
+                value = _check_type(name, value, _kind(f))
                 declared: Range | None = meta.get("range")
                 if check_ranges and declared is not None:
-                    declared.check(f"{name} (--{_flag(_field(section_cls, key))})", value)
+                    declared.check(f"{name} (--{_flag(f)})", value)
             setattr(target, key, value)
 
 
@@ -494,7 +491,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for section, section_cls in SECTIONS.items():
         group = parser.add_argument_group(f"[{section}]")
         for f in fields(section_cls):
-            kind = _field_type(section_cls, f.name)
+            kind = _kind(f)
             auto = f.metadata.get("auto", False)
             default = f.default if f.default is not MISSING else None
             if auto and _is_zero(default):

@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from bigbatch.engine.hooks import StepHook
 
 ENV_VAR = "BIGBATCH_FAULT"
 ACTIONS = ("kill", "sigterm", "nan", "hang")
@@ -59,35 +60,38 @@ def fault_from_env() -> Fault | None:
     return parse_fault(text) if text else None
 
 
-def with_fault(
-    loss_fn: Callable[[Any, Any], torch.Tensor], fault: Fault, rank: int, current_step: Callable[[], int]
-) -> Callable[[Any, Any], torch.Tensor]:
-    """Wrap ``loss_fn`` so that ``fault`` fires at its step and micro-step on this rank."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    calls = {"step": -1, "micro": 0}
+class FaultInjection(StepHook):
+    """Fires ``fault`` once, at its step and micro-step on this rank (and restart attempt): a step hook, so
+    evaluation passes never count as micro-steps."""
 
-    def faulty(model: Any, batch: Any) -> torch.Tensor:
-        loss = loss_fn(model, batch)
-        if not model.training:
-            return loss  # evaluation passes do not count as micro-steps
-        step = current_step()
-        calls["micro"] = calls["micro"] + 1 if calls["step"] == step else 0
-        calls["step"] = step
+    def __init__(self, fault: Fault, rank: int) -> None:
+        self.fault = fault
+        self.rank = rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._step = 0
+        self._fired = False  # once per process: a step skipped for the NaN it injected is not poisoned again
+
+    def before_step(self, engine: Any, step: int, k: int) -> None:
+        self._step = step
+
+    def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        fault = self.fault
         hit = (
-            step == fault.step
-            and calls["micro"] == fault.micro
-            and fault.rank in (None, rank)
-            and fault.attempt in (None, attempt)
+            not self._fired
+            and self._step == fault.step
+            and index == fault.micro
+            and fault.rank in (None, self.rank)
+            and fault.attempt in (None, self.attempt)
         )
-        if hit:
-            if fault.action == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.action == "sigterm":
-                os.kill(os.getpid(), signal.SIGTERM)
-            elif fault.action == "hang":
-                time.sleep(3600)
-            elif fault.action == "nan":
-                loss = loss * float("nan")
-        return loss
-
-    return faulty
+        if not hit:
+            return loss_sum
+        self._fired = True
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.action == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.action == "hang":
+            time.sleep(3600)
+        elif fault.action == "nan":
+            return loss_sum * float("nan")
+        return loss_sum

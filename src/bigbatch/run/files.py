@@ -4,6 +4,7 @@ of the tokenizer (``tokenizer/``, so that sample and export survive a moved data
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from bigbatch.data.tokenizer_files import save_run_tokenizer
 from bigbatch.data.tokenizers import get_tokenizer
@@ -11,14 +12,21 @@ from bigbatch.errors import BigBatchError
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir
 from bigbatch.observe.metrics import truncate_metrics
-from bigbatch.run.build import RunParts, Say
+from bigbatch.observe.report import CONFIG_FILE, run_name
+from bigbatch.parallel.distributed import Say
+from bigbatch.run.build import RunParts
 
 
 def start_run_dir(parts: RunParts, fresh: bool, say: Say) -> None:
     """Rank 0: the run directory with its config and tokenizer; a fresh start (nothing to resume: a first run,
-    or a crash before the first checkpoint) begins a clean metrics log."""
+    or a crash before the first checkpoint) begins a clean metrics log. A resumed session without ``--name``
+    keeps the name ``config.toml`` gave the run (``bigbatch report`` labels the run by it)."""
     mark_own_dir(parts.run_dir, RUN_MARKER, "run")
-    write_text_atomically(parts.run_dir / "config.toml", parts.config.to_toml())
+    config = parts.config
+    kept_name = "" if fresh or config.run.name else run_name(parts.run_dir)
+    if kept_name:
+        config = replace(config, run=replace(config.run, name=kept_name))
+    write_text_atomically(parts.run_dir / CONFIG_FILE, config.to_toml())
     if fresh:
         truncate_metrics(parts.run_dir, 0)
     if parts.dataset.meta.tokenizer != "gpt2":  # gpt2 may need a download: copied after the end-of-run sample

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bigbatch import __version__
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.models import HFConfig, LlamaConfig, ModelConfig
 from bigbatch.run.build import RunParts
 from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP

@@ -9,8 +9,8 @@ Settings that describe *how* the run executes rather than *what* it computes may
 (:data:`MAY_CHANGE`): the micro-batch (K is re-derived, tokens per step stay), the number of processes and the
 parallelism, the device, precision and compilation, logging, evaluation and checkpoint frequencies, the number
 of steps (the learning-rate schedule stays unless ``--extend-schedule``), where the data cache lives and the
-run directory itself. ``data.data`` (the path) is compared through the data's fingerprint instead, so a moved
-corpus continues and a changed one is refused unless ``--allow-data-change``.
+run directory itself and its name. ``data.data`` (the path) is compared through the data's fingerprint instead, so
+a moved corpus continues and a changed one is refused unless ``--allow-data-change``.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "model.activation_checkpointing",
         "model.chunked_loss",
         "data.cache_dir",
-        "data.data",  # checked through the data fingerprint (see bigbatch.run.resume.check_data)
+        "data.data",  # checked through the data fingerprint (see bigbatch.run.resume.data_changed)
         "batch.micro_batch",
         "batch.memory_budget",
         "optim.decay_steps",  # the schedule is kept on resume; changing it needs --extend-schedule
         "optim.warmup_steps",
         "run.max_steps",
         "run.out",
+        "run.name",  # a label for bigbatch report, kept in config.toml
         "run.device",
         "run.precision",
         "run.compile",

@@ -50,7 +50,7 @@ def lock_run_dir(run_dir: Path, wait: bool, say: Say) -> RunDirLock:
     if held is not None:
         return RunDirLock(run_dir, held, created=False)
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (run_files.py)
+    run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (bigbatch.run.files)
     return RunDirLock(run_dir, hold_directory(run_dir, "run directory", wait, say), created)
 
 

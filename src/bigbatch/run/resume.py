@@ -17,6 +17,7 @@ from bigbatch.run.checkpoint import (
     list_checkpoints,
     model_family,
 )
+from bigbatch.run.identity import settings_diff
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def check_compatible(
 
 def check_settings(document: dict[str, Any], config: Any, run_dir: Path) -> None:
     """Refuse to continue a run whose defining settings (see :mod:`bigbatch.run.identity`) differ from this one's."""
-    from bigbatch.run.identity import settings_diff
-
     diffs = settings_diff(document.get("config", {}), config)
     if diffs:
         raise CheckpointError(

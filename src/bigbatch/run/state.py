@@ -12,87 +12,211 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
+import torch.nn as nn
+
+from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.optim import CosineSchedule
 from bigbatch.engine.rng import capture_rng_state, restore_rng_state, seed_rank_generators
 from bigbatch.errors import CheckpointError, DataError
 from bigbatch.models import family_of
 from bigbatch.observe.metrics import truncate_metrics
-from bigbatch.run.build import RunParts, Say
+from bigbatch.parallel.distributed import DistContext, Say
+from bigbatch.run.build import RunParts
 from bigbatch.run.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoints, save_checkpoint
 from bigbatch.run.resume import check_compatible, check_settings, check_tokenizer, data_changed, resumed_schedule
 from bigbatch.sizing.ramp import check_ramp_change
 
 
+class Stateful(Protocol):
+    """A named part of the run's state: what it saves, and how it is restored from that."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class _ModelWeights:
+    """The model's parameters and buffers as whole tensors keyed by name, on the CPU (FSDP2 shards gathered), so
+    that any world size and parallel mode can resume from them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+
+
+class _OptimizerState:
+    """AdamW's moments and step counts, keyed by parameter name like the model's (see :class:`_ModelWeights`)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_state_dict(self, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class _Schedule:
+    """The learning-rate schedule the engine follows, saved for the checkpoint's readers; a resumed run settles
+    its own (see :func:`resume_run`), so nothing is restored from it here."""
+
+    def __init__(self, schedule: CosineSchedule) -> None:
+        self.schedule = schedule
+
+    def state_dict(self) -> Any:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        pass
+
+
+class _Count:
+    """A number saved as it is (the valid target tokens trained on, all ranks)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> int:
+        return self.value
+
+    def load_state_dict(self, state: Any) -> None:
+        self.value = int(state or 0)
+
+
+class _LoaderPosition:
+    """The training loader's position; with new data (``--allow-data-change``) a position the data lacks
+    restarts at its beginning instead of failing."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.new_data = False
+        self.say: Say | None = None
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        try:
+            self.loader.load_state_dict(state)
+        except DataError:
+            if not self.new_data:
+                raise
+            if self.say is not None:
+                self.say(
+                    "the new data has no position matching the checkpoint's: reading it from its start",
+                    level=logging.WARNING,
+                )
+
+
+class _Generators:
+    """Every rank's random generators (gathered: a collective). Resumed on another world size, each rank's
+    stream is derived as in a fresh run at the resumed step (dropout masks then differ)."""
+
+    def __init__(self, dist: DistContext, seed: int, engine: AccumulationEngine) -> None:
+        self.dist, self.seed, self.engine = dist, seed, engine
+
+    def state_dict(self) -> Any:
+        return self.dist.all_gather_object(capture_rng_state())
+
+    def load_state_dict(self, state: Any) -> None:
+        rng_states = state or []
+        if len(rng_states) == self.dist.world_size:
+            restore_rng_state(rng_states[self.dist.rank])
+        else:
+            seed_rank_generators(self.seed, self.dist.rank, step=self.engine.step_count)
+
+
 class TrainState:
-    """The stateful parts of a built run (model, optimizer, engine, schedule, loader, counters, generators)."""
+    """The stateful parts of a built run, registered by name: model, optimizer, engine (its counters, GradScaler
+    and step hooks), schedule, loader, tokens seen, batch ramp, generators. A checkpoint holds each under its
+    name; they are restored in this order."""
 
     def __init__(self, parts: RunParts) -> None:
         self.parts = parts
-        self.tokens_seen = 0  # valid target tokens trained on, all ranks
-        # Whose position is saved and restored: the training loader, or the trainer's read-ahead view of it
-        # (which reports the position after the micro-batches trained on, not after those read ahead).
-        self.loader: Any = parts.train_loader
-        self.schedule: CosineSchedule = parts.engine.schedule  # type: ignore[assignment]  # the engine follows it
+        self._tokens_seen = _Count()  # valid target tokens trained on, all ranks
+        self._loader = _LoaderPosition(parts.train_loader)
+        self._parts: dict[str, Stateful] = {}
+        self.register("model", _ModelWeights(parts.model))
+        self.register("optimizer", _OptimizerState(parts.model, parts.optimizer))
+        self.register("engine", parts.engine)
+        self._schedule = _Schedule(parts.engine.schedule)  # type: ignore[arg-type]  # the engine follows it
+        self.register("schedule", self._schedule)
+        self.register("loader", self._loader)
+        self.register("tokens_seen", self._tokens_seen)
+        if parts.ramp is not None:
+            self.register("ramp", parts.ramp)
+        self.register("rng", _Generators(parts.dist, parts.config.run.seed, parts.engine))
+
+    @property
+    def tokens_seen(self) -> int:
+        return self._tokens_seen.value
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self._tokens_seen.value = value
+
+    @property
+    def loader(self) -> Any:
+        """Whose position is saved and restored: the training loader, or the trainer's read-ahead view of it
+        (which reports the position after the micro-batches trained on, not after those read ahead)."""
+        return self._loader.loader
+
+    @loader.setter
+    def loader(self, loader: Any) -> None:
+        self._loader.loader = loader
+
+    @property
+    def schedule(self) -> CosineSchedule:
+        return self._schedule.schedule
+
+    def register(self, name: str, part: Stateful) -> None:
+        """Save and restore ``part`` under ``name`` (after the parts registered before it)."""
+        if name in self._parts:
+            raise ValueError(f"a state part named {name!r} is already registered")
+        self._parts[name] = part
 
     @property
     def step(self) -> int:
         return self.parts.engine.step_count
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the run stands. A collective: every rank calls it (FSDP shards and every rank's generators
-        are gathered); model and optimizer state are whole tensors keyed by parameter name, on the CPU, so
-        that any world size and parallel mode can resume from them."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        p = self.parts
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optimizer_state = get_state_dict(p.model, p.optimizer, options=options)
-        return {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "engine": p.engine.state_dict(),
-            "schedule": self.schedule.state_dict(),
-            "loader": self.loader.state_dict(),
-            "tokens_seen": self.tokens_seen,
-            **({"ramp": p.ramp.state_dict()} if p.ramp is not None else {}),
-            "rng": p.dist.all_gather_object(capture_rng_state()),  # every rank's generators
-        }
+        """Where the run stands: each registered part's state under its name. A collective: every rank calls it
+        (FSDP shards and every rank's generators are gathered)."""
+        return {name: part.state_dict() for name, part in self._parts.items()}
 
     def load_state_dict(self, state: dict[str, Any], schedule: CosineSchedule, new_data: bool, say: Say) -> None:
         """Restore every part from ``state``; the next step is the one after it. ``schedule`` is the one the
-        resumed run follows (see :func:`bigbatch.run.resume.resumed_schedule`); with ``new_data`` a loader position
-        that the new data lacks restarts at its beginning instead of failing."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        p = self.parts
-        set_state_dict(
-            p.model,
-            p.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
-        self.schedule = p.engine.schedule = schedule
-        p.engine.load_state_dict(state["engine"])  # also sets the learning rate of the next step
+        resumed run follows (see :func:`bigbatch.run.resume.resumed_schedule`), set before the engine restores
+        its counters (which set the next step's learning rate); with ``new_data`` a loader position that the
+        new data lacks restarts at its beginning instead of failing. A part the checkpoint lacks (an older
+        one) is given ``None``."""
+        self._schedule.schedule = self.parts.engine.schedule = schedule
+        self._loader.new_data, self._loader.say = new_data, say
         try:
-            self.loader.load_state_dict(state["loader"])
-        except DataError:
-            if not new_data:
-                raise
-            say(
-                "the new data has no position matching the checkpoint's: reading it from its start",
-                level=logging.WARNING,
-            )
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        if p.ramp is not None and state.get("ramp"):
-            p.ramp.load_state_dict(state["ramp"])
-        rng_states = state.get("rng", [])
-        if len(rng_states) == p.dist.world_size:
-            restore_rng_state(rng_states[p.dist.rank])
-        else:  # another world size: each rank's stream derived as in a fresh run, at this step (masks then differ)
-            seed_rank_generators(p.config.run.seed, p.dist.rank, step=self.step)
+            for name, part in self._parts.items():
+                if name == "ramp" and not state.get("ramp"):
+                    continue  # a checkpoint from before the ramp: it starts where the tokens seen put it
+                part.load_state_dict(state.get(name))
+        finally:  # the state keeps no reference to its caller (a trainer freed at once frees its run directory)
+            self._loader.new_data, self._loader.say = False, None
 
     def run_record(self) -> dict[str, Any]:
         """What the run is, for readers of the checkpoint (sample, export, eval, resume)."""

@@ -16,18 +16,16 @@ from typing import Any
 
 import torch
 
-from bigbatch.artifacts.evaluate import ValidationResult, validation_result
-from bigbatch.data.loader import DocumentLoader
+from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
-from bigbatch.engine.batch import EmptyStepGuard, StepBatch, next_step
+from bigbatch.engine.batch import EmptyStepGuard, StepBatch, read_step
 from bigbatch.errors import BigBatchError, TrainingError
 from bigbatch.models import LanguageModel, ModelConfig
 from bigbatch.models.sampling import sample_text
 from bigbatch.observe.metrics import (
     MetricsSink,
-    check_optional_loggers,
     format_noise_scale,
     format_step,
     mfu,
@@ -36,11 +34,13 @@ from bigbatch.observe.metrics import (
 from bigbatch.parallel.distributed import DistContext, resolve_device, unwrap
 from bigbatch.parallel.signals import StopRequest
 from bigbatch.progress import ProgressBar
+from bigbatch.run.branch import branch_run
 from bigbatch.run.build import RunParts, build_run
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.files import copy_run_tokenizer, start_run_dir
 from bigbatch.run.header import header_lines
 from bigbatch.run.state import TrainState, resume_run
+from bigbatch.run.validation import ValidationResult, score_windows
 from bigbatch.sizing.plan import BatchPlan
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class TrainResult:
 
 
 @dataclass
-class _Progress:
+class _LoopTally:
     """What the loop has seen so far."""
 
     record: StepRecord | None = None
@@ -110,7 +110,6 @@ class Trainer:
         branch_from: Path | None = None,
         prefetch: bool = True,
     ) -> None:
-        check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))  # before any work
         self.progress: ProgressBar | None = None  # the terminal's progress bar while train() runs (rank 0, TTY)
         self.config, self.dist = config, dist or DistContext()
         device = device or resolve_device(config.run.device, self.dist.local_rank)
@@ -138,8 +137,6 @@ class Trainer:
         if self.resumed_from is not None:
             resume_run(self.state, self.resumed_from, self._say)
         elif branch_from is not None:  # a fresh branch: start where the parent's checkpoint stood
-            from bigbatch.run.branch import branch_run
-
             branch_run(self.state, branch_from, self._say)
         elif config.run.allow_ramp_change:
             self._say(
@@ -191,7 +188,7 @@ class Trainer:
         policy = self.parts.policy
         if self.parts.ramp is not None:
             policy = replace(policy, k=self.parts.ramp.k(self.state.tokens_seen))
-        return next_step(self.loader, policy, self.dist, self.parts.device)
+        return read_step(self.loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
         """Train to ``max_steps`` (or a stop signal), then give the run directory up."""
@@ -210,7 +207,7 @@ class Trainer:
                 self.state.step,
                 run.max_steps,
             )
-            return self._result(_Progress(), sample=None)  # a requeueing scheduler needs exit 0
+            return self._result(_LoopTally(), sample=None)  # a requeueing scheduler needs exit 0
         if self.dist.is_main:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
         for line in header_lines(self.parts):
@@ -231,7 +228,7 @@ class Trainer:
                 )
         self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
         self.progress.update(self.state.step)
-        seen = _Progress()
+        seen = _LoopTally()
         try:
             with StopRequest(self._announce_stop) as stop:
                 while self.state.step < run.max_steps and not seen.stopped_by:
@@ -249,7 +246,7 @@ class Trainer:
             return self._result(seen, sample=None)
         return self._finish(seen)
 
-    def _train_one_step(self, seen: _Progress, stop: StopRequest, metrics: MetricsSink | None) -> None:
+    def _train_one_step(self, seen: _LoopTally, stop: StopRequest, metrics: MetricsSink | None) -> None:
         """One optimizer step (or one skipped), then its log line, evaluation, checkpoint and stop check."""
         run = self.config.run
         step = self.next_step()
@@ -288,7 +285,7 @@ class Trainer:
         last = record.step == run.max_steps
         at_eval = self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last)
         if record.step % run.log_every == 0 or last or stop.signum:
-            noise = self.engine.noise_scale.estimate if self.engine.noise_scale and (at_eval or last) else None
+            noise = self.parts.noise.estimate if self.parts.noise and (at_eval or last) else None
             line = format_step(record, show_k=self.parts.k_varies, mfu_value=step_mfu, noise_scale=noise)
             self._say("%s%s", line, " | stopping: saving a checkpoint" if stop.signum and not last else "")
         if at_eval:
@@ -305,7 +302,7 @@ class Trainer:
 
     def _grow_auto_ramp(self) -> None:
         """``--batch-ramp auto``, after a step that measured the noise scale: rank 0 decides, every rank follows."""
-        ramp, noise = self.parts.ramp, self.engine.noise_scale
+        ramp, noise = self.parts.ramp, self.parts.noise
         if ramp is None or not ramp.spec.auto or noise is None:
             return
         grown = ramp.grow(noise.estimate) if self.dist.is_main else None
@@ -313,18 +310,18 @@ class Trainer:
         if grown is None:
             return
         if not self.dist.is_main:
-            ramp.auto_tokens = grown[1] * ramp.unit
+            ramp.auto_tokens = grown.k_after * ramp.unit
         self._say(
             "batch ramp auto: K %d -> %d (%s -> %s tokens/step) from step %d; measured noise scale %s tokens",
-            grown[0],
-            grown[1],
-            f"{grown[0] * ramp.unit:,}",
-            f"{grown[1] * ramp.unit:,}",
+            grown.k_before,
+            grown.k_after,
+            f"{grown.k_before * ramp.unit:,}",
+            f"{grown.k_after * ramp.unit:,}",
             self.state.step + 1,
             format_noise_scale(noise.estimate or 0.0),
         )
 
-    def _evaluate(self, seen: _Progress, stop: StopRequest, metrics: MetricsSink | None) -> None:
+    def _evaluate(self, seen: _LoopTally, stop: StopRequest, metrics: MetricsSink | None) -> None:
         started, step = time.perf_counter(), self.state.step
         result = self.evaluate_windows(stop)
         if result is not None:
@@ -346,7 +343,7 @@ class Trainer:
             )
 
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
-        """Mean validation loss (see :func:`bigbatch.artifacts.evaluate.validation_result`); a stop signal on any
+        """Mean validation loss (see :func:`bigbatch.run.validation.score_windows`); a stop signal on any
         rank cuts the pass short, and then there is no number."""
         result = self.evaluate_windows(stop)
         return None if result is None else result.loss
@@ -354,9 +351,14 @@ class Trainer:
     def evaluate_windows(self, stop: StopRequest | None = None) -> ValidationResult | None:
         """The validation loss and the tokens it scored (see :meth:`evaluate`)."""
         agreed = (lambda: bool(self.dist.max_int(stop.signum, self.parts.device))) if stop is not None else None
-        return validation_result(self.parts, agreed)
+        parts = self.parts
+        assert parts.val_loader is not None
+        engine = parts.engine
+        return score_windows(
+            parts.train_model, parts.val_loader, parts.device, engine.precision, parts.dist, engine.loss_fn, agreed
+        )
 
-    def _check_stop(self, seen: _Progress, stop: StopRequest, saved: bool) -> None:
+    def _check_stop(self, seen: _LoopTally, stop: StopRequest, saved: bool) -> None:
         """Stop at this step boundary if any rank received SIGTERM/SIGINT (all ranks agree), after a save."""
         seen.stopped_by = self.dist.max_int(stop.signum, self.parts.device)
         if not seen.stopped_by:
@@ -408,7 +410,7 @@ class Trainer:
                 level=logging.WARNING,
             )
 
-    def _finish(self, seen: _Progress) -> TrainResult:
+    def _finish(self, seen: _LoopTally) -> TrainResult:
         """The end-of-run sample and summary line."""
         run = self.config.run
         sample = None
@@ -445,7 +447,7 @@ class Trainer:
     def _say_noise_scale(self, last: StepRecord | None) -> None:
         """The measured critical batch (the smoothed gradient noise scale) against this run's tokens per step: the
         last step's size when steps have one size or a ramp grows it, else the mean over the run's steps."""
-        noise = self.engine.noise_scale
+        noise = self.parts.noise
         if noise is None or noise.estimate is None or not self.state.step:
             return
         if last is not None and (not self.parts.k_varies or self.parts.ramp is not None):
@@ -459,7 +461,7 @@ class Trainer:
             f"{used:,}",
         )
 
-    def _result(self, seen: _Progress, sample: str | None) -> TrainResult:
+    def _result(self, seen: _LoopTally, sample: str | None) -> TrainResult:
         return TrainResult(
             run_dir=self.run_dir,
             steps=self.state.step,

@@ -27,6 +27,9 @@ from typing import TextIO
 
 import torch
 
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
 from bigbatch.models import (
@@ -181,10 +184,6 @@ def measure_in_process(
 
     It seeds and draws (model, tokens), so it runs under :func:`~bigbatch.engine.rng.preserved_rng`: the caller's
     generators (e.g. a trainer's, for ``--micro-batch auto`` on CUDA) are left exactly as they were."""
-    from bigbatch.engine.accumulate import AccumulationEngine
-    from bigbatch.engine.batch import MicroBatch
-    from bigbatch.engine.optim import build_adamw, constant_schedule
-
     peak_meter = _CudaPeak if device.type == "cuda" else _CpuPeak
     torch.manual_seed(0)
     model = build_model(config).to(device)

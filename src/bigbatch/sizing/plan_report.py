@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError
-from bigbatch.models import HFConfig, ModelConfig
-from bigbatch.sizing.memory import HF_ESTIMATE_UNAVAILABLE, MiB, MicroStepMeasurement, estimate_memory
+from bigbatch.models import HFConfig, ModelConfig, model_preset
+from bigbatch.parallel.distributed import resolve_device
+from bigbatch.sizing.memory import HF_ESTIMATE_UNAVAILABLE, MiB, MicroStepMeasurement, estimate_memory, measure
 from bigbatch.sizing.plan import SolvedPlan
 
 
@@ -77,11 +79,6 @@ def report_plan(
 ) -> str:
     """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
     ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
-    from bigbatch.engine.accumulate import resolve_precision
-    from bigbatch.models import model_preset
-    from bigbatch.parallel.distributed import resolve_device
-    from bigbatch.sizing.memory import measure
-
     if not model_name:
         return format_plan(solved, model_name, None, "fp32", None)
     device = resolve_device(device_name)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
 from bigbatch.sizing.plan import BatchPlan, parse_count
@@ -93,6 +93,13 @@ class RampRow:
     cumulative_tokens: int
 
 
+class RampGrowth(NamedTuple):
+    """A change of K made by ``--batch-ramp auto``."""
+
+    k_before: int
+    k_after: int
+
+
 @dataclass
 class BatchRamp:
     """K per step for a run whose plan is ``plan`` (its K is the target, reached at the end of the ramp)."""
@@ -140,9 +147,9 @@ class BatchRamp:
 
     # -- auto ---------------------------------------------------------------------------------------------
 
-    def grow(self, noise_scale: float | None) -> tuple[int, int] | None:
-        """Auto: after a step that measured ``noise_scale`` (tokens), grow toward it; ``(K before, K after)``
-        when K changes. Whole micro-batches, never shrinking, at most doubling, capped by the target."""
+    def grow(self, noise_scale: float | None) -> RampGrowth | None:
+        """Auto: after a step that measured ``noise_scale`` (tokens), grow toward it; K before and after when K
+        changes. Whole micro-batches, never shrinking, at most doubling, capped by the target."""
         if not self.spec.auto or noise_scale is None or not math.isfinite(noise_scale) or noise_scale <= 0:
             return None
         before = self.k(0)
@@ -151,7 +158,7 @@ class BatchRamp:
         if after == before:
             return None
         self.auto_tokens = after * self.unit
-        return before, after
+        return RampGrowth(before, after)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spec": str(self.spec), "auto_tokens": self.auto_tokens}

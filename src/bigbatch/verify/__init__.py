@@ -30,6 +30,7 @@ items it sums over. A loss that returns a mean ``m`` over ``c`` items returns
 ``(m * c, c)``.
 """
 
+from bigbatch.models.coupling import ROOT
 from bigbatch.verify.distributed import check_distributed_equivalence
 from bigbatch.verify.equivalence import check_equivalence
 from bigbatch.verify.inputs import (
@@ -45,7 +46,6 @@ from bigbatch.verify.inputs import (
 )
 from bigbatch.verify.report import (
     LOSS,
-    ROOT,
     BufferComparison,
     DistributedReport,
     EquivalenceReport,

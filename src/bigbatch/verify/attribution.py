@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from bigbatch.models.coupling import ROOT
 from bigbatch.verify.compare import rel_diff
-from bigbatch.verify.report import ROOT, Finding
+from bigbatch.verify.report import Finding
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -11,7 +11,14 @@ import torch.nn as nn
 from bigbatch.engine.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError
 from bigbatch.models import build_model, model_preset
-from bigbatch.verify import DistributedReport, EquivalenceReport, VerifyLossFn
+from bigbatch.parallel.distributed import distributed_session, resolve_device
+from bigbatch.verify import (
+    DistributedReport,
+    EquivalenceReport,
+    VerifyLossFn,
+    check_distributed_equivalence,
+    check_equivalence,
+)
 from bigbatch.verify.packing import packed_documents
 
 
@@ -129,9 +136,6 @@ class VerifySettings:
 
 def verify_here(settings: VerifySettings) -> EquivalenceReport:
     """The single-process check: the full-batch gradient against the one accumulated over K micro-batches."""
-    from bigbatch.parallel.distributed import resolve_device
-    from bigbatch.verify import check_equivalence
-
     s = settings
     case = build_case(
         s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged, s.packed
@@ -157,9 +161,6 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
 def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bool]:
     """Under torchrun: every rank's gradient after the one sync equals the single-process gradient. Returns the
     report and whether this process is the main rank (the one that reports)."""
-    from bigbatch.parallel.distributed import distributed_session
-    from bigbatch.verify import check_distributed_equivalence
-
     s = settings
     with distributed_session(s.device) as (dist, device):
         case = build_case(

@@ -9,7 +9,8 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from bigbatch.verify.report import ROOT, BufferComparison, ParamComparison
+from bigbatch.models.coupling import ROOT
+from bigbatch.verify.report import BufferComparison, ParamComparison
 
 
 def flat(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.optim import constant_schedule
+from bigbatch.parallel.distributed import DDPGradSync
 from bigbatch.verify.compare import buffers_of, compare_buffers, flat, gradients, rel_diff
 from bigbatch.verify.inputs import (
     DEFAULT_TOLERANCE,
@@ -40,8 +41,6 @@ def check_distributed_equivalence(
     only on the last). Then every rank's gradient is compared with rank 0's and
     with the gradient of one process over the whole batch.
     """
-    from bigbatch.parallel.distributed import DDPGradSync
-
     started = time.perf_counter()
     device = torch.device(device)
     tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from bigbatch.engine.accumulate import token_loss_sum
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
-from bigbatch.verify.report import ROOT, Finding
+from bigbatch.models.coupling import cross_sample_modules
+from bigbatch.verify.report import Finding
 
 VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -63,27 +64,7 @@ def disable_dropout(model: nn.Module) -> list[str]:
 
 def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:
     """Modules whose training-mode behaviour mixes samples or counts forwards, found by type."""
-    findings = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            findings.append(
-                Finding(
-                    name or ROOT,
-                    type(module).__name__,
-                    "normalizes with statistics of the whole batch in training mode",
-                )
-            )
-        elif (
-            isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats and module.training
-        ):
-            findings.append(
-                Finding(
-                    name or ROOT,
-                    type(module).__name__,
-                    "running statistics are updated K times instead of once (gradients are per sample)",
-                )
-            )
-    return findings
+    return [Finding(found.module, found.kind, found.detail) for found in cross_sample_modules(model)]
 
 
 def split_indices(samples: int, k: int, name: str, seed: int = 0) -> list[torch.Tensor]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ROOT = "<model>"  # the name findings use for the model's own forward
-LOSS = "<loss>"  # ... and for the loss function
+LOSS = "<loss>"  # the name findings use for the loss function
 
 
 @dataclass(frozen=True)

@@ -1,47 +1,26 @@
 """GPT-2 weights in the Hugging Face layout: load into :class:`~bigbatch.models.GPT`, write back out.
 
-The layout is a directory with ``config.json`` and ``model.safetensors`` (or the
-shards that ``model.safetensors.index.json`` lists, or ``pytorch_model.bin``).
 Hugging Face's GPT-2 stores its projections as ``Conv1D`` with weights of shape
 (in, out), the transpose of ``nn.Linear``; its LM head is tied to the token
-embedding. Nothing here touches the network: give a local directory (for example
-one written by ``save_pretrained``). The readers and the atomic writer are shared
-with the Llama conversion (:mod:`.llama_hf`).
+embedding. The directory itself (config.json, the weights files, the atomic
+writer) is :mod:`bigbatch.models.hf_files`'s, shared with the other families.
+Nothing here touches the network: give a local directory.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bigbatch.errors import CheckpointError
-from bigbatch.files.permissions import apply_umask
 from bigbatch.models.gpt.model import GPT, GPTConfig
+from bigbatch.models.hf_files import check_new_directory, read_config, read_weights, write_hf_directory
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older checkpoints
-SHARD_INDEX = "model.safetensors.index.json"  # what save_pretrained writes beside the shards of a large model
-WEIGHT_FILES = ("model.safetensors", SHARD_INDEX, "pytorch_model.bin")
-
-
-def _read_config(directory: Path, kind: str = "GPT-2") -> dict[str, Any]:
-    path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{directory} has no config.json; expected a Hugging Face {kind} directory") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return config
 
 
 def gpt_config_from_hf(config: dict[str, Any]) -> GPTConfig:
@@ -71,65 +50,19 @@ def gpt_config_from_hf(config: dict[str, Any]) -> GPTConfig:
     )
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the first weights file found (in :data:`WEIGHT_FILES` order), on the CPU."""
-    for name in WEIGHT_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        if name == SHARD_INDEX:
-            return _read_shards(directory, path)
-        return _read_weight_file(path)
-    raise CheckpointError(f"{directory} holds none of {', '.join(WEIGHT_FILES)}")
-
-
-def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt files raise many types
-        raise CheckpointError(f"cannot read {path}: it is damaged or not a weights file ({exc})") from exc
-
-
-def _read_shards(directory: Path, index_path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a sharded safetensors checkpoint; each must be in the shard its index names."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"cannot read {index_path}: it is damaged or not a shard index ({exc})") from exc
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index_path} has no weight_map of tensor names to shard files")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        if Path(shard).name != shard or not shard.endswith(".safetensors"):  # no paths outside the directory
-            raise CheckpointError(f"{index_path} names {shard!r}, not a .safetensors file beside it")
-        path = directory / shard
-        if not path.is_file():
-            raise CheckpointError(f"{directory} lacks {shard}, a shard its {SHARD_INDEX} names")
-        tensors.update(_read_weight_file(path))
-    absent = sorted(set(weight_map) - set(tensors))
-    if absent:
-        more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
-        raise CheckpointError(f"{index_path} lists {absent[0]}{more}, which no shard holds; the download is incomplete")
-    return tensors
-
-
 def read_hf_gpt_config(directory: Path | str) -> GPTConfig:
     """The :class:`GPTConfig` of a local Hugging Face GPT-2 directory, from its config.json alone."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a Hugging Face GPT-2 directory")
-    return gpt_config_from_hf(_read_config(directory))
+    return gpt_config_from_hf(read_config(directory, kind="GPT-2"))
 
 
 def load_hf_gpt2(directory: Path | str) -> GPT:
     """A :class:`GPT` with the weights of a local Hugging Face GPT-2 directory."""
     directory = Path(directory)
     config = read_hf_gpt_config(directory)
-    raw = _read_weights(directory)
+    raw = read_weights(directory)
     state: dict[str, torch.Tensor] = {}
     head = None
     for key, value in raw.items():
@@ -186,7 +119,7 @@ def hf_config(model: GPT) -> dict[str, Any]:
 def save_hf_gpt2(model: GPT, directory: Path | str) -> Path:
     """Write ``config.json`` + ``model.safetensors`` in the Hugging Face GPT-2 layout (a new or empty directory)."""
     directory = Path(directory)
-    _check_new_directory(directory)
+    check_new_directory(directory)
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if key == "lm_head.weight":
@@ -197,31 +130,4 @@ def save_hf_gpt2(model: GPT, directory: Path | str) -> Path:
         if key.endswith(CONV1D_SUFFIXES):
             value = value.t()
         tensors[key] = value.contiguous().clone()
-    return _write_hf_directory(directory, tensors, hf_config(model))
-
-
-def _check_new_directory(directory: Path) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise CheckpointError(f"{directory} already exists and is not empty; choose a new output directory")
-
-
-def _write_hf_directory(directory: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
-    """``config.json`` + ``model.safetensors`` in a new or empty ``directory``, all at once: written to a
-    temporary sibling that is renamed into place, so an interrupted export leaves no half directory."""
-    from safetensors.torch import save_file
-
-    _check_new_directory(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
-        apply_umask(staging, directory=True)  # mkdtemp makes 0700
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        apply_umask(staging / "model.safetensors")  # safetensors writes 0600
-        if directory.exists():
-            directory.rmdir()
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return directory
+    return write_hf_directory(directory, tensors, hf_config(model))

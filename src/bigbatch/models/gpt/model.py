@@ -219,6 +219,11 @@ class GPT(nn.Module):
         # On GPUs the padded matmul keeps the logits' rows aligned; its slice is copied by the loss's cast.
         return self.lm_head(x)[..., :vocab]  # (B, T, vocab)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards as units before the root (see :func:`bigbatch.models.sharding.fsdp_units`): the
+        transformer blocks; the embeddings, final norm and head stay with the root."""
+        return list(self.transformer.h)
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops the position table."""
         n = sum(p.numel() for p in self.parameters())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.models.gpt.hf import _check_new_directory, _read_config, _read_weights, _write_hf_directory
+from bigbatch.models.hf_files import check_new_directory, read_config, read_weights, write_hf_directory
 from bigbatch.models.llama.model import Llama, LlamaConfig, RopeScaling
 
 # Rotary frequency tables that some older checkpoints saved with the weights; they are recomputed from the config.
@@ -104,7 +104,7 @@ def read_hf_llama_config(directory: Path | str) -> LlamaConfig:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a Hugging Face Llama directory")
-    return llama_config_from_hf(_read_config(directory, kind="Llama"))
+    return llama_config_from_hf(read_config(directory, kind="Llama"))
 
 
 def _names(keys: list[str]) -> str:
@@ -118,7 +118,7 @@ def load_hf_llama(directory: Path | str) -> Llama:
     directory; missing, unexpected or misshapen tensors are refused in one line."""
     directory = Path(directory)
     config = read_hf_llama_config(directory)
-    raw = _read_weights(directory)
+    raw = read_weights(directory)
     state = {key: value for key, value in raw.items() if not key.endswith(_IGNORED_SUFFIXES)}
     if config.tie_embeddings and _HEAD in state:
         # Some tied checkpoints store the head anyway: it must be the embedding, which is all that is loaded.
@@ -192,7 +192,7 @@ def hf_llama_config(model: Llama) -> dict[str, Any]:
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
-        # As for GPT-2 (see hf.py): the last id, which is the GPT-2 tokenizer's end-of-text.
+        # As in the GPT-2 layout (models/gpt/hf.py): the last id, which is the GPT-2 tokenizer's end-of-text.
         "bos_token_id": cfg.vocab_size - 1,
         "eos_token_id": cfg.vocab_size - 1,
         "pad_token_id": None,
@@ -203,11 +203,11 @@ def save_hf_llama(model: Llama, directory: Path | str) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (fp32) in the Hugging Face Llama layout (a new or empty
     directory), for ``LlamaForCausalLM.from_pretrained``."""
     directory = Path(directory)
-    _check_new_directory(directory)  # before copying the weights
+    check_new_directory(directory)  # before copying the weights
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if key == _HEAD and model.config.tie_embeddings:
             continue  # the embedding; transformers ties it back on load
         # A copy of each (safetensors refuses tensors that share memory), on the CPU in fp32.
         tensors[key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
-    return _write_hf_directory(directory, tensors, hf_llama_config(model))
+    return write_hf_directory(directory, tensors, hf_llama_config(model))

@@ -8,7 +8,7 @@ final RMSNorm and an LM head, optionally tied to the embedding.
 Parameter names are those of Hugging Face's ``LlamaForCausalLM``
 (``model.layers.0.self_attn.q_proj.weight``, ...) and the rotary embedding uses
 its convention (the two halves of each head are rotated against each other), so
-its weights load by name, without permutation (see :mod:`.llama_hf`). Like
+its weights load by name, without permutation (see :mod:`bigbatch.models.llama.hf`). Like
 :class:`~bigbatch.models.GPT`, the model knows nothing of batches, accumulation,
 devices or files.
 """
@@ -297,7 +297,7 @@ class Llama(nn.Module):
 
     The same interface as :class:`~bigbatch.models.GPT`: ``forward(idx, targets, positions)`` (the summed loss;
     rotary positions restart at each packed document), ``config``, ``activation_checkpointing``, ``chunked_loss``,
-    ``num_params`` and ``flops_per_token``.
+    ``num_params``, ``flops_per_token`` and ``fsdp_units``.
     """
 
     computes_loss = True
@@ -351,6 +351,11 @@ class Llama(nn.Module):
         if targets is None and not last_only:
             return self.lm_head(x)  # (B, T, vocab)
         return logits_or_loss(x, self.lm_head.weight, targets, chunked=self.chunked_loss, last_only=last_only)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards as units before the root (see :func:`bigbatch.models.sharding.fsdp_units`): the
+        decoder layers; the embedding, final norm and head stay with the root."""
+        return list(self.model.layers)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; tied weights are counted once. ``non_embedding`` drops an untied input embedding

@@ -1,0 +1,164 @@
+"""The package's layout: rooms in layers, imports that only go down, no import cycle, no loose modules.
+
+Every module under ``src/bigbatch`` is read with ``ast`` (nothing is imported: this test needs no torch). A module
+may import modules of its own room and of lower rooms only; that holds for imports at the top of a module and for
+those inside a function alike (a deferred import is still a dependency). The layers, low to high, are ``LAYERS``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+from import_graph import assert_acyclic
+
+import bigbatch
+
+PACKAGE = Path(bigbatch.__file__).parent
+
+LAYERS: list[set[str]] = [
+    {"errors", "progress", "files", "settings"},
+    {"parallel"},
+    {"models"},
+    {"engine"},
+    {"data"},
+    {"sizing"},
+    {"noise"},
+    {"observe"},
+    {"run"},
+    {"artifacts"},
+    {"critical_batch", "verify"},
+    {"cli"},
+]
+"""The rooms, low to high; a room may import its own layer's rooms and lower ones."""
+
+LEVEL = {room: level for level, rooms in enumerate(LAYERS) for room in rooms}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "progress"}
+"""The only modules directly in ``src/bigbatch``: everything else lives in a room."""
+FACADES = {"bigbatch", "bigbatch.__main__"}
+"""``import bigbatch``'s lazy public API and ``python -m bigbatch``: above every room, they may import any."""
+ALWAYS_ALLOWED = {("bigbatch", "__version__")}
+"""``from bigbatch import __version__``, anywhere."""
+
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
+"""``(importer, imported)`` pairs that break the layering today, each with its reason; remove one as its fix lands
+(an entry that no longer occurs fails :func:`test_known_violations_still_occur`)."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def room_of(module: str) -> str:
+    """``bigbatch.models.gpt.model`` -> ``models``; ``bigbatch.errors`` -> ``errors``."""
+    return module.split(".")[1]
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _imported(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> set[tuple[str, str | None]]:
+    """``(module, name)`` for each bigbatch module ``node`` imports: ``from a.b import c`` is module ``a.b.c`` when
+    that is a module, else ``a.b`` (``name`` says which name, for :data:`ALWAYS_ALLOWED`)."""
+    if isinstance(node, ast.Import):
+        return {(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "bigbatch"}
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join([*package, base] if base else package)
+    if base.split(".")[0] != "bigbatch":
+        return set()
+    found = set()
+    for alias in node.names:
+        candidate = f"{base}.{alias.name}"
+        found.add((candidate, None) if candidate in modules() else (base, alias.name))
+    return found
+
+
+def _import_nodes(node: ast.AST, deferred: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under ``node``, with whether it is deferred (inside a function or under
+    ``if TYPE_CHECKING``: not run when the module is imported)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, deferred
+        elif isinstance(child, ast.If) and _is_type_checking(child):
+            yield from _import_nodes(ast.Module(body=child.body, type_ignores=[]), True)
+            yield from _import_nodes(ast.Module(body=child.orelse, type_ignores=[]), deferred)
+        else:
+            inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            yield from _import_nodes(child, inner)
+
+
+@cache
+def imports() -> dict[str, tuple[frozenset[tuple[str, str | None]], frozenset[str]]]:
+    """Each module's bigbatch imports: all of them (anywhere in the module), and those run when it is imported
+    (not inside a function, not under ``if TYPE_CHECKING``)."""
+    found = {}
+    for module, path in modules().items():
+        everywhere: set[tuple[str, str | None]] = set()
+        at_import: set[str] = set()
+        for node, deferred in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+            targets = _imported(module, path, node)
+            everywhere.update(targets)
+            if not deferred:
+                at_import.update(target for target, _ in targets)
+        found[module] = (frozenset(everywhere), frozenset(at_import))
+    return found
+
+
+def violations() -> set[tuple[str, str]]:
+    """``(importer, imported)`` pairs where a module imports from a higher room."""
+    found = set()
+    for module, (everywhere, _) in imports().items():
+        if module in FACADES:
+            continue
+        for target, name in everywhere:
+            if (target, name) in ALWAYS_ALLOWED:
+                continue
+            if target in FACADES or LEVEL[room_of(target)] > LEVEL[room_of(module)]:
+                found.add((module, target))
+    return found
+
+
+def test_the_walk_sees_imports() -> None:
+    everywhere, at_import = imports()["bigbatch.models.lm_output"]
+    assert "bigbatch.models.head_loss" in at_import
+    assert ("bigbatch.models.head_loss", "IGNORE_INDEX") in everywhere
+    deferred = {target for target, _ in imports()["bigbatch.cli.train"][0]} - imports()["bigbatch.cli.train"][1]
+    assert "bigbatch.run.trainer" in deferred  # inside a function: a dependency, not run at import
+
+
+def test_no_loose_modules_in_the_package_root() -> None:
+    loose = {path.stem for path in PACKAGE.glob("*.py")} - TOP_LEVEL_MODULES
+    assert loose == set(), f"modules directly in src/bigbatch belong in a room: {sorted(loose)}"
+
+
+def test_every_room_is_in_a_layer() -> None:
+    rooms = {room_of(module) for module in modules() if module not in FACADES}
+    assert rooms - LEVEL.keys() == set(), "a new room needs its place in LAYERS"
+    assert LEVEL.keys() - rooms == set(), "LAYERS names a room that no longer exists"
+
+
+def test_imports_go_down_the_layers() -> None:
+    unexpected = sorted(violations() - KNOWN_VIOLATIONS)
+    assert unexpected == [], "imports from a higher room:\n" + "\n".join(f"{a} -> {b}" for a, b in unexpected)
+
+
+def test_known_violations_still_occur() -> None:
+    """A fixed violation leaves KNOWN_VIOLATIONS, so that it cannot come back unnoticed."""
+    assert sorted(KNOWN_VIOLATIONS - violations()) == []
+
+
+def test_no_import_cycle_at_import_time() -> None:
+    edges = {module: {t for t in at_import if t in modules()} for module, (_, at_import) in imports().items()}
+    assert_acyclic(edges)
