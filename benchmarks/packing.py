@@ -28,7 +28,7 @@ from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.batch import StepPolicy, next_step
+from bigbatch.engine.batch import StepPolicy, read_step
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import build_model, model_preset
 from bigbatch.parallel.distributed import DistContext
@@ -159,7 +159,7 @@ def main() -> None:
         order = list(engines)
         for r in range(args.rounds + 1):  # round 0 is warm-up
             for name in order if r % 2 == 0 else order[::-1]:
-                step = next_step(loaders[name], StepPolicy(k=K), DistContext(), torch.device("cpu"))
+                step = read_step(loaders[name], StepPolicy(k=K), DistContext(), torch.device("cpu"))
                 started = time.perf_counter()
                 engines[name].step(step.micro_batches, step.n_valid)
                 elapsed = time.perf_counter() - started
