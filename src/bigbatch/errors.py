@@ -6,7 +6,9 @@ how to fix it. The CLI prints it without a traceback and exits non-zero.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 
 class BigBatchError(Exception):
@@ -40,3 +42,13 @@ def require_creatable_dir(path: Path, what: str) -> None:
             if not candidate.is_dir():
                 raise ConfigError(f"{what} {path} cannot be created: {candidate} is a file; choose another path")
             return
+
+
+def require_package(module: str, feature: str, pip_name: str) -> Any:
+    """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise BigBatchError(
+            f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
+        ) from exc

@@ -12,7 +12,8 @@ import pytest
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.observe.noise_report import NOISE_PLOT, measured_noise, noise_series
-from bigbatch.observe.report import PLOTS, make_report, read_metrics
+from bigbatch.observe.report import PLOTS, make_report
+from bigbatch.observe.runs import read_metrics
 
 pytestmark = pytest.mark.usefixtures("isolated")
 

@@ -20,7 +20,8 @@ from bigbatch.observe.metrics import (
     open_metrics,
     read_records,
 )
-from bigbatch.observe.report import PLOTS, make_report, read_metrics, run_labels, summarize
+from bigbatch.observe.report import PLOTS, make_report, summarize
+from bigbatch.observe.runs import read_metrics, run_labels
 from bigbatch.progress import ProgressBar, format_duration
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

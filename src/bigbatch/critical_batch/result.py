@@ -10,7 +10,7 @@ from typing import Any
 from bigbatch.errors import BigBatchError
 from bigbatch.files.atomic import write_atomically
 from bigbatch.observe.noise_report import noise_series
-from bigbatch.observe.report import read_metrics
+from bigbatch.observe.runs import read_metrics
 
 
 @dataclass(frozen=True)

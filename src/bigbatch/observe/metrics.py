@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from bigbatch.engine.accumulate import StepRecord
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import require_package
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.observe.scalars import eval_values, step_values
+from bigbatch.observe.tensorboard_log import TensorBoardLog
+from bigbatch.observe.wandb_log import WandbLog
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -102,16 +103,6 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-def require_package(module: str, feature: str, pip_name: str) -> Any:
-    """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise BigBatchError(
-            f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
-        ) from exc
-
-
 class MetricsFanout:
     """Sends every record to each sink; :meth:`close` closes them all, then re-raises the first failure."""
 
@@ -155,8 +146,6 @@ def open_metrics(
     run_dir: Path | str, tensorboard: bool = False, wandb_project: str = "", config: dict[str, Any] | None = None
 ) -> MetricsFanout:
     """``RUN_DIR/metrics.jsonl`` always; TensorBoard and W&B when enabled (off by default: nothing else happens)."""
-    from bigbatch.observe.tensorboard_log import TensorBoardLog
-    from bigbatch.observe.wandb_log import WandbLog
 
     run_dir = Path(run_dir)
     history = read_records(run_dir) if tensorboard or wandb_project else []  # the earlier sessions' records
@@ -175,7 +164,7 @@ def open_metrics(
 def read_records(run_dir: Path | str) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/metrics.jsonl`` (one JSON object a line), in file order; a line that is not one
     (cut by a crash) is left out, and a run without the file has none. The one reader of the log: the loggers'
-    history here, :func:`bigbatch.observe.report.read_metrics` (a run's steps and evaluations) for the rest."""
+    history here, :func:`bigbatch.observe.runs.read_metrics` (a run's steps and evaluations) for the rest."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []

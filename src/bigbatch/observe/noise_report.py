@@ -15,8 +15,7 @@ from typing import Any
 
 from bigbatch.errors import BigBatchError
 from bigbatch.noise.scale import unbiased_estimates
-from bigbatch.observe.report import RunMetrics, read_metrics, run_settings
-from bigbatch.observe.report import setting as _setting
+from bigbatch.observe.runs import RunMetrics, read_metrics, run_settings, setting
 from bigbatch.sizing.plan import SolvedPlan, solve_plan
 
 NOISE_PLOT = "noise_scale.png"
@@ -183,8 +182,8 @@ def _positive_int(value: Any) -> int | None:
 
 def why_unmeasured(run: RunMetrics, settings: dict[str, Any]) -> str:
     """Why ``run`` has no noise-scale measurement, and how to get one (from its config and step records)."""
-    every = _setting(settings, "run", "noise_scale_every")
-    processes = _positive_int(_setting(settings, "run", "nproc")) or 1
+    every = setting(settings, "run", "noise_scale_every")
+    processes = _positive_int(setting(settings, "run", "nproc")) or 1
     if every == 0:
         return "it was trained with --noise-scale-every 0; train with --noise-scale-every N (e.g. 10) to measure it"
     if not run.trained:
@@ -204,7 +203,7 @@ def why_unmeasured(run: RunMetrics, settings: dict[str, Any]) -> str:
 def _world_size(run: RunMetrics, settings: dict[str, Any], micro_batch: int | None, seq_len: int | None) -> int | None:
     """The run's world size from a step of full micro-batches: tokens = B x T x K x world (packed data, fixed K;
     with documents or a token budget the valid tokens do not tell)."""
-    packed = _setting(settings, "data", "data_mode") == "packed" and not _setting(settings, "batch", "token_budget")
+    packed = setting(settings, "data", "data_mode") == "packed" and not setting(settings, "batch", "token_budget")
     if micro_batch is None or seq_len is None or not packed:
         return None
     for r in run.trained:
@@ -232,8 +231,8 @@ def measured_noise(run_dir: Path | str) -> MeasuredNoise:
             "but no usable estimate (the smoothed |G|^2 or tr(Sigma) is not yet positive: the gradient noise "
             "still drowns the signal); train longer, or measure more often with a smaller --noise-scale-every"
         )
-    micro_batch = _positive_int(_setting(settings, "batch", "micro_batch"))
-    seq_len = _positive_int(_setting(settings, "batch", "seq_len"))
+    micro_batch = _positive_int(setting(settings, "batch", "micro_batch"))
+    seq_len = _positive_int(setting(settings, "batch", "seq_len"))
     trained = run.trained
     return MeasuredNoise(
         run_dir=run_dir,

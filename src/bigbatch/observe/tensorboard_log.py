@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.engine.accumulate import StepRecord
+from bigbatch.errors import require_package
 from bigbatch.files.atomic import write_atomically
 from bigbatch.observe.scalars import Point, ScalarSeries, eval_values, step_values
 
@@ -34,8 +35,6 @@ class TensorBoardLog:
     ``metrics.jsonl`` so far (the run's earlier sessions)."""
 
     def __init__(self, log_dir: Path | str, history: list[dict[str, Any]] | None = None) -> None:
-        from bigbatch.observe.metrics import require_package
-
         module = require_package("torch.utils.tensorboard", FEATURE, PIP_NAME)
         self.log_dir = Path(log_dir)
         self.series = ScalarSeries(history or [])

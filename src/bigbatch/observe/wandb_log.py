@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.engine.accumulate import StepRecord
+from bigbatch.errors import require_package
 from bigbatch.files.atomic import write_json_atomically
 from bigbatch.observe.scalars import BY_TOKENS, Point, ScalarSeries, eval_values, step_values
 
@@ -143,8 +144,6 @@ class WandbLog:
         config: dict[str, Any] | None = None,
         history: list[dict[str, Any]] | None = None,
     ) -> None:
-        from bigbatch.observe.metrics import require_package
-
         self.wandb = require_package("wandb", f"run.wandb (--wandb {project})", "wandb")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

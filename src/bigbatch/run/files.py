@@ -12,7 +12,7 @@ from bigbatch.errors import BigBatchError
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir
 from bigbatch.observe.metrics import truncate_metrics
-from bigbatch.observe.report import CONFIG_FILE, run_name
+from bigbatch.observe.runs import CONFIG_FILE, run_name
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.build import RunParts
 
