@@ -355,7 +355,7 @@ def test_no_command_has_an_unchecked_numeric_flag() -> None:
 
 
 def test_a_checkpoints_own_config_may_store_auto_as_zero() -> None:
-    from bigbatch.run.config import config_from_dict
+    from bigbatch.run.config_sources import config_from_dict
 
     assert config_from_dict({"batch": {"micro_batch": 0}}).batch.micro_batch == 0  # what to_dict() writes for auto
 

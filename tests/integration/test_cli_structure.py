@@ -168,13 +168,13 @@ def test_default_tolerances_cover_the_resolved_precisions() -> None:
 def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
     import re
 
-    from bigbatch.run.config import _flag
+    from bigbatch.run.config import flag_of
 
     field = next(f for f in fields(SECTIONS[section]) if f.name == name)
     readme = (SRC.parent / "docs" / "configuration.md").read_text()
     rows = [
-        line for line in readme.splitlines() if line.startswith("| ") and f"`--{_flag(field)}" in line.split("|")[1]
+        line for line in readme.splitlines() if line.startswith("| ") and f"`--{flag_of(field)}" in line.split("|")[1]
     ]
-    assert rows, f"README's flag table has no row for --{_flag(field)}"
+    assert rows, f"README's flag table has no row for --{flag_of(field)}"
     for value in allowed:
         assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)

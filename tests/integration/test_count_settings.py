@@ -21,7 +21,8 @@ from text_corpus import text_corpus
 
 from bigbatch.cli import build_parser
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import SECTIONS, TrainConfig, apply_mapping, resolve_seq_len
+from bigbatch.run.config import SECTIONS, TrainConfig, resolve_seq_len
+from bigbatch.run.config_sources import apply_mapping
 from bigbatch.run.identity import default_run_dir
 from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 

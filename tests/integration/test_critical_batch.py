@@ -294,7 +294,7 @@ def test_the_branch_mode_refuses_a_parent_of_another_model_sequence_length_or_da
 ) -> None:
     from bigbatch.errors import CheckpointError
     from bigbatch.run.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from bigbatch.run.config import config_from_dict
+    from bigbatch.run.config_sources import config_from_dict
     from bigbatch.run.trainer import Trainer
 
     checkpoint = latest_valid_checkpoint(parent)

@@ -58,7 +58,7 @@ def run_bigbatch(
     from bigbatch.models import family_of
     from bigbatch.parallel.distributed import DistContext
     from bigbatch.run.checkpoint import load_checkpoint, resolve_checkpoint
-    from bigbatch.run.config import config_from_args
+    from bigbatch.run.config_sources import config_from_args
     from bigbatch.run.trainer import Trainer
 
     assert sabotage in SABOTAGES, sabotage

@@ -5,7 +5,8 @@ import tomllib
 import pytest
 
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import TrainConfig, apply_mapping, config_from_dict
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.config_sources import apply_mapping, config_from_dict
 
 
 def test_toml_round_trip_preserves_every_field() -> None:
@@ -63,7 +64,7 @@ def test_validation_rejects_out_of_range_values(section: str, key: str, value: o
 def test_demo_config_file_equals_the_defaults() -> None:
     from pathlib import Path
 
-    from bigbatch.run.config import load_toml
+    from bigbatch.run.config_sources import load_toml
 
     path = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
     assert config_from_dict(load_toml(path)) == TrainConfig()
@@ -93,7 +94,8 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     from pathlib import Path
 
     from bigbatch.models import model_preset
-    from bigbatch.run.config import load_toml, resolve_seq_len
+    from bigbatch.run.config import resolve_seq_len
+    from bigbatch.run.config_sources import load_toml
     from bigbatch.sizing.plan import plan_batch
 
     folder = Path(__file__).resolve().parents[2] / "configs"

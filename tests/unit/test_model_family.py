@@ -23,7 +23,8 @@ from bigbatch.models import (
 )
 from bigbatch.models.pretrained import hf_model_type, read_pretrained_config
 from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig, apply_mapping, resolve_seq_len
+from bigbatch.run.config import TrainConfig, resolve_seq_len
+from bigbatch.run.config_sources import apply_mapping
 from bigbatch.run.resume import check_compatible
 
 

@@ -16,7 +16,8 @@ from bigbatch.data.shards import DocumentShard
 from bigbatch.data.stream import PackedLoader, ShuffledPackedLoader
 from bigbatch.data.windows import PackedWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.run.config import TrainConfig, add_config_arguments, apply_mapping, config_from_args
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.config_sources import add_config_arguments, apply_mapping, config_from_args
 from bigbatch.run.identity import settings_diff
 
 T = 5

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from bigbatch.run.config import add_config_arguments
+from bigbatch.run.config_sources import add_config_arguments
 
 HELP = "train a GPT-2 or Llama model"
 DESCRIPTION = "Train a GPT-2 or Llama model (--model). With no flags, trains the nano demo on the built-in corpus."
@@ -26,7 +26,7 @@ def say(message: str, *args: Any, level: int = logging.INFO) -> None:
 def run(args: argparse.Namespace) -> int:
     from bigbatch.parallel.distributed import distributed_session, launched_by_torchrun
     from bigbatch.parallel.launch import relaunch_under_torchrun
-    from bigbatch.run.config import config_from_args
+    from bigbatch.run.config_sources import config_from_args
     from bigbatch.run.trainer import Trainer
 
     config = config_from_args(args)

@@ -57,7 +57,7 @@ from bigbatch.run.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from bigbatch.run.config import config_from_dict
+from bigbatch.run.config_sources import config_from_dict
 from bigbatch.run.lock import hold_directory
 from bigbatch.run.resume import saved_schedule
 from bigbatch.run.trainer import Trainer

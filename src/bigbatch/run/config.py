@@ -1,6 +1,6 @@
-"""Run configuration: dataclasses whose field help becomes the CLI help.
+"""Run configuration: dataclasses whose field help becomes the CLI help, their validation and TOML form.
 
-Precedence: field defaults < a TOML file (``--config``) < command-line flags.
+Where a config comes from (defaults < a TOML file < flags) is :mod:`bigbatch.run.config_sources`.
 A TOML file has one table per section::
 
     [batch]
@@ -11,10 +11,7 @@ A TOML file has one table per section::
 
 from __future__ import annotations
 
-import argparse
-import tomllib
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from bigbatch.errors import ConfigError
@@ -362,7 +359,7 @@ class TrainConfig:
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
             for key, value in values.items():
-                if value == 0 and _field(SECTIONS[section], key).metadata.get("auto"):
+                if value == 0 and field_of(SECTIONS[section], key).metadata.get("auto"):
                     value = "auto"
                 lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
@@ -383,7 +380,7 @@ class TrainConfig:
                 declared: Range | None = f.metadata.get("range")
                 if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
                     continue
-                declared.check(f"--{_flag(f)} ({section}.{f.name})", value)
+                declared.check(f"--{flag_of(f)} ({section}.{f.name})", value)
         if self.model.init_from and self.model.preset.startswith("hf:"):
             raise ConfigError(
                 f"--init-from and --model {self.model.preset} both name a model directory; give one (--model hf:DIR "
@@ -409,152 +406,19 @@ def _toml_value(value: Any) -> str:
 _SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
 
-def _field(section_cls: type, name: str) -> Field[Any]:
+def field_of(section_cls: type, name: str) -> Field[Any]:
     """The field ``name`` of a config section (declared by :func:`_opt`); :func:`_flag` and :func:`_kind` read it."""
     return next(f for f in fields(section_cls) if f.name == name)
 
 
-def _flag(f: Field[Any]) -> str:
+def flag_of(f: Field[Any]) -> str:
     """The field's command-line flag, without the dashes: ``micro-batch``, ``model`` (``preset``'s)."""
     return f.metadata.get("flag", f.name).replace("_", "-")
 
 
-def _kind(f: Field[Any]) -> type:
+def kind_of(f: Field[Any]) -> type:
     """The field's scalar type (annotations are strings under ``from __future__ import annotations``)."""
     return _SCALAR_TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
-
-
-def _check_type(where: str, value: Any, expected: type) -> Any:
-    if expected is bool:
-        ok = isinstance(value, bool)
-    elif expected is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif expected is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ConfigError(f"{where} must be {expected.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, check_ranges: bool = True) -> None:
-    """Apply ``{section: {key: value}}`` onto ``config``, refusing unknown keys, wrong types and, unless
-    ``check_ranges`` is off (a checkpoint's own stored config, where 0 means auto), values out of range."""
-    for section, values in mapping.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown section [{section}]; known sections: {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: [{section}] must be a table of key = value")
-        section_cls = SECTIONS[section]
-        known = [f.name for f in fields(section_cls)]
-        target = getattr(config, section)
-        for key, value in values.items():
-            if key not in known:
-                raise ConfigError(f"{origin}: unknown key {key!r} in [{section}]; known keys: {', '.join(known)}")
-            f = _field(section_cls, key)
-            meta = f.metadata
-            legacy_auto = meta.get("legacy_zero") and _is_zero(value)  # an older file's 0 for auto
-            if meta.get("auto") and (value == "auto" or legacy_auto):
-                value = _kind(f)(0)  # stored as 0, resolved where it is used
-            elif isinstance(value, bool) and meta.get("switch"):
-                value = "on" if value else "off"
-            else:
-                name = f"{origin}: {section}.{key}"
-                value = _check_type(name, value, _kind(f))
-                declared: Range | None = meta.get("range")
-                if check_ranges and declared is not None:
-                    declared.check(f"{name} (--{_flag(f)})", value)
-            setattr(target, key, value)
-
-
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-
-
-def load_toml(path: Path | str) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path} does not exist") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per config field, help taken from the field; defaults stay unset so a TOML file can fill them."""
-    for section, section_cls in SECTIONS.items():
-        group = parser.add_argument_group(f"[{section}]")
-        for f in fields(section_cls):
-            kind = _kind(f)
-            auto = f.metadata.get("auto", False)
-            default = f.default if f.default is not MISSING else None
-            if auto and _is_zero(default):
-                default = "auto"
-            help_text = f"{f.metadata['help']} (default: {default!r})"
-            dest = f"{section}.{f.name}"
-            if f.metadata.get("switch"):  # --compile [auto|on|off], --no-compile
-                group.add_argument(
-                    f"--{_flag(f)}",
-                    dest=dest,
-                    nargs="?",
-                    const="on",
-                    choices=f.metadata["choices"],
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-                group.add_argument(
-                    f"--no-{_flag(f)}",
-                    dest=dest,
-                    action="store_const",
-                    const="off",
-                    default=argparse.SUPPRESS,
-                    help=f"same as --{_flag(f)} off",
-                )
-            elif kind is bool:
-                group.add_argument(
-                    f"--{_flag(f)}",
-                    dest=dest,
-                    action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-            else:
-                declared: Range | None = f.metadata.get("range")
-                group.add_argument(
-                    f"--{_flag(f)}",
-                    dest=dest,
-                    type=declared.argtype() if declared else kind,
-                    default=argparse.SUPPRESS,
-                    metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(),
-                    help=help_text,
-                )
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then ``args.config`` (a TOML file) if given, then the flags that were set."""
-    config = TrainConfig()
-    if getattr(args, "config", None):
-        apply_mapping(config, load_toml(args.config), origin=str(args.config))
-    overrides: dict[str, dict[str, Any]] = {}
-    for dest, value in vars(args).items():
-        if "." in dest:
-            section, key = dest.split(".", 1)
-            overrides.setdefault(section, {})[key] = value
-    apply_mapping(config, overrides, origin="command line")
-    config.validate()
-    return config
-
-
-def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:
-    config = TrainConfig()
-    apply_mapping(config, mapping, origin="checkpoint config", check_ranges=False)
-    return config
 
 
 def model_block_size(config: TrainConfig) -> int:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import BigBatchError
-from bigbatch.run.config import TrainConfig, config_from_dict, resolve_seq_len
+from bigbatch.run.config import TrainConfig, resolve_seq_len
+from bigbatch.run.config_sources import config_from_dict
 
 MAY_CHANGE: frozenset[str] = frozenset(
     {
