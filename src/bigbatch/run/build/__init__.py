@@ -1,0 +1,166 @@
+"""Every part of a training run, built from a :class:`~bigbatch.run.config.TrainConfig` in phases, each with
+the narrow inputs it needs, in the order data flows:
+
+check (:mod:`.checks`) -> run directory (:mod:`.run_dir`) -> data (:mod:`.data`) -> model (:mod:`.model`) ->
+sizing: plan, step policy, ramp (:mod:`.sizing`) -> loaders (:mod:`.data`) -> engine: wrapping, optimizer,
+schedule (:mod:`.engine`) -> observers: step hooks, peak FLOPs (:mod:`.observers`) -> the engine.
+
+:func:`build_run` returns them as one frozen :class:`RunParts`; the trainer runs them and
+:class:`~bigbatch.run.state.TrainState` saves and restores their state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from bigbatch.data.dataset import Dataset
+from bigbatch.data.validation import ValidationWindows
+from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
+from bigbatch.engine.batch import StepPolicy
+from bigbatch.engine.rng import seed_rank_generators
+from bigbatch.models import LanguageModel
+from bigbatch.noise.meter import NoiseMeter
+from bigbatch.parallel.distributed import DistContext, Say
+from bigbatch.run.build.checks import check_settings
+from bigbatch.run.build.data import Loader, build_loaders, open_run_data
+from bigbatch.run.build.engine import build_optimizer, wrap_for_training
+from bigbatch.run.build.model import build_run_model
+from bigbatch.run.build.observers import build_observers
+from bigbatch.run.build.run_dir import hold_run_dir
+from bigbatch.run.build.sizing import build_ramp, plan_steps
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.lock import RunDirLock
+from bigbatch.run.resume import find_resume_checkpoint
+from bigbatch.sizing.plan import BatchPlan
+from bigbatch.sizing.ramp import BatchRamp
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The built run. ``model`` is the user's module (FSDP2 shards its parameters in place); ``train_model`` is
+    what the engine runs (DDP-wrapped and/or compiled)."""
+
+    config: TrainConfig
+    dist: DistContext
+    device: torch.device
+    run_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
+    dataset: Dataset  # a prepared or foreign token dataset
+    fingerprints: dict[str, str]  # of the dataset's tokenizer and tokens
+    bpe_json: str | None  # a bpe:VOCAB tokenizer travels inside each checkpoint (it is small)
+    model: LanguageModel  # GPT, Llama or an hf: model
+    train_model: nn.Module
+    parallel: str
+    optimizer: torch.optim.Optimizer
+    engine: AccumulationEngine  # holds the learning-rate schedule
+    plan: BatchPlan
+    policy: StepPolicy
+    train_loader: Loader
+    val_loader: ValidationWindows | None  # the fixed windows every evaluation scores
+    peak_flops: float | None  # per device, for MFU; None when unknown
+    ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.sizing.ramp)
+    noise: NoiseMeter | None = None  # the engine's noise-scale hook, for its estimate (None: not measured)
+    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (see bigbatch.run.lock); released by the trainer
+    seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
+
+    @property
+    def documents(self) -> bool:
+        return bool(self.dataset.meta.mode == "documents")
+
+    @property
+    def k_varies(self) -> bool:
+        return bool(self.policy.token_budget) or self.documents or self.ramp is not None
+
+
+def seed_everything(seed: int) -> None:
+    """The same state on every rank: for building the model (identical parameters on every rank). Training
+    itself draws from each rank's own streams (:func:`~bigbatch.engine.rng.seed_rank_generators`)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say: Say) -> RunParts:
+    """Every part of the run, on every rank alike (rank 0 prepares data; the others wait and find it)."""
+    seq_len_auto = config.batch.seq_len in (0, "auto")  # auto is stored as 0 (or set as the word from Python)
+    config = check_settings(config)
+    seed_everything(config.run.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    run_dir, run_lock = hold_run_dir(config, dist, say)
+    try:
+        return _build_parts(config, dist, device, say, run_dir, run_lock, seq_len_auto)
+    except BaseException:  # a run refused or failed while building leaves its directory free
+        if run_lock is not None:
+            run_lock.release()
+        raise
+
+
+def _build_parts(
+    config: TrainConfig,
+    dist: DistContext,
+    device: torch.device,
+    say: Say,
+    run_dir: Path,
+    run_lock: RunDirLock | None,
+    seq_len_auto: bool,
+) -> RunParts:
+    """The phases after the run directory is chosen and held (see :func:`build_run`)."""
+    resume_from = find_resume_checkpoint(run_dir, config.run.resume, config.run.overwrite, dist.is_main)
+    dist.barrier()
+    data = open_run_data(config, dist, say)
+    built = build_run_model(config, data.dataset, device, say)
+    model = built.model
+    precision = resolve_precision(config.run.precision, device)
+    plan = plan_steps(config, model, dist, device, precision, say)
+    policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
+    train_loader, val_loader = build_loaders(config, data.dataset, plan, dist, built.pack)
+    ramp = build_ramp(config, plan)
+    wrapped = wrap_for_training(config, model, dist, device, precision, say)
+    optimizer, schedule = build_optimizer(config, model, resume_from, say)
+    observers = build_observers(config, plan, wrapped.wrapped, wrapped.parallel, dist, device, say)
+    engine = AccumulationEngine(
+        wrapped.train_model,
+        optimizer,
+        schedule,
+        grad_clip=config.optim.grad_clip,
+        precision=precision,
+        device=device,
+        grad_sync=wrapped.grad_sync,
+        dist=dist,
+        hooks=observers.hooks,
+    )
+    # Every part is built (the model from the shared seed above; probes leave the generators as they found
+    # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.
+    seed_rank_generators(config.run.seed, dist.rank)
+    return RunParts(
+        config=config,
+        dist=dist,
+        device=device,
+        run_dir=run_dir,
+        resume_from=resume_from,
+        dataset=data.dataset,
+        fingerprints=data.fingerprints,
+        bpe_json=data.bpe_json,
+        model=model,
+        train_model=wrapped.train_model,
+        parallel=wrapped.parallel,
+        optimizer=optimizer,
+        engine=engine,
+        plan=plan,
+        policy=policy,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        peak_flops=observers.peak_flops,
+        ramp=ramp,
+        noise=observers.noise,
+        run_lock=run_lock,
+        seq_len_auto=seq_len_auto,
+    )

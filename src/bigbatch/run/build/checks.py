@@ -1,0 +1,57 @@
+"""The check phase: what a run's settings refuse before anything is built, shared by :func:`~bigbatch.run.build.
+build_run` (every worker) and :func:`check_before_launch` (``bigbatch train --nproc N``, once, before torchrun
+starts), so a user error found there is one line from one process, before any process group exists.
+
+The workers check again (they are the authority, and torchrun can be started without bigbatch's launcher). The
+launch check only reads, except that the data is prepared into the cache, which the workers' rank 0 would do
+anyway.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bigbatch.data.dataset import open_dataset
+from bigbatch.errors import require_creatable_dir
+from bigbatch.files.outputs import RUN_MARKER, is_legacy_run, require_own_dir
+from bigbatch.observe.metrics import check_optional_loggers
+from bigbatch.parallel.distributed import DistContext, resolve_device
+from bigbatch.run.build.data import build_loader, check_micro_batch_fits, prepare_data
+from bigbatch.run.build.model import preset_shape
+from bigbatch.run.config import TrainConfig, resolve_seq_len
+from bigbatch.run.resume import find_resume_checkpoint
+from bigbatch.sizing.plan import BatchPlan, plan_batch
+from bigbatch.sizing.ramp import BatchRamp, parse_ramp
+
+
+def check_settings(config: TrainConfig) -> TrainConfig:
+    """The settings on their own: valid fields, loggers whose packages are installed; returns the config with
+    ``seq_len`` auto resolved to the model's block size (from here on, the number)."""
+    config.validate()
+    check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))
+    return resolve_seq_len(config)
+
+
+def check_before_launch(config: TrainConfig, world_size: int) -> None:
+    """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
+    config = check_settings(config)
+    run, data, batch = config.run, config.data, config.batch
+    resolve_device(run.device)  # e.g. cuda asked for where there is none
+    if run.out:
+        out = Path(run.out)
+        require_own_dir(out, "run directory", "--out", RUN_MARKER, is_legacy_run)
+        find_resume_checkpoint(out, run.resume, run.overwrite, is_main=False)
+    if data.cache_dir:
+        require_creatable_dir(Path(data.cache_dir), "cache directory")
+    if batch.micro_batch and not batch.token_budget:
+        full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
+        spec = parse_ramp(batch.batch_ramp)
+        if spec is not None:
+            BatchRamp(spec, full)  # START_TOKENS below one micro-batch per process
+    dataset = open_dataset(prepare_data(config))
+    if not config.model.init_from:
+        preset_shape(config, dataset.vocab_size)  # the shape only: no weights are allocated here
+    if batch.micro_batch:
+        plan = BatchPlan(batch.micro_batch, batch.seq_len, accumulation_steps=1, world_size=world_size)
+        train = build_loader(config, dataset, plan, DistContext(0, world_size), "train", "training")
+        check_micro_batch_fits(train, batch.micro_batch, world_size)

@@ -1,0 +1,70 @@
+"""The engine phase of a build: the model wrapped for its processes (DDP or FSDP2) and compiled, the optimizer and
+its learning-rate schedule; :func:`~bigbatch.run.build.build_run` hands them and the step hooks to the engine."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from bigbatch.engine.optim import CosineSchedule, build_adamw
+from bigbatch.models import LanguageModel, fsdp_units
+from bigbatch.models.hf_causal import CompiledOrEager, HFCausalLM
+from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
+from bigbatch.run.config import TrainConfig
+from bigbatch.run.resume import initial_schedule
+
+
+@dataclass(frozen=True)
+class WrappedModel:
+    """``wrapped`` is the model as DDP or FSDP2 wrapped it; ``train_model`` is what the engine runs (``wrapped``,
+    compiled where asked)."""
+
+    train_model: nn.Module
+    wrapped: nn.Module
+    grad_sync: GradSync
+    parallel: str  # none, ddp or fsdp: what --parallel resolved to for this world size
+
+
+def wrap_for_training(
+    config: TrainConfig, model: LanguageModel, dist: DistContext, device: torch.device, precision: str, say: Say
+) -> WrappedModel:
+    parallel = resolve_parallel(config.run.parallel, dist.world_size)
+    if config.run.parallel in ("ddp", "fsdp") and dist.world_size == 1:
+        say(
+            "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
+            "(start several processes with --nproc N or torchrun)",
+            config.run.parallel,
+            level=logging.WARNING,
+        )
+    wrapped, grad_sync = wrap_model(
+        model, parallel, dist, device, config.run.sync_every_micro_step, precision, units=fsdp_units(model)
+    )
+    compile_model = config.run.compile == "on" or (config.run.compile == "auto" and device.type == "cuda")
+    train_model: nn.Module = wrapped
+    if compile_model:  # an hf: model may be of an architecture that does not compile: it then trains eagerly
+        compiled = CompiledOrEager(wrapped) if isinstance(model, HFCausalLM) else torch.compile(wrapped)
+        train_model = compiled  # type: ignore[assignment]
+    return WrappedModel(train_model, wrapped, grad_sync, parallel)
+
+
+def build_optimizer(
+    config: TrainConfig, model: LanguageModel, resume_from: Path | None, say: Say
+) -> tuple[torch.optim.Optimizer, CosineSchedule]:
+    """AdamW over ``model``'s parameters (after wrapping: FSDP2 replaces them with sharded ones) and the warmup +
+    cosine schedule of this run's length."""
+    opt = config.optim
+    optimizer = build_adamw(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)
+    if opt.warmup_steps > schedule.warmup_steps and resume_from is None:
+        say(
+            "warmup_steps %d is longer than the run (%d steps): warming up over all %d",
+            opt.warmup_steps,
+            schedule.decay_steps,
+            schedule.warmup_steps,
+            level=logging.WARNING,
+        )
+    return optimizer, schedule

@@ -1,0 +1,153 @@
+"""The model phase of a build: the model (a preset, ``--init-from`` weights, or ``hf:DIR``) checked for
+exactness, with its loss mode (``--chunked-loss``) and whether it takes documents packed into rows (``--pack``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bigbatch.data.dataset import Dataset
+from bigbatch.data.tokenizers import check_tokenizer_fits, is_file_tokenizer
+from bigbatch.errors import ConfigError
+from bigbatch.models import HFConfig, LanguageModel, ModelConfig, hf_shape, is_hf_name, model_preset
+from bigbatch.models import build_model as build_from_shape
+from bigbatch.models.coupling import cross_sample_modules
+from bigbatch.models.hf_causal import HFCausalLM, build_hf_model, training_notes
+from bigbatch.models.pretrained import load_pretrained
+from bigbatch.parallel.distributed import Say
+from bigbatch.run.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """The model on its device, and whether the run's documents are packed into rows for it."""
+
+    model: LanguageModel
+    pack: bool
+
+
+def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device, say: Say) -> RunModel:
+    """The model for this data, refused when it cannot be trained exactly; its loss mode and packing decided."""
+    model = build_model(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
+    model.activation_checkpointing = config.model.activation_checkpointing
+    check_exactness(model, config.model.preset, say)
+    model.chunked_loss = chunked_loss(config, model, say)
+    pack = packs_documents(config, dataset, model, say)
+    dataset.check_token_ids(model.config.vocab_size)
+    return RunModel(model, pack)
+
+
+def build_model(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:
+    """The preset (GPT or Llama) with the data's vocabulary, or the pretrained GPT-2 or Llama of ``--init-from``."""
+    if config.model.init_from:
+        model = load_pretrained(config.model.init_from)  # its config.json's model_type decides the family
+        if is_file_tokenizer(tokenizer):  # a model's own tokenizer may be smaller than its (padded) vocabulary
+            what = f"the tokenizer {tokenizer.removeprefix('file:')}"
+            check_tokenizer_fits(vocab_size, model.config.vocab_size, what)
+        elif model.config.vocab_size != vocab_size:
+            hint = " (e.g. --tokenizer gpt2)" if model.config.vocab_size == 50257 else ""
+            raise ConfigError(
+                f"--init-from {config.model.init_from} has vocabulary {model.config.vocab_size} but the data's "
+                f"tokenizer has {vocab_size}; prepare the data with the matching tokenizer{hint}"
+            )
+        if config.model.dropout:
+            raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
+        check_seq_len(config, model.config.block_size, f"init from {config.model.init_from}")
+        return model
+    shape = preset_shape(config, vocab_size)
+    if isinstance(shape, HFConfig):  # hf:DIR: its weights when the directory has them, else seeded from config.json
+        return build_hf_model(shape, weights=True)
+    return build_from_shape(shape)
+
+
+def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The preset's shape (either family) with the data's vocabulary, ``--block-size`` and dropout; ``seq_len``
+    must fit it. ``hf:DIR``: see :func:`hf_run_shape`."""
+    if is_hf_name(config.model.preset):
+        return hf_run_shape(config, vocab_size)
+    overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
+    if config.model.block_size:
+        overrides["block_size"] = config.model.block_size
+    shape = model_preset(config.model.preset, **overrides)
+    check_seq_len(config, shape.block_size, f"the {config.model.preset} model")
+    return shape
+
+
+def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
+    """``--model hf:DIR``'s shape, its config.json's: the data's tokens must fit its vocabulary and seq_len its
+    context; a model bigbatch cannot train exactly is refused here, before any weight is read."""
+    name = config.model.preset
+    shape = hf_shape(name)
+    if config.model.block_size:
+        raise ConfigError(
+            f"--block-size does not apply to {name}: its context length is its config.json's ({shape.block_size:,})"
+        )
+    if config.model.dropout:
+        raise ConfigError(f"--dropout does not apply to {name}: its config.json sets its dropout; leave --dropout at 0")
+    check_tokenizer_fits(vocab_size, shape.vocab_size, "the data's tokenizer")
+    refusal, _ = training_notes(shape)
+    if refusal:
+        raise ConfigError(refusal)
+    check_seq_len(config, shape.block_size, name)
+    return shape
+
+
+def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
+    """Refuse a model with a module that mixes the samples of a batch (BatchNorm and kin in training mode): its
+    micro-batches cannot add up to the big batch. Say what an ``hf:`` mixture of experts leaves out."""
+    coupled = cross_sample_modules(model)
+    if coupled:
+        first = coupled[0]
+        raise ConfigError(
+            f"{name} cannot be trained exactly: its module {first.module} ({first.kind}) {first.detail}, so "
+            f"micro-batches cannot add up to the big batch (bigbatch verify --model {name} shows it)"
+        )
+    if isinstance(model.config, HFConfig):
+        _, warning = training_notes(model.config)
+        if warning:
+            say("%s", warning, level=logging.WARNING)
+
+
+def chunked_loss(config: TrainConfig, model: LanguageModel, say: Say) -> bool:
+    """``--chunked-loss`` where the model's head can be taken apart from its trunk (every native model; an ``hf:``
+    model whose logits are its head's linear map of the last hidden state), said once where it cannot."""
+    if not config.model.chunked_loss:
+        return False
+    if isinstance(model, HFCausalLM) and not model.head_detachable:
+        say(
+            "%s: its logits are not its output head's linear map of the last hidden state (e.g. a soft cap or a "
+            "scale after the head), so the loss is computed from the whole logits (--chunked-loss has no effect)",
+            config.model.preset,
+            level=logging.WARNING,
+        )
+        return False
+    return True
+
+
+def packs_documents(config: TrainConfig, dataset: Dataset, model: LanguageModel, say: Say) -> bool:
+    """Whether documents are packed into rows (``--pack``; auto: on); never for a packed token stream. An ``hf:``
+    model whose attention ignores ``position_ids`` cannot keep packed documents apart: refused with ``on``, said
+    and left unpacked with ``auto``."""
+    if dataset.meta.mode != "documents" or config.data.pack == "off":
+        return False
+    if isinstance(model, HFCausalLM) and not model.packs_documents:
+        reason = (
+            f"{config.model.preset}: {model.config.architecture} in transformers does not confine attention to each "
+            "document from position_ids, so packed documents would attend to one another"
+        )
+        if config.data.pack == "on":
+            raise ConfigError(f"--pack on: {reason}; use --pack off")
+        say("%s: one document per row (--pack off)", reason, level=logging.WARNING)
+        return False
+    return True
+
+
+def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:
+    if config.batch.seq_len > block_size:
+        raise ConfigError(
+            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={block_size}; "
+            "lower --seq-len or raise --block-size"
+        )

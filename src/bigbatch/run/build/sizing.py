@@ -1,0 +1,78 @@
+"""The sizing phase of a build: K and the micro-batch (measured with ``--micro-batch auto``), the step policy,
+and the batch-size ramp."""
+
+from __future__ import annotations
+
+import torch
+
+from bigbatch.errors import ConfigError
+from bigbatch.models import LanguageModel
+from bigbatch.noise.scale import unavailable_reason
+from bigbatch.parallel.distributed import DistContext, Say
+from bigbatch.run.config import TrainConfig
+from bigbatch.sizing.autobatch import candidate_micro_batches, choose_micro_batch
+from bigbatch.sizing.plan import BatchPlan, plan_batch
+from bigbatch.sizing.ramp import BatchRamp, parse_ramp
+
+
+def plan_steps(
+    config: TrainConfig, model: LanguageModel, dist: DistContext, device: torch.device, precision: str, say: Say
+) -> BatchPlan:
+    """K and the micro-batch (measured with ``--micro-batch auto``); one micro-batch per step's unit with a budget."""
+    batch = config.batch
+    micro_batch = batch.micro_batch or auto_micro_batch(config, model, dist, device, precision, say)
+    if batch.token_budget:
+        return BatchPlan(micro_batch, batch.seq_len, accumulation_steps=1, world_size=dist.world_size)
+    return plan_batch(batch.total_batch_tokens, micro_batch, batch.seq_len, world_size=dist.world_size)
+
+
+def auto_micro_batch(
+    config: TrainConfig, model: LanguageModel, dist: DistContext, device: torch.device, precision: str, say: Say
+) -> int:
+    """Rank 0 finds the largest micro-batch that fits and keeps tokens per step exact; every rank uses it."""
+    batch = config.batch
+    choice = 0
+    if dist.is_main:
+        if batch.token_budget:
+            candidates = [2**i for i in range(11)]
+        else:
+            candidates = candidate_micro_batches(batch.total_batch_tokens, batch.seq_len, dist.world_size)
+        choice = choose_micro_batch(
+            model.config,
+            candidates,
+            batch.seq_len,
+            k=2,
+            device=device,
+            precision=precision,
+            memory_budget_mib=batch.memory_budget,
+            activation_checkpointing=model.activation_checkpointing,
+            chunked_loss=model.chunked_loss,
+        )
+        say("auto micro-batch: %d (largest that fits among %s)", choice, candidates)
+    return int(dist.broadcast_object(choice))
+
+
+def noise_unmeasurable(config: TrainConfig, plan: BatchPlan) -> str | None:
+    """Why this run's steps can never measure the noise scale, or ``None``."""
+    # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
+    # whether that step has a second micro-batch to measure with.
+    planned_k = 2 if config.batch.token_budget else plan.accumulation_steps
+    return unavailable_reason(planned_k, plan.world_size)
+
+
+def build_ramp(config: TrainConfig, plan: BatchPlan) -> BatchRamp | None:
+    """The ``--batch-ramp`` of this plan, or ``None``; auto needs the noise scale this run measures."""
+    spec = parse_ramp(config.batch.batch_ramp)
+    if spec is None:
+        return None
+    if spec.auto:
+        if not config.run.noise_scale_every:
+            reason: str | None = "--noise-scale-every is 0; set it to N > 0"
+        else:
+            reason = noise_unmeasurable(config, plan)
+        if reason:
+            raise ConfigError(
+                f"--batch-ramp auto grows toward the measured gradient noise scale, which this run cannot measure: "
+                f"{reason}"
+            )
+    return BatchRamp(spec, plan)
