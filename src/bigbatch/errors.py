@@ -10,6 +10,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+EXIT_USER_ERROR = 2
+"""The exit code of a user error, from the command line and from a worker of ``--nproc N`` alike."""
+
 
 class BigBatchError(Exception):
     """A problem with the user's input or environment, explained in one line."""

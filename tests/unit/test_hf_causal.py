@@ -14,7 +14,15 @@ import torch.nn as nn
 from hf_models import hf_config, save_hf
 
 from bigbatch.errors import ConfigError
-from bigbatch.models import HFCausalLM, HFConfig, build_model, config_from_dict, family_of, fsdp_units, model_preset
+from bigbatch.models import (
+    HFCausalLM,
+    HFConfig,
+    build_model,
+    family_of,
+    fsdp_units,
+    model_config_from_dict,
+    model_preset,
+)
 from bigbatch.models.hf_causal import CompiledOrEager, training_notes
 from bigbatch.run.build.model import check_exactness
 from bigbatch.run.config import TrainConfig
@@ -50,7 +58,7 @@ def test_the_shape_comes_from_either_naming_of_config_json() -> None:
     )
     assert (gpt2.block_size, gpt2.n_layer, gpt2.n_kv_head, gpt2.architecture) == (40, 3, 2, "GPT2LMHeadModel")
     assert HFConfig.from_dict(llama.to_dict()) == llama and family_of(llama) == "hf"
-    assert config_from_dict("hf", llama.to_dict()) == llama
+    assert model_config_from_dict("hf", llama.to_dict()) == llama
     with pytest.raises(ConfigError, match=r"^dir/config.json gives no context length \(looked for "):
         HFConfig("dir", {**LLAMA_JSON, "max_position_embeddings": None})
 

@@ -16,9 +16,9 @@ from bigbatch.models import (
     Llama,
     RopeScaling,
     build_model,
-    config_from_dict,
     family_of,
     llama_preset,
+    model_config_from_dict,
     model_preset,
 )
 from bigbatch.models.pretrained import hf_model_type, read_pretrained_config
@@ -33,7 +33,7 @@ def test_presets_build_their_own_family() -> None:
         model = build_model(model_preset(name, vocab_size=64))
         assert isinstance(model, cls) and family_of(model) == family_of(model.config) == family
     with pytest.raises(ConfigError, match="unknown model family 'mamba'"):
-        config_from_dict("mamba", {})
+        model_config_from_dict("mamba", {})
 
 
 def small_llama3() -> Llama:

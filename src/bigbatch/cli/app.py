@@ -15,10 +15,9 @@ from typing import Any
 from bigbatch import __version__
 from bigbatch.cli import critical_batch, evaluate, export, memory, plan, prepare, report, sample, train, verify
 from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, silence_stdout
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import EXIT_USER_ERROR, BigBatchError
 from bigbatch.parallel.launch import peer_exit_code, record_quiet_exit, record_user_error
 
-EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
 
 COMMANDS: dict[str, ModuleType] = {

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from bigbatch.critical_batch.rules import DEFAULT_LR_RULE, DEFAULT_TOLERANCE, LR_RULES, parse_sizes
+from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, DEFAULT_LR_RULE, LR_RULES, parse_sizes
 from bigbatch.errors import BigBatchError
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
 from bigbatch.sizing.plan import parse_count
@@ -60,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tolerance",
         type=NON_NEGATIVE.argtype(),
-        default=DEFAULT_TOLERANCE,
+        default=DEFAULT_LOSS_TOLERANCE,
         help="a size is as good as the smallest when its loss is at most (1 + tolerance) times the "
-        f"smallest's; 0: no higher at all (default: {DEFAULT_TOLERANCE}, i.e. "
-        f"{DEFAULT_TOLERANCE * 100:g}%%)",
+        f"smallest's; 0: no higher at all (default: {DEFAULT_LOSS_TOLERANCE}, i.e. "
+        f"{DEFAULT_LOSS_TOLERANCE * 100:g}%%)",
     )
     parser.add_argument(
         "--lr-rule",

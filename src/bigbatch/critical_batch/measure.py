@@ -37,8 +37,8 @@ from typing import Any
 from bigbatch.artifacts.evaluate import evaluate_checkpoint
 from bigbatch.critical_batch.result import BranchResult, CriticalBatchResult, noise_scale_series, plot_result
 from bigbatch.critical_batch.rules import (
+    DEFAULT_LOSS_TOLERANCE,
     DEFAULT_LR_RULE,
-    DEFAULT_TOLERANCE,
     LR_RULES,
     branch_lr,
     check_budget,
@@ -218,7 +218,7 @@ def measure_critical_batch(
     run_dir: Path,
     sizes: list[int],
     budget: int,
-    tolerance: float = DEFAULT_TOLERANCE,
+    tolerance: float = DEFAULT_LOSS_TOLERANCE,
     lr_rule: str = DEFAULT_LR_RULE,
     micro_batch: int | None = None,
     eval_batches: int | None = None,

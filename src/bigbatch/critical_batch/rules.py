@@ -11,7 +11,7 @@ from bigbatch.sizing.plan import BatchPlan, parse_count, plan_batch
 LR_RULES = ("sqrt", "linear", "constant")
 """How a branch's learning rate follows its tokens per step (see :func:`branch_lr`)."""
 DEFAULT_LR_RULE = "sqrt"
-DEFAULT_TOLERANCE = 0.01
+DEFAULT_LOSS_TOLERANCE = 0.01
 """A branch is "as good" when its loss is at most 1% above the smallest size's."""
 
 

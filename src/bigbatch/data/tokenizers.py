@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 from bigbatch.files.atomic import write_json_atomically, write_text_atomically
+from bigbatch.settings.choices import TOKENIZER_NAMES
 
 
 class Tokenizer(Protocol):
@@ -345,9 +346,6 @@ def file_tokenizer_fingerprint(path: Path) -> str:
         return tokenizer_json_fingerprint(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read the tokenizer {path} ({exc}); restore the file") from exc
-
-
-TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB", "file:PATH")
 
 
 def get_tokenizer(name: str, directory: Path | None = None) -> Tokenizer:

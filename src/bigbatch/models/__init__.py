@@ -68,7 +68,7 @@ def family_of(model_or_config: LanguageModel | ModelConfig) -> str:
     return "llama" if isinstance(config, LlamaConfig) else "gpt"
 
 
-def config_from_dict(family: str, values: dict[str, Any]) -> ModelConfig:
+def model_config_from_dict(family: str, values: dict[str, Any]) -> ModelConfig:
     """The shape stored as ``config.to_dict()`` beside ``family`` (a checkpoint's ``model_config``)."""
     if family == "llama":
         return LlamaConfig.from_dict(values)
@@ -93,7 +93,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "build_model",
-    "config_from_dict",
+    "model_config_from_dict",
     "family_of",
     "fsdp_units",
     "hf_shape",

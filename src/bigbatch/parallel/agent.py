@@ -17,7 +17,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bigbatch.parallel.launch import ERROR_DIR_ENV, EXIT_USER_ERROR, QUIET_CODES
+from bigbatch.errors import EXIT_USER_ERROR
+from bigbatch.parallel.launch import ERROR_DIR_ENV, QUIET_CODES
 
 
 def _first_user_error(folder: Path) -> str | None:

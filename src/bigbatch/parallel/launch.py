@@ -16,8 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bigbatch.errors import EXIT_USER_ERROR
+
 ERROR_DIR_ENV = "BIGBATCH_ERROR_DIR"
-EXIT_USER_ERROR = 2
 # A worker that stopped as asked: SIGINT/SIGTERM (saved), or its output pipe closed. The agent kills the
 # others with a signal (a negative exit code) once one has exited.
 QUIET_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE}

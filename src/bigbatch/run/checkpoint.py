@@ -26,7 +26,7 @@ import torch
 
 from bigbatch.errors import BigBatchError, CheckpointError
 from bigbatch.files.atomic import write_atomically
-from bigbatch.models import FAMILIES, LanguageModel, build_model, config_from_dict
+from bigbatch.models import FAMILIES, LanguageModel, build_model, model_config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def model_from_checkpoint(document: dict[str, Any]) -> LanguageModel:
     """Rebuild the model (GPT or Llama, by ``model_family``) stored in a loaded checkpoint."""
     family = model_family(document)
     try:
-        model = build_model(config_from_dict(family, document["model_config"]))
+        model = build_model(model_config_from_dict(family, document["model_config"]))
         model.load_state_dict(document["model"])
     except (KeyError, TypeError, RuntimeError, BigBatchError) as exc:
         raise CheckpointError(f"the checkpoint's {family} model does not match its stored shape: {exc}") from exc

@@ -38,9 +38,9 @@ from bigbatch.models import (
     LlamaConfig,
     ModelConfig,
     build_model,
-    config_from_dict,
     family_of,
     is_hf_name,
+    model_config_from_dict,
     model_preset,
 )
 from bigbatch.models.head_loss import largest_chunk
@@ -305,7 +305,7 @@ def _probe_main() -> None:
     request = json.loads(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = measure_in_process(
-        config_from_dict(request["family"], request["config"]),
+        model_config_from_dict(request["family"], request["config"]),
         request["micro_batch"],
         request["seq_len"],
         request["k"],

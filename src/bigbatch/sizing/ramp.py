@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
+from bigbatch.settings.ranges import AUTO
 from bigbatch.sizing.plan import BatchPlan, parse_count
 
-AUTO = "auto"
 FLAG = "--batch-ramp (batch.batch_ramp)"
 
 

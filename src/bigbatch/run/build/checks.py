@@ -24,7 +24,7 @@ from bigbatch.sizing.plan import BatchPlan, plan_batch
 from bigbatch.sizing.ramp import BatchRamp, parse_ramp
 
 
-def check_settings(config: TrainConfig) -> TrainConfig:
+def check_config(config: TrainConfig) -> TrainConfig:
     """The settings on their own: valid fields, loggers whose packages are installed; returns the config with
     ``seq_len`` auto resolved to the model's block size (from here on, the number)."""
     config.validate()
@@ -34,7 +34,7 @@ def check_settings(config: TrainConfig) -> TrainConfig:
 
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
-    config = check_settings(config)
+    config = check_config(config)
     run, data, batch = config.run, config.data, config.batch
     resolve_device(run.device)  # e.g. cuda asked for where there is none
     if run.out:

@@ -12,8 +12,7 @@ import torch
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.tokenizers import check_tokenizer_fits, is_file_tokenizer
 from bigbatch.errors import ConfigError
-from bigbatch.models import HFConfig, LanguageModel, ModelConfig, hf_shape, is_hf_name, model_preset
-from bigbatch.models import build_model as build_from_shape
+from bigbatch.models import HFConfig, LanguageModel, ModelConfig, build_model, hf_shape, is_hf_name, model_preset
 from bigbatch.models.coupling import cross_sample_modules
 from bigbatch.models.hf_causal import HFCausalLM, build_hf_model, training_notes
 from bigbatch.models.pretrained import load_pretrained
@@ -31,7 +30,7 @@ class RunModel:
 
 def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device, say: Say) -> RunModel:
     """The model for this data, refused when it cannot be trained exactly; its loss mode and packing decided."""
-    model = build_model(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
+    model = model_from_config(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
     check_exactness(model, config.model.preset, say)
     model.chunked_loss = chunked_loss(config, model, say)
@@ -40,7 +39,7 @@ def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device,
     return RunModel(model, pack)
 
 
-def build_model(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:
+def model_from_config(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:
     """The preset (GPT or Llama) with the data's vocabulary, or the pretrained GPT-2 or Llama of ``--init-from``."""
     if config.model.init_from:
         model = load_pretrained(config.model.init_from)  # its config.json's model_type decides the family
@@ -60,7 +59,7 @@ def build_model(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> La
     shape = preset_shape(config, vocab_size)
     if isinstance(shape, HFConfig):  # hf:DIR: its weights when the directory has them, else seeded from config.json
         return build_hf_model(shape, weights=True)
-    return build_from_shape(shape)
+    return build_model(shape)
 
 
 def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:

@@ -31,7 +31,12 @@ class Observers:
 
 
 def build_observers(
-    config: TrainConfig, plan: BatchPlan, wrapped: nn.Module, parallel: str, dist: DistContext, device: torch.device,
+    config: TrainConfig,
+    plan: BatchPlan,
+    wrapped: nn.Module,
+    parallel: str,
+    dist: DistContext,
+    device: torch.device,
     say: Say,
 ) -> Observers:
     """``wrapped`` is the model as DDP or FSDP2 wrapped it (where the noise meter's probe reads gradients)."""
