@@ -14,7 +14,8 @@ from bigbatch.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-"""Where CI keeps tiny Shakespeare, beside the checkout (never inside it): the corpus of the README's numbers."""
+"""Where CI keeps tiny Shakespeare, beside the checkout (never inside it): the corpus of docs/benchmarks.md's
+numbers."""
 TINY_SHAKESPEARE_BYTES = 1_115_394
 
 
@@ -32,7 +33,7 @@ def generated_corpus(directory: Path, n_bytes: int = TINY_SHAKESPEARE_BYTES) -> 
 def bench_corpus(given: str | None, directory: Path) -> tuple[Path, str, bool]:
     """The corpus a benchmark measures on, a line saying which, and whether it is tiny Shakespeare's stand-in:
     ``given`` (``--corpus``) when there is one; else tiny Shakespeare beside the checkout when it is there; else
-    the generated text of the same size, and the line says that its numbers are not the README's."""
+    the generated text of the same size, and the line says that its numbers are not docs/benchmarks.md's."""
     if given is not None:
         return Path(given), f"corpus: {given} (--corpus)", False
     if TINY_SHAKESPEARE.is_file():

@@ -26,7 +26,7 @@ processes, one per run and seed range, are combined with ``--merge A.json B.json
 
 ``--data`` (or ``--corpus``) defaults to tiny Shakespeare beside the checkout (``../shared/data``). Without it,
 the script trains on the tests' generated English-like text of the same size, says so, and writes the plot only
-where ``--plot`` says: the README's numbers and docs/val-vs-reference.png are tiny Shakespeare's.
+where ``--plot`` says: docs/benchmarks.md's numbers and docs/val-vs-reference.png are tiny Shakespeare's.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def test_default_tolerances_cover_the_resolved_precisions() -> None:
 
 
 @pytest.mark.parametrize(("section", "name", "allowed", "help_text"), choice_params())
-def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
+def test_configuration_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
     import re
 
     from bigbatch.run.config import flag_of
@@ -175,6 +175,6 @@ def test_readme_flag_table_names_every_choice(section: str, name: str, allowed: 
     rows = [
         line for line in readme.splitlines() if line.startswith("| ") and f"`--{flag_of(field)}" in line.split("|")[1]
     ]
-    assert rows, f"README's flag table has no row for --{flag_of(field)}"
+    assert rows, f"docs/configuration.md's flag table has no row for --{flag_of(field)}"
     for value in allowed:
         assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)

@@ -69,7 +69,7 @@ def test_a_run_logs_and_summarises_the_noise_scale(tmp_path: Path) -> None:
             sample = replay.update(small, big, 128, 512)
             assert sample is not None
             assert (r["noise_g_sq"], r["noise_trace"]) == pytest.approx((sample.g_sq, sample.trace), rel=1e-12)
-            if r["step"] == 1:  # the first measurement is one unsmoothed pair: the formula of noise_scale.py
+            if r["step"] == 1:  # the first measurement is one unsmoothed pair: the formula of noise/scale.py
                 assert r["noise_g_sq"] == pytest.approx((512 * big - 128 * small) / (512 - 128), rel=1e-12)
                 assert r["noise_trace"] == pytest.approx((small - big) / (1 / 128 - 1 / 512), rel=1e-12)
             if r["noise_g_sq"] > 0:

@@ -1,7 +1,7 @@
 """The naive reference of the differential fuzzer, written without bigbatch's training code.
 
 For a :class:`~fuzz_settings.Setting` the reference works out on its own, from the raw data and the
-rules the README states, which samples form each global step (documents one per row, padded, prompt
+rules docs/data.md states, which samples form each global step (documents one per row, padded, prompt
 targets masked, a document longer than T + 1 tokens split into windows of T targets or cut to T + 1;
 packed windows strided over ranks or, under ``--shuffle on``, in the seeded order spelt out below; fixed K,
 the last window of a document epoch partial or dropped; a token budget reached by the micro-batch that
@@ -11,11 +11,11 @@ concatenated, loss = (sum of per-token cross-entropy over valid targets) / (numb
 global gradient norm clipped, a hand-written AdamW step (decay on tensors of dim >= 2), learning rate
 from a hand-written warmup + cosine formula. The forward of each model family is written out here too,
 reading the same parameter names: GPT-2 (learned positions, explicit causal softmax attention, tanh GELU,
-LayerNorm) and Llama (rotary positions computed here in float64 from the README's convention, each query head
-reading key/value head ``h // group``, SwiGLU, RMSNorm, no biases). The ``hf`` family is transformers' own
-``LlamaForCausalLM`` behind bigbatch's adapter: the same parameter names under ``hf_model.``, read by this Llama
-forward with the shape taken by hand from its config.json (:func:`hf_as_llama`), so transformers' implementation
-is checked against the reference too.
+LayerNorm) and Llama (rotary positions computed here in float64 from the convention models/llama/model.py
+states, each query head reading key/value head ``h // group``, SwiGLU, RMSNorm, no biases). The ``hf`` family
+is transformers' own ``LlamaForCausalLM`` behind bigbatch's adapter: the same parameter names under
+``hf_model.``, read by this Llama forward with the shape taken by hand from its config.json
+(:func:`hf_as_llama`), so transformers' implementation is checked against the reference too.
 
 **The key bias, and other exactly-zero gradients.** Each GPT attention's ``c_attn.bias`` holds query, key
 and value slices. The key slice adds ``q . b_k`` to every score of a query, the same constant for all
@@ -43,7 +43,7 @@ fp32 lands from float64 on this setting). Settings where that raises a bar (plai
 are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
 (mean / K, an off-by-one schedule, no clipping, a step short of a micro-batch) are 1e-3 off or more.
 
-**The shuffled order** (``--shuffle on``, bigbatch's default), as the README states it, replayed here from
+**The shuffled order** (``--shuffle on``, bigbatch's default), as docs/data.md states it, replayed here from
 the raw data without bigbatch's loader code (only the constant ``ORDER_SEED_TAG`` is imported). ``seed`` is
 the run's ``--seed``; a permutation of ``n`` items for epoch ``e`` is
 ``Generator(PCG64(SeedSequence([seed, e, ORDER_SEED_TAG]))).permutation(n)``.
@@ -118,13 +118,13 @@ class Outcome:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Which samples form each step, from the raw data and the README's rules.
+# Which samples form each step, from the raw data and docs/data.md's rules.
 
 Row = tuple[torch.Tensor, torch.Tensor, frozenset[str]]  # inputs (T,), targets (T,), what the row exercises
 
 
 def document_rows(prompt: bytes, tokens: bytes, T: int, policy: str) -> list[Row]:
-    """The sequences one document becomes (README, "Ragged data"). Its targets are its tokens 1 .. L-1, each
+    """The sequences one document becomes (docs/data.md, "Ragged data"). Its targets are its tokens 1 .. L-1, each
     predicted from the token before it and trained on unless it lies inside the prompt (token j of the
     document is masked when j < len(prompt)). ``truncate``: one row, the first T targets (the document's first
     T + 1 tokens). ``split``: the targets in consecutive runs of T, one row each, so each row starts where
@@ -223,7 +223,7 @@ class _Stream:
 
     def _plan(self, epoch: int) -> list[list[int]]:
         """The sequences of each row of epoch ``epoch``: the epoch's order (shuffled or not) packed by the fill rule
-        the README states, taken from bigbatch as a pure function (``pack_rows``, unit-tested on its own): which
+        docs/data.md states, taken from bigbatch as a pure function (``pack_rows``, unit-tested on its own): which
         documents share a row decides nothing about the gradient, which the reference computes one per row."""
         if epoch not in self.plans:
             import numpy as np
@@ -379,7 +379,7 @@ def expected_steps(
 
 
 def check_composition(setting: Setting, steps: list[dict[str, Any]]) -> list[str]:
-    """The README's rules on what bigbatch recorded, then sample-for-sample equality with the reference's
+    """docs/data.md's rules on what bigbatch recorded, then sample-for-sample equality with the reference's
     own assembly of every step."""
     problems: list[str] = []
     B, T, world = setting.micro_batch, setting.seq_len, setting.world

@@ -110,7 +110,7 @@ DIRECT = re.compile(r"os\.replace\(|os\.rename\(|\.write_text\(|\.write_bytes\(|
 
 def test_every_file_bigbatch_rewrites_goes_through_the_atomic_writer() -> None:
     """The class, not the example: no module renames or writes a file in place unless it is listed above with
-    the reason that is safe (a new module that does must use atomic_file or say why here)."""
+    the reason that is safe (a new module that does must use files/atomic.py or say why here)."""
     offenders = []
     for path in sorted(SRC.rglob("*.py")):
         name = path.relative_to(SRC).as_posix()

@@ -162,7 +162,7 @@ def test_the_ema_smooths_each_estimate_not_their_ratio() -> None:
 def test_k_1_needs_a_second_batch_size() -> None:
     assert "K = 1" in (unavailable_reason(1, 1) or "")
     assert unavailable_reason(2, 1) is None
-    # several ranks: each one's micro-batch is a batch size of its own, read before the reduction (noise_probe),
+    # several ranks: each one's micro-batch is a batch size of its own, read before the reduction (noise/probe.py),
     # under DDP or FSDP2 and with or without --sync-every-micro-step
     for k in (1, 2, 4):
         assert unavailable_reason(k, 2) is None

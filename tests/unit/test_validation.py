@@ -89,7 +89,7 @@ def test_the_loss_is_the_same_for_every_micro_batch_size() -> None:
     split = windows(300)
     losses = []
     for micro_batch in (1, 3, 8):
-        totals, _ = summed_loss(model, ValidationWindows(split, 25, micro_batch), 0, torch.device("cpu"))
+        totals, _ = summed_loss(model, ValidationWindows(split, 25, micro_batch), torch.device("cpu"))
         assert int(totals[1]) == 25 * T  # padding rows count for nothing
         losses.append(float(totals[0] / totals[1]))
     assert losses == pytest.approx([losses[0]] * 3, rel=1e-6)

@@ -1,4 +1,5 @@
-"""Command-line interface: ``bigbatch prepare | train | sample | plan | memory | verify | report | export | eval``.
+"""Command-line interface: ``bigbatch prepare | train | sample | plan | memory | verify | report | export | eval
+| critical-batch``.
 
 One module per command (:data:`bigbatch.cli.app.COMMANDS`), each with ``add_arguments(parser)`` and
 ``run(args)``: the CLI only parses arguments and calls the library, which ``run`` imports when it runs, so

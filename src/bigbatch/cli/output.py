@@ -29,7 +29,7 @@ class CurrentStdoutHandler(logging.StreamHandler):
         """A closed output pipe (``bigbatch train | head``) is not a logging error to report on every line.
 
         The rest of the output goes nowhere; a run that listens for SIGTERM stops as politely as on SIGTERM
-        (the step ends and is saved), anything else ends at once, quietly (see :func:`main`)."""
+        (the step ends and is saved), anything else ends at once, quietly (see :func:`~bigbatch.cli.app.main`)."""
         if not isinstance(sys.exc_info()[1], BrokenPipeError):
             super().handleError(record)
             return

@@ -1,7 +1,7 @@
 """Data: tokenizers, corpus preparation, token shards and the rank-aware loader.
 
-The names below are imported when first used, so importing a light module of this package (the tokenizer
-names for the command line's parser, ``prepare``) does not import torch, which only the loader needs.
+The names below are imported when first used, so importing a light module of this package (``bigbatch
+prepare``'s corpus, tokenizers and shards) does not import torch, which only the loaders need.
 """
 
 from __future__ import annotations

@@ -83,21 +83,21 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
 def summed_loss(
     model: nn.Module,
     loader: Any,
-    max_batches: int,
     device: torch.device,
     precision: str = "fp32",
     loss_fn: LossFn = token_loss_sum,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over at most ``max_batches``
-    micro-batches (0: no limit), stopping at the end of the loader's split; and the micro-batches read.
+    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over the loader's micro-batches up
+    to the end of its split (its ``epoch`` turns 1: a validation view holds its fixed sample); and the
+    micro-batches read.
     ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
     This loop alone computes a validation loss; evaluations call it through
     :func:`bigbatch.run.validation.score_windows`, which puts ``model`` in eval mode and sums over ranks."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     read = 0
     with torch.no_grad():
-        while max_batches == 0 or read < max_batches:
+        while True:
             if should_stop is not None and should_stop():
                 break
             batch = loader.next_micro_batch()

@@ -1,8 +1,8 @@
 """The batch: micro-batches, their valid targets, and the optimizer step they make up.
 
-Everything that moves tokens into the engine meets here, at the bottom of the
-import graph (this module imports only torch, :mod:`bigbatch.parallel.distributed` and the loss's
-:data:`~bigbatch.models.head_loss.IGNORE_INDEX`):
+Everything that moves tokens into the engine meets here; the data room builds these
+types and the engine consumes them (this module needs only torch, the errors and choices, the
+distributed context, and the loss's :data:`~bigbatch.models.head_loss.IGNORE_INDEX`):
 
 * :class:`MicroBatch`, ``(B, T)`` inputs and targets, with :data:`IGNORE_INDEX`
   (-100) marking targets without loss;

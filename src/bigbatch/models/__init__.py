@@ -2,7 +2,8 @@
 Hugging Face causal LM (:mod:`.hf_causal`, ``hf:DIR``); how they are sharded (:mod:`.sharding`: each family names
 its FSDP2 units); Hugging Face interop (:mod:`.gpt.hf` for GPT-2, :mod:`.llama.hf` for Llama, :mod:`.pretrained`
 for a directory of either, :mod:`.hf_files` for the directory itself); their loss (:mod:`.lm_output`,
-:mod:`.head_loss`, whose ``IGNORE_INDEX`` batches follow) and sampling (:mod:`.sampling`). They know nothing of
+:mod:`.head_loss`, whose ``IGNORE_INDEX`` batches follow), attention over packed rows (:mod:`.attention`), the
+module types that couple a batch's samples (:mod:`.coupling`) and sampling (:mod:`.sampling`). They know nothing of
 batches, accumulation or files beyond their own weights."""
 
 from typing import Any

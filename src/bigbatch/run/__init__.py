@@ -1,1 +1,2 @@
-"""A training run: its config, build, named state, loop, resume, checkpoints, run-directory files and lock."""
+"""A training run: its config and where it comes from, the build in phases, the named state, the loop and its
+validation, resume and branches, checkpoints, identity, run-directory files, header and lock, fault injection."""

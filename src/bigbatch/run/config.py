@@ -407,7 +407,8 @@ _SCALAR_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str
 
 
 def field_of(section_cls: type, name: str) -> Field[Any]:
-    """The field ``name`` of a config section (declared by :func:`_opt`); :func:`_flag` and :func:`_kind` read it."""
+    """The field ``name`` of a config section (declared by :func:`_opt`); :func:`flag_of` and :func:`kind_of`
+    read it."""
     return next(f for f in fields(section_cls) if f.name == name)
 
 

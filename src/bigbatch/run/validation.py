@@ -64,7 +64,7 @@ def score_windows(
     was_training = model.training
     model.eval()
     totals, read = summed_loss(
-        model, windows, 0, device, precision, loss_fn, should_stop=stop_now if should_stop is not None else None
+        model, windows, device, precision, loss_fn, should_stop=stop_now if should_stop is not None else None
     )  # (loss sum, valid targets) on this rank: every micro-batch of the sample
     model.train(was_training)
     reshard(model)

@@ -1,4 +1,5 @@
-"""Phase 1 of a build: the run directory, chosen (``--out`` or the settings' default) and held by one writer."""
+"""The run-directory phase of a build (after the check): the run directory, chosen (``--out`` or the
+settings' default) and held by one writer."""
 
 from __future__ import annotations
 
