@@ -16,10 +16,10 @@ from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
 from bigbatch.data.windows import PackedWindows, spread_sample
-from bigbatch.engine.accumulate import summed_loss
 from bigbatch.models import GPT, GPTConfig
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer
+from bigbatch.run.validation import summed_loss
 
 T = 4
 

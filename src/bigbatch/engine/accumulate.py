@@ -80,37 +80,6 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def summed_loss(
-    model: nn.Module,
-    loader: Any,
-    device: torch.device,
-    precision: str = "fp32",
-    loss_fn: LossFn = token_loss_sum,
-    should_stop: Callable[[], bool] | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over the loader's micro-batches up
-    to the end of its split (its ``epoch`` turns 1: a validation view holds its fixed sample); and the
-    micro-batches read.
-    ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
-    This loop alone computes a validation loss; evaluations call it through
-    :func:`bigbatch.run.validation.score_windows`, which puts ``model`` in eval mode and sums over ranks."""
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    read = 0
-    with torch.no_grad():
-        while True:
-            if should_stop is not None and should_stop():
-                break
-            batch = loader.next_micro_batch()
-            with autocast_for(precision, device):
-                loss_sum = loss_fn(model, batch.to(device))
-            totals[0] += loss_sum.double()
-            totals[1] += count_valid_targets(batch)
-            read += 1
-            if loader.epoch:  # the whole split was read
-                break
-    return totals, read
-
-
 @dataclass(frozen=True)
 class StepRecord:
     """What one optimizer step did. ``loss`` is the token-weighted mean over the whole global step."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from bigbatch.data.validation import ValidationWindows
-from bigbatch.engine.accumulate import LossFn, summed_loss, token_loss_sum
+from bigbatch.engine.accumulate import LossFn, autocast_for, token_loss_sum
+from bigbatch.engine.batch import count_valid_targets
 from bigbatch.parallel.distributed import DistContext, reshard
 
 
@@ -37,6 +39,36 @@ class ValidationResult:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss) if self.loss < 700 else math.inf  # exp overflows a float past ~709
+
+
+def summed_loss(
+    model: nn.Module,
+    loader: Any,
+    device: torch.device,
+    precision: str = "fp32",
+    loss_fn: LossFn = token_loss_sum,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Forward-only ``(loss sum, valid targets)`` as a float64 tensor of 2 over the loader's micro-batches up
+    to the end of its split (its ``epoch`` turns 1: a validation view holds its fixed sample); and the
+    micro-batches read.
+    ``should_stop``, asked before each micro-batch, ends the pass early (a stop signal arrived).
+    The caller (:func:`score_windows`) puts ``model`` in eval mode and sums over ranks."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    read = 0
+    with torch.no_grad():
+        while True:
+            if should_stop is not None and should_stop():
+                break
+            batch = loader.next_micro_batch()
+            with autocast_for(precision, device):
+                loss_sum = loss_fn(model, batch.to(device))
+            totals[0] += loss_sum.double()
+            totals[1] += count_valid_targets(batch)
+            read += 1
+            if loader.epoch:  # the whole split was read
+                break
+    return totals, read
 
 
 def score_windows(
