@@ -144,7 +144,7 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
     (command,) = seen
     assert command[1:] == [
         "-m",
-        "bigbatch.parallel.agent",
+        "bigbatch.cli.launcher",
         "--standalone",
         "--nproc-per-node=3",
         "-m",

@@ -1,4 +1,4 @@
-"""``bigbatch train --nproc N``: the workers under torchrun's elastic agent (:mod:`bigbatch.parallel.agent`),
+"""``bigbatch train --nproc N``: the workers under torchrun's elastic agent (:mod:`bigbatch.cli.launcher`),
 and how a worker tells that launcher about a user error.
 
 The workers write a user error into the directory named by :data:`ERROR_DIR_ENV`
@@ -76,14 +76,14 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) -> int:
     """Run ``bigbatch SUBCOMMAND ARGV`` (less ``--nproc``) in ``nproc`` workers and return the exit code.
 
-    The workers run under ``python -m bigbatch.parallel.agent --standalone --nproc-per-node N`` (a worker's
+    The workers run under ``python -m bigbatch.cli.launcher --standalone --nproc-per-node N`` (a worker's
     failure becomes one line) and die with this process (see :mod:`bigbatch.parallel.lifeline`)."""
     from bigbatch.parallel.lifeline import run_supervised
 
     command = [
         sys.executable,
         "-m",
-        "bigbatch.parallel.agent",
+        "bigbatch.cli.launcher",
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",

@@ -103,12 +103,12 @@ class _Count:
 
 class _LoaderPosition:
     """The training loader's position; with new data (``--allow-data-change``) a position the data lacks
-    restarts at its beginning instead of failing."""
+    restarts at its beginning instead of failing, and ``restarted`` says so."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.new_data = False
-        self.say: Say | None = None
+        self.restarted = False
 
     def state_dict(self) -> Any:
         return self.loader.state_dict()
@@ -119,11 +119,7 @@ class _LoaderPosition:
         except DataError:
             if not self.new_data:
                 raise
-            if self.say is not None:
-                self.say(
-                    "the new data has no position matching the checkpoint's: reading it from its start",
-                    level=logging.WARNING,
-                )
+            self.restarted = True
 
 
 class _Generators:
@@ -209,14 +205,16 @@ class TrainState:
         new data lacks restarts at its beginning instead of failing. A part the checkpoint lacks (an older
         one) is given ``None``."""
         self._schedule.schedule = self.parts.engine.schedule = schedule
-        self._loader.new_data, self._loader.say = new_data, say
-        try:
-            for name, part in self._parts.items():
-                if name == "ramp" and not state.get("ramp"):
-                    continue  # a checkpoint from before the ramp: it starts where the tokens seen put it
-                part.load_state_dict(state.get(name))
-        finally:  # the state keeps no reference to its caller (a trainer freed at once frees its run directory)
-            self._loader.new_data, self._loader.say = False, None
+        self._loader.new_data, self._loader.restarted = new_data, False
+        for name, part in self._parts.items():
+            if name == "ramp" and not state.get("ramp"):
+                continue  # a checkpoint from before the ramp: it starts where the tokens seen put it
+            part.load_state_dict(state.get(name))
+        if self._loader.restarted:
+            say(
+                "the new data has no position matching the checkpoint's: reading it from its start",
+                level=logging.WARNING,
+            )
 
     def run_record(self) -> dict[str, Any]:
         """What the run is, for readers of the checkpoint (sample, export, eval, resume)."""

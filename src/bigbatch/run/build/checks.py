@@ -25,24 +25,25 @@ from bigbatch.sizing.ramp import BatchRamp, parse_ramp
 
 
 def check_config(config: TrainConfig) -> TrainConfig:
-    """The settings on their own: valid fields, loggers whose packages are installed; returns the config with
-    ``seq_len`` auto resolved to the model's block size (from here on, the number)."""
+    """The settings on their own: valid fields, loggers whose packages are installed, a cache directory that can
+    be made; returns the config with ``seq_len`` auto resolved to the model's block size (from here on, the
+    number)."""
     config.validate()
     check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))
+    if config.data.cache_dir:
+        require_creatable_dir(Path(config.data.cache_dir), "cache directory")
     return resolve_seq_len(config)
 
 
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
     config = check_config(config)
-    run, data, batch = config.run, config.data, config.batch
+    run, batch = config.run, config.batch
     resolve_device(run.device)  # e.g. cuda asked for where there is none
     if run.out:
         out = Path(run.out)
         require_own_dir(out, "run directory", "--out", RUN_MARKER, is_legacy_run)
         find_resume_checkpoint(out, run.resume, run.overwrite, is_main=False)
-    if data.cache_dir:
-        require_creatable_dir(Path(data.cache_dir), "cache directory")
     if batch.micro_batch and not batch.token_budget:
         full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
         spec = parse_ramp(batch.batch_ramp)

@@ -17,7 +17,7 @@ from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.stream import PackedLoader
 from bigbatch.data.tokenizers import carries_tokenizer_json, get_tokenizer, model_dir_tokenizer
 from bigbatch.data.validation import ValidationWindows, validation_windows
-from bigbatch.errors import ConfigError, DataError, require_creatable_dir
+from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.config import TrainConfig, model_directory
 from bigbatch.sizing.plan import BatchPlan
@@ -36,9 +36,7 @@ class RunData:
 
 def open_run_data(config: TrainConfig, dist: DistContext, say: Say) -> RunData:
     """The prepared dataset on every rank (rank 0 prepares raw text into the cache first), checked against
-    ``--tokenizer``."""
-    if config.data.cache_dir:
-        require_creatable_dir(Path(config.data.cache_dir), "cache directory")
+    ``--tokenizer``; the cache directory was checked with the settings (:func:`.checks.check_config`)."""
     dataset = open_dataset(prepare_data_once(config, dist))
     check_requested_tokenizer(dataset.meta, config.data.tokenizer, dataset.directory)
     fingerprints = dataset_fingerprints(dataset)

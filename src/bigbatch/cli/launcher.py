@@ -1,4 +1,4 @@
-"""``python -m bigbatch.parallel.agent TORCHRUN_ARGS``: torchrun's elastic agent, reporting a failure in one line.
+"""``python -m bigbatch.cli.launcher TORCHRUN_ARGS``: torchrun's elastic agent, reporting a failure in one line.
 
 ``bigbatch train --nproc N`` (and ``verify --nproc N``) run this instead of ``torch.distributed.run`` (see
 :func:`bigbatch.parallel.launch.relaunch_under_torchrun`). The agent's own log lines and its ChildFailedError
