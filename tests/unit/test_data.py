@@ -580,3 +580,32 @@ def test_prepare_with_gpt2_offline_fails_cleanly(tmp_path: Path, monkeypatch: py
     with pytest.raises(BigBatchError, match="--tokenizer byte"):
         prepare_dataset(str(tmp_path / "c.txt"), tmp_path / "out", tokenizer_name="gpt2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+def test_a_prepare_that_waited_returns_what_the_other_process_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``wait_for_lock`` (two runs preparing one cache entry), the process that waited finds the dataset
+    the other one finished while it waited, and returns its metadata instead of preparing again."""
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    import bigbatch.data.prepare as prepare_module
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
+    out = tmp_path / "data"
+    prepared_by_the_other: list[Path] = []
+
+    @contextmanager
+    def the_other_process_prepares_while_we_wait(path: Path, wait: bool) -> Iterator[None]:
+        assert wait
+        monkeypatch.undo()  # the other process takes the real lock and prepares
+        prepare_dataset(str(corpus), path)
+        prepared_by_the_other.append(path)
+        yield
+
+    monkeypatch.setattr(prepare_module, "preparation_lock", the_other_process_prepares_while_we_wait)
+    meta = prepare_dataset(str(corpus), out, wait_for_lock=True)
+    assert prepared_by_the_other == [out]
+    assert meta == TokenDataset(out).meta

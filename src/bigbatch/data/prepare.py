@@ -34,7 +34,7 @@ from bigbatch.data.resumable import (
     skip_done,
     write_lengths,
 )
-from bigbatch.data.shards import DatasetMeta, is_prepared_dataset, token_dtype
+from bigbatch.data.shards import META_FILE, DatasetMeta, is_prepared_dataset, token_dtype
 from bigbatch.data.split import SPLIT_RULE, SPLIT_SEED, document_splits, packed_splits
 from bigbatch.data.text import InvalidUTF8, split_text
 from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
@@ -102,7 +102,7 @@ def prepare_dataset(
     require_creatable_dir(out, "dataset directory")
     with preparation_lock(out, wait_for_lock):
         if wait_for_lock and is_prepared_dataset(out):  # the process waited for prepared it
-            return DatasetMeta.from_file(out)
+            return DatasetMeta.from_file(out / META_FILE)
         _refuse_existing(out)
         return _prepare(source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json)
 
