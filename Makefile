@@ -29,10 +29,12 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 demo: $(RUNTIME)
 	$(BIN)/bigbatch train
 
+# Everything, slow tests included; the 20 slowest are listed at the end.
 test: $(DEV)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
-# The inner loop: every test not marked slow, unit and integration (under 2 minutes on 2 CPU cores).
+# The inner loop: every test not marked slow, unit and integration (see README.md for its time on 2 CPU cores);
+# tests over 1 s are listed at the end as candidates for @pytest.mark.slow.
 test-fast: $(DEV)
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -86,9 +86,10 @@ def interleaved_seconds(
 def interleaved_step_rates(
     engines: dict[str, Any], batches: list[Any], rounds: int, min_rounds: int, budget_s: float
 ) -> tuple[dict[str, float], int]:
-    """Median training tokens/s of each engine over :func:`interleaved_seconds`' rounds, one optimizer step of
-    ``batches`` per round, and the rounds timed."""
+    """Training tokens/s of each engine over :func:`interleaved_seconds`' rounds, one optimizer step of ``batches``
+    per round: a step's tokens over the median round's seconds (every round trains the same tokens; the median
+    keeps a round slowed by the machine's other work out), and the rounds timed."""
     tokens = sum(mb.inputs.numel() for mb in batches)
     runs = {name: (lambda engine=engine: engine.step(batches, n_valid=tokens)) for name, engine in engines.items()}
     seconds, timed = interleaved_seconds(runs, rounds, min_rounds, budget_s)
-    return {name: statistics.median(tokens / t for t in values) for name, values in seconds.items()}, timed
+    return {name: tokens / statistics.median(values) for name, values in seconds.items()}, timed

@@ -151,7 +151,7 @@ def side_by_side(micro_batch: int, device: torch.device, peak: float | None) -> 
             for _ in range(WARMUP):
                 run()
         torch.cuda.synchronize(device)
-        rates: dict[str, list[float]] = {name: [] for name in runs}
+        seconds: dict[str, list[float]] = {name: [] for name in runs}  # of each block of BLOCK steps
         n_tokens = K * micro_batch * T
         for r in range(SIDE_BY_SIDE_ROUNDS):
             names = list(runs) if r % 2 == 0 else list(reversed(runs))
@@ -160,14 +160,14 @@ def side_by_side(micro_batch: int, device: torch.device, peak: float | None) -> 
                 for _ in range(BLOCK):
                     runs[name]()
                 torch.cuda.synchronize(device)
-                rates[name].append(BLOCK * n_tokens / (time.perf_counter() - started))
+                seconds[name].append(time.perf_counter() - started)
     finally:
         dist.destroy_process_group()
     print(
         f"side by side at micro_batch {micro_batch} (K {K}, {SIDE_BY_SIDE_ROUNDS} alternating blocks of {BLOCK} "
-        "steps, medians):"
+        "steps; tokens/s: a block's tokens / the median block's time):"
     )
-    medians = {name: statistics.median(values) for name, values in rates.items()}
+    medians = {name: BLOCK * n_tokens / statistics.median(values) for name, values in seconds.items()}
     for name, rate in medians.items():
         mfu_text = f" | MFU {mfu(flops, rate, peak):.1%}" if peak else ""
         print(f"  {name:<20} {rate:>11,.0f} tokens/s{mfu_text}")

@@ -6,11 +6,24 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import fast_suite
+import outside_stop
 import pytest
 import torch
+from outside_stop import (  # noqa: F401 (hooks and a fixture: pytest finds them by name here)
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+    pytest_unconfigure,
+    send_own_sigterm,
+)
 from tiny import VOCAB
 
 from bigbatch.models import GPT, GPTConfig
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    outside_stop.pytest_configure(config)
+    fast_suite.register(config)
 
 
 @pytest.fixture(autouse=True)

@@ -47,11 +47,27 @@ def require_creatable_dir(path: Path, what: str) -> None:
             return
 
 
-def require_package(module: str, feature: str, pip_name: str) -> Any:
-    """``import module``, or a :class:`BigBatchError` that names the ``pip install`` that fixes it."""
+EXTRAS: dict[str, str] = {
+    "hf": "datasets and transformers",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+}
+"""bigbatch's optional extras (pyproject.toml) and the packages each installs."""
+
+
+def install_hint(extra: str) -> str:
+    """The one way every message and page tells how to get an optional package: the extra that holds it."""
+    if extra not in EXTRAS:
+        raise ValueError(f"no extra {extra!r}; known: {', '.join(EXTRAS)}")
+    return f"pip install -e '.[{extra}]' (bigbatch's [{extra}] extra: {EXTRAS[extra]})"
+
+
+def require_package(module: str, feature: str, extra: str, package: str | None = None) -> Any:
+    """``import module``, or a :class:`BigBatchError` that names the extra whose install fixes it; ``package``
+    (default: the extra's name) is the missing distribution's name."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise BigBatchError(
-            f"{feature} needs the {pip_name} package, which is not installed: pip install {pip_name}"
+            f"{feature} needs the {package or extra} package, which is not installed: {install_hint(extra)}"
         ) from exc

@@ -4,7 +4,7 @@ No dependency: the line is ``step 40/120 [#######.........]  33% | tok/s 17,246 
 It is drawn only when its stream is a TTY (and the caller says so, e.g. rank 0
 only), so logs written to files or pipes stay exactly as they were. Anything
 else printed to the terminal while the bar is shown should call :meth:`clear`
-first; the next :meth:`update` draws the bar again below it.
+first; the next :meth:`update` draws the bar again below it. :func:`plural` words the counts such lines print.
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ from collections.abc import Callable
 from typing import TextIO
 
 BAR_WIDTH = 20
+
+
+def plural(count: int, noun: str, nouns: str = "") -> str:
+    """``1 document``, ``0 documents``, ``2,048 documents``: the count (thousands separated) and the noun agreeing
+    with it; ``nouns`` for a plural that is not ``noun + "s"``. For every count printed that can be 1."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
 
 
 def format_duration(seconds: float) -> str:

@@ -64,7 +64,36 @@ def T(*argv: str) -> tuple[str, ...]:  # noqa: N802 - a train command on the wor
     )
 
 
+def D(*argv: str) -> tuple[str, ...]:  # noqa: N802 - T with the default run directory (runs/<model>-<hash>)
+    base = T(*argv)
+    at = base.index("--out")
+    return base[:at] + base[at + 2 :]
+
+
 CASES = [
+    # --- every command: a mistyped flag names the nearest one (git's way) ---
+    Case("train-typo-flag", T("--mciro-batch", "4"), "unknown flag --mciro-batch; did you mean --micro-batch?"),
+    Case("prepare-typo-flag", ("prepare", "corpus.txt", "--out", "ds2", "--workrs", "2"), "did you mean --workers?"),
+    Case("sample-typo-flag", ("sample", "--checkpoint", "run", "--temprature", "1"), "did you mean --temperature?"),
+    Case("plan-typo-flag", ("plan", "--tokens-per-stp", "1024"), "did you mean --tokens-per-step?"),
+    Case("memory-typo-flag", ("memory", "--max-mciro-batch", "2"), "did you mean --max-micro-batch?"),
+    Case("verify-typo-flag", ("verify", "--tolerence", "1"), "did you mean --tolerance?"),
+    Case("eval-typo-flag", ("eval", "run", "--data", "corpus.txt", "--batchs", "2"), "did you mean --batches?"),
+    Case("report-typo-flag", ("report", "run", "--ot", "r"), "did you mean --out?"),
+    Case("export-typo-flag", ("export", "run", "new-export", "--formt", "hf"), "did you mean --format?"),
+    Case("critical-batch-typo-flag", ("critical-batch", "run", "--tolerence", "1"), "did you mean --tolerance?"),
+    Case("typo-command", ("trian",), "did you mean train?"),
+    Case("train-typo-choice", T("--parallel", "dpp"), "did you mean ddp?"),
+    # --- train with the default run directory: nothing (not even runs/) is made for settings that fail ---
+    Case("train-default-out-data-missing", D("--data", "no-such-corpus.txt"), "does not exist"),
+    Case("train-default-out-not-divisible", D("--total-batch-tokens", "100"), "total_batch_tokens"),
+    Case("train-default-out-seq-len-over-block", D("--seq-len", "4096", "--total-batch-tokens", "16384"), "block_size"),
+    Case("train-default-out-toml-type", D("--config", "bad-type.toml"), 'must be int or "auto"'),
+    Case(
+        "plan-tokens-not-divisible",
+        ("plan", "--tokens-per-step", "2M", "--micro-batch", "4", "--seq-len", "32768"),
+        "2Mi",
+    ),
     # --- train: every numeric flag is range-checked with its name (argparse level) ---
     Case("train-beta1-above-1", T("--beta1", "1.5"), "--beta1"),
     Case("train-beta2-negative", T("--beta2", "-1"), "--beta2"),
@@ -242,10 +271,12 @@ CASES = [
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root``: its SHA-256 and mtime (ns)."""
+    """Every file under ``root``: its SHA-256 and mtime (ns); every directory, so an empty one made counts too."""
     found = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file():
+        if path.is_dir():
+            found[str(path.relative_to(root)) + "/"] = ("directory", 0)
+        elif path.is_file():
             found[str(path.relative_to(root))] = (
                 hashlib.sha256(path.read_bytes()).hexdigest(),
                 path.stat().st_mtime_ns,
@@ -269,6 +300,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (root / "plot.png").write_bytes(b"not really a png, but the user's\n")
     (root / "bad-beta1.toml").write_text("[optim]\nbeta1 = 1.5\n")
     (root / "bad-micro-batch.toml").write_text("[batch]\nmicro_batch = 0\n")
+    (root / "bad-type.toml").write_text('[batch]\nmicro_batch = "4"\n')
     old = Path.cwd()
     os.chdir(root)
     try:
@@ -315,7 +347,19 @@ def test_bad_input_is_refused_in_one_line_and_changes_nothing(
 def test_the_catalogue_is_large_and_covers_every_command() -> None:
     assert len(CASES) >= 50
     commands = {c.argv[0] for c in CASES}
-    assert commands == {"train", "prepare", "sample", "plan", "memory", "verify", "eval", "report", "export"}
+    assert commands == {
+        "train",
+        "prepare",
+        "sample",
+        "plan",
+        "memory",
+        "verify",
+        "eval",
+        "report",
+        "export",
+        "critical-batch",
+        "trian",  # a mistyped command
+    }
     assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -412,6 +456,7 @@ def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 def test_a_closed_output_pipe_ends_quietly(workspace: Path, tmp_path: Path) -> None:
     """``bigbatch plan ... | true``: every write after the reader left fails; nothing is reported."""
     process = subprocess.Popen(
@@ -520,6 +565,7 @@ def test_parallel_fsdp_in_one_process_is_said(workspace: Path, tmp_path: Path, m
     assert "--parallel fsdp has no effect in a single process" in out
 
 
+@pytest.mark.slow
 def test_a_bigbatch_run_directory_is_written_again(
     workspace: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -549,3 +595,424 @@ def test_nproc_train_piped_into_head_ends_quietly(workspace: Path, tmp_path: Pat
     err = process.stderr.read().decode()
     assert process.wait(timeout=300) in (141, 143), err  # ended in set-up (141) or stopped after a step, saved (143)
     assert err == "", err
+
+
+# --------------------------------------------------------------------------------------------
+# Advice that is followed gets past the error that gave it
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Advice:
+    id: str
+    bad: tuple[str, ...]  # train: flags (after T's) that fail; another command: its arguments
+    says: str  # the error's key words, advice included
+    followed: tuple[str, ...]  # the same with the advice applied
+    needs: tuple[str, ...] = ()  # what the case makes first (see NEEDS)
+    command: str = "train"
+    cpu_only: bool = False  # the error needs a machine without CUDA
+
+
+NEEDS = {
+    "run": ("train", "--out", "run"),  # T's pico run, one step: a checkpoint at step 1
+    "run0": ("train", "--out", "run0", "--val-fraction", "0"),  # without a validation split
+    "ds": ("prepare", "corpus.txt", "--out", "ds"),  # a prepared dataset (byte tokens, a val split)
+    "ds-bpe": ("prepare", "corpus.txt", "--out", "ds-bpe", "--tokenizer", "bpe:300"),
+}
+"""Each one the command that makes it; besides: "gpt2" and "qwen2" (hf directories with 64 positions, for
+``--model hf:DIR`` and ``--init-from``), "emptydir", "empty.txt" and "notes.txt" (the user's own file)."""
+
+
+ADVICE = [
+    Advice(
+        "preset-seq-len-over-block",
+        ("--seq-len", "128", "--total-batch-tokens", "512"),
+        "lower --seq-len or raise --block-size to at least 128",
+        ("--seq-len", "128", "--block-size", "128", "--total-batch-tokens", "512"),
+    ),
+    Advice(
+        "total-not-divisible",
+        ("--total-batch-tokens", "100"),
+        "nearest valid totals: 128 (K=1)",
+        ("--total-batch-tokens", "128"),
+    ),
+    Advice(
+        "decay-below-warmup",
+        ("--decay-steps", "1", "--warmup-steps", "2"),
+        "raise decay_steps or set it to auto",
+        ("--decay-steps", "auto", "--warmup-steps", "2"),
+    ),
+    Advice(
+        "hf-seq-len-over-context",
+        ("--model", "hf:gpt2", "--seq-len", "128", "--total-batch-tokens", "512"),
+        "lower --seq-len to at most 64, or leave it auto",
+        ("--model", "hf:gpt2", "--seq-len", "64", "--total-batch-tokens", "256"),
+        needs=("gpt2",),
+    ),
+    Advice(
+        "hf-block-size",
+        ("--model", "hf:gpt2", "--block-size", "128"),
+        "--block-size does not apply to hf:gpt2",
+        ("--model", "hf:gpt2"),
+        needs=("gpt2",),
+    ),
+    Advice(
+        "init-from-seq-len-over-context",
+        ("--init-from", "gpt2", "--seq-len", "128", "--total-batch-tokens", "512"),
+        "lower --seq-len to at most 64, or leave it auto",
+        ("--init-from", "gpt2", "--seq-len", "64", "--total-batch-tokens", "256"),
+        needs=("gpt2",),
+    ),
+    Advice(
+        "init-from-qwen2",
+        ("--init-from", "qwen2"),
+        "pass --model hf:qwen2 instead of --init-from",
+        ("--model", "hf:qwen2"),
+        needs=("qwen2",),
+    ),
+    Advice(
+        "init-from-a-run",
+        ("--init-from", "run"),
+        "continue it with --out run (and no --init-from)",
+        ("--out", "run"),
+        needs=("run",),
+    ),
+    Advice(
+        "train-out-of-memory",
+        ("--block-size", "1000000000000"),
+        "lower --micro-batch (auto: the largest that fits), --seq-len or a preset's --block-size",
+        ("--block-size", "64"),
+    ),
+    Advice(
+        "train-resume-never",
+        ("--out", "run", "--resume", "never"),
+        "continue it with --resume auto",
+        ("--out", "run", "--resume", "auto"),  # complete: nothing to do
+        needs=("run",),
+    ),
+    Advice(
+        "train-other-settings",
+        ("--out", "run", "--lr", "0.01"),
+        "or choose another --out",
+        ("--out", "run-lr", "--lr", "0.01"),
+        needs=("run",),
+    ),
+    # --- eval ---
+    Advice(
+        "eval-seq-len-over-block",
+        ("run", "--seq-len", "128", "--batches", "1"),
+        "lower --seq-len to at most 64, or leave it out",
+        ("run", "--seq-len", "64", "--batches", "1"),
+        needs=("run",),
+        command="eval",
+    ),
+    Advice(
+        "eval-no-val-split",
+        ("run0", "--batches", "1"),
+        "has no val split; use --split train",
+        ("run0", "--split", "train", "--batches", "1"),
+        needs=("run0",),
+        command="eval",
+    ),
+    Advice(
+        "eval-no-val-split-prepared",
+        ("run0", "--batches", "1"),
+        "or give --data a dataset with a val split (bigbatch prepare SOURCE --out DIR --tokenizer byte --val-fraction",
+        ("run0", "--data", "ds", "--batches", "1"),  # ds: bigbatch prepare corpus.txt --out ds (0.1 by default)
+        needs=("run0", "ds"),
+        command="eval",
+    ),
+    Advice(
+        "eval-other-tokenizer",
+        ("run", "--data", "ds-bpe", "--batches", "1"),
+        "give --data raw text (tokenized with the checkpoint's tokenizer)",
+        ("run", "--data", "corpus.txt", "--batches", "1"),
+        needs=("run", "ds-bpe"),
+        command="eval",
+    ),
+    Advice(
+        "eval-no-cuda",
+        ("run", "--device", "cuda", "--batches", "1"),
+        "use --device cpu",
+        ("run", "--device", "cpu", "--batches", "1"),
+        needs=("run",),
+        command="eval",
+        cpu_only=True,
+    ),
+    # --- critical-batch: every check before the first branch trains ---
+    Advice(
+        "critical-batch-no-val-split",
+        ("run0", "--tokens-per-step", "128,256", "--budget", "256", "--no-plot"),
+        "the branches are compared on the run's own val split: branch a run trained with --val-fraction > 0",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--no-plot"),
+        needs=("run", "run0"),
+        command="critical-batch",
+    ),
+    Advice(
+        "critical-batch-budget-below-a-step",
+        ("run", "--tokens-per-step", "128,256", "--budget", "128", "--no-plot"),
+        "use --budget 256 or more",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--no-plot"),
+        needs=("run",),
+        command="critical-batch",
+    ),
+    Advice(
+        "critical-batch-budget-not-whole-steps",
+        ("run", "--tokens-per-step", "128,256", "--budget", "300", "--no-plot"),
+        "nearest budgets that do: 256 or 512",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--no-plot"),
+        needs=("run",),
+        command="critical-batch",
+    ),
+    Advice(
+        "critical-batch-size-not-whole-micro-batches",
+        ("run", "--tokens-per-step", "100,256", "--budget", "256", "--no-plot"),
+        "nearest valid totals: 128 (K=1)",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--no-plot"),
+        needs=("run",),
+        command="critical-batch",
+    ),
+    Advice(
+        "critical-batch-decimal-k",
+        ("run", "--tokens-per-step", "1K,2K", "--budget", "2K", "--no-plot"),
+        "for 1,024 write 1Ki",
+        ("run", "--tokens-per-step", "1Ki,2Ki", "--budget", "2Ki", "--no-plot"),
+        needs=("run",),
+        command="critical-batch",
+    ),
+    Advice(
+        "critical-batch-no-checkpoint-at-step",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--step", "5", "--no-plot"),
+        "its checkpoints are at steps: 1",
+        ("run", "--tokens-per-step", "128,256", "--budget", "256", "--step", "1", "--no-plot"),
+        needs=("run",),
+        command="critical-batch",
+    ),
+    # --- plan ---
+    Advice(
+        "plan-no-seq-len",
+        ("--tokens-per-step", "1024", "--micro-batch", "4"),
+        "give --seq-len, or --model PRESET to take its block size",
+        ("--tokens-per-step", "1024", "--micro-batch", "4", "--model", "pico"),
+        command="plan",
+    ),
+    Advice(
+        "plan-two-missing",
+        ("--tokens-per-step", "1024", "--seq-len", "32"),
+        "give all but one of --micro-batch, --k and --devices (missing: --micro-batch, --k;",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4"),
+        command="plan",
+    ),
+    Advice(
+        "plan-no-tokens-no-k",
+        ("--seq-len", "32", "--micro-batch", "4"),
+        "without --tokens-per-step, give --micro-batch and --k (missing: --k)",
+        ("--seq-len", "32", "--micro-batch", "4", "--k", "2"),
+        command="plan",
+    ),
+    Advice(
+        "plan-all-three-disagree",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4", "--k", "2", "--devices", "1"),
+        "leave one of them out (--micro-batch, --k or --devices) to derive it",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4", "--k", "2"),  # 4 devices
+        command="plan",
+    ),
+    Advice(
+        "plan-tokens-not-whole",
+        ("--tokens-per-step", "1000", "--seq-len", "32", "--micro-batch", "4"),
+        "the nearest that are: 896 (K 7) or 1,024 = 1Ki (K 8)",
+        ("--tokens-per-step", "1Ki", "--seq-len", "32", "--micro-batch", "4"),
+        command="plan",
+    ),
+    Advice(
+        "plan-from-run-and-k",
+        ("--from-run", "run", "--k", "2"),
+        "leave out --k",
+        ("--from-run", "run"),
+        needs=("run",),
+        command="plan",
+    ),
+    Advice(
+        "plan-ramp-start-above-total",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4", "--batch-ramp", "4096:1000"),
+        "lower START_TOKENS or raise --total-batch-tokens",
+        ("--total-batch-tokens", "4096", "--seq-len", "32", "--micro-batch", "4", "--batch-ramp", "4096:1000"),
+        command="plan",
+    ),
+    Advice(
+        "plan-ramp-start-below-a-micro-batch",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4", "--batch-ramp", "64:1000"),
+        "raise START_TOKENS to at least 128",
+        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4", "--batch-ramp", "128:1000"),
+        command="plan",
+    ),
+    Advice(
+        "plan-hf-seq-len-over-context",
+        ("--model", "hf:gpt2", "--seq-len", "128", "--tokens-per-step", "512", "--micro-batch", "4"),
+        "lower --seq-len to at most 64, or leave it out",
+        ("--model", "hf:gpt2", "--seq-len", "64", "--tokens-per-step", "256", "--micro-batch", "4"),
+        needs=("gpt2",),
+        command="plan",
+    ),
+    # --- verify ---
+    Advice(
+        "verify-seq-len-over-block",
+        ("--model", "pico", "--seq-len", "128", "--k", "2"),
+        "lower --seq-len to at most 64",
+        ("--model", "pico", "--seq-len", "64", "--k", "2"),
+        command="verify",
+    ),
+    Advice(
+        "verify-out-of-memory",
+        ("--model", "pico", "--micro-batch", "1000000000"),
+        "lower --micro-batch, --k or --seq-len",
+        ("--model", "pico", "--micro-batch", "2", "--k", "2"),
+        command="verify",
+    ),
+    Advice(
+        "verify-json-exists",
+        ("--model", "pico", "--k", "2", "--json", "notes.txt"),
+        "pass --overwrite to replace it",
+        ("--model", "pico", "--k", "2", "--json", "notes.txt", "--overwrite"),
+        needs=("notes.txt",),
+        command="verify",
+    ),
+    # --- prepare: its data source is SOURCE, not --data ---
+    Advice(
+        "prepare-out-exists",
+        ("corpus.txt", "--out", "ds"),
+        "choose a new --out or remove it first",
+        ("corpus.txt", "--out", "ds-new"),
+        needs=("ds",),
+        command="prepare",
+    ),
+    Advice(
+        "prepare-empty-directory",
+        ("emptydir", "--out", "ds-new"),
+        "holds no files; give a directory of text files, a text file or a glob",
+        ("corpus.txt", "--out", "ds-new"),
+        needs=("emptydir",),
+        command="prepare",
+    ),
+    Advice(
+        "prepare-empty-corpus",
+        ("empty.txt", "--out", "ds-new"),
+        "holds no text; give non-empty text files instead",
+        ("corpus.txt", "--out", "ds-new"),
+        needs=("empty.txt",),
+        command="prepare",
+    ),
+    Advice(
+        "prepare-unknown-tokenizer",
+        ("corpus.txt", "--out", "ds-new", "--tokenizer", "gpt3"),
+        "choose one of: byte, gpt2, bpe:VOCAB, file:PATH",
+        ("corpus.txt", "--out", "ds-new", "--tokenizer", "byte"),
+        command="prepare",
+    ),
+    Advice(
+        "prepare-bpe-vocabulary",
+        ("corpus.txt", "--out", "ds-new", "--tokenizer", "bpe:10"),
+        "with a vocabulary size from 257 to 1,048,576",
+        ("corpus.txt", "--out", "ds-new", "--tokenizer", "bpe:300"),
+        command="prepare",
+    ),
+    # --- sample: a mistyped flag names the one that is taken ---
+    Advice(
+        "sample-typo-flag",
+        ("--checkpoint", "run", "--temprature", "1", "--max-new-tokens", "4"),
+        "did you mean --temperature?",
+        ("--checkpoint", "run", "--temperature", "1", "--max-new-tokens", "4"),
+        needs=("run",),
+        command="sample",
+    ),
+]
+
+ADVICE_SLOW = [
+    Advice(
+        "memory-seq-len-over-block",  # a sweep takes seconds
+        ("--model", "pico", "--seq-len", "128", "--max-micro-batch", "1"),
+        "lower --seq-len to at most 64, or leave it auto",
+        ("--model", "pico", "--seq-len", "64", "--max-micro-batch", "1"),
+        command="memory",
+    ),
+    Advice(
+        "train-micro-batch-auto-on-cpu",  # probing what fits takes seconds
+        ("--micro-batch", "auto"),
+        "--micro-batch auto on CPU needs --memory-budget MIB",
+        ("--micro-batch", "auto", "--memory-budget", "1000"),
+        cpu_only=True,
+    ),
+]
+
+
+@pytest.mark.usefixtures("isolated")
+@pytest.mark.parametrize("advice", ADVICE, ids=[a.id for a in ADVICE])
+def test_following_an_errors_advice_gets_past_that_error(advice: Advice, workspace: Path, tmp_path: Path) -> None:
+    """Each message that names a flag as the fix: the fix, applied, is taken, and the command then succeeds."""
+    follow(advice, workspace, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("isolated")
+@pytest.mark.parametrize("advice", ADVICE_SLOW, ids=[a.id for a in ADVICE_SLOW])
+def test_following_a_slow_errors_advice_gets_past_that_error(advice: Advice, workspace: Path, tmp_path: Path) -> None:
+    follow(advice, workspace, tmp_path)
+
+
+def test_the_advice_table_covers_every_command_that_advises() -> None:
+    rows = ADVICE + ADVICE_SLOW
+    assert {a.command for a in rows} == {
+        "train",
+        "eval",
+        "critical-batch",
+        "plan",
+        "verify",
+        "prepare",
+        "sample",
+        "memory",
+    }
+    assert len({a.id for a in rows}) == len(rows)
+
+
+def follow(advice: Advice, workspace: Path, tmp_path: Path) -> None:
+    """Run ``advice.bad`` (refused, saying ``advice.says``), then ``advice.followed`` (exit 0, that error gone)."""
+    if advice.cpu_only:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("the error needs a machine without CUDA")
+    (tmp_path / "corpus.txt").write_bytes((workspace / "corpus.txt").read_bytes())
+    for need in advice.needs:
+        if need in ("gpt2", "qwen2"):
+            pytest.importorskip("transformers")
+            from hf_models import save_hf
+
+            save_hf(need, tmp_path / need)
+        elif need == "emptydir":
+            (tmp_path / need).mkdir()
+        elif need in ("empty.txt", "notes.txt"):
+            (tmp_path / need).write_text("" if need == "empty.txt" else "the user's notes\n")
+        else:
+            made = NEEDS[need]
+            argv = list(T(*made[1:], "--max-steps", "1")) if made[0] == "train" else list(made)
+            code, _, err = run_case(argv)
+            assert code == 0, err
+
+    def attempt(flags: tuple[str, ...]) -> tuple[int, str]:
+        if advice.command != "train":
+            code, out, err = run_case([advice.command, *flags])
+            return code, out + err
+        argv = list(T("--max-steps", "1"))
+        argv = argv[: argv.index("--out")] + argv[argv.index("--out") + 2 :] + ["--out", "new-run", *flags]
+        if "--model" in flags:  # the case's model replaces T's pico
+            at = argv.index("--model")
+            del argv[at : at + 2]
+        code, out, err = run_case(argv)
+        return code, out + err
+
+    code, said = attempt(advice.bad)
+    assert code == 2 and advice.says in said, said
+    first_error = said.strip().splitlines()[-1]
+    code, said = attempt(advice.followed)
+    assert first_error not in said, said
+    assert code == 0, said  # every fix here is the whole fix

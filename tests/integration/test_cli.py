@@ -406,12 +406,12 @@ def test_plan_prints_k(capsys: pytest.CaptureFixture) -> None:
     assert re.search(r"^devices \(world size\)\s+8$", out, re.MULTILINE), out
 
 
-def test_plan_non_divisible_rounds_and_says_so(capsys: pytest.CaptureFixture) -> None:
+def test_plan_non_divisible_is_refused_with_both_neighbours(capsys: pytest.CaptureFixture) -> None:
     code = main(["plan", "--total-batch-tokens", "500000", "--micro-batch", "16", "--seq-len", "1024"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert re.search(r"^accumulation steps \(K\)\s+31$", out, re.MULTILINE), out  # 488.3 sequences -> 496
-    assert "rounded the sequences per step to 496 = 507,904 tokens" in out
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert "--tokens-per-step 500,000 is not a multiple of the 16,384 tokens each increment of K adds" in captured.err
+    assert "the nearest that are: 491,520 = 480Ki (K 30) or 507,904 = 496Ki (K 31)" in captured.err
 
 
 def test_plan_inconsistent_settings_are_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
@@ -527,6 +527,7 @@ def test_run_dir_with_checkpoints_is_refused_and_untouched(
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == before  # no config.toml, no metrics
 
 
+@pytest.mark.slow
 def test_bad_train_input_in_a_real_subprocess_has_no_traceback(tmp_path: Path, corpus: Path) -> None:
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(SRC_DIR), BIGBATCH_CACHE=str(tmp_path / "env-cache"))

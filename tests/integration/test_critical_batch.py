@@ -271,6 +271,23 @@ def test_bad_input_is_one_line_and_writes_nothing(
     assert not (parent / "critical-batch").exists()
 
 
+def test_a_measurement_in_progress_is_refused_naming_no_flag_critical_batch_lacks(parent: Path, tmp_path: Path) -> None:
+    """train's refusal offers --wait-for-lock; critical-batch has no such flag, so its refusal must not."""
+    from bigbatch.files.lock import acquire
+    from bigbatch.files.outputs import RUN_LOCK
+
+    run_dir = copy_of(parent, tmp_path)
+    (run_dir / BASE).mkdir(parents=True)
+    held = acquire(run_dir / BASE / RUN_LOCK, wait=False)  # another measurement of the same step and rule
+    try:
+        line = assert_one_line_error(*critical_batch(run_dir))
+    finally:
+        held.release()
+    assert line.startswith(f"bigbatch: error: critical-batch directory {run_dir / BASE} is in use by another bigbatch")
+    assert line.endswith("nothing was written: wait for it to end or stop it"), line
+    assert list((run_dir / BASE).iterdir()) == []  # no branch, no result (and the lock gone with its holder)
+
+
 @pytest.mark.usefixtures("isolated")
 def test_no_such_run_and_no_checkpoint_are_one_line(tmp_path: Path) -> None:
     line = assert_one_line_error(*critical_batch(tmp_path / "nowhere"))

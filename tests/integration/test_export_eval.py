@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.artifacts.evaluate import evaluate_checkpoint
+from bigbatch.artifacts.evaluate import EvalResult, evaluate_checkpoint
 from bigbatch.run import checkpoint as ckpt
+from bigbatch.run.validation import ValidationResult
 
 
 @pytest.fixture(autouse=True)
@@ -141,6 +142,15 @@ def test_eval_reproduces_the_runs_validation_loss(run_dir: Path, workspace: Path
     assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-6)
 
 
+def test_the_eval_line_words_one_micro_batch_in_the_singular() -> None:
+    scored = ValidationResult(loss_sum=64.0, tokens=32, micro_batches=1)
+    result = EvalResult(scored, "val", Path("data"), "byte", 3, 1, 32, whole_split=True)
+    assert result.format() == (
+        "eval step 3 | val split of data (byte) | 1 micro-batch (the whole split) of 1 x 32 | 32 tokens | "
+        f"loss 2.0000 | perplexity {math.exp(2.0):,.2f}"
+    )
+
+
 def test_eval_is_a_token_weighted_mean_whatever_the_batching(run_dir: Path, workspace: Path) -> None:
     data, cache = str(workspace / "corpus.txt"), workspace / "cache"
     one = evaluate_checkpoint(run_dir, data, batches=8, micro_batch=1, seq_len=32, cache_dir=cache)
@@ -177,7 +187,7 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Pa
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--seq-len", "128"], "block_size"),
+        (["--seq-len", "128"], "exceeds the model's block size 64; lower --seq-len to at most 64"),
         (["--micro-batch", "0"], "--micro-batch"),
         (["--batches", "-1"], "--batches"),
     ],
@@ -192,3 +202,36 @@ def test_eval_bad_arguments_are_one_line_errors(run_dir: Path, workspace: Path, 
 def test_eval_of_missing_data(run_dir: Path, tmp_path: Path) -> None:
     code, stdout, stderr = run_main(["eval", str(run_dir), "--data", str(tmp_path / "nope.txt"), "--device", "cpu"])
     assert "does not exist" in assert_one_line_error(code, stdout, stderr)
+
+
+@pytest.mark.parametrize("model", ["pico", "llama-pico", "hf:gpt2"])
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_every_exported_file_follows_the_umask(
+    model: str, umask: int, file_mode: int, dir_mode: int, workspace: Path, tmp_path: Path
+) -> None:
+    """Each family's export (transformers' own save_pretrained for hf:, which writes model.safetensors 0600)."""
+    import os
+    import stat
+
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+        from hf_models import save_hf
+
+        save_hf("gpt2", tmp_path / "gpt2")
+        model = f"hf:{tmp_path / 'gpt2'}"
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(workspace / "corpus.txt"), "--model", model, "--seq-len", "32", "--micro-batch"]
+    argv += ["2", "--total-batch-tokens", "64", "--max-steps", "1", "--eval-every", "0", "--sample-tokens", "0"]
+    argv += ["--cache-dir", str(workspace / "cache"), "--out", str(run)]
+    code, _, err = run_main(argv)
+    assert code == 0, err
+    old = os.umask(umask)
+    try:
+        code, _, err = run_main(["export", str(run), str(tmp_path / "hf")])
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    written = [tmp_path / "hf", *(tmp_path / "hf").rglob("*")]
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in written}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert modes == {p.name: dir_mode if p.is_dir() else file_mode for p in written}

@@ -319,13 +319,41 @@ def test_a_directory_that_is_not_a_causal_lm_is_one_line(
 
 
 @pytest.mark.usefixtures("isolated")
-def test_dropout_and_block_size_are_the_directorys_own(workspace: Path, tmp_path: Path) -> None:
-    for flags, expected in (
-        (["--dropout", "0.1"], "--dropout does not apply to hf:"),
-        (["--block-size", "32"], "--block-size does not apply to hf:"),
-    ):
+def test_block_size_is_the_directorys_own(workspace: Path, tmp_path: Path) -> None:
+    for flags, expected in ((["--block-size", "32"], "--block-size does not apply to hf:"),):
         argv = train_argv(workspace, tmp_path / "run", "--model", f"hf:{workspace / 'llama'}", *flags)
         assert expected in assert_one_line_error(*run_main(argv))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("isolated")
+def test_config_json_dropout_is_off_unless_asked_and_said(workspace: Path, tmp_path: Path) -> None:
+    """GPT-2's config.json sets dropout 0.1 in three places. By default it is replaced by --dropout 0, said at the
+    start: 8 micro-batches of 1 then end where 1 of 8 does. --dropout 0.1 sets every dropout (said too), and the
+    two splits part."""
+    model = tmp_path / "gpt2"
+    save_hf("gpt2", model, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+
+    def train(name: str, micro_batch: str, *extra: str) -> tuple[str, dict[str, torch.Tensor]]:
+        argv = train_argv(workspace, tmp_path / name, "--model", f"hf:{model}", "--max-steps", "3", *extra)
+        argv[argv.index("--micro-batch") + 1] = micro_batch  # 8 sequences per step: K = 8 / micro_batch
+        code, stdout, stderr = run_main([*argv, "--eval-every", "0", "--shuffle", "off"])
+        assert code == 0, stdout + stderr
+        return stdout, final_model(tmp_path / name)
+
+    said = (
+        f"hf:{model}: its config.json sets dropout (attn_pdrop 0.1, embd_pdrop 0.1, resid_pdrop 0.1, "
+        "summary_first_dropout 0.1); trained without it (--dropout 0, the default), so micro-batch and full-batch "
+        "gradients are identical; --dropout 0.1 trains with dropout, and then they differ"
+    )
+    (out_8x1, params_8x1), (out_1x8, params_1x8) = train("8x1", "1"), train("1x8", "8")
+    assert said in out_8x1 and said in out_1x8
+    flat_8x1, flat_1x8 = (torch.cat([v.flatten() for v in p.values()]) for p in (params_8x1, params_1x8))
+    assert ((flat_8x1 - flat_1x8).norm() / flat_1x8.norm()).item() <= 1e-5
+    dropped_out, params_dropped = train("8x1-dropout", "1", "--dropout", "0.1")
+    assert f"hf:{model}: every dropout probability set to 0.1 (--dropout): micro-batch and full-batch" in dropped_out
+    flat_dropped = torch.cat([v.flatten() for v in params_dropped.values()])
+    assert ((flat_dropped - flat_1x8).norm() / flat_1x8.norm()).item() > 1e-4  # the masks differ
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,17 +461,18 @@ def hf_args(corpus: Path, out: Path, model: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(workspace: Path, tmp_path: Path) -> None:
-    """A Llama with attention dropout in its config.json (the generators matter) killed inside step 5 resumes from
+    """A Llama with attention dropout (--dropout 0.1: the generators matter) killed inside step 5 resumes from
     step 4 and ends with the loss sequence and parameters of a run that never stopped."""
     model = tmp_path / "llama"
     save_hf("llama", model, attention_dropout=0.1)
     golden = tmp_path / "golden"
-    done = run_cli(hf_args(workspace / "corpus.txt", golden, model))
+    done = run_cli(hf_args(workspace / "corpus.txt", golden, model, "--dropout", "0.1"))
     assert done.returncode == 0, done.stderr[-2000:]
     out = tmp_path / "run"
-    killed = run_cli(hf_args(workspace / "corpus.txt", out, model, "--save-every", "2"), fault="kill:step=5,micro=2")
+    again = ("--save-every", "2", "--dropout", "0.1")
+    killed = run_cli(hf_args(workspace / "corpus.txt", out, model, *again), fault="kill:step=5,micro=2")
     assert killed.returncode == -9, killed.stderr[-2000:]
-    resumed = run_cli(hf_args(workspace / "corpus.txt", out, model, "--save-every", "2"))
+    resumed = run_cli(hf_args(workspace / "corpus.txt", out, model, *again))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     assert step_losses(out) == step_losses(golden)  # bitwise: == on floats

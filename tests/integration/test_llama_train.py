@@ -189,6 +189,7 @@ def test_export_loads_in_transformers_as_llama_with_identical_logits(run: tuple[
         torch.testing.assert_close(theirs(x).logits, ours(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_verify_says_equivalent_for_llama_pico() -> None:
     code, stdout, stderr = run_main(["verify", "--model", "llama-pico", "--top", "0"])
     assert code == 0, stdout + stderr
@@ -268,6 +269,7 @@ def test_init_from_a_llama_directory_trains_and_exports_back(workspace: Path, tm
         assert not torch.allclose(theirs(x).logits, reference(x).logits, atol=1e-4)  # it trained: weights moved
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("isolated")
 def test_init_from_caps_seq_len_auto_and_says_so(workspace: Path, tmp_path: Path) -> None:
     """A directory that declares Llama 3.2's 131,072 positions: seq_len auto is 8,192, said in the plan line."""
@@ -306,8 +308,9 @@ def test_init_from_an_unsupported_model_type_is_one_line(workspace: Path, tmp_pa
         del argv[at : at + 2]
     line = assert_one_line_error(*run_main(argv))
     assert "model_type 'mistral'" in line
-    assert "not supported by --init-from; supported: gpt2, llama" in line
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert "--init-from reads only gpt2 and llama" in line
+    assert f"pass --model hf:{directory} instead of --init-from" in line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.usefixtures("isolated")

@@ -126,6 +126,7 @@ def test_wandb_offline_run_is_metrics_jsonl_after_a_kill_and_resume(resumed_run:
     assert logged.config_records == 1  # recorded once (the killed session's file lost it: the resumed one did)
 
 
+@pytest.mark.slow
 def test_a_resumed_wandb_session_logs_no_step_twice_and_the_config_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

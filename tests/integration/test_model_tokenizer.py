@@ -79,6 +79,7 @@ def text(tmp_path: Path) -> str:
 NO_NETWORK = Path(__file__).resolve().parents[1] / "support" / "no_network.py"
 
 
+@pytest.mark.slow
 def test_auto_uses_the_model_directorys_own_tokenizer_offline(tmp_path: Path, text: str) -> None:
     model = gpt2_dir(tmp_path, 320, with_tokenizer=True, text=text)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

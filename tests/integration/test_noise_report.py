@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
-from bigbatch.observe.noise_report import NOISE_PLOT, measured_noise, noise_series
-from bigbatch.observe.report import PLOTS, make_report
+from bigbatch.observe.noise_report import NOISE_PLOT, NOISE_TITLE, measured_noise, noise_figure, noise_series
+from bigbatch.observe.report import PLOTS, make_report, summarize
 from bigbatch.observe.runs import read_metrics
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -95,6 +95,7 @@ def test_the_series_are_read_from_the_measured_steps(tmp_path: Path) -> None:
     assert [p.loss for p in series.points] == pytest.approx([4.9, 4.8, 4.6, 4.4])
 
 
+@pytest.mark.slow
 def test_report_plots_the_noise_scale_only_for_runs_that_measured_it(tmp_path: Path) -> None:
     measured = measured_run(tmp_path / "measured")
     plain = write_run(tmp_path / "plain", [step(n) for n in (1, 2, 3)], noise_scale_every=0)
@@ -107,6 +108,68 @@ def test_report_plots_the_noise_scale_only_for_runs_that_measured_it(tmp_path: P
     assert code == 0, err
     assert NOISE_PLOT in stdout
     assert_png(tmp_path / "both" / NOISE_PLOT)  # the run that measured it, beside one that did not
+
+
+def test_the_noise_plot_names_its_axis_tells_runs_apart_and_says_who_is_missing(tmp_path: Path) -> None:
+    """Two measured runs at the same tokens per step, one that measured nothing, one whose estimates are never
+    positive: the title says what is plotted against what; each run's dashed tokens per step are its colour at
+    its own dash offset (coinciding lines alternate, none hides the other); the two without an estimate have a
+    legend entry saying why, and the summary says it too."""
+    import matplotlib.pyplot as plt
+
+    a, b = measured_run(tmp_path / "a"), measured_run(tmp_path / "b")
+    plain = write_run(tmp_path / "plain", [step(n) for n in (1, 2, 3)], noise_scale_every=0)
+    unusable = write_run(tmp_path / "unusable", [step(1, **noise_fields(-5.0)), step(2, **noise_fields(math.nan))])
+    runs = [read_metrics(d) for d in (a, b, plain, unusable)]
+    colors = ["C0", "C1", "C2", "C3"]
+    fig = noise_figure(runs, colors)
+    try:
+        (ax,) = fig.axes  # several runs: no loss axis
+        assert ax.get_title() == NOISE_TITLE
+        assert "against tokens seen" in NOISE_TITLE and "vs tokens per step" not in NOISE_TITLE
+        assert ax.get_xlabel() == "tokens (valid targets, cumulative)"
+        steps = [line for line in ax.get_lines() if line.get_label().endswith(" tokens per step")]
+        assert [(line.get_label(), line.get_color()) for line in steps] == [
+            ("a tokens per step", "C0"),
+            ("b tokens per step", "C1"),
+        ]
+        # the dash pattern before scaling by the line width (matplotlib keeps no public getter for it)
+        patterns = [line._unscaled_dash_pattern for line in steps]  # type: ignore[attr-defined]
+        assert patterns == [(0.0, (4.0, 4.0)), (4.0, (4.0, 4.0))]  # one dash in two, shifted by one dash
+        assert [line.get_xydata().tolist() for line in steps][0] == [line.get_xydata().tolist() for line in steps][1]
+        (legend,) = fig.legends
+        texts = [t.get_text() for t in legend.get_texts()]
+        assert texts[-2:] == [
+            "plain: no noise-scale estimate (measured on no step)",
+            "unusable: no noise-scale estimate (2 measurements, none positive)",
+        ]
+        assert not any(t.startswith(("plain ", "unusable ")) for t in texts)  # no line of theirs
+    finally:
+        plt.close(fig)
+    assert noise_figure(runs[2:], colors) is None  # nothing to plot: no file (the summary says why)
+    lines = [summarize(run).format().splitlines() for run in runs]
+    assert "  noise scale        300 tokens (the smoothed estimate at step 6)" in lines[0]
+    assert (
+        "  noise scale        not measured: it was trained with --noise-scale-every 0; train with "
+        "--noise-scale-every N (e.g. 10) to measure it"
+    ) in lines[2]
+    assert (
+        "  noise scale        no estimate yet: 2 measurements, none positive (the gradient noise still drowns the "
+        "signal); not in noise_scale.png"
+    ) in lines[3]
+
+
+def test_one_measured_run_keeps_the_plain_dashes_and_its_loss_axis(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = noise_figure([read_metrics(measured_run(tmp_path / "a"))], ["C0"])
+    try:
+        ax, twin = fig.axes
+        (steps,) = [line for line in ax.get_lines() if line.get_label() == "a tokens per step"]
+        assert steps.get_linestyle() == "--" and twin.get_ylabel() == "training loss (nats per token)"
+        assert [t.get_text() for t in fig.legends[0].get_texts()][-1] == "training loss"
+    finally:
+        plt.close(fig)
 
 
 def test_plan_from_run_suggests_whole_micro_batches_near_the_last_smoothed_estimate(tmp_path: Path) -> None:
@@ -208,6 +271,7 @@ def test_plan_without_seq_len_or_a_run_is_one_line() -> None:
     assert "--seq-len" in line and "--from-run" in line
 
 
+@pytest.mark.slow
 def test_a_real_run_end_to_end(tmp_path: Path) -> None:
     """pico, K = 4, every step measured: report draws the panel, plan --from-run uses the run's last estimate."""
     corpus = tmp_path / "corpus.txt"

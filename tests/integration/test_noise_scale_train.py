@@ -15,6 +15,20 @@ from bigbatch.noise.scale import NoiseScale
 pytestmark = pytest.mark.usefixtures("isolated")
 
 
+def noise_text(estimate: float) -> str:
+    """What the step line says of a smoothed estimate: the number in tokens, or plainly that there is none yet."""
+    return f"noise scale {estimate:,.0f} tok" if estimate > 0 else "no noise-scale estimate yet"
+
+
+def critical_batch(estimate: float, measurements: int) -> str:
+    """The start of the end-of-run line on the critical batch, for the run's last smoothed estimate."""
+    if estimate > 0:
+        return f"measured critical batch about {estimate:,.0f} tokens; "
+    return (
+        f"critical batch: no estimate yet (the smoothed noise scale is not positive after {measurements} measurements: "
+    )
+
+
 def train(tmp_path: Path, tokens_per_step: int, *extra: str) -> tuple[str, list[dict]]:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(corpus_bytes(30_000))
@@ -77,12 +91,13 @@ def test_a_run_logs_and_summarises_the_noise_scale(tmp_path: Path) -> None:
         replay.observe(r["grad_norm"] ** 2)  # every step's norm weighs the next measurement
     assert "noise" not in json.dumps([r for r in steps if r["step"] == 3])
     # the step line carries it at eval time only
-    assert re.search(r"^step 2 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
-    assert re.search(r"^step 4 \|.*\| noise scale (n/a|[\d,]+) tok$", out, re.MULTILINE), out
-    assert not re.search(r"^step [13] \|.*noise scale", out, re.MULTILINE), out
-    assert re.search(
-        r"^measured critical batch about (n/a|[\d,]+) tokens; this run used 512 tokens per step$", out, re.MULTILINE
-    ), out
+    by_step = {r["step"]: r for r in steps}
+    for n in (2, 4):  # the estimate after that step's measurement, as its record holds it
+        assert re.search(rf"^step {n} \|.*\| {re.escape(noise_text(by_step[n]['noise_scale']))}$", out, re.M), out
+    assert not re.search(r"^step [13] \|.*noise", out, re.MULTILINE), out
+    assert "n/a" not in out
+    start = critical_batch(by_step[4]["noise_scale"], 3)  # after the measurements of steps 1, 2 and 4
+    assert re.search(rf"^{re.escape(start)}.*this run used 512 tokens per step$", out, re.MULTILINE), out
 
 
 def test_k_1_in_one_process_says_so_once_and_stays_off(tmp_path: Path) -> None:
@@ -112,11 +127,6 @@ def test_a_ramped_run_compares_the_noise_scale_with_the_size_it_ended_at(tmp_pat
     out, steps = train(tmp_path, 512, "--batch-ramp", "256:1024", "--noise-scale-every", "1")
     sizes = [r["tokens"] for r in steps]
     assert sizes[0] == 256 and sizes[-1] > sizes[0]  # the ramp grew the steps
-    match = re.search(
-        r"^measured critical batch about (n/a|[\d,]+) tokens; this run ended at ([\d,]+) tokens per "
-        r"step$",
-        out,
-        re.MULTILINE,
-    )
-    assert match, out
-    assert int(match.group(2).replace(",", "")) == sizes[-1]
+    measured = [r for r in steps if "noise_scale" in r]
+    start = critical_batch(measured[-1]["noise_scale"], len(measured))
+    assert re.search(rf"^{re.escape(start)}.*this run ended at {sizes[-1]:,} tokens per step$", out, re.M), out

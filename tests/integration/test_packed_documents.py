@@ -66,6 +66,18 @@ def test_packing_is_the_default_and_says_where_the_positions_go(pairs: Path, tmp
     assert code == 0, padded_out + err
     assert "documents | packed into" in packed_out and "(--pack on)" in packed_out
     assert "one per row of 64 (--pack off)" in padded_out
+    plan_packed, plan_padded = (
+        next(line for line in out.splitlines() if line.startswith("plan | ")) for out in (packed_out, padded_out)
+    )
+    assert plan_packed.startswith(
+        "plan | micro_batch 4 x seq_len 64 x K 2 x world 1 = 512 tokens/step (positions; packed rows: whole "
+        "documents, or windows of long ones, back to back, positions restarting at each; normalized by the valid "
+        "targets of each step) | last window: "
+    )
+    assert plan_padded.startswith(
+        "plan | micro_batch 4 x seq_len 64 x K 2 x world 1 = 512 tokens/step (positions; one document, or one "
+        "window of a long one, per sequence; normalized by the valid targets of each step) | last window: "
+    )
     packed, padded = step_records(tmp_path / "packed"), step_records(tmp_path / "padded")
     for records in (packed, padded):
         for r in records:

@@ -16,13 +16,14 @@ from bigbatch.errors import BigBatchError
 from bigbatch.observe.metrics import (
     JsonlLog,
     MetricsFanout,
+    Throughput,
     check_optional_loggers,
     open_metrics,
     read_records,
 )
 from bigbatch.observe.report import PLOTS, make_report, summarize
 from bigbatch.observe.runs import read_metrics, run_labels
-from bigbatch.progress import ProgressBar, format_duration
+from bigbatch.progress import ProgressBar, format_duration, plural
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -78,12 +79,13 @@ def runs(workspace: Path) -> tuple[Path, Path]:
     k2, k1 = workspace / "k2", workspace / "k1"
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(workspace)
-        for argv in (
-            train_args(workspace, k2, 4, "--noise-scale-every", "1"),
-            train_args(workspace, k1, 8, "--peak-flops", "1e12"),
+        for run_dir, argv in (
+            (k2, train_args(workspace, k2, 4, "--noise-scale-every", "1")),
+            (k1, train_args(workspace, k1, 8, "--peak-flops", "1e12")),
         ):
             code, out, err = run_main(argv)
             assert code == 0, out + err
+            (workspace / f"{run_dir.name}.out").write_text(out)  # beside the run: its console lines
     return k2, k1
 
 
@@ -112,6 +114,47 @@ def test_step_records_carry_mfu_only_when_known(runs: tuple[Path, Path]) -> None
     assert all("mfu" not in r for r in records(k2) if r["kind"] == "step")  # CPU: peak unknown, nothing written
 
 
+def test_the_done_line_gives_tokens_over_time_and_the_mfu_of_that(runs: tuple[Path, Path]) -> None:
+    """tok/s is the tokens of steps 2..N over their time (not the mean of the steps' rates), MFU that ratio's."""
+    k2, k1 = runs
+    for run_dir in runs:
+        steps = [r for r in records(run_dir) if r["kind"] == "step"]
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        rate = sum(r["tokens"] for r in steps[1:]) / sum(r["dt"] for r in steps[1:])
+        (done,) = [line for line in (run_dir.parent / f"{run_dir.name}.out").read_text().splitlines() if "done" in line]
+        expected = f"done | 3 steps | 768 tokens | tok/s {rate:,.0f} (tokens / time of steps 2..3)"
+        if run_dir == k1:  # --peak-flops: MFU = F x (tokens / time) / P, with F / P from a step record's own
+            expected += f" | mfu {rate * steps[1]['mfu'] / steps[1]['tokens_per_s']:.1%} (at that tok/s)"
+        assert done.startswith(expected + f" | final loss {steps[-1]['loss']:.4f} | val loss "), done
+        assert "mean" not in done
+
+
+def test_a_resumed_session_times_its_steps_after_its_first(workspace: Path, tmp_path: Path) -> None:
+    """The first step of every session includes warm-up: a session resumed at step 2 times steps 4..5."""
+    out_dir = tmp_path / "resumed"
+    assert run_main(train_args(workspace, out_dir, 8, "--max-steps", "2"))[0] == 0
+    code, out, err = run_main(train_args(workspace, out_dir, 8, "--max-steps", "5"))
+    assert code == 0, out + err
+    steps = {r["step"]: r for r in records(out_dir) if r["kind"] == "step"}
+    rate = (steps[4]["tokens"] + steps[5]["tokens"]) / (steps[4]["dt"] + steps[5]["dt"])
+    assert f"done | 5 steps | 1,280 tokens | tok/s {rate:,.0f} (tokens / time of steps 4..5) | final loss" in out
+    # and a session of one step says that its number includes warm-up
+    code, out, err = run_main(train_args(workspace, out_dir, 8, "--max-steps", "6"))
+    assert code == 0, out + err
+    six = [r for r in records(out_dir) if r["kind"] == "step"][-1]
+    assert six["step"] == 6
+    assert f"| tok/s {six['tokens_per_s']:,.0f} (step 6 alone, warm-up included) | final loss" in out
+
+
+def test_throughput_is_a_ratio_of_totals() -> None:
+    t = Throughput(tokens=4500, seconds=4.5, first_step=2, last_step=4)
+    assert t.tokens_per_s == 1000.0
+    assert t.describe() == "tok/s 1,000 (tokens / time of steps 2..4)"
+    assert Throughput(100, 0.5, 7, 7).describe() == "tok/s 200 (tokens / time of step 7)"
+    assert Throughput(100, 4.0, 1, 1, warm_up=True).describe() == "tok/s 25 (step 1 alone, warm-up included)"
+    assert Throughput(100, 0.0, 1, 1).tokens_per_s == 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
@@ -128,8 +171,9 @@ def test_report_of_one_run_writes_plots_and_a_matching_summary(runs: tuple[Path,
     steps = [r for r in records(run_dir) if r["kind"] == "step"]
     evals = [r for r in records(run_dir) if r["kind"] == "eval"]
     best = min(evals, key=lambda r: r["val_loss"])
-    mean_rate = sum(r["tokens_per_s"] for r in steps[1:]) / 2  # step 1 left out
-    mean_mfu = sum(r["mfu"] for r in steps[1:]) / 2
+    # ratios of totals over steps 2 and 3 (step 1, warm-up, left out): tokens / time, FLOPs / peak FLOPs
+    rate = sum(r["tokens"] for r in steps[1:]) / sum(r["dt"] for r in steps[1:])
+    total_mfu = rate * steps[1]["mfu"] / steps[1]["tokens_per_s"]  # MFU is linear in tok/s: F / P per step
     summary = (report_dir / "summary.txt").read_text()
     assert summary.strip() in out  # printed as well
     assert f"run {run_dir.name}\n" in summary
@@ -139,14 +183,15 @@ def test_report_of_one_run_writes_plots_and_a_matching_summary(runs: tuple[Path,
     assert f"  best val loss      {best['val_loss']:.4f} at step {best['step']} " in summary
     assert f"(perplexity {math.exp(best['val_loss']):,.2f})" in summary
     assert f"  final val loss     {evals[-1]['val_loss']:.4f}\n" in summary
-    assert f"  mean tokens/s      {mean_rate:,.0f} " in summary
-    assert f"  mean MFU           {mean_mfu:.1%}\n" in summary
+    assert f"  tok/s              {rate:,.0f} (tokens / time of steps 2..3)\n" in summary
+    assert f"  MFU                {total_mfu:.1%} (at that tok/s)\n" in summary
+    assert "mean" not in summary
     assert "  skipped steps      0" in summary
 
     s = summarize(read_metrics(run_dir))
     assert (s.steps, s.tokens, s.skipped, s.best_val_step) == (3, 768, 0, best["step"])
     assert s.final_loss == steps[-1]["loss"] and s.best_val_loss == best["val_loss"]
-    assert s.mean_tokens_per_s == pytest.approx(mean_rate) and s.mean_mfu == pytest.approx(mean_mfu)
+    assert s.tokens_per_s == pytest.approx(rate, rel=1e-12) and s.mfu == pytest.approx(total_mfu, rel=1e-9)
 
 
 def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -158,7 +203,7 @@ def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Pat
         assert_png(report_dir / name)
     summary = (report_dir / "summary.txt").read_text()
     assert "run k2\n" in summary and "run k1\n" in summary
-    assert summary.count("mean MFU") == 1  # only the run whose records carry it
+    assert summary.count("\n  MFU   ") == 1  # only the run whose records carry it
     # the same tokens per step as K=2 and K=1 is the same training, to rounding
     a, b = (summarize(read_metrics(d)) for d in runs)
     assert a.final_loss == pytest.approx(b.final_loss, rel=1e-5)
@@ -203,7 +248,7 @@ def test_summary_handles_skipped_steps_nan_and_a_cut_line(tmp_path: Path) -> Non
     run_dir = write_jsonl(
         tmp_path / "r",
         [
-            step(1, 5.0, tps=10.0, mfu=0.01),  # warm-up: left out of the means
+            step(1, 5.0, tps=10.0, mfu=0.01),  # warm-up: left out of the throughput
             step(2, 4.0, tps=2000.0, mfu=0.2),
             step(2, float("nan"), tps=3000.0, skipped=True),  # a skipped step keeps the step number
             {"kind": "eval", "step": 2, "val_loss": 3.5},
@@ -217,12 +262,86 @@ def test_summary_handles_skipped_steps_nan_and_a_cut_line(tmp_path: Path) -> Non
     assert s.tokens == 300  # the skipped step trained on nothing
     assert s.final_loss == 3.0
     assert (s.best_val_loss, s.best_val_step, s.final_val_loss) == (3.5, 2, 3.7)
-    assert s.mean_tokens_per_s == pytest.approx(3000.0)  # steps 2 and 3, applied ones only
-    assert s.mean_mfu == pytest.approx(0.3)
+    # steps 2 and 3, applied ones only: 200 tokens in 0.05 + 0.025 s (their rates' mean, 3,000, overstates it)
+    assert s.tokens_per_s == pytest.approx(200 / 0.075)
+    assert s.mfu == pytest.approx(0.2 / 2000 * 200 / 0.075)  # F / P = 1e-4 on both steps, at the run's tok/s
     out_dir, _, plots = make_report([run_dir])
     for path in plots:
         assert_png(path)
     assert "skipped steps      1" in (out_dir / "summary.txt").read_text()
+
+
+def test_summary_throughput_and_mfu_are_ratios_of_totals(tmp_path: Path) -> None:
+    """Steps of unequal tokens and times: tok/s is their tokens over their time, 4,500 / 4.5 s (the mean of their
+    rates would say 1,083); MFU is their FLOPs over the peak FLOPs of their time (the mean of theirs: 10.8%)."""
+    flops_per_peak = 1e-4  # F / P: each step's mfu = F x its tok/s / P
+    run_dir = write_jsonl(
+        tmp_path / "r",
+        [
+            step(1, 5.0, tokens=100, tps=10.0, mfu=10.0 * flops_per_peak),  # warm-up: left out
+            step(2, 4.0, tokens=1000, tps=1000.0, mfu=1000.0 * flops_per_peak),  # 1 s
+            step(3, 3.5, tokens=3000, tps=2000.0, mfu=2000.0 * flops_per_peak),  # 1.5 s
+            step(4, 3.0, tokens=500, tps=250.0, mfu=250.0 * flops_per_peak),  # 2 s
+        ],
+    )
+    s = summarize(read_metrics(run_dir))
+    assert s.throughput == Throughput(4500, pytest.approx(4.5), 2, 4)
+    assert s.tokens_per_s == pytest.approx(1000.0)
+    assert s.mfu == pytest.approx(0.1)
+    text = s.format()
+    assert "\n  tok/s              1,000 (tokens / time of steps 2..4)\n" in text
+    assert "\n  MFU                10.0% (at that tok/s)\n" in text
+
+
+def test_summary_mfu_when_the_peak_changes_between_sessions(tmp_path: Path) -> None:
+    """Step 2 on one device, steps 3 and 4 resumed on two (twice the peak): MFU = FLOPs / peak FLOPs of the
+    time = 4,500 F / (1 s x P + 3.5 s x 2P) = 4,500 / 80,000 with F / P = 1e-4."""
+    run_dir = write_jsonl(
+        tmp_path / "r",
+        [
+            step(1, 5.0, tokens=100, tps=10.0),
+            step(2, 4.0, tokens=1000, tps=1000.0, mfu=1000.0 * 1e-4),
+            step(3, 3.5, tokens=3000, tps=2000.0, mfu=2000.0 * 0.5e-4),
+            step(4, 3.0, tokens=500, tps=250.0, mfu=250.0 * 0.5e-4),
+        ],
+    )
+    assert summarize(read_metrics(run_dir)).mfu == pytest.approx(4500 / 80_000)
+
+
+def test_summary_of_step_1_alone_says_it_includes_warm_up(tmp_path: Path) -> None:
+    s = summarize(read_metrics(write_jsonl(tmp_path / "r", [step(1, 5.0, tokens=100, tps=40.0)])))
+    assert s.throughput == Throughput(100, 2.5, 1, 1, warm_up=True)
+    assert "\n  tok/s              40 (step 1 alone, warm-up included)\n" in s.format()
+    skipped = summarize(read_metrics(write_jsonl(tmp_path / "s", [step(1, math.nan, skipped=True)])))
+    assert skipped.throughput is None and skipped.mfu is None
+    assert "\n  tok/s              n/a (no applied step)\n" in skipped.format()
+
+
+def test_summary_gives_the_padding_and_prompt_shares_of_the_positions_trained(tmp_path: Path) -> None:
+    """Step 1: 60 valid targets, 20% padding and 20% prompts of 100 positions; step 2: 150 valid targets, no
+    padding and 25% prompts of 200. Of the 300 positions: 20 padding (6.7%), 70 prompts (23.3%), 210 valid
+    targets (70.0%); a mean of the steps' shares would say 10.0% and 22.5%."""
+    layout = {"kind": "documents", "step": 0, "packed": True, "rows": 3, "seq_len": 32}
+    run_dir = write_jsonl(
+        tmp_path / "r",
+        [
+            {**layout, "padding_share": 0.05, "prompt_share": 0.2},
+            step(1, 5.0, tokens=60, padding_share=0.2, prompt_share=0.2),
+            step(2, 4.0, tokens=150, padding_share=0.0, prompt_share=0.25),
+        ],
+    )
+    s = summarize(read_metrics(run_dir))
+    assert s.positions is not None
+    assert (s.positions.trained, s.positions.padding, s.positions.prompt) == (
+        300,
+        pytest.approx(20 / 300),
+        pytest.approx(70 / 300),
+    )
+    text = s.format()
+    assert "\n  positions          300 trained on: 6.7% padding, 23.3% masked prompts, 70.0% valid targets\n" in text
+    assert "\n  epoch layout       packed into 3 rows of 32: 5.0% padding, 20.0% masked prompts\n" in text
+    plain = summarize(read_metrics(write_jsonl(tmp_path / "plain", [step(1, 5.0), step(2, 4.0)])))
+    assert plain.positions is None and "positions" not in plain.format()  # packed data: no such shares
 
 
 def test_one_reader_of_metrics_jsonl(tmp_path: Path) -> None:
@@ -302,6 +421,7 @@ def test_the_run_name_is_not_part_of_the_runs_identity() -> None:
     assert settings_diff(base.to_dict(), named) == [] and settings_diff(named.to_dict(), base) == []
 
 
+@pytest.mark.slow
 def test_train_name_labels_the_report_and_survives_a_resume(workspace: Path, tmp_path: Path) -> None:
     """--name goes into config.toml (the run directory and its identity stay), report labels the run by it, a
     resume may rename the run, and a resume without --name keeps the name."""
@@ -393,6 +513,16 @@ def test_progress_bar_rate_limits_but_draws_the_last_frame() -> None:
     assert [f.split()[1] for f in frames] == ["0/100", "100/100"]
 
 
+def test_plural() -> None:
+    assert [plural(n, "document") for n in (0, 1, 2, 12_345)] == [
+        "0 documents",
+        "1 document",
+        "2 documents",
+        "12,345 documents",
+    ]
+    assert plural(1, "packed row") == "1 packed row" and plural(3, "process", "processes") == "3 processes"
+
+
 def test_format_duration() -> None:
     assert [format_duration(s) for s in (0, 3.4, 247, 3909)] == ["0:00", "0:03", "4:07", "1:05:09"]
 
@@ -462,8 +592,12 @@ def test_default_loggers_write_only_jsonl(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.parametrize(
     ("flags", "module", "needle"),
     [
-        (["--tensorboard"], "torch.utils.tensorboard", "pip install tensorboard"),
-        (["--wandb", "myproj"], "wandb", "pip install wandb"),
+        (
+            ["--tensorboard"],
+            "torch.utils.tensorboard",
+            "pip install -e '.[tensorboard]' (bigbatch's [tensorboard] extra: tensorboard)",
+        ),
+        (["--wandb", "myproj"], "wandb", "pip install -e '.[wandb]' (bigbatch's [wandb] extra: wandb)"),
     ],
     ids=["tensorboard", "wandb"],
 )
@@ -478,6 +612,7 @@ def test_missing_logger_package_is_a_one_line_error(
     assert not run_dir.exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_loggers_are_fed_when_the_packages_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real TensorBoard and W&B (offline), read back with their own readers: the scalars of metrics.jsonl."""
     from logger_readers import metrics_records, tensorboard_scalars, wandb_offline_env, wandb_run

@@ -151,6 +151,7 @@ def run_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert code == 0, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("probe", ["measure_in_process", "auto micro-batch", "plan --measure", "memory"])
 def test_probes_leave_every_generator_as_they_found_it(probe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seed_rank_generators(21, 1)

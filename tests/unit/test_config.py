@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import argparse
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -29,9 +31,9 @@ def test_mapping_overrides_fields_and_accepts_ints_for_floats() -> None:
     [
         ({"batch": {"micro_batchez": 4}}, r"unknown key 'micro_batchez' in \[batch\]; known keys: total_batch_tokens"),
         ({"training": {"lr": 1.0}}, r"unknown section \[training\]"),
-        ({"batch": {"micro_batch": "4"}}, r"batch.micro_batch must be int, got str"),
-        ({"batch": {"micro_batch": 4.0}}, r"batch.micro_batch must be int, got float"),
-        ({"run": {"compile": 1}}, r"run.compile must be str, got int"),
+        ({"batch": {"micro_batch": "4"}}, r'batch.micro_batch must be int or "auto", got str'),
+        ({"batch": {"micro_batch": 4.0}}, r'batch.micro_batch must be int or "auto", got float'),
+        ({"run": {"compile": 1}}, r'run.compile must be "auto" or "on" or "off" \(or true/false\), got int'),
         ({"batch": 3}, r"\[batch\] must be a table"),
     ],
 )
@@ -76,7 +78,7 @@ def test_micro_batch_auto_is_accepted_in_toml_and_round_trips() -> None:
     assert config.batch.micro_batch == 0
     assert 'micro_batch = "auto"' in config.to_toml()
     assert config_from_dict(tomllib.loads(config.to_toml())) == config
-    with pytest.raises(ConfigError, match="micro_batch must be int, got str"):
+    with pytest.raises(ConfigError, match='micro_batch must be int or "auto", got str'):
         apply_mapping(config, {"batch": {"micro_batch": "big"}}, origin="t")
 
 
@@ -148,3 +150,59 @@ def test_auto_set_from_python_is_stored_as_the_flag_stores_it() -> None:
     config.run.max_steps = "auto"  # type: ignore[assignment]
     with pytest.raises(ConfigError):
         config.validate()
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[batch]\nmicro_batch = "16"\n', "t.toml: batch.micro_batch must be int or \"auto\", got str '16'"),
+        ("[batch]\nseq_len = 1.5\n", 't.toml: batch.seq_len must be int or "auto", got float 1.5'),
+        ('[batch]\nmemory_budget = "lots"\n', "t.toml: batch.memory_budget must be float or \"auto\", got str 'lots'"),
+        ('[batch]\ntotal_batch_tokens = "2M"\n', "t.toml: batch.total_batch_tokens must be int, got str '2M'"),
+        ("[run]\ncompile = 3\n", 't.toml: run.compile must be "auto" or "on" or "off" (or true/false), got int 3'),
+        ("[data]\npack = 1\n", 't.toml: data.pack must be "auto" or "on" or "off", got int 1'),
+        ('[run]\nparallel = "dpp"\n', "parallel must be one of auto, none, ddp, fsdp, got 'dpp'; did you mean ddp?"),
+    ],
+)
+def test_a_toml_type_error_names_every_word_the_field_takes(tmp_path: Path, toml: str, message: str) -> None:
+    from bigbatch.cli.app import build_parser
+    from bigbatch.run.config_sources import config_from_args
+
+    (tmp_path / "t.toml").write_text(toml)
+    args = build_parser().parse_args(["train", "--config", str(tmp_path / "t.toml")])
+    with pytest.raises(ConfigError) as caught:
+        config_from_args(args)
+    assert str(caught.value) == message.replace("t.toml", str(tmp_path / "t.toml"))
+
+
+def test_every_auto_field_says_auto_in_its_type_errors_from_toml_and_flags() -> None:
+    """The class: each field whose range takes auto names it when a wrong type comes in, from both sources."""
+    from dataclasses import fields
+
+    from bigbatch.run.config import SECTIONS, flag_of, kind_of
+    from bigbatch.run.config_sources import accepted_words, check_type
+
+    auto_fields = [(s, f) for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("auto")]
+    assert len(auto_fields) >= 6
+    for section, f in auto_fields:
+        with pytest.raises(ConfigError, match=r'or "auto", got list'):
+            check_type(f"{section}.{f.name}", [], kind_of(f), accepted_words(f))
+        with pytest.raises(argparse.ArgumentTypeError, match="or auto, got 'x'"):
+            f.metadata["range"].argtype()("x")
+        assert flag_of(f)
+
+
+def test_install_hints_are_one_phrase_per_extra() -> None:
+    from bigbatch.errors import EXTRAS, BigBatchError, install_hint, require_package
+
+    assert install_hint("hf") == "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets and transformers)"
+    assert set(EXTRAS) == {"hf", "tensorboard", "wandb"}
+    with pytest.raises(BigBatchError) as caught:
+        require_package("no_such_module_for_bigbatch", "--model hf:DIR", "hf", package="transformers")
+    assert str(caught.value) == (
+        "--model hf:DIR needs the transformers package, which is not installed: pip install -e '.[hf]' "
+        "(bigbatch's [hf] extra: datasets and transformers)"
+    )
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    for extra in EXTRAS:
+        assert f"\n{extra} = [" in pyproject  # every extra the hint names exists

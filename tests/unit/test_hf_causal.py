@@ -69,8 +69,8 @@ def test_an_override_that_would_change_the_shape_is_refused(tmp_path: Path) -> N
     assert model_preset(name, dropout=0.0, vocab_size=256).vocab_size == 256  # the model's own: fine
     with pytest.raises(ConfigError, match=r"the vocabulary of hf:.* is its config.json's, not bigbatch's to change"):
         model_preset(name, vocab_size=512)
-    with pytest.raises(ConfigError, match="the dropout of"):
-        model_preset(name, dropout=0.1)
+    # dropout is no part of the shape: the builder sets it in the model's config (what train does with --dropout)
+    assert model_preset(name, dropout=0.1) == model_preset(name)
 
 
 def test_a_mixture_of_experts_is_warned_about_and_a_capacity_refused() -> None:
@@ -199,3 +199,100 @@ def test_init_from_beside_an_hf_model_is_one_line(tmp_path: Path) -> None:
     code, out, err = run_main(["train", "--model", f"hf:{tmp_path}", "--init-from", str(tmp_path)])
     line = assert_one_line_error(code, out, err)
     assert "--init-from and --model hf:" in line and "give one" in line
+
+
+GPT2_DROPOUT = {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}  # GPT-2's own config.json
+
+
+@pytest.mark.parametrize(("kind", "extra"), [("gpt2", GPT2_DROPOUT), ("llama", {"attention_dropout": 0.1})])
+def test_dropout_replaces_every_dropout_probability_of_config_json(kind: str, extra: dict[str, float]) -> None:
+    """``--dropout`` reaches every dropout of an ``hf:`` model: those config.json names (GPT-2's modules, Llama's
+    float ``attention_dropout`` that its attention reads), set before the model is built; None keeps config.json's.
+    The shape stays config.json as read (what checkpoints store and export writes)."""
+    from bigbatch.models.coupling import dropout_sites
+    from bigbatch.models.hf_causal import build_hf_model, dropout_settings
+
+    shape = HFConfig("d", hf_config(kind, **extra).to_dict())
+    assert {key: dropout_settings(shape.hf_config)[key] for key in extra} == extra
+    torch.manual_seed(0)
+    own = {site.p for site in dropout_sites(build_hf_model(shape))}
+    assert own == {0.1}
+    for p in (0.0, 0.25):
+        torch.manual_seed(0)
+        model = build_hf_model(shape, dropout=p)
+        sites = dropout_sites(model)
+        assert sites and {site.p for site in sites} == {p}
+        assert all(model.hf_model.config.to_dict()[key] == p for key in extra)  # type: ignore[operator]
+    assert all(shape.hf_config[key] == 0.1 for key in extra)
+
+
+def test_dropout_settings_are_found_in_nested_configs_and_only_numbers() -> None:
+    from bigbatch.models.hf_causal import dropout_settings
+
+    values = {
+        "attention_dropout": 0.1,
+        "use_dropout": True,  # a switch, not a probability
+        "dropout_type": "normal",
+        "id2label": {0: "a"},
+        "text_config": {"hidden_dropout_prob": 0.2, "vocab_size": 9},
+    }
+    assert dropout_settings(values) == {"attention_dropout": 0.1, "text_config.hidden_dropout_prob": 0.2}
+
+
+def test_the_run_says_what_dropout_does_to_an_hf_model() -> None:
+    from bigbatch.models.hf_causal import dropout_note
+    from bigbatch.run.build.model import say_dropout
+
+    gpt2 = HFConfig("m/gpt2", hf_config("gpt2", **GPT2_DROPOUT).to_dict())
+    assert dropout_note(gpt2, 0.0) == (
+        "hf:m/gpt2: its config.json sets dropout (attn_pdrop 0.1, embd_pdrop 0.1, resid_pdrop 0.1, "
+        "summary_first_dropout 0.1); trained without it (--dropout 0, the default), so micro-batch and full-batch "
+        "gradients are identical; --dropout 0.1 trains with dropout, and then they differ"
+    )
+    assert dropout_note(gpt2, 0.1) == (
+        "hf:m/gpt2: every dropout probability set to 0.1 (--dropout): micro-batch and full-batch gradients then "
+        "differ (each micro-batch draws its own masks); --dropout 0 keeps them identical"
+    )
+    assert dropout_note(HFConfig("m/llama", LLAMA_JSON), 0.0) is None  # no dropout anywhere: nothing to say
+    said: list[tuple[str, int]] = []
+    torch.manual_seed(0)
+    model = build_model(gpt2)
+    say_dropout(TrainConfig(), model, lambda fmt, *args, level=logging.INFO: said.append((fmt % args, level)))
+    assert said == [(dropout_note(gpt2, 0.0), logging.WARNING)]
+
+
+def test_verify_turns_off_a_float_dropout_that_no_module_holds() -> None:
+    """transformers' Llama attention reads the float ``attention_dropout`` under its own training flag: the
+    verifier zeroes it (and says so) as it does an ``nn.Dropout``."""
+    from bigbatch.models.coupling import dropout_sites
+    from bigbatch.verify import disable_dropout
+
+    torch.manual_seed(0)
+    model = build_model(HFConfig("d", {**LLAMA_JSON, "attention_dropout": 0.1}))
+    assert disable_dropout(model) == ["hf_model.model.layers.0.self_attn", "hf_model.model.layers.1.self_attn"]
+    assert {site.p for site in dropout_sites(model)} == {0.0}
+
+
+def test_the_run_says_init_froms_config_dropout_is_not_trained_with(tmp_path: Path) -> None:
+    import json
+
+    from bigbatch.models import GPT, GPTConfig
+    from bigbatch.run.build.model import say_dropout
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", **GPT2_DROPOUT, "n_layer": 2}))
+    config = TrainConfig()
+    config.model.init_from = str(tmp_path)
+    said: list[str] = []
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16))
+    say_dropout(config, model, lambda fmt, *args, level=logging.INFO: said.append(fmt % args))
+    assert said == [
+        f"--init-from {tmp_path}: its config.json sets dropout (attn_pdrop 0.1, embd_pdrop 0.1, resid_pdrop 0.1); "
+        "trained without it, so micro-batch and full-batch gradients are identical"
+    ]
+    config.model.init_from, config.model.dropout = "", 0.2  # a preset with --dropout: said too
+    said.clear()
+    say_dropout(config, model, lambda fmt, *args, level=logging.INFO: said.append(fmt % args))
+    assert said == [
+        "dropout 0.2 (--dropout): micro-batch and full-batch gradients differ (each micro-batch draws its own masks); "
+        "--dropout 0 keeps them identical"
+    ]

@@ -56,8 +56,12 @@ def test_ensure_prepared_caches_by_source(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_missing_datasets_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
-    with pytest.raises(BigBatchError, match=r"needs the datasets package: pip install datasets"):
+    with pytest.raises(BigBatchError) as caught:
         prepare_dataset("hf:org/name", tmp_path / "out")
+    assert str(caught.value) == (
+        "the hf: data source needs the datasets package, which is not installed: "
+        "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets and transformers)"
+    )
     assert not (tmp_path / "out").exists()
 
 

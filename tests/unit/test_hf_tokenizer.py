@@ -12,6 +12,7 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -155,12 +156,17 @@ def _regex(pattern: str):
     return Regex(pattern)
 
 
-def own_encoding(directory: Path, text: str) -> list[int]:
-    """The tokenizer's own ids for ``text`` as transformers gives them: no special tokens added, and special-token
-    text in a document read as text (as bigbatch does for every tokenizer, like tiktoken's ``encode_ordinary``)."""
+def reference_tokenizer(directory: Path) -> Any:
+    """transformers' own tokenizer of the directory, reading special-token text in a document as text (as bigbatch
+    does for every tokenizer, like tiktoken's ``encode_ordinary``)."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / BPE_FILE), split_special_tokens=True)
+    return PreTrainedTokenizerFast(tokenizer_file=str(directory / BPE_FILE), split_special_tokens=True)
+
+
+def own_encoding(directory: Path, text: str, reference: Any = None) -> list[int]:
+    """The tokenizer's own ids for ``text`` as transformers gives them (no special tokens added)."""
+    tokenizer = reference if reference is not None else reference_tokenizer(directory)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -170,6 +176,17 @@ MAKERS: dict[str, Callable[[Path], Path]] = {"bpe": byte_level_bpe, "gpt2": gpt2
 @pytest.fixture(scope="module", params=sorted(MAKERS))
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return MAKERS[request.param](tmp_path_factory.mktemp(request.param) / "model")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path) -> FileTokenizer:
+    """The module's tokenizer read once (the Llama 3 one has 128,256 entries: reading it per test costs seconds)."""
+    return load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Any:
+    return reference_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -191,16 +208,18 @@ def load(directory: Path) -> FileTokenizer:
 
 
 @pytest.mark.parametrize("text", TRICKY)
-def test_text_round_trips_and_matches_the_tokenizers_own_ids(model_dir: Path, text: str) -> None:
-    tokenizer = load(model_dir)
+def test_text_round_trips_and_matches_the_tokenizers_own_ids(
+    model_dir: Path, loaded: FileTokenizer, reference: Any, text: str
+) -> None:
+    tokenizer = loaded
     ids = tokenizer.encode(text.encode("utf-8"))
     assert tokenizer.decode(ids) == text
-    assert ids == own_encoding(model_dir, text)
+    assert ids == own_encoding(model_dir, text, reference)
     assert tokenizer.eot_token not in ids  # a literal end-of-text in a document is text, never the separator
 
 
-def test_random_unicode_round_trips(model_dir: Path) -> None:
-    tokenizer = load(model_dir)
+def test_random_unicode_round_trips(loaded: FileTokenizer) -> None:
+    tokenizer = loaded
     rng = random.Random(1)
     for _ in range(50):
         ranges = [(0x20, 0x7E), (0xA0, 0xD7FF), (0xE000, 0x10FFFF)]  # printable ASCII, then no surrogates
@@ -208,9 +227,9 @@ def test_random_unicode_round_trips(model_dir: Path) -> None:
         assert tokenizer.decode(tokenizer.encode(text.encode("utf-8"))) == text
 
 
-def test_decoded_ids_encode_back_to_the_same_text(model_dir: Path) -> None:
+def test_decoded_ids_encode_back_to_the_same_text(loaded: FileTokenizer) -> None:
     """Any ids (even ones that cut a character in two) decode to text that encodes and decodes to itself."""
-    tokenizer = load(model_dir)
+    tokenizer = loaded
     rng = random.Random(2)
     ordinary = min(tokenizer.vocab_size, LLAMA3_BASE_VOCAB)
     for _ in range(30):
@@ -219,11 +238,12 @@ def test_decoded_ids_encode_back_to_the_same_text(model_dir: Path) -> None:
     assert tokenizer.decode([-1, tokenizer.vocab_size, 10**9]) == ""  # ids outside the vocabulary are dropped
 
 
-def test_invalid_utf8_is_replaced_as_by_the_other_text_tokenizers(model_dir: Path) -> None:
-    tokenizer = load(model_dir)
+def test_invalid_utf8_is_replaced_as_by_the_other_text_tokenizers(loaded: FileTokenizer) -> None:
+    tokenizer = loaded
     assert tokenizer.encode(b"ab\xffcd\xc3") == tokenizer.encode("ab\ufffdcd\ufffd".encode())
 
 
+@pytest.mark.slow
 def test_vocabulary_and_end_of_text_of_each_kind(tmp_path: Path, llama_dir: Path) -> None:
     bpe = load(byte_level_bpe(tmp_path / "bpe"))  # no tokenizer_config.json: the <|endoftext|> it has
     assert bpe.vocab_size == 400 and bpe.eot_text == "<|endoftext|>" and bpe.eot_token is not None
@@ -334,7 +354,7 @@ def write_corpus(root: Path, texts: list[str]) -> Path:
     return root
 
 
-@pytest.mark.parametrize("maker", ["gpt2", "llama3"])
+@pytest.mark.parametrize("maker", ["gpt2", pytest.param("llama3", marks=pytest.mark.slow)])
 def test_prepared_tokens_are_the_tokenizers_own_ids_joined_by_its_eot(maker: str, tmp_path: Path) -> None:
     model = MAKERS[maker](tmp_path / "model")
     texts = corpus(12) + [text for text in TRICKY[2:] if "\x00" not in text]  # a NUL byte: a binary file, skipped
@@ -361,6 +381,7 @@ def test_prepared_tokens_are_the_tokenizers_own_ids_joined_by_its_eot(maker: str
     assert tokenizer_fingerprint(meta.tokenizer, tmp_path / "ds") == meta.fingerprints["tokenizer"]
 
 
+@pytest.mark.slow
 def test_parallel_prepare_with_llama3_pieces_is_identical_to_serial(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -415,6 +436,7 @@ def test_a_requested_file_tokenizer_is_compared_by_content(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_run_owns_a_copy_that_sample_and_export_use_after_the_model_moved(model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

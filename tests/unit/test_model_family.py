@@ -121,8 +121,9 @@ def test_model_type_decides_the_family_of_a_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as caught:
         hf_model_type(other)
     assert str(caught.value) == (
-        f"{other}/config.json has model_type 'mistral', which is not supported by --init-from; supported: gpt2, "
-        "llama (or train a --model preset from scratch)"
+        f"--init-from {other}: its config.json has model_type 'mistral', and --init-from reads only gpt2 and "
+        f"llama into bigbatch's own models; to train this model's weights as they are, pass --model hf:{other} "
+        "instead of --init-from"
     )
     with pytest.raises(CheckpointError, match="is not a directory; give a Hugging Face GPT-2 or Llama directory"):
         hf_model_type(tmp_path / "missing")

@@ -17,8 +17,10 @@ from bigbatch.models import GPT
 from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.scale import NoiseScale, unavailable_reason, unbiased_estimates
 from bigbatch.observe.metrics import format_step
+from bigbatch.run.trainer import critical_batch_line
 
 
+@pytest.mark.slow
 def test_the_closed_form_matches_many_samples() -> None:
     """tr(Sigma) = (d + 1)|delta|^2 + d sigma^2 and |G|^2 = |delta|^2, checked on 400,000 per-sample gradients."""
     samples = problem.draw(400_000, torch.Generator().manual_seed(0))
@@ -70,7 +72,7 @@ def test_one_micro_batch_is_noisier_than_the_whole_step_in_expectation() -> None
     assert float(small.mean()) > float(big.mean())
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_the_engine_measures_the_closed_form_noise_scale(k: int) -> None:
     """At learning rate 0 (the truth stays put), the smoothed estimate is within 10% of tr(Sigma)/|G|^2."""
     # One fixed sample of a noisy estimate: seeded float64 draws from torch's CPU generator (torch is pinned) and
@@ -194,8 +196,24 @@ def test_the_step_line_shows_the_noise_scale() -> None:
     )
     record = engine.step([problem.draw(8, torch.Generator().manual_seed(0))] * 2)
     assert format_step(record, noise_scale=12345.4).endswith("| noise scale 12,345 tok")
-    assert format_step(record, noise_scale=-3.0).endswith("| noise scale n/a tok")
+    # no estimate yet (a non-positive or NaN smoothed value): said plainly, with no number and no unit
+    for unusable in (-3.0, 0.0, math.nan):
+        line = format_step(record, noise_scale=unusable)
+        assert line.endswith(" | tok/s " + f"{record.tokens_per_s:,.0f}" + " | no noise-scale estimate yet"), line
+        assert "n/a" not in line and " tok |" not in line
     assert "noise" not in format_step(record)
+
+
+def test_the_end_of_run_line_on_the_critical_batch() -> None:
+    assert critical_batch_line(9061.3, 13, "used", 16384) == (
+        "measured critical batch about 9,061 tokens; this run used 16,384 tokens per step"
+    )
+    for unusable, count in ((-40.0, 1), (math.nan, 3)):  # no estimate yet: said plainly, no "n/a", no unit
+        assert critical_batch_line(unusable, count, "ended at", 512) == (
+            "critical batch: no estimate yet (the smoothed noise scale is not positive after "
+            f"{count} measurement{'s' if count > 1 else ''}: the gradient noise still drowns the signal; train "
+            "longer); this run ended at 512 tokens per step"
+        )
 
 
 def test_a_first_micro_batch_without_valid_targets_skips_the_measurement(tiny_model: GPT) -> None:

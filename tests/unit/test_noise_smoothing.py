@@ -75,6 +75,7 @@ def engine_for(model: torch.nn.Module, noise: NoiseScale) -> AccumulationEngine:
     )
 
 
+@pytest.mark.slow
 def test_through_the_engine_the_smoothed_estimates_track_the_rise() -> None:
     """The rise (|G|^2 / 10; here d = 256, so B 321 -> 897) measured from sampled gradients by the real engine with
     the default window, in REPLICAS independent runs: the smoothed tr(Sigma) and |G|^2, averaged over the runs

@@ -5,6 +5,7 @@ whole-logits loss and gradient; sampling's last-position logits are the full for
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +184,32 @@ def test_an_hf_head_with_a_soft_cap_keeps_the_whole_logits_and_its_weights(tmp_p
             logits.reshape(-1, VOCAB).float(), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         assert float(model(batch.inputs, targets=batch.targets)) == pytest.approx(float(whole), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_an_attention_mask_on_the_trunk_path_alone_fails_the_packing_probe(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss runs the trunk, not the whole model: an attention mask of ones added there only (transformers then
+    stops deriving each packed document's mask from ``position_ids``) lets packed documents see each other in
+    training. The probe checks that path, so the model is found not to pack documents."""
+    import transformers
+    from hf_models import hf_config
+
+    from bigbatch.models.hf_causal import HFCausalLM, HFConfig
+
+    config = hf_config(kind)
+    torch.manual_seed(0)
+    inner = transformers.AutoModelForCausalLM.from_config(config)
+    shape = HFConfig("dir", config.to_dict())
+    assert HFCausalLM(shape, inner).packs_documents
+
+    def masked_trunk(self: HFCausalLM, trunk: nn.Module, idx: torch.Tensor, positions: torch.Tensor | None) -> Any:
+        mask = torch.ones_like(idx)
+        return trunk(
+            input_ids=idx, position_ids=positions, attention_mask=mask, **self._forward_kwargs
+        ).last_hidden_state
+
+    monkeypatch.setattr(HFCausalLM, "_hidden", masked_trunk)
+    planted = HFCausalLM(shape, inner)
+    assert planted.head_detachable and not planted.packs_documents

@@ -14,6 +14,7 @@ from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation import ValidationWindows
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import DataError
+from bigbatch.run.header import describe_long_documents, describe_positions
 
 T = 16
 PAD = 65_000  # no document token has this value: padding is recognisable
@@ -265,6 +266,23 @@ def test_one_token_documents_give_no_rows() -> None:
     batch = packed.next_micro_batch()
     assert batch.inputs[0, :4].tolist() == [3, 4, 5, 6] and positions(batch)[0].tolist()[:5] == [0, 1, 2, 3, 0]
     assert packed.epoch == 1
+
+
+def test_the_run_header_words_a_count_of_one_in_the_singular() -> None:
+    """One document of 5 tokens (4 targets): one row, one sequence, of one document, not "1 rows"."""
+    packed, plain = loader(documents([5]), B=1), loader(documents([5]), B=1, pack=False)
+    assert describe_positions(packed).startswith("packed into 1 row of 16 (--pack on): 75.0% padding, ")
+    assert describe_positions(plain).startswith("1 sequence, one per row of 16 (--pack off): 75.0% padding, ")
+    assert describe_long_documents(packed) == (
+        "split into seq_len windows (1 sequence; 0 of 1 document longer than seq_len+1=17) | "
+        "0 of 4 target tokens dropped"
+    )
+    one_target = loader(documents([2]), B=1)
+    assert describe_long_documents(one_target).endswith("| 0 of 1 target token dropped")
+    truncated = loader(documents([40]), B=1, long_documents="truncate")
+    assert describe_long_documents(truncated).startswith(
+        "truncate to seq_len+1 tokens (1 of 1 document longer than seq_len+1=17) | 23 of 39 target tokens dropped "
+    )
 
 
 def global_steps(B: int, world: int, micro_batches: int, **kwargs) -> list[tuple[torch.Tensor, ...]]:  # noqa: ANN003

@@ -43,7 +43,9 @@ def test_plan_solves_for_micro_batch_or_devices() -> None:
 
 
 def test_plan_errors_say_what_is_missing_or_inconsistent() -> None:
-    with pytest.raises(PlanError, match="give all but one of micro-batch, K and devices"):
+    with pytest.raises(
+        PlanError, match=r"give all but one of --micro-batch, --k and --devices \(missing: --micro-batch, --k;"
+    ):
         solve_plan(1024, 524_288, world_size=8)
     with pytest.raises(PlanError, match="not 524,288; leave one of them out"):
         solve_plan(1024, 524_288, micro_batch=16, accumulation_steps=3, world_size=8)
@@ -56,12 +58,12 @@ def test_parse_count_suffixes() -> None:
     assert parse_count("524_288") == 524_288 and parse_count("1,024") == 1024
 
 
-def test_plan_cli_prints_the_table_and_the_rounding(capsys: pytest.CaptureFixture) -> None:
+def test_plan_cli_prints_the_table(capsys: pytest.CaptureFixture) -> None:
     code = main(
         [
             "plan",
             "--tokens-per-step",
-            "2M",
+            "2Mi",
             "--seq-len",
             "4096",
             "--devices",
@@ -75,7 +77,25 @@ def test_plan_cli_prints_the_table_and_the_rounding(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert code == 0
     assert "accumulation steps (K)" in out and out.split("accumulation steps (K)")[1].split()[0] == "4"
-    assert "2,097,152" in out and "rounded" in out and "AdamW state" in out
+    assert "2,097,152" in out and "rounded" not in out and "AdamW state" in out
+
+
+def test_plan_cli_refuses_a_budget_that_does_not_divide_and_names_both_neighbours(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """2M is 2,000,000: no whole K at 4 x 32,768 tokens; the plan that rounds lives on only for --from-run."""
+    code = main(["plan", "--tokens-per-step", "2M", "--micro-batch", "4", "--seq-len", "32768"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err == (
+        "bigbatch: error: --tokens-per-step 2,000,000 is not a multiple of the 131,072 tokens each increment of K "
+        "adds, so K would not be whole; the nearest that are: 1,966,080 (K 15) or 2,097,152 = 2Mi (K 16)\n"
+    )
+    with pytest.raises(PlanError, match=r"896 \(micro-batch 7\) or 1,024 = 1Ki \(micro-batch 8\)"):
+        solve_plan(32, 1000, accumulation_steps=4, exact=True)
+    with pytest.raises(PlanError, match=r"the nearest that are: 2,048 = 2Ki \(devices 1\)$"):
+        solve_plan(32, 1000, micro_batch=16, accumulation_steps=4, exact=True)  # never zero devices
+    assert solve_plan(32, 1024, accumulation_steps=4, exact=True).plan.micro_batch == 8
 
 
 def test_memory_estimate_counts_parameters_exactly() -> None:

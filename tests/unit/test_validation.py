@@ -81,6 +81,11 @@ def test_every_pass_reads_the_same_windows() -> None:
     whole = ValidationWindows(windows(9), 20, micro_batch=4)
     assert whole.whole and whole.windows == 9 and "the whole split" in whole.describe()
     assert "spread uniformly" in loader.describe()
+    assert whole.describe() == "9 windows of 4 tokens (the whole split)"
+    assert ValidationWindows(windows(1), 20, micro_batch=4).describe() == "1 window of 4 tokens (the whole split)"
+    assert ValidationWindows(windows(500), 1, micro_batch=4).describe() == (
+        "1 of its 500 windows of 4 tokens, spread uniformly"
+    )
 
 
 def test_the_loss_is_the_same_for_every_micro_batch_size() -> None:

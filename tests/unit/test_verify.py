@@ -380,21 +380,94 @@ def test_attention_that_crosses_documents_is_caught_by_the_packed_check(monkeypa
     assert report.total_rel_diff <= 1e-5  # accumulation itself stays exact: only packing is wrong
 
 
-def test_packed_documents_are_the_same_documents_one_per_row() -> None:
-    from bigbatch.verify.packing import packed_documents
+def test_packed_documents_are_the_loaders_rows_of_the_same_documents_one_per_row() -> None:
+    from bigbatch.verify.packing import START, packed_documents, position_mismatch
 
     (inputs, targets, positions), (one_inputs, one_targets) = packed_documents(
         6, 32, 50, torch.Generator().manual_seed(1)
     )
-    documents = []  # cut the packed rows at every position 0; the padding segments hold no target
+    assert inputs.shape == targets.shape == positions.shape == (6, 32)
+    packed = []  # cut the loader's rows where each document starts: its positions count 0, 1, ... from there
     for row in range(inputs.shape[0]):
-        starts = [int(i) for i in torch.nonzero(positions[row] == 0).flatten()] + [inputs.shape[1]]
-        for start, stop in zip(starts, starts[1:], strict=False):
-            if inputs[row, start:stop].any() or (targets[row, start:stop] != -100).any():
-                documents.append((inputs[row, start:stop], targets[row, start:stop]))
-    trailing = [(one_inputs[i], one_targets[i]) for i in range(one_inputs.shape[0])]
-    assert len(documents) == len(trailing)  # every document keeps at least its last target
-    for (doc_inputs, doc_targets), (row_inputs, row_targets) in zip(documents, trailing, strict=True):
-        n = len(doc_inputs)
-        assert torch.equal(row_inputs[:n], doc_inputs) and torch.equal(row_targets[:n], doc_targets)
-        assert (row_targets[n:] == -100).all()
+        starts = [int(i) for i in torch.nonzero(inputs[row] == START).flatten()]
+        ends = [*starts[1:], int((inputs[row] != 0).sum())]  # the documents come first, the padding (0) after
+        assert (inputs[row, ends[-1] :] == 0).all() and (targets[row, ends[-1] :] == -100).all()
+        for start, stop in zip(starts, ends, strict=True):
+            assert torch.equal(positions[row, start:stop], torch.arange(stop - start))
+            packed.append((tuple(inputs[row, start:stop].tolist()), tuple(targets[row, start:stop].tolist())))
+    alone = []
+    for index in range(one_inputs.shape[0]):
+        n = int((one_inputs[index] != 0).sum())
+        assert one_inputs[index, 0] == START and (one_targets[index, n:] == -100).all()
+        alone.append((tuple(one_inputs[index, :n].tolist()), tuple(one_targets[index, :n].tolist())))
+    assert len(alone) > 6 and sorted(packed) == sorted(alone)  # the same documents, packed several to a row
+    assert position_mismatch(inputs, positions) is None
+
+
+def test_positions_are_checked_against_the_document_boundaries() -> None:
+    from bigbatch.verify.packing import position_mismatch
+
+    inputs = torch.tensor([[1, 5, 6, 1, 7, 0, 0], [1, 8, 9, 9, 0, 0, 0]])
+    right = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]])
+    assert position_mismatch(inputs, right) is None
+    assert position_mismatch(inputs, torch.arange(7).expand_as(inputs)) == (
+        "row 0, column 3: the loader gives position 3, the document boundaries give 0 (its document starts at column 3)"
+    )
+    cut = torch.tensor([[6, 1, 5, 0, 0, 0, 0]])  # a document token before any document's first
+    assert position_mismatch(cut, torch.tensor([[0, 0, 1, 0, 1, 2, 3]])) == (
+        "row 0, column 0 holds a document token before any document starts"
+    )
+
+
+PACKED_VERIFY = ["verify", "--factory", "verify_factories:pico_gpt", "--k", "2", "--seq-len", "24", "--packed"]
+
+
+def test_verify_packed_catches_a_loader_whose_positions_count_along_the_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """A planted bug in the training loader: packed rows whose positions run 0..T-1 along the row instead of
+    restarting at each document. Every split shares it, so accumulation stays exact: only --packed, reading the
+    rows through the loader, can see it."""
+    from bigbatch.data.documents import DocumentLoader
+    from bigbatch.engine.batch import MicroBatch
+
+    read_rows = DocumentLoader._read_rows
+
+    def along_the_row(self: DocumentLoader, rows: list[int]) -> MicroBatch:
+        batch = read_rows(self, rows)
+        positions = torch.arange(self.seq_len).expand_as(batch.inputs).clone()
+        return MicroBatch(batch.inputs, batch.targets, positions, batch.padding)
+
+    monkeypatch.setattr(DocumentLoader, "_read_rows", along_the_row)
+    json_path = tmp_path / "report.json"
+    assert main([*PACKED_VERIFY, "--splits", "equal", "--json", str(json_path)]) == 1
+    out = capsys.readouterr().out
+    reasons = [line.strip() for line in out.splitlines() if line.startswith("  because ")]
+    assert reasons[0] == (
+        "because the training loader's positions do not restart at each document: row 0, column 11: the loader "
+        "gives position 11, the document boundaries give 0 (its document starts at column 11)"
+    )
+    assert "packed rows give another gradient than the same documents one per row" in reasons[1]
+    report = json.loads(json_path.read_text())
+    assert report["equivalent"] is False and report["packing_rel_diff"] > 1e-2
+    assert report["total_rel_diff"] <= 1e-5  # every split shares the bug: accumulation alone cannot show it
+
+
+def test_verify_packed_catches_a_loader_that_loses_targets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from bigbatch.data.documents import DocumentLoader
+    from bigbatch.engine.batch import MicroBatch
+
+    read_rows = DocumentLoader._read_rows
+
+    def losing_one(self: DocumentLoader, rows: list[int]) -> MicroBatch:
+        batch = read_rows(self, rows)
+        targets = batch.targets.clone()
+        targets[0, (targets[0] != -100).nonzero()[0]] = -100  # the first trained target of row 0
+        return MicroBatch(batch.inputs, targets, batch.positions, batch.padding)
+
+    monkeypatch.setattr(DocumentLoader, "_read_rows", losing_one)
+    assert main([*PACKED_VERIFY, "--splits", "equal"]) == 1
+    out = capsys.readouterr().out
+    assert "because the packed rows hold 38 valid targets, the same documents one per row 39" in out

@@ -22,9 +22,23 @@ from bigbatch.data.tokenizers import is_bpe
 from bigbatch.data.validation import validation_windows
 from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError, DataError
+from bigbatch.progress import plural
 from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
 from bigbatch.run.resume import check_tokenizer
 from bigbatch.run.validation import ValidationResult, score_windows
+
+
+@dataclass(frozen=True)
+class EvalFlags:
+    """How the command that evaluates spells the flags its errors advise (``None``: it has no such flag), so that
+    advice followed is taken: ``bigbatch eval``'s by default; critical-batch has ``--eval-batches`` and no
+    ``--split``."""
+
+    batches: str = "--batches"
+    split: str | None = "--split"
+
+
+EVAL_FLAGS = EvalFlags()
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,9 @@ class EvalResult:
         return self.scored.perplexity
 
     def format(self) -> str:
-        read = f"{self.micro_batches} micro-batches" + (" (the whole split)" if self.whole_split else "")
+        read = plural(self.micro_batches, "micro-batch", "micro-batches") + (
+            " (the whole split)" if self.whole_split else ""
+        )
         return (
             f"eval step {self.step} | {self.split} split of {self.dataset} ({self.tokenizer}) | {read} of "
             f"{self.micro_batch} x {self.seq_len} | {self.tokens:,} tokens | loss {self.loss:.4f} | "
@@ -84,6 +100,7 @@ def evaluate_checkpoint(
     device: torch.device | str = "cpu",
     precision: str = "fp32",
     cache_dir: Path | str | None = None,
+    flags: EvalFlags = EVAL_FLAGS,
 ) -> EvalResult:
     """Mean loss of the newest valid checkpoint in ``checkpoint`` (a run directory or a ``.pt`` file) on ``data``.
 
@@ -96,7 +113,7 @@ def evaluate_checkpoint(
     ``batches``, ``micro_batch`` and ``seq_len`` default to the run's
     ``eval_batches`` (its windows), micro-batch and sequence length; ``batches=N``
     reads ``N`` micro-batches' worth of windows spread uniformly over the split,
-    ``batches=0`` the whole split once.
+    ``batches=0`` the whole split once. Errors advise the calling command's ``flags``.
     """
     if split not in ("val", "train"):
         raise ConfigError(f"--split {split!r}: choose val or train")
@@ -114,7 +131,10 @@ def evaluate_checkpoint(
     if micro_batch < 1 or seq_len < 1 or (batches is not None and batches < 0):
         raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
     if seq_len > model.config.block_size:
-        raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {model.config.block_size}")
+        raise ConfigError(
+            f"--seq-len {seq_len} exceeds the model's block size {model.config.block_size:,}; lower --seq-len to at "
+            f"most {model.config.block_size:,}, or leave it out (the run's)"
+        )
 
     if cache_dir is None:  # the run's own cache when it is still there, so its prepared data is reused
         run_cache = str(data_cfg.get("cache_dir") or "")
@@ -133,32 +153,33 @@ def evaluate_checkpoint(
     )
     dataset = open_dataset(directory)
     if dataset.meta.tokenizer != tokenizer:
+        # A bpe: tokenizer is trained on the data, so bigbatch prepare --tokenizer bpe:N makes another one.
+        prepared = "" if is_bpe(tokenizer) else f" or a dataset made by bigbatch prepare --tokenizer {tokenizer}"
         raise DataError(
             f"{directory} was prepared with the {dataset.meta.tokenizer} tokenizer but the checkpoint's model was "
-            f"trained with {tokenizer}; give raw text or a dataset prepared with --tokenizer {tokenizer}"
+            f"trained with {tokenizer}; give --data raw text (tokenized with the checkpoint's tokenizer){prepared}"
         )
     check_tokenizer(document.get("fingerprints") or {}, dataset_fingerprints(dataset), tokenizer, str(directory))
     dataset.check_token_ids(model.config.vocab_size)
     if not dataset.meta.shards.get(split):
-        raise DataError(f"{directory} has no {split} split; prepare it with --val-fraction > 0 or use --split train")
-    try:
-        # Read the split as the run's evaluations did, or the loss is not the one it logged: its long-document
-        # policy (a checkpoint without one truncated), its packing (without one: a document per row) and, unless
-        # --batches says otherwise, its own windows (batches=0: the whole split).
-        long_documents = str(data_cfg.get("long_documents", "truncate"))
-        pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
-        loader = validation_windows(
-            dataset,
-            split,
-            micro_batch,
-            seq_len,
-            run_batches if batches is None else batches,
-            long_documents=long_documents,
-            whole=batches == 0,
-            pack=pack,
-        )
-    except DataError as exc:
-        raise DataError(f"{exc}, or lower --micro-batch / --seq-len") from exc
+        raise DataError(f"{directory} has no {split} split; {_no_split_advice(split, tokenizer, flags)}")
+    # Read the split as the run's evaluations did, or the loss is not the one it logged: its long-document
+    # policy (a checkpoint without one truncated), its packing (without one: a document per row) and, unless
+    # --batches says otherwise, its own windows (batches=0: the whole split). A split too short for one window
+    # says so itself, naming --seq-len (a window's length does not depend on the micro-batch).
+    long_documents = str(data_cfg.get("long_documents", "truncate"))
+    pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
+    loader = validation_windows(
+        dataset,
+        split,
+        micro_batch,
+        seq_len,
+        run_batches if batches is None else batches,
+        long_documents=long_documents,
+        name="validation" if split == "val" else "training",
+        whole=batches == 0,
+        pack=pack,
+    )
     if getattr(loader.source, "valid_targets", 1) == 0:
         raise DataError(
             f"the {split} split of {directory} holds no valid targets (every document is a single token or wholly "
@@ -167,7 +188,7 @@ def evaluate_checkpoint(
 
     scored = score_windows(model.to(device), loader, device, resolve_precision(precision, device))
     if scored is None:
-        raise DataError(f"the {split} micro-batches read hold no valid targets; raise --batches")
+        raise DataError(f"the {split} micro-batches read hold no valid targets; raise {flags.batches}")
     return EvalResult(
         scored=scored,
         split=split,
@@ -177,4 +198,19 @@ def evaluate_checkpoint(
         micro_batch=micro_batch,
         seq_len=seq_len,
         whole_split=loader.whole,
+    )
+
+
+def _no_split_advice(split: str, tokenizer: str, flags: EvalFlags) -> str:
+    """What gets past a missing split: the other split where the command has ``--split``; else (critical-batch
+    compares on the run's own validation split) another run. Raw text is prepared with the run's validation
+    fraction, so only a dataset prepared with one helps, and a bpe: tokenizer cannot be prepared again."""
+    other = "train" if split == "val" else "val"
+    if flags.split is None:
+        return f"the branches are compared on the run's own {split} split: branch a run trained with --val-fraction > 0"
+    if split == "train" or is_bpe(tokenizer):
+        return f"use {flags.split} {other}"
+    return (
+        f"use {flags.split} {other}, or give --data a dataset with a val split "
+        f"(bigbatch prepare SOURCE --out DIR --tokenizer {tokenizer} --val-fraction 0.1)"
     )

@@ -7,9 +7,20 @@ from pathlib import Path
 
 from bigbatch.data.tokenizer_files import export_tokenizer
 from bigbatch.errors import BigBatchError
+from bigbatch.files.permissions import apply_umask
 from bigbatch.models import HFCausalLM, Llama
 from bigbatch.models.pretrained import hf_class_name, save_pretrained
 from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+
+
+def give_umask_modes(out: Path, created: bool) -> None:
+    """Every file and directory the export wrote gets the umask's mode, whoever wrote it: transformers'
+    ``save_pretrained`` (an ``hf:`` run) leaves ``model.safetensors`` 0600, where a native export is 0644."""
+    if created:
+        apply_umask(out, directory=True)
+    for path in out.rglob("*"):
+        if not path.is_symlink():
+            apply_umask(path, directory=path.is_dir())
 
 
 def export_hf(run: Path, out: Path) -> str:
@@ -20,8 +31,10 @@ def export_hf(run: Path, out: Path) -> str:
     path = resolve_checkpoint(run)
     document = load_checkpoint(path)
     model = model_from_checkpoint(document)
+    created = not out.exists()
     save_pretrained(model, out)
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
+    give_umask_modes(out, created)
     cfg = model.config
     layout = "Llama" if isinstance(model, Llama) else "GPT-2"
     if isinstance(model, HFCausalLM):  # its own save_pretrained: the architecture it was trained as

@@ -4,8 +4,10 @@ closed pipe, signal or exhausted memory becomes an exit code (and at most one li
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -14,7 +16,7 @@ from typing import Any
 
 from bigbatch import __version__
 from bigbatch.cli import critical_batch, evaluate, export, memory, plan, prepare, report, sample, train, verify
-from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, silence_stdout
+from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, out_of_memory_advice, silence_stdout
 from bigbatch.errors import EXIT_USER_ERROR, BigBatchError
 from bigbatch.parallel.launch import peer_exit_code, record_quiet_exit, record_user_error
 
@@ -42,14 +44,48 @@ class UsageError(BigBatchError):
 
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: a usage error is one line (the usage of ``train`` alone is dozens), with a pointer to
-    ``--help``, and exit code 2 as for every user error."""
+    ``--help`` and, for a mistyped choice, the nearest one, and exit code 2 as for every user error."""
 
     def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            nearest = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)
+            if nearest:
+                message += f"; did you mean {nearest[0]}?"
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class TopParser(CommandParser):
+    """``bigbatch`` itself: a mistyped command is one line naming the nearest (``trian``: did you mean train?);
+    no command at all prints the usage, the list of commands."""
+
+    def error(self, message: str) -> Any:
+        if "invalid choice" in message:
+            return super().error(message)
+        return argparse.ArgumentParser.error(self, message)
+
+
+def unknown_flag(parser: argparse.ArgumentParser, words: list[str]) -> UsageError | None:
+    """The one line for the first ``--flag`` in ``words`` that ``parser`` does not take (a unique prefix of one
+    is taken, as argparse takes it), naming the nearest known one as git does: ``unknown flag --mciro-batch; did
+    you mean --micro-batch?``. Found before parsing, so a mistyped flag is named before a missing one."""
+    flags = [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
+    for word in words:
+        if word == "--":  # what follows is positional
+            break
+        if not word.startswith("--"):
+            continue
+        flag = word.split("=", 1)[0]
+        if any(known.startswith(flag) for known in flags):
+            continue
+        nearest = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+        hint = f"; did you mean {nearest[0]}?" if nearest else ""
+        return UsageError(f"unknown flag {flag}{hint} (see {parser.prog} --help)")
+    return None
+
+
+def build_parser() -> CommandParser:
+    parser = TopParser(
         prog="bigbatch",
         description="Train GPT-style models with exact gradient accumulation: the update of a huge batch "
         "on a machine that holds only a small one.",
@@ -64,11 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, raw: list[str]) -> argparse.Namespace:
+    """``raw`` parsed; :class:`UsageError` for anything the command does not take, naming the nearest flag."""
+    subcommands: dict[str, argparse.ArgumentParser] = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr, assignment]
+    at = next((i for i, word in enumerate(raw) if word in subcommands), None)
+    if at is not None:
+        refusal = unknown_flag(subcommands[raw[at]], raw[at + 1 :])
+        if refusal is not None:
+            raise refusal
+    return parser.parse_args(raw)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(raw)
+        args = parse_command_line(parser, raw)
     except UsageError as exc:
         print(f"bigbatch: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -121,7 +168,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         if code is not None:  # a broken collective after a peer's user error or closed pipe: not news
             return code
         if out_of_memory(exc):  # the settings asked for more than there is
-            return user_error(
-                f"out of memory: {out_of_memory(exc)}; lower --micro-batch, --seq-len, --block-size or the model size"
-            )
+            return user_error(f"out of memory: {out_of_memory(exc)}; {out_of_memory_advice(args.command)}")
         raise

@@ -54,6 +54,25 @@ def out_of_memory(exc: BaseException) -> str:
     return "the device is out of memory" if "out of memory" in text.lower() else ""
 
 
+OUT_OF_MEMORY_ADVICE: dict[str, str] = {
+    "train": "lower --micro-batch (auto: the largest that fits), --seq-len or a preset's --block-size, or pick a "
+    "smaller --model",
+    "eval": "lower --micro-batch or --seq-len",
+    "critical-batch": "lower --micro-batch",
+    "sample": "lower --num-samples",
+    "plan": "lower --micro-batch or --seq-len, or pick a smaller --model",
+    "memory": "lower --max-micro-batch or --seq-len, or pick a smaller --model",
+    "verify": "lower --micro-batch, --k or --seq-len, or pick a smaller --model",
+    "prepare": "lower --workers or --shard-tokens",
+}
+"""What asks for less memory, in each command's own flags (a flag another command has would be refused)."""
+
+
+def out_of_memory_advice(command: str) -> str:
+    """The fix for running out of memory in ``command``; a command with no such flag: more memory."""
+    return OUT_OF_MEMORY_ADVICE.get(command, "free memory, or run it on a machine with more")
+
+
 def silence_stdout() -> None:
     """Point file descriptor 1 at /dev/null, so later writes (and the flush at exit) neither fail nor complain."""
     try:

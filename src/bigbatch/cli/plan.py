@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"seq_len {seq_len} (the {args.model} model's block size, capped; --seq-len sets it)")
         else:
             print(f"seq_len {seq_len} (the {args.model} model's block size)")
-    solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices)
+    solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices, exact=True)
     ramp = None
     if args.batch_ramp:
         from bigbatch.sizing.ramp import BatchRamp, check_ramp_settings, format_ramp_table

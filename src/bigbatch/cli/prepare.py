@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bigbatch.progress import plural
 from bigbatch.settings.choices import DATA_MODE, TOKENIZER_NAMES
 from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         workers=None if args.workers == AUTO else args.workers,
     )
     print(
-        f"{args.out}: {meta.documents} documents, train {meta.tokens['train']:,} tokens, "
+        f"{args.out}: {plural(meta.documents, 'document')}, train {meta.tokens['train']:,} tokens, "
         f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
     )
     for note in prepared_notes(meta):

@@ -8,10 +8,11 @@ from pathlib import Path
 HELP = "plot loss, learning rate, gradient norm and throughput of runs; print a summary"
 DESCRIPTION = (
     "Read each run's metrics.jsonl and write PNG plots (runs overlaid) and summary.txt: steps, tokens, best "
-    "validation loss, final train loss, mean tokens/s and MFU, skipped steps. Each run is labelled by the name it "
-    "was trained with (bigbatch train --name, kept in its config.toml), else by its directory's name "
-    "(runs/nano-6771823094: nano-6771823094); where two runs would share a label, each adds its parent "
-    "directory, then the next, until they differ (a/run, b/run)."
+    "validation loss, final train loss, tok/s (tokens / time of steps 2..N) and the MFU at it, the padding and "
+    "masked-prompt shares of document runs, the noise scale (or why there is none), skipped steps. Each run is "
+    "labelled by the name it was trained with (bigbatch train --name, kept in its config.toml), else by its "
+    "directory's name (runs/nano-6771823094: nano-6771823094); where two runs would share a label, each adds its "
+    "parent directory, then the next, until they differ (a/run, b/run)."
 )
 
 

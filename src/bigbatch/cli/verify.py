@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dropout",
         type=PROBABILITY.argtype(),
         default=0.0,
-        help="preset dropout probability, 0: none (disabled for the comparison) (default: 0)",
+        help="dropout probability of the model, 0 for none (for hf: models, every dropout of its config.json); "
+        "verify turns it off for the comparison, as dropout draws differ between micro-batch and full batch "
+        "(default: 0)",
     )
     parser.add_argument(
         "--ragged",
@@ -60,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--packed",
         action="store_true",
-        help="rows packed with random documents (positions restarting at each, prompts masked): also compares their "
-        "gradient with the same documents one per row (what --pack on must give)",
+        help="rows of random documents packed by the training loader (--pack on): checks that its positions restart "
+        "at each document and that its rows give the gradient of the same documents one per row",
     )
     add_precision(parser, default="fp32")
     parser.add_argument(
@@ -96,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:
         require_new_file(args.json, "--json", args.overwrite)
+    if not args.factory:
+        _check_seq_len(args.model, args.seq_len)  # before torchrun starts, and with the flag that fixes it
     if args.nproc > 1 and not launched_by_torchrun():
         return relaunch_under_torchrun(args.nproc, "verify", args.argv)
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the model's
@@ -126,3 +130,16 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before verifying
         write_json_atomically(Path(args.json), report.to_dict())
     return 0 if report.equivalent else 1
+
+
+def _check_seq_len(model: str, seq_len: int) -> None:
+    """A preset's (or hf:DIR's) block size holds ``--seq-len``, or a one-line error that says the flag's limit."""
+    from bigbatch.errors import ConfigError
+    from bigbatch.models import model_preset
+
+    block_size = model_preset(model).block_size
+    if seq_len > block_size:
+        raise ConfigError(
+            f"--seq-len {seq_len} exceeds the {model} block size {block_size:,}; lower --seq-len to at most "
+            f"{block_size:,}"
+        )

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bigbatch.artifacts.evaluate import evaluate_checkpoint
+from bigbatch.artifacts.evaluate import EvalFlags, evaluate_checkpoint
 from bigbatch.critical_batch.result import BranchResult, CriticalBatchResult, noise_scale_series, plot_result
 from bigbatch.critical_batch.rules import (
     DEFAULT_LOSS_TOLERANCE,
@@ -69,6 +69,8 @@ OUT_DIR = "critical-batch"
 RESULT_FILE = "result.json"
 PLOT_FILE = "critical-batch.png"
 BRANCH_FILE = "branch.json"
+CRITICAL_BATCH_FLAGS = EvalFlags(batches="--eval-batches", split=None)
+"""Its evaluations read the run's own validation split: there is no --split to advise."""
 
 
 def find_parent(run_dir: Path, step: int | None = None) -> Path:
@@ -253,13 +255,15 @@ def measure_critical_batch(
             seq_len=seq_len,
             device=eval_device,
             precision=precision,
+            flags=CRITICAL_BATCH_FLAGS,
         )
         return result.loss, result.tokens
 
     parent_loss, eval_tokens = evaluate(parent.checkpoint)  # also: the data has a validation split, before training
     base = run_dir / OUT_DIR / f"step_{parent.step:07d}-lr_{lr_rule}"
     base.mkdir(parents=True, exist_ok=True)
-    with hold_directory(base, "critical-batch directory", wait=False, say=_say):  # one measurement writes it
+    # One measurement writes it; critical-batch has no --wait-for-lock: another one is refused.
+    with hold_directory(base, "critical-batch directory", wait=False, say=_say, wait_flag=None):
         return _measure(
             run_dir,
             base,

@@ -52,7 +52,7 @@ def resolve_source(source: str) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not _is_hidden(p.relative_to(path)))
         if not files:
-            raise DataError(f"directory {source} holds no files; point --data at text files")
+            raise DataError(f"directory {source} holds no files; give a directory of text files, a text file or a glob")
         return files
     if glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())

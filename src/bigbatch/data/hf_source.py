@@ -1,4 +1,4 @@
-"""The ``hf:`` data source: a Hugging Face dataset read through the ``datasets`` package (``pip install datasets``).
+"""The ``hf:`` data source: a Hugging Face dataset read through the ``datasets`` package (bigbatch's ``[hf]`` extra).
 
 Forms (``#COLUMN`` at the end names the text column; default ``text``)::
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bigbatch.errors import DataError
+from bigbatch.errors import DataError, require_package
 
 PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
@@ -95,11 +95,7 @@ def local_files(source: HFSource) -> list[Path]:
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as exc:
-        raise DataError("the hf: data source needs the datasets package: pip install datasets") from exc
-    return datasets
+    return require_package("datasets", "the hf: data source", "hf", package="datasets")
 
 
 @contextmanager
@@ -161,7 +157,7 @@ def hf_text_records(source: str) -> Iterator[tuple[str, str]]:
             return DataError(f"{src.source}: the local dataset could not be read ({detail})")
         return DataError(
             f"the dataset {src.name} could not be downloaded ({detail}); offline? save it as text or .jsonl files "
-            "where there is a network and point --data at the local copy"
+            "where there is a network and give the local copy instead"
         )
 
     try:

@@ -41,6 +41,7 @@ from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_voca
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.files.lock import FileLock, Holder, LockBusy, acquire
+from bigbatch.progress import plural
 from bigbatch.settings.choices import DATA_MODE
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def _prepare(
         stream_path = staging / _STREAM_FILE
         found = _tokenize(documents, tokenizer, dtype, n_workers, checked, stream_path, total_bytes, checkpoint)
         if not found.lengths:
-            raise DataError(f"the corpus {source} holds no text; point --data at non-empty text files")
+            raise DataError(f"the corpus {source} holds no text; give non-empty text files instead")
         masked = mode == "documents" and any(found.prompt_lengths)
         shard_names, token_counts = _write_shards(
             staging, stream_path, dtype, mode, masked, found, val_fraction, shard_tokens
@@ -190,10 +191,10 @@ def _prepare(
     elapsed = time.perf_counter() - started
     n_bytes = found.n_bytes
     log.info(
-        "prepared %s: %d documents, %.1f MB of text -> %s train + %s val tokens (%s, %s) in %.1fs (%.1f MB/s; "
+        "prepared %s: %s, %.1f MB of text -> %s train + %s val tokens (%s, %s) in %.1fs (%.1f MB/s; "
         "tokenizing %.1f MB/s with %d %s)",
         out,
-        len(found.lengths),
+        plural(len(found.lengths), "document"),
         n_bytes / 1e6,
         f"{meta.tokens['train']:,}",
         f"{meta.tokens['val']:,}",
@@ -359,13 +360,14 @@ def prepared_notes(meta: DatasetMeta) -> list[str]:
     notes = []
     replaced = int(meta.extra.get("utf8_replacements", 0) or 0)  # type: ignore[call-overload]
     if "utf8_replacements" in meta.extra:
-        notes.append(f"{replaced:,} invalid UTF-8 sequences replaced by U+FFFD ({meta.tokenizer} tokenizer)")
+        notes.append(f"{plural(replaced, 'invalid UTF-8 sequence')} replaced by U+FFFD ({meta.tokenizer} tokenizer)")
     if meta.mode == "documents":
         untrained = int(meta.extra.get("documents_without_targets", 0) or 0)  # type: ignore[call-overload]
         if untrained:
             refused = "; training on them alone is refused" if untrained == meta.documents else ""
             notes.append(
-                f"{untrained:,} of {meta.documents:,} documents have no target to train on (a single token, or "
+                f"{untrained:,} of {plural(meta.documents, 'document')} {'has' if untrained == 1 else 'have'} no "
+                "target to train on (a single token, or "
                 f"wholly prompt: an empty completion){refused}"
             )
         longest = int(meta.extra.get("longest_document", 0) or 0)  # type: ignore[call-overload]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from bigbatch.progress import ProgressBar
+from bigbatch.progress import ProgressBar, plural
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +33,15 @@ class CorpusProgress:
         now = time.perf_counter()
         if self.bar is not None:
             rate = n_bytes / 1e6 / max(now - self.started, 1e-9)
-            self.bar.update(min(n_bytes, self.bar.total), extra=f"{documents:,} documents | {rate:.1f} MB/s")
+            self.bar.update(min(n_bytes, self.bar.total), extra=f"{plural(documents, 'document')} | {rate:.1f} MB/s")
             return
         if now < self.next_report:
             return
         self.next_report = now + PROGRESS_SECONDS
         log.info(
-            "%s %s documents, %.1f MB of text, %.1f MB/s",
+            "%s %s, %.1f MB of text, %.1f MB/s",
             self.what,
-            f"{documents:,}",
+            plural(documents, "document"),
             n_bytes / 1e6,
             n_bytes / 1e6 / max(now - self.started, 1e-9),
         )

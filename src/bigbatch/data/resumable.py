@@ -29,6 +29,7 @@ import numpy as np
 from bigbatch.data.writer import staged_directory
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.files.permissions import apply_umask
+from bigbatch.progress import plural
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,10 @@ def resumable_directory(out: Path, fingerprint: str) -> Iterator[tuple[Path, Che
             position = Position(fingerprint=fingerprint)
         elif position.documents:
             log.info(
-                "%s: resuming an interrupted prepare after %s documents (%s)", out, f"{position.documents:,}", staging
+                "%s: resuming an interrupted prepare after %s (%s)",
+                out,
+                plural(position.documents, "document"),
+                staging,
             )
         apply_umask(staging, directory=True)
         checkpoint = Checkpoint(staging, position)
@@ -121,9 +125,10 @@ def resumable_directory(out: Path, fingerprint: str) -> Iterator[tuple[Path, Che
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what is saved
             if (staging / PROGRESS_FILE).is_file():
                 log.warning(
-                    "%s: prepare interrupted; %s documents are kept in %s: run the same command to resume",
+                    "%s: prepare interrupted; %s %s kept in %s: run the same command to resume",
                     out,
-                    f"{checkpoint.position.documents:,}",
+                    plural(checkpoint.position.documents, "document"),
+                    "is" if checkpoint.position.documents == 1 else "are",
                     staging,
                 )
             else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from bigbatch.progress import plural
+
 PIECE_BYTES = 1 << 17
 """Documents are tokenized in pieces of about this size (128 KiB): memory stays flat and one big file still
 spreads over the workers."""
@@ -52,8 +54,9 @@ class InvalidUTF8:
 
     def describe(self, tokenizer: str) -> str:
         return (
-            f"{self.replacements:,} invalid UTF-8 sequences in {self.documents:,} documents (the first in "
-            f"{self.first}) were replaced by U+FFFD for the {tokenizer} tokenizer; fix the encoding of the text, "
+            f"{plural(self.replacements, 'invalid UTF-8 sequence')} in {plural(self.documents, 'document')} (the "
+            f"first in {self.first}) {'was' if self.replacements == 1 else 'were'} replaced by U+FFFD for the "
+            f"{tokenizer} tokenizer; fix the encoding of the text, "
             "or use --tokenizer byte, which keeps every byte"
         )
 

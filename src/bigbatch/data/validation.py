@@ -24,6 +24,7 @@ from bigbatch.data.loader import loader_for
 from bigbatch.data.windows import PackedWindows, spread_sample
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.errors import DataError
+from bigbatch.progress import plural
 
 AUTO_EVAL_TOKENS = 131_072
 """Validation tokens an evaluation reads by default (``eval_batches`` auto): a split of at most this many tokens
@@ -71,12 +72,12 @@ class ValidationWindows:
         """E.g. ``1,742 windows of 64 tokens (the whole split)`` or ``2,048 of its 7,812 windows of 64 tokens,
         spread uniformly``."""
         if isinstance(self.source, PackedWindows):
-            kind = "windows"
+            kind = "window"
         else:
-            kind = "packed rows" if self.source.pack else "sequences"
+            kind = "packed row" if self.source.pack else "sequence"
         if self.whole:
-            return f"{self.windows:,} {kind} of {self.seq_len} tokens (the whole split)"
-        return f"{self.windows:,} of its {self.available:,} {kind} of {self.seq_len} tokens, spread uniformly"
+            return f"{plural(self.windows, kind)} of {self.seq_len} tokens (the whole split)"
+        return f"{self.windows:,} of its {plural(self.available, kind)} of {self.seq_len} tokens, spread uniformly"
 
     def reset(self) -> None:
         self._next, self.epoch = 0, 0

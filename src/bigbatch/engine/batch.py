@@ -42,6 +42,7 @@ import torch
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.models.head_loss import IGNORE_INDEX  # the loss's convention; batches follow it (and re-export it)
 from bigbatch.parallel.distributed import DistContext
+from bigbatch.progress import plural
 from bigbatch.settings.choices import LAST_WINDOW
 
 
@@ -202,7 +203,7 @@ def _fixed_k_batches(source: MicroBatchSource, policy: StepPolicy) -> list[Micro
                 total = source.sequences_per_epoch() or 0
                 if total < needed:
                     raise DataError(
-                        f"the data holds {total} sequences, fewer than one step of {needed} "
+                        f"the data holds {plural(total, 'sequence')}, fewer than one step of {needed} "
                         "(K x micro_batch x world_size); use last_window = partial or a smaller batch"
                     )
                 source.skip_rest_of_epoch()

@@ -41,10 +41,10 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
 
 def hf_shape(name: str, **overrides: Any) -> HFConfig:
     """The shape of ``hf:DIR``: its config.json decides; an override that would change it is refused in one line
-    (a dropout of 0 leaves the model's own)."""
+    (dropout is no part of the shape: the builder sets the config's dropout probabilities to ``--dropout``)."""
     shape = read_hf_config(name[len(HF_PREFIX) :])
     for key, value in overrides.items():
-        if key == "dropout" and not value:
+        if key == "dropout":
             continue
         if key in ("vocab_size", "block_size") and value == getattr(shape, key):
             continue

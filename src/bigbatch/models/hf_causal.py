@@ -10,7 +10,7 @@ a model is read or built: the rest of bigbatch starts without it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
+from bigbatch.errors import CheckpointError, ConfigError, require_package
+from bigbatch.models.coupling import set_dropout
 from bigbatch.models.hf_files import WEIGHT_FILES, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
 
@@ -37,6 +38,11 @@ HEAD_PROBE_SCALE = 1024.0
 CAPACITY_KEYS = ("capacity_factor", "expert_capacity")
 """Routing with an expert capacity drops tokens by what else is in the batch: not per sample."""
 
+DROPOUT_KEY_MARKS = ("dropout", "pdrop")
+"""A config.json key whose name holds one of these, with a number for its value, is a dropout probability
+(GPT-2's ``attn_pdrop``, ``resid_pdrop`` and ``embd_pdrop``; ``attention_dropout``, ``hidden_dropout_prob``, ...),
+in nested configs too."""
+
 
 def is_hf_name(name: str) -> bool:
     """Whether a ``--model`` value names a Hugging Face directory (``hf:DIR``)."""
@@ -45,13 +51,7 @@ def is_hf_name(name: str) -> bool:
 
 def require_transformers() -> Any:
     """The ``transformers`` module, or one line that says how to install it."""
-    try:
-        import transformers
-    except ImportError as exc:
-        raise BigBatchError(
-            "--model hf:DIR needs the transformers package, which is not installed: pip install transformers"
-        ) from exc
-    return transformers
+    return require_package("transformers", "--model hf:DIR", "hf", package="transformers")
 
 
 def _first_int(values: dict[str, Any], *keys: str) -> int | None:
@@ -138,11 +138,58 @@ class HFConfig:
     def from_dict(cls, values: dict[str, Any]) -> HFConfig:
         return cls(directory=str(values["directory"]), hf_config=dict(values["hf_config"]))
 
-    def transformers_config(self) -> Any:
-        """The ``transformers`` config object of ``config.json``."""
+    def transformers_config(self, dropout: float | None = None) -> Any:
+        """The ``transformers`` config object of ``config.json``; with ``dropout``, every one of its
+        :func:`dropout_settings` set to that."""
         transformers = require_transformers()
-        values = {k: v for k, v in self.hf_config.items() if k != "model_type"}
+        values = self.hf_config if dropout is None else _with_dropout(self.hf_config, dropout)
+        values = {k: v for k, v in values.items() if k != "model_type"}
         return transformers.AutoConfig.for_model(self.model_type, **values)
+
+
+def _is_dropout_setting(key: Any, value: Any) -> bool:
+    named = any(mark in str(key).lower() for mark in DROPOUT_KEY_MARKS)
+    return named and isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def dropout_settings(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every dropout probability of a config.json (see :data:`DROPOUT_KEY_MARKS`), by key; a nested config's as
+    ``text_config.attention_dropout``."""
+    found: dict[str, float] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found.update(dropout_settings(value, f"{prefix}{key}."))
+        elif _is_dropout_setting(key, value):
+            found[f"{prefix}{key}"] = float(value)
+    return found
+
+
+def _with_dropout(values: dict[str, Any], p: float) -> dict[str, Any]:
+    return {
+        key: _with_dropout(value, p) if isinstance(value, dict) else p if _is_dropout_setting(key, value) else value
+        for key, value in values.items()
+    }
+
+
+def dropout_note(config: HFConfig, p: float) -> str | None:
+    """What ``--dropout p`` does to ``config``'s model, said at the start of a run: ``p`` replaces every dropout
+    probability of its config.json. None when that changes nothing and ``p`` is 0."""
+    own = dropout_settings(config.hf_config)
+    replaced = {key: value for key, value in own.items() if value != p}
+    listed = ", ".join(f"{key} {value:g}" for key, value in sorted(replaced.items()))
+    if p == 0:
+        if not replaced:
+            return None
+        return (
+            f"hf:{config.directory}: its config.json sets dropout ({listed}); trained without it (--dropout 0, the "
+            f"default), so micro-batch and full-batch gradients are identical; --dropout {max(replaced.values()):g} "
+            "trains with dropout, and then they differ"
+        )
+    was = f" (config.json: {listed})" if replaced else ""
+    return (
+        f"hf:{config.directory}: every dropout probability set to {p:g} (--dropout){was}: micro-batch and full-batch "
+        "gradients then differ (each micro-batch draws its own masks); --dropout 0 keeps them identical"
+    )
 
 
 def read_hf_config(directory: Path | str) -> HFConfig:
@@ -197,17 +244,21 @@ def _quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def build_hf_model(config: HFConfig, weights: bool = False) -> HFCausalLM:
+def build_hf_model(config: HFConfig, weights: bool = False, dropout: float | None = None) -> HFCausalLM:
     """The model of ``config``: with ``weights``, those of its directory (fp32, on the CPU) when it has any; else
-    freshly initialised from the config (from torch's generator: the caller's seed decides)."""
+    freshly initialised from the config (from torch's generator: the caller's seed decides). ``dropout`` (a run's
+    ``--dropout``) replaces every dropout probability, those of config.json (the model is built with them) and any
+    other a module holds; None keeps config.json's. ``config`` itself stays config.json as read."""
     transformers = require_transformers()
-    hf_config = config.transformers_config()
+    hf_config = config.transformers_config(dropout)
     auto = transformers.AutoModelForCausalLM
     if weights and has_weights(config.directory):
         with _quiet_progress():
             model = auto.from_pretrained(config.directory, config=hf_config, local_files_only=True, dtype=torch.float32)
     else:
         model = auto.from_config(hf_config, dtype=torch.float32)
+    if dropout is not None:
+        set_dropout(model, dropout)  # a probability no config.json key names (the module holds it)
     return HFCausalLM(config, model)
 
 
@@ -255,42 +306,63 @@ class HFCausalLM(nn.Module):
 
     def _probe(self) -> tuple[bool, bool]:
         """(whether the logits are the head's linear map of the trunk's last hidden state, so the loss can be
-        computed in chunks from it; whether ``position_ids`` keep packed documents apart), each decided by
-        running this architecture on 8 tokens (no random numbers drawn: dropout is off)."""
+        computed in chunks from it; whether ``position_ids`` keep packed documents apart along every path
+        :meth:`forward` takes, the trunk's that the loss uses included), each decided by running this architecture
+        on 8 tokens (no random numbers drawn: dropout is off)."""
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
-            return self._run_probe()
+            self.head_detachable = self._head_is_detachable()
+            return self.head_detachable, self._packs_documents()
         except (TypeError, ValueError, AttributeError, RuntimeError, StopIteration):
             return False, False  # not a model that runs on input_ids alone: the whole logits, no packing
         finally:
             self.hf_model.train(was_training)
 
-    @torch.no_grad()
-    def _run_probe(self) -> tuple[bool, bool]:
+    def _probe_tokens(self) -> torch.Tensor:
         device = next(self.hf_model.parameters()).device
-        tokens = ((torch.arange(8, device=device) * 7 + 3) % self.config.vocab_size).unsqueeze(0)  # (1, 8)
-        detachable = False
+        return ((torch.arange(8, device=device) * 7 + 3) % self.config.vocab_size).unsqueeze(0)  # (1, 8)
+
+    @torch.no_grad()
+    def _head_is_detachable(self) -> bool:
         parts = self._trunk_and_head()
-        if parts is not None:
-            # The head scaled by 2**10 (exactly undone after): logits in the hundreds, where a soft cap or a scale
-            # applied after the head shows (a freshly initialised model's logits are too small to tell).
-            weight = parts[1].weight
-            weight.mul_(HEAD_PROBE_SCALE)
-            try:
-                reference = self.hf_model(input_ids=tokens, **self._forward_kwargs).logits.float()  # (1, 8, V)
-                logits = parts[1](self._hidden(parts[0], tokens, None)).float()
-                detachable = logits.shape == reference.shape and torch.allclose(logits, reference, rtol=1e-4, atol=1e-3)
-            except (TypeError, ValueError, AttributeError, RuntimeError):
-                detachable = False
-            finally:
-                weight.div_(HEAD_PROBE_SCALE)
-        # Two documents in one row (3 + 5 tokens): the second's logits must be those it has alone.
-        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
-        packed = self.hf_model(input_ids=tokens, position_ids=positions, **self._forward_kwargs).logits
-        alone = self.hf_model(input_ids=tokens[:, 3:], **self._forward_kwargs).logits
-        packs = torch.allclose(packed[:, 3:].float(), alone.float(), rtol=1e-4, atol=1e-5)
-        return detachable, packs
+        if parts is None:
+            return False
+        tokens = self._probe_tokens()
+        # The head scaled by 2**10 (exactly undone after): logits in the hundreds, where a soft cap or a scale
+        # applied after the head shows (a freshly initialised model's logits are too small to tell).
+        weight = parts[1].weight
+        weight.mul_(HEAD_PROBE_SCALE)
+        try:
+            reference = self.hf_model(input_ids=tokens, **self._forward_kwargs).logits.float()  # (1, 8, V)
+            logits = parts[1](self._hidden(parts[0], tokens, None)).float()
+            return logits.shape == reference.shape and torch.allclose(logits, reference, rtol=1e-4, atol=1e-3)
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            return False
+        finally:
+            weight.div_(HEAD_PROBE_SCALE)
+
+    @torch.no_grad()
+    def _packs_documents(self) -> bool:
+        """Two documents in one row (3 + 5 tokens): along each path, the second's logits must be those it has
+        alone. The whole model's path serves logits without targets; the trunk's (when the head is detachable)
+        is the one the loss, and so training, takes: a mask or argument that only one of them passes shows."""
+        tokens = self._probe_tokens()
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=tokens.device)
+        paths: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = [self._whole_logits]
+        parts = self._trunk_and_head()
+        if self.head_detachable and parts is not None:
+            trunk, head = parts
+            paths.append(lambda idx, pos: head(self._hidden(trunk, idx, pos)))
+        for logits in paths:
+            packed, alone = logits(tokens, positions)[:, 3:].float(), logits(tokens[:, 3:], None).float()
+            if not torch.allclose(packed, alone, rtol=1e-4, atol=1e-5):
+                return False
+        return True
+
+    def _whole_logits(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        logits: torch.Tensor = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits
+        return logits  # (B, T, V)
 
     def forward(
         self,
@@ -310,7 +382,7 @@ class HFCausalLM(nn.Module):
                 chunked=self.chunked_loss,
                 last_only=last_only,
             )
-        logits = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits  # (B, T, V)
+        logits = self._whole_logits(idx, positions)
         if targets is None:
             return logits[:, -1:] if last_only else logits
         return logits_loss(logits, targets)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigbatch.errors import CheckpointError
+from bigbatch.files.outputs import RUN_MARKER, is_legacy_run
 from bigbatch.models.gpt.hf import load_hf_gpt2, read_hf_gpt_config, save_hf_gpt2
 from bigbatch.models.gpt.model import GPT, GPTConfig
 from bigbatch.models.hf_causal import HFCausalLM, save_hf_model
@@ -19,17 +20,30 @@ SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 
 
 def hf_model_type(directory: Path | str) -> str:
-    """``config.json``'s ``model_type`` (gpt2 when absent); one line when it is not one bigbatch trains."""
+    """``config.json``'s ``model_type`` (gpt2 when absent); one line when it is not one ``--init-from`` reads,
+    naming what does: ``--model hf:DIR`` for another Hugging Face model, resume or export for a bigbatch run."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a Hugging Face GPT-2 or Llama directory")
+    if not (directory / "config.json").exists() and is_bigbatch_run(directory):
+        raise CheckpointError(
+            f"--init-from {directory} is a bigbatch run directory, not a Hugging Face one: continue it with "
+            f"--out {directory} (and no --init-from), or start a new run from its weights: bigbatch export "
+            f"{directory} DIR, then --init-from DIR"
+        )
     model_type = read_config(directory, kind="GPT-2 or Llama").get("model_type", "gpt2")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
-            f"{directory}/config.json has model_type {model_type!r}, which is not supported by --init-from; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or train a --model preset from scratch)"
+            f"--init-from {directory}: its config.json has model_type {model_type!r}, and --init-from reads only "
+            f"{' and '.join(SUPPORTED_MODEL_TYPES)} into bigbatch's own models; to train this model's weights as "
+            f"they are, pass --model hf:{directory} instead of --init-from"
         )
     return str(model_type)
+
+
+def is_bigbatch_run(directory: Path) -> bool:
+    """Whether ``directory`` is a bigbatch run (its marker, or the checkpoints and metrics of one)."""
+    return (directory / RUN_MARKER).is_file() or is_legacy_run(directory)
 
 
 def read_pretrained_config(directory: Path | str) -> GPTConfig | LlamaConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -32,6 +33,38 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: floa
     return flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """Valid target tokens over the seconds of a range of optimizer steps: a ratio of totals. (A mean of the
+    steps' own rates is not tokens over time: it overstates the throughput whenever step times differ.)"""
+
+    tokens: int
+    seconds: float  # the steps' own times (``dt``): evaluation, checkpoints and logging between steps excluded
+    first_step: int
+    last_step: int
+    warm_up: bool = False  # the range is one step that includes warm-up (there was no later step to time)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def steps(self) -> str:
+        """``steps 2..120``, ``step 2``, or ``step 1 alone, warm-up included``."""
+        if self.warm_up:
+            return f"step {self.first_step} alone, warm-up included"
+        if self.first_step == self.last_step:
+            return f"step {self.first_step}"
+        return f"steps {self.first_step}..{self.last_step}"
+
+    def basis(self) -> str:
+        """What the number is: ``tokens / time of steps 2..120``, or ``step 1 alone, warm-up included``."""
+        return self.steps() if self.warm_up else f"tokens / time of {self.steps()}"
+
+    def describe(self) -> str:
+        """``tok/s 4,331 (tokens / time of steps 2..120)``."""
+        return f"tok/s {self.tokens_per_s:,.0f} ({self.basis()})"
+
+
 def format_step(
     record: StepRecord, show_k: bool = False, mfu_value: float | None = None, noise_scale: float | None = None
 ) -> str:
@@ -39,7 +72,8 @@ def format_step(
 
     ``tok/s`` counts valid target tokens. With ``show_k`` (K varies from step to
     step) the line also gives K and the step's valid tokens. ``noise_scale`` (the smoothed gradient noise
-    scale, in tokens) is shown when given.
+    scale, in tokens) is shown when given: ``noise scale 9,061 tok``, or :data:`NO_NOISE_SCALE` while it is not
+    positive.
     """
     line = (
         f"step {record.step} | loss {record.loss:.4f} | norm {record.grad_norm:.2f} | lr {record.lr:.1e} | "
@@ -50,15 +84,21 @@ def format_step(
     if show_k:
         line += f" | K {record.micro_batches} | tokens {record.tokens:,}"
     if noise_scale is not None:
-        line += f" | noise scale {format_noise_scale(noise_scale)} tok"
+        line += f" | noise scale {format_noise_scale(noise_scale)} tok" if noise_scale > 0 else f" | {NO_NOISE_SCALE}"
     if record.skipped:
         line += " | SKIPPED (non-finite gradient)"
     return line
 
 
+NO_NOISE_SCALE = "no noise-scale estimate yet"
+"""What the step line says when the smoothed estimate is not positive (or NaN): its |G|^2 or tr(Sigma) is still
+below the measurement's resolution."""
+
+
 def format_noise_scale(tokens: float) -> str:
-    """``12,345``; a non-positive or NaN estimate (the smoothed |G|^2 or tr(Sigma) is still noise) as ``n/a``."""
-    return f"{tokens:,.0f}" if tokens > 0 else "n/a"
+    """``12,345`` (tokens) for a positive estimate; callers word a non-positive or NaN one themselves (see
+    :data:`NO_NOISE_SCALE`)."""
+    return f"{tokens:,.0f}"
 
 
 class JsonlLog:

@@ -16,6 +16,7 @@ from typing import Any
 from bigbatch.errors import BigBatchError
 from bigbatch.noise.scale import unbiased_estimates
 from bigbatch.observe.runs import RunMetrics, read_metrics, run_settings, setting
+from bigbatch.progress import plural
 from bigbatch.sizing.plan import SolvedPlan, solve_plan
 
 NOISE_PLOT = "noise_scale.png"
@@ -84,34 +85,47 @@ def noise_series(run: RunMetrics) -> NoiseSeries:
     return NoiseSeries(run.label, points, steps)
 
 
-def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> Path | None:
-    """``noise_scale.png``: each run's smoothed noise scale against tokens seen (solid), its single measurements
-    (faint dots, the positive ones), and its tokens per step (dashed, same colour); with one run, its training
-    loss on a second axis. Runs without a usable measurement are left out; ``None`` (nothing written) when that
-    is every run."""
-    measured = [(i, run, s) for i, run in enumerate(runs) if (s := noise_series(run)).usable()]  # others left out
+NOISE_TITLE = "Gradient noise scale (critical batch estimate) and tokens per step\nagainst tokens seen"
+
+
+def left_out(series: NoiseSeries) -> str:
+    """Why a run is not in the plot: ``measured on no step`` or ``3 measurements, none positive``."""
+    if not series.points:
+        return "measured on no step"
+    return f"{plural(len(series.points), 'measurement')}, none positive"
+
+
+def noise_figure(runs: list[RunMetrics], colors: list[str]) -> Any:
+    """The figure of :func:`plot_noise_scale` (a matplotlib ``Figure``), or ``None`` when no run has a usable
+    measurement. Each run's tokens per step are dashed in its own colour, the dashes of the ``i``-th run drawn
+    shifted by ``i`` dash lengths, so that runs at the same tokens per step alternate along the line instead of
+    the last one hiding the others (and earlier runs' estimates are drawn wider); a run left out gets a legend
+    entry saying why."""
+    all_series = [noise_series(run) for run in runs]
+    measured = [(i, run, s) for i, (run, s) in enumerate(zip(runs, all_series, strict=True)) if s.usable()]
     if not measured:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter
 
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
-    for i, _, s in measured:
+    dash = 4.0  # points; every run's pattern is one dash in len(measured), at its own offset
+    for position, (i, _, s) in enumerate(measured):
         color = colors[i % len(colors)]  # each run's colour in every plot of the report
         usable = s.usable()
-        if usable:
-            ax.plot(
-                [p.tokens for p in usable],
-                [p.smoothed for p in usable],
-                "-" if len(usable) > 1 else "o",
-                color=color,
-                lw=2,
-                ms=5,
-                label=f"{s.label} noise scale (smoothed)",
-            )
+        ax.plot(
+            [p.tokens for p in usable],
+            [p.smoothed for p in usable],
+            "-" if len(usable) > 1 else "o",
+            color=color,
+            lw=2 + 1.5 * (len(measured) - 1 - position),  # earlier runs wider: coinciding curves stay visible
+            ms=5,
+            label=f"{s.label} noise scale (smoothed)",
+        )
         singles = [p for p in s.points if math.isfinite(p.single) and p.single > 0]
         if singles:
             ax.plot(
@@ -126,13 +140,14 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
         if s.steps:
             xs = [0] + [x for x, _ in s.steps]
             ys = [s.steps[0][1]] + [y for _, y in s.steps]
-            ax.step(xs, ys, where="pre", ls="--", color=color, lw=1.5, label=f"{s.label} tokens per step")
+            style: Any = "--" if len(measured) == 1 else (position * dash, (dash, dash * (len(measured) - 1)))
+            ax.step(xs, ys, where="pre", ls=style, color=color, lw=1.5, label=f"{s.label} tokens per step")
     ax.set_yscale("log")
     ax.set_xlabel("tokens (valid targets, cumulative)")
     ax.set_ylabel("tokens")
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.yaxis.set_major_formatter(EngFormatter())
-    ax.set_title("Gradient noise scale (critical batch estimate) vs tokens per step")
+    ax.set_title(NOISE_TITLE)
     ax.grid(alpha=0.3, which="both")
     handles, labels = ax.get_legend_handles_labels()
     if len(measured) == 1:
@@ -148,8 +163,26 @@ def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> P
             twin.set_ylabel("training loss (nats per token)", color="0.4")
             more = twin.get_legend_handles_labels()
             handles, labels = handles + more[0], labels + more[1]
+    plotted = {i for i, _, _ in measured}
+    for i, s in enumerate(all_series):
+        if i not in plotted:  # no line of its own: the legend says why
+            handles.append(Line2D([], [], ls="none", marker="x", color=colors[i % len(colors)]))
+            labels.append(f"{s.label}: no noise-scale estimate ({left_out(s)})")
     fig.legend(handles, labels, fontsize="small", loc="lower center", ncol=2, frameon=False)  # below the axes
     fig.tight_layout(rect=(0, 0.01 + 0.04 * math.ceil(len(handles) / 2), 1, 1))
+    return fig
+
+
+def plot_noise_scale(runs: list[RunMetrics], path: Path, colors: list[str]) -> Path | None:
+    """``noise_scale.png``: each run's smoothed noise scale against tokens seen (solid), its single measurements
+    (faint dots, the positive ones), and its tokens per step (dashed, same colour); with one run, its training
+    loss on a second axis. Runs without a usable measurement have no line, and a legend entry saying why (the
+    report's summary says it too); ``None`` (nothing written) when that is every run."""
+    fig = noise_figure(runs, colors)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -227,7 +260,7 @@ def measured_noise(run_dir: Path | str) -> MeasuredNoise:
     usable = series.usable()
     if not usable:
         raise NoiseScaleUnavailable(
-            f"{run_dir} has {len(series.points)} noise-scale measurement{'s' if len(series.points) != 1 else ''} "
+            f"{run_dir} has {plural(len(series.points), 'noise-scale measurement')} "
             "but no usable estimate (the smoothed |G|^2 or tr(Sigma) is not yet positive: the gradient noise "
             "still drowns the signal); train longer, or measure more often with a smaller --noise-scale-every"
         )
@@ -274,10 +307,11 @@ def plan_from_run(
     )
     lines = [
         f"from run {measured.run_dir}: measured noise scale {target:,} tokens, the smoothed estimate at step "
-        f"{measured.step} ({where}; {measured.tokens_seen:,} tokens seen in {measured.last_step:,} steps); the run "
-        f"used {measured.tokens_per_step:,} tokens per step ({measured.tokens_per_step / target:.2g}x the noise scale)",
+        f"{measured.step} ({where}; {measured.tokens_seen:,} tokens seen in {plural(measured.last_step, 'step')}); "
+        f"the run used {measured.tokens_per_step:,} tokens per step ({measured.tokens_per_step / target:.2g}x the "
+        "noise scale)",
         f"suggested tokens per step: the noise scale in whole micro-batches of {micro_batch} x {seq_len} on "
-        f"{devices} device{'s' if devices != 1 else ''}: {plan.tokens_per_step:,} (K {plan.accumulation_steps})",
+        f"{plural(devices, 'device')}: {plan.tokens_per_step:,} (K {plan.accumulation_steps})",
     ]
     notes = []
     if plan.accumulation_steps == 1 and target < plan.tokens_per_step:

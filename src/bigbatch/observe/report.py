@@ -15,8 +15,10 @@ from typing import Any
 from bigbatch.errors import BigBatchError
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.files.outputs import REPORT_MARKER, is_legacy_report, mark_own_dir, require_own_dir
-from bigbatch.observe.noise_report import NOISE_PLOT, plot_noise_scale
-from bigbatch.observe.runs import RunMetrics, read_metrics, run_labels
+from bigbatch.observe.metrics import Throughput
+from bigbatch.observe.noise_report import NOISE_PLOT, noise_series, plot_noise_scale, why_unmeasured
+from bigbatch.observe.runs import RunMetrics, read_metrics, run_labels, run_settings
+from bigbatch.progress import plural
 
 PLOTS = (
     "loss_vs_step.png",
@@ -30,6 +32,35 @@ measured the gradient noise scale)."""
 
 
 @dataclass(frozen=True)
+class Positions:
+    """Where a documents run's positions went: those of its applied steps (from each step record's valid targets
+    and shares: a ratio of totals), and one epoch's layout (its latest ``documents`` record) when there is one."""
+
+    trained: int  # positions of the applied steps, all ranks
+    padding: float  # shares of them
+    prompt: float
+    layout: dict[str, Any] | None = None  # the documents record: packed, rows, seq_len, padding_share, prompt_share
+
+    def format(self) -> list[str]:
+        lines = [
+            f"  positions          {self.trained:,} trained on: {self.padding:.1%} padding, {self.prompt:.1%} masked "
+            f"prompts, {1 - self.padding - self.prompt:.1%} valid targets"
+        ]
+        layout = self.layout
+        if layout is not None and _finite(layout.get("padding_share")) and _finite(layout.get("prompt_share")):
+            rows, seq_len = int(layout.get("rows", 0)), layout.get("seq_len", "?")  # as the run header words it
+            if layout.get("packed"):
+                how = f"packed into {plural(rows, 'row')} of {seq_len}"
+            else:
+                how = f"{plural(rows, 'sequence')}, one per row of {seq_len}"
+            lines.append(
+                f"  epoch layout       {how}: {float(layout['padding_share']):.1%} padding, "
+                f"{float(layout['prompt_share']):.1%} masked prompts"
+            )
+        return lines
+
+
+@dataclass(frozen=True)
 class RunSummary:
     label: str
     steps: int  # the last optimizer step reached
@@ -38,9 +69,15 @@ class RunSummary:
     best_val_loss: float | None
     best_val_step: int | None
     final_val_loss: float | None
-    mean_tokens_per_s: float | None  # over applied steps after step 1 (step 1 includes warm-up)
-    mean_mfu: float | None  # over the same steps, when the records carry "mfu"
+    throughput: Throughput | None  # tokens / time of the applied steps after step 1 (step 1 includes warm-up)
+    mfu: float | None  # total FLOPs / total peak FLOPs of the same steps, when their records carry "mfu"
     skipped: int
+    positions: Positions | None = None  # documents runs: padding and masked-prompt shares
+    noise_scale: str = ""  # the measured noise scale, or why there is none
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.throughput.tokens_per_s if self.throughput is not None else None
 
     def format(self) -> str:
         def number(value: float | None, spec: str) -> str:
@@ -60,9 +97,17 @@ class RunSummary:
                 f"(perplexity {_perplexity(self.best_val_loss)})"
             )
             lines.append(f"  final val loss     {number(self.final_val_loss, '.4f')}")
-        lines.append(f"  mean tokens/s      {number(self.mean_tokens_per_s, ',.0f')} (step 1, warm-up, left out)")
-        if self.mean_mfu is not None:
-            lines.append(f"  mean MFU           {self.mean_mfu:.1%}")
+        if self.throughput is None:
+            lines.append("  tok/s              n/a (no applied step)")
+        else:
+            t = self.throughput
+            lines.append(f"  tok/s              {t.tokens_per_s:,.0f} ({t.basis()})")
+        if self.mfu is not None:
+            lines.append(f"  MFU                {self.mfu:.1%} (at that tok/s)")
+        if self.positions is not None:
+            lines += self.positions.format()
+        if self.noise_scale:
+            lines.append(f"  noise scale        {self.noise_scale}")
         lines.append(f"  skipped steps      {self.skipped}")
         return "\n".join(lines)
 
@@ -72,19 +117,81 @@ def _perplexity(loss: float) -> str:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def throughput(trained: list[dict[str, Any]]) -> Throughput | None:
+    """Total valid target tokens over the total time (``dt``) of the applied steps after step 1, which includes
+    warm-up and compilation; a run of step 1 alone: that step's, said to include warm-up."""
+    steps = [r for r in trained if _finite(r.get("dt")) and r["dt"] > 0 and _finite(r.get("tokens"))]
+    timed = [r for r in steps if int(r["step"]) > 1]
+    warm_up = not timed
+    timed = timed or steps[:1]
+    if not timed:
+        return None
+    tokens, seconds = sum(int(r["tokens"]) for r in timed), sum(float(r["dt"]) for r in timed)
+    return Throughput(tokens, seconds, int(timed[0]["step"]), int(timed[-1]["step"]), warm_up=warm_up)
+
+
+def total_mfu(trained: list[dict[str, Any]], timed: Throughput | None) -> float | None:
+    """Model FLOPs utilization of the steps ``timed`` covers: the FLOPs they did over the peak FLOPs of their time.
+
+    A step's ``mfu`` is F x tokens / (dt x P) (F: FLOPs per token, P: peak FLOP/s of all devices), so its peak
+    FLOPs P x dt are F x tokens / mfu, and the ratio of totals is sum(tokens) / sum(tokens / mfu): with one F and P
+    that is F x (tokens / time) / P, the MFU of the run's tok/s, whatever the steps' times."""
+    if timed is None:
+        return None
+    steps = [
+        r
+        for r in trained
+        if timed.first_step <= int(r["step"]) <= timed.last_step
+        and _finite(r.get("mfu"))
+        and r["mfu"] > 0
+        and _finite(r.get("tokens"))
+        and r["tokens"] > 0
+    ]
+    if not steps:
+        return None
+    return sum(float(r["tokens"]) for r in steps) / sum(float(r["tokens"]) / float(r["mfu"]) for r in steps)
+
+
+def positions(run: RunMetrics) -> Positions | None:
+    """A documents run's positions: each applied step's are its valid targets over its valid share (1 - padding -
+    prompt), so padding and prompts are summed in positions, not averaged as shares."""
+    steps = [r for r in run.trained if _finite(r.get("padding_share")) and _finite(r.get("tokens"))]
+    total = padding = prompt = 0.0
+    for r in steps:
+        pad, masked = float(r["padding_share"]), float(r.get("prompt_share", 0.0) or 0.0)
+        if pad + masked < 1:
+            n = float(r["tokens"]) / (1 - pad - masked)
+            total, padding, prompt = total + n, padding + pad * n, prompt + masked * n
+    layout = run.documents[-1] if run.documents else None
+    if not total:
+        return None
+    return Positions(round(total), padding / total, prompt / total, layout)
+
+
+def describe_noise_scale(run: RunMetrics) -> str:
+    """The run's measured noise scale (its last usable smoothed estimate, as ``plan --from-run`` takes it), or
+    why it has none: a run left out of ``noise_scale.png`` says so here."""
+    series = noise_series(run)
+    usable = series.usable()
+    if usable:
+        last = usable[-1]
+        return f"{last.smoothed:,.0f} tokens (the smoothed estimate at step {last.step})"
+    if series.points:
+        return (
+            f"no estimate yet: {plural(len(series.points), 'measurement')}, none positive (the gradient noise still "
+            "drowns the signal); not in noise_scale.png"
+        )
+    return f"not measured: {why_unmeasured(run, run_settings(run.run_dir))}"
 
 
 def summarize(run: RunMetrics) -> RunSummary:
     trained = run.trained
-    timed = [r for r in trained if int(r["step"]) > 1] or trained  # step 1 includes warm-up (and compilation)
     evals = [r for r in run.evals if _finite(r["val_loss"])]
     best = min(evals, key=lambda r: r["val_loss"]) if evals else None
-    mfus = [float(r["mfu"]) for r in timed if _finite(r.get("mfu"))]
+    timed = throughput(trained)
     return RunSummary(
         label=run.label,
         steps=max(int(r["step"]) for r in run.steps),
@@ -93,9 +200,11 @@ def summarize(run: RunMetrics) -> RunSummary:
         best_val_loss=float(best["val_loss"]) if best else None,
         best_val_step=int(best["step"]) if best else None,
         final_val_loss=float(evals[-1]["val_loss"]) if evals else None,
-        mean_tokens_per_s=_mean([float(r["tokens_per_s"]) for r in timed if _finite(r.get("tokens_per_s"))]),
-        mean_mfu=_mean(mfus),
+        throughput=timed,
+        mfu=total_mfu(trained, timed),
         skipped=sum(1 for r in run.steps if r.get("skipped")),
+        positions=positions(run),
+        noise_scale=describe_noise_scale(run),
     )
 
 

@@ -17,12 +17,13 @@ CONFIG_FILE = "config.toml"
 
 @dataclass
 class RunMetrics:
-    """The step and evaluation records of one run's ``metrics.jsonl``, in file order."""
+    """The step, evaluation and documents records of one run's ``metrics.jsonl``, in file order."""
 
     run_dir: Path
     label: str
     steps: list[dict[str, Any]] = field(default_factory=list)  # kind "step"
     evals: list[dict[str, Any]] = field(default_factory=list)  # kind "eval"
+    documents: list[dict[str, Any]] = field(default_factory=list)  # kind "documents": one per session's start
 
     @property
     def trained(self) -> list[dict[str, Any]]:
@@ -39,7 +40,7 @@ class RunMetrics:
 
 
 def read_metrics(run_dir: Path | str, label: str | None = None) -> RunMetrics:
-    """The step and evaluation records of ``RUN_DIR/metrics.jsonl`` (read by
+    """The step, evaluation and documents records of ``RUN_DIR/metrics.jsonl`` (read by
     :func:`bigbatch.observe.metrics.read_records`), labelled ``label`` (default: the directory's name); a missing
     directory or file, or a file without step records, is a BigBatchError."""
     run_dir = Path(run_dir)
@@ -56,6 +57,8 @@ def read_metrics(run_dir: Path | str, label: str | None = None) -> RunMetrics:
             run.steps.append(record)
         elif record.get("kind") == "eval" and "val_loss" in record:
             run.evals.append(record)
+        elif record.get("kind") == "documents":
+            run.documents.append(record)
     if not run.steps:
         raise BigBatchError(f"{path} holds no step records; has the run trained a step yet?")
     return run

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, install_hint
 from bigbatch.settings.choices import (
     DATA_MODE,
     LAST_WINDOW,
@@ -96,7 +96,8 @@ class ModelSection:
     )
     dropout: float = _opt(
         0.0,
-        "dropout probability (0 keeps micro-batch and full-batch gradients identical)",
+        "dropout probability of every dropout in the model, an hf: model's config.json ones included (they are "
+        "replaced: 0 turns them off); 0 keeps micro-batch and full-batch gradients identical",
         range=PROBABILITY,
     )
     activation_checkpointing: bool = _opt(
@@ -275,8 +276,14 @@ class RunSection:
         range=POSITIVE_OR_AUTO,
         legacy_zero=True,
     )
-    tensorboard: bool = _opt(False, "also log to TensorBoard in RUN_DIR/tensorboard (needs: pip install tensorboard)")
-    wandb: str = _opt("", "also log to this Weights & Biases project; WANDB_MODE=offline works without network")
+    tensorboard: bool = _opt(
+        False, f"also log to TensorBoard in RUN_DIR/tensorboard (needs {install_hint('tensorboard')})"
+    )
+    wandb: str = _opt(
+        "",
+        f"also log to this Weights & Biases project; WANDB_MODE=offline works without network (needs "
+        f"{install_hint('wandb')})",
+    )
     eval_every: int = _opt(40, "validation loss every N steps (and at the end); 0 disables", range=NON_NEGATIVE_INT)
     eval_batches: int = _opt(
         0,
@@ -381,6 +388,13 @@ class TrainConfig:
                 if declared is None or (f.metadata.get("auto") and value == 0):  # 0 is how auto is stored
                     continue
                 declared.check(f"--{flag_of(f)} ({section}.{f.name})", value)
+        directory = model_directory(self)
+        if directory and self.model.block_size:
+            flag = f"--init-from {directory}" if self.model.init_from else self.model.preset
+            raise ConfigError(
+                f"--block-size does not apply to {flag}: its context length is its config.json's "
+                "(max_position_embeddings or n_positions); leave --block-size auto, and set --seq-len at most that"
+            )
         if self.model.init_from and self.model.preset.startswith("hf:"):
             raise ConfigError(
                 f"--init-from and --model {self.model.preset} both name a model directory; give one (--model hf:DIR "

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import ConfigError
 from bigbatch.run.config import SECTIONS, TrainConfig, field_of, flag_of, kind_of
-from bigbatch.settings.ranges import Range
+from bigbatch.settings.ranges import AUTO, Range
 
 
-def check_type(where: str, value: Any, expected: type) -> Any:
+def check_type(where: str, value: Any, expected: type, words: tuple[str, ...] = ()) -> Any:
+    """``value`` as ``expected`` (an int is a float too), or :class:`ConfigError` naming the type and the
+    ``words`` (such as ``"auto"``) that the field accepts as well."""
     if expected is bool:
         ok = isinstance(value, bool)
     elif expected is int:
@@ -25,7 +27,8 @@ def check_type(where: str, value: Any, expected: type) -> Any:
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(f"{where} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+        accepted = " or ".join([expected.__name__, *(f'"{word}"' for word in words)])
+        raise ConfigError(f"{where} must be {accepted}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -52,11 +55,22 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, che
                 value = "on" if value else "off"
             else:
                 name = f"{origin}: {section}.{key}"
-                value = check_type(name, value, kind_of(f))
+                allowed = meta.get("choices")
+                if allowed is not None and not isinstance(value, str):  # a word field given a number or a list
+                    words = " or ".join(f'"{word}"' for word in allowed) + (
+                        " (or true/false)" if meta.get("switch") else ""
+                    )
+                    raise ConfigError(f"{name} must be {words}, got {type(value).__name__} {value!r}")
+                value = check_type(name, value, kind_of(f), accepted_words(f))
                 declared: Range | None = meta.get("range")
                 if check_ranges and declared is not None:
                     declared.check(f"{name} (--{flag_of(f)})", value)
             setattr(target, key, value)
+
+
+def accepted_words(f: Field[Any]) -> tuple[str, ...]:
+    """The words a numeric field takes besides its numbers (``auto``), for its type error."""
+    return (AUTO,) if f.metadata.get("auto") else ()
 
 
 def is_zero(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from bigbatch import __version__
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.models import HFConfig, LlamaConfig, ModelConfig
+from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
 from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
 
@@ -23,8 +24,8 @@ def header_lines(parts: RunParts) -> list[str]:
     lines = [
         f"bigbatch {__version__} | device {parts.device} | precision {parts.engine.precision} | parallel "
         f"{parts.parallel} | run {parts.run_dir}",
-        f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train {meta.tokens.get('train', 0):,} tokens "
-        f"| val {meta.tokens.get('val', 0):,} tokens",
+        f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train "
+        f"{plural(meta.tokens.get('train', 0), 'token')} | val {plural(meta.tokens.get('val', 0), 'token')}",
         f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
         f"parameters | {describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
         plan,
@@ -36,7 +37,8 @@ def header_lines(parts: RunParts) -> list[str]:
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
     lines.append(f"order | {describe_order(parts)}")
     if parts.val_loader is not None:
-        lines.append(f"validation | every {parts.config.run.eval_every} steps | {parts.val_loader.describe()}")
+        every = parts.config.run.eval_every
+        lines.append(f"validation | every {'step' if every == 1 else f'{every} steps'} | {parts.val_loader.describe()}")
     return lines
 
 
@@ -64,9 +66,15 @@ def describe_plan(parts: RunParts) -> str:
             f"budget is included whole) | last window: {last_window}"
         )
     if parts.documents:
+        packed = isinstance(parts.train_loader, DocumentLoader) and parts.train_loader.pack
+        rows = (
+            "packed rows: whole documents, or windows of long ones, back to back, positions restarting at each"
+            if packed
+            else "one document, or one window of a long one, per sequence"
+        )
         return (
-            f"{p.describe()} (positions; one document, or one window of a long one, per sequence, normalized by "
-            f"the valid targets of each step) | last window: {last_window}"
+            f"{p.describe()} (positions; {rows}; normalized by the valid targets of each step) | last window: "
+            f"{last_window}"
         )
     return p.describe()
 
@@ -77,10 +85,10 @@ def describe_positions(loader: DocumentLoader) -> str:
     padding, prompt = loader.position_shares()
     other_padding, _ = loader.position_shares(packed=not loader.pack)
     if loader.pack:
-        how = f"packed into {loader.n_sequences:,} rows of {loader.seq_len} (--pack on)"
+        how = f"packed into {plural(loader.n_sequences, 'row')} of {loader.seq_len} (--pack on)"
         other = f"one per row: {other_padding:.1%} padding"
     else:
-        how = f"{loader.n_sequences:,} sequences, one per row of {loader.seq_len} (--pack off)"
+        how = f"{plural(loader.n_sequences, 'sequence')}, one per row of {loader.seq_len} (--pack off)"
         other = f"--pack on: {other_padding:.1%} padding"
     return (
         f"{how}: {padding:.1%} padding, {prompt:.1%} masked prompts, {1 - padding - prompt:.1%} valid targets ({other})"
@@ -90,15 +98,19 @@ def describe_positions(loader: DocumentLoader) -> str:
 def describe_long_documents(loader: DocumentLoader) -> str:
     """The long-document policy of a documents-mode training split and what it costs."""
     total = loader.valid_targets + loader.dropped_targets
-    longer = f"{loader.long_document_count:,} of {loader.n_docs:,} documents longer than seq_len+1={loader.seq_len + 1}"
+    longer = (
+        f"{loader.long_document_count:,} of {plural(loader.n_docs, 'document')} longer than "
+        f"seq_len+1={loader.seq_len + 1}"
+    )
     if loader.long_documents == "split":
         return (
-            f"split into seq_len windows ({loader.sequence_count:,} sequences; {longer}) | "
-            f"0 of {total:,} target tokens dropped"
+            f"split into seq_len windows ({plural(loader.sequence_count, 'sequence')}; {longer}) | "
+            f"0 of {plural(total, 'target token')} dropped"
         )
     share = loader.dropped_targets / total if total else 0.0
     return (
-        f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {total:,} target tokens dropped "
+        f"truncate to seq_len+1 tokens ({longer}) | {loader.dropped_targets:,} of {plural(total, 'target token')} "
+        "dropped "
         f"({share:.1%}); --long-documents split trains on every one"
     )
 

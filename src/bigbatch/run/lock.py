@@ -27,20 +27,36 @@ class RunDirInUse(ConfigError):
 
 
 class RunDirLock:
-    """The held lock of one run directory; :meth:`release` also removes a directory this lock created and
-    nothing wrote into (a run refused after choosing its directory leaves no empty directory behind)."""
+    """The held lock of one run directory; :meth:`release` also removes the directories this lock created
+    (the run directory and any missing parents, such as ``runs/``) that nothing wrote into: a run refused after
+    choosing its directory leaves the tree as it found it."""
 
-    def __init__(self, run_dir: Path, lock: FileLock, created: bool) -> None:
-        self.run_dir, self.lock, self.created = run_dir, lock, created
+    def __init__(self, run_dir: Path, lock: FileLock, created: list[Path] | None = None) -> None:
+        self.run_dir, self.lock, self.created = run_dir, lock, list(created or [])
 
     def release(self) -> None:
         self.lock.release()
-        if self.created:
-            try:
-                self.run_dir.rmdir()  # only when empty
-            except OSError:
-                pass  # written into meanwhile, or gone: leave it as it is
-            self.created = False
+        remove_empty(self.created)
+        self.created = []
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (innermost first) while each is empty."""
+    for directory in directories:
+        try:
+            directory.rmdir()  # only when empty
+        except OSError:
+            break  # written into meanwhile, or gone: leave it and its parents as they are
+
+
+def missing_directories(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    return missing
 
 
 def lock_run_dir(run_dir: Path, wait: bool, say: Say) -> RunDirLock:
@@ -48,14 +64,22 @@ def lock_run_dir(run_dir: Path, wait: bool, say: Say) -> RunDirLock:
     process holds it, unless ``wait``."""
     held = inherited(run_dir / RUN_LOCK)
     if held is not None:
-        return RunDirLock(run_dir, held, created=False)
-    created = not run_dir.exists()
+        return RunDirLock(run_dir, held)
+    created = missing_directories(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (bigbatch.run.files)
-    return RunDirLock(run_dir, hold_directory(run_dir, "run directory", wait, say), created)
+    try:
+        lock = hold_directory(run_dir, "run directory", wait, say)
+    except BaseException:
+        remove_empty(created)
+        raise
+    return RunDirLock(run_dir, lock, created)
 
 
-def hold_directory(directory: Path, what: str, wait: bool, say: Say) -> FileLock:
-    """Hold an existing output ``directory`` (``what`` names it in messages) through its ``.bigbatch-lock``."""
+def hold_directory(
+    directory: Path, what: str, wait: bool, say: Say, wait_flag: str | None = "--wait-for-lock"
+) -> FileLock:
+    """Hold an existing output ``directory`` (``what`` names it in messages) through its ``.bigbatch-lock``;
+    ``wait_flag``: the calling command's flag that waits (``None``: it has none, and the refusal names none)."""
 
     def waiting(holder: Holder | None) -> None:
         say(
@@ -69,9 +93,10 @@ def hold_directory(directory: Path, what: str, wait: bool, say: Say) -> FileLock
         lock = acquire(directory / RUN_LOCK, wait=wait, on_wait=waiting)
     except LockBusy as exc:
         who = exc.holder.describe() if exc.holder else "another process"
+        waits = f", or pass {wait_flag} to go on once it ends" if wait_flag else ""
         raise RunDirInUse(
             f"{what} {directory} is in use by another bigbatch process ({who}); nothing was written: wait for it "
-            "to end or stop it, or pass --wait-for-lock to go on once it ends"
+            f"to end or stop it{waits}"
         ) from None
     if lock.stale is not None:
         say(

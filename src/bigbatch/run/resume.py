@@ -11,6 +11,7 @@ from bigbatch.data.tokenizers import is_file_tokenizer
 from bigbatch.engine.optim import CosineSchedule
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.observe.metrics import METRICS_FILE
+from bigbatch.progress import plural
 from bigbatch.run.checkpoint import (
     CHECKPOINT_DIR,
     latest_valid_checkpoint,
@@ -175,12 +176,14 @@ def resumed_schedule(document: dict[str, Any], config: Any, step: int) -> tuple[
     decay = opt.decay_steps or run.max_steps
     warmup = saved.warmup_steps if step >= saved.warmup_steps else min(opt.warmup_steps, decay)
     if decay < warmup:
-        raise ConfigError(f"--extend-schedule: the decay would end at step {decay}, before the warmup ({warmup} steps)")
+        raise ConfigError(
+            f"--extend-schedule: the decay would end at step {decay}, before the warmup ({plural(warmup, 'step')})"
+        )
     schedule = CosineSchedule(saved.max_lr, saved.min_lr, warmup, decay)
     if schedule == saved:
         return saved, f"--extend-schedule: the schedule is unchanged (decay ends at step {decay})"
     return schedule, (
         f"--extend-schedule: the cosine decay now ends at step {decay} (was {saved.decay_steps}), warmup "
-        f"{warmup} steps; lr at step {step + 1} is {schedule(step):.2e} (the kept schedule would give "
+        f"{plural(warmup, 'step')}; lr at step {step + 1} is {schedule(step):.2e} (the kept schedule would give "
         f"{saved(step):.2e})"
     )

@@ -282,6 +282,8 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
         )
     schedule, schedule_note = resumed_schedule(document, config, int(document["engine"]["step_count"]))
     state.load_state_dict(document, schedule, new_data=bool(changed), say=say)
+    if state.step >= config.run.max_steps:
+        return  # complete: the trainer says so, and nothing resumes (nor changes in the run directory)
     if p.dist.is_main:
         truncate_metrics(p.run_dir, state.step)
     saved_world = int(document.get("world_size", 1))

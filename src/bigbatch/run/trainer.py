@@ -26,6 +26,7 @@ from bigbatch.models import LanguageModel, ModelConfig
 from bigbatch.models.sampling import sample_text
 from bigbatch.observe.metrics import (
     MetricsSink,
+    Throughput,
     format_noise_scale,
     format_step,
     mfu,
@@ -33,7 +34,7 @@ from bigbatch.observe.metrics import (
 )
 from bigbatch.parallel.distributed import DistContext, resolve_device, unwrap
 from bigbatch.parallel.signals import StopRequest
-from bigbatch.progress import ProgressBar
+from bigbatch.progress import ProgressBar, plural
 from bigbatch.run.branch import branch_run
 from bigbatch.run.build import RunParts, build_run
 from bigbatch.run.config import TrainConfig
@@ -53,7 +54,7 @@ class TrainResult:
     tokens_seen: int
     final_loss: float
     val_loss: float | None
-    tokens_per_s: float  # mean over steps after the first (which includes warm-up)
+    tokens_per_s: float  # valid target tokens / seconds of the session's steps after its first (see _LoopTally)
     sample: str | None
     stopped_by: int = 0  # the signal that stopped the run early, or 0
 
@@ -64,7 +65,8 @@ class _LoopTally:
 
     record: StepRecord | None = None
     val_loss: float | None = None
-    rates: list[float] = field(default_factory=list)  # tokens/s of the steps after the first
+    first: StepRecord | None = None  # the session's first applied step: it includes warm-up (and compilation)
+    timed: Throughput | None = None  # the session's applied steps after the first: their tokens and seconds
     consecutive_skips: int = 0
     empty_steps: EmptyStepGuard = field(default_factory=EmptyStepGuard)
     stopped_by: int = 0
@@ -72,12 +74,37 @@ class _LoopTally:
     padding: int = 0
     prompt: int = 0
 
+    def applied(self, record: StepRecord) -> None:
+        """Count an applied step's tokens and time toward the throughput, unless it is the session's first."""
+        if self.first is None:
+            self.first = record
+        elif self.timed is None:
+            self.timed = Throughput(record.tokens, record.dt, record.step, record.step)
+        else:
+            t = self.timed
+            self.timed = Throughput(t.tokens + record.tokens, t.seconds + record.dt, t.first_step, record.step)
+
     @property
-    def mean_rate(self) -> float:
-        """Over the steps after the first; a finished run of one step reports that step's."""
-        if self.rates:
-            return sum(self.rates) / len(self.rates)
-        return self.record.tokens_per_s if self.record and not self.stopped_by else 0.0
+    def throughput(self) -> Throughput | None:
+        """Total tokens over total time of the session's steps after its first (a ratio of totals, not a mean of
+        the steps' rates); a session of one step: that step's, said to include warm-up; none before a step."""
+        if self.timed is not None:
+            return self.timed
+        first = self.first
+        return None if first is None else Throughput(first.tokens, first.dt, first.step, first.step, warm_up=True)
+
+
+def critical_batch_line(estimate: float, measurements: int, how: str, tokens_per_step: int) -> str:
+    """The end-of-run line on the measured critical batch (the smoothed noise scale ``estimate``, in tokens),
+    against the run's tokens per step (``how``: ``used`` or ``ended at``); while the estimate is not positive (or
+    NaN), it says there is none yet."""
+    used = f"this run {how} {tokens_per_step:,} tokens per step"
+    if estimate > 0:
+        return f"measured critical batch about {format_noise_scale(estimate)} tokens; {used}"
+    return (
+        f"critical batch: no estimate yet (the smoothed noise scale is not positive after "
+        f"{plural(measurements, 'measurement')}: the gradient noise still drowns the signal; train longer); {used}"
+    )
 
 
 def prefetch_depth(parts: RunParts) -> int:
@@ -273,15 +300,14 @@ class Trainer:
             seen.consecutive_skips += 1
             if seen.consecutive_skips >= run.max_consecutive_skips:
                 raise TrainingError(
-                    f"{seen.consecutive_skips} consecutive steps had a non-finite gradient (loss {record.loss}); "
-                    "the run is diverging: lower --lr, check the data, or use bf16 rather than fp16"
+                    f"{plural(seen.consecutive_skips, 'consecutive step')} had a non-finite gradient (loss "
+                    f"{record.loss}); the run is diverging: lower --lr, check the data, or use bf16 rather than fp16"
                 )
             self._check_stop(seen, stop, saved=False)
             return
         seen.consecutive_skips = 0
         self.state.tokens_seen += record.tokens
-        if record.step > 1:
-            seen.rates.append(record.tokens_per_s)
+        seen.applied(record)
         last = record.step == run.max_steps
         at_eval = self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last)
         if record.step % run.log_every == 0 or last or stop.signum:
@@ -329,10 +355,10 @@ class Trainer:
             if metrics:
                 metrics.write_eval(step, result.loss, val_tokens=result.tokens)
             self._say(
-                "eval step %d | val loss %.4f | %s tokens | %.1fs",
+                "eval step %d | val loss %.4f | %s | %.1fs",
                 step,
                 result.loss,
-                f"{result.tokens:,}",
+                plural(result.tokens, "token"),
                 time.perf_counter() - started,
             )
         elif not stop.signum:
@@ -382,7 +408,9 @@ class Trainer:
         if self._saved_step:
             kept = f"the newest checkpoint is step {self._saved_step}"
         else:
-            kept = f"no checkpoint yet: the {step} steps so far would be lost" if step else "nothing trained yet"
+            kept = (
+                f"no checkpoint yet: the {plural(step, 'step')} so far would be lost" if step else "nothing trained yet"
+            )
         if self.progress is not None:
             self.progress.clear()
         sys.stderr.write(
@@ -423,13 +451,11 @@ class Trainer:
             except BigBatchError as exc:  # e.g. the GPT-2 encoding cannot be downloaded: the run itself is done
                 self._say("no sample: %s", exc, level=logging.WARNING)
         assert seen.record is not None
-        mean_mfu = self._mfu(seen.mean_rate)
         self._say(
-            "done | %d steps | %s tokens | mean tok/s %s%s | final loss %.4f%s",
-            self.state.step,
-            f"{self.state.tokens_seen:,}",
-            f"{seen.mean_rate:,.0f}",
-            f" | mean mfu {mean_mfu:.1%}" if mean_mfu is not None else "",
+            "done | %s | %s%s | final loss %.4f%s",
+            plural(self.state.step, "step"),
+            plural(self.state.tokens_seen, "token"),
+            self._describe_throughput(seen.throughput),
             seen.record.loss,
             f" | val loss {seen.val_loss:.4f}" if seen.val_loss is not None else "",
         )
@@ -444,6 +470,15 @@ class Trainer:
         self._say_noise_scale(seen.record)
         return self._result(seen, sample)
 
+    def _describe_throughput(self, throughput: Throughput | None) -> str:
+        """`` | tok/s 4,331 (tokens / time of steps 2..120) | mfu 3.1% (at that tok/s)``: MFU from the same ratio
+        of totals; nothing when no step applied an update."""
+        if throughput is None:
+            return ""
+        text = f" | {throughput.describe()}"
+        value = self._mfu(throughput.tokens_per_s)
+        return text + (f" | mfu {value:.1%} (at that tok/s)" if value is not None else "")
+
     def _say_noise_scale(self, last: StepRecord | None) -> None:
         """The measured critical batch (the smoothed gradient noise scale) against this run's tokens per step: the
         last step's size when steps have one size or a ramp grows it, else the mean over the run's steps."""
@@ -454,12 +489,7 @@ class Trainer:
             used, how = last.tokens, "ended at" if self.parts.ramp is not None else "used"
         else:
             used, how = round(self.state.tokens_seen / self.state.step), "used"
-        self._say(
-            "measured critical batch about %s tokens; this run %s %s tokens per step",
-            format_noise_scale(noise.estimate),
-            how,
-            f"{used:,}",
-        )
+        self._say("%s", critical_batch_line(noise.estimate, noise.scale.measurements, how, used))
 
     def _result(self, seen: _LoopTally, sample: str | None) -> TrainResult:
         return TrainResult(
@@ -468,7 +498,7 @@ class Trainer:
             tokens_seen=self.state.tokens_seen,
             final_loss=seen.record.loss if seen.record else float("nan"),
             val_loss=seen.val_loss,
-            tokens_per_s=seen.mean_rate,
+            tokens_per_s=seen.throughput.tokens_per_s if seen.throughput else 0.0,
             sample=sample,
             stopped_by=seen.stopped_by,
         )

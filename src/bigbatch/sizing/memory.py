@@ -427,7 +427,10 @@ def sweep_memory(
     hf = is_hf_name(model)  # hf:DIR: its config.json's vocabulary, whatever --vocab-size says
     config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not hf else {}))
     if seq_len > config.block_size:
-        raise BigBatchError(f"--seq-len {seq_len} exceeds the {model} block size {config.block_size}")
+        raise BigBatchError(
+            f"--seq-len {seq_len} exceeds the {model} block size {config.block_size:,}; lower --seq-len to at most "
+            f"{config.block_size:,}, or leave it auto (the block size)"
+        )
     sizes = micro_batch_sizes(max_micro_batch)
     rows = []
     with ProgressBar(len(sizes), label="measured", stream=stream, min_interval=0) as bar:  # only on a TTY

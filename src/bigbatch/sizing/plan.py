@@ -113,6 +113,39 @@ def parse_count(text: str) -> int:
     return value
 
 
+_SOLVED_NAMES = {"micro_batch": "micro-batch", "accumulation_steps": "K", "world_size": "devices"}
+
+
+def count_name(tokens: int) -> str:
+    """``tokens`` as a count it can be typed as, when one is shorter: 2,097,152 is ``2Mi``, 2,000,000 ``2M``."""
+    for suffix in ("Gi", "G", "Mi", "M", "Ki", "K"):
+        if tokens % _SUFFIXES[suffix.lower()] == 0 and tokens // _SUFFIXES[suffix.lower()] < 1000:
+            return f"{tokens:,} = {tokens // _SUFFIXES[suffix.lower()]}{suffix}"
+    return f"{tokens:,}"
+
+
+def not_a_multiple(total_tokens: int, unit_tokens: int, solved_for: str) -> str:
+    """Why ``total_tokens`` does not solve (it is no multiple of the ``unit_tokens`` each unit of ``solved_for``
+    adds), naming the multiples on either side."""
+    name = _SOLVED_NAMES[solved_for]
+    below, above = total_tokens // unit_tokens, total_tokens // unit_tokens + 1
+    neighbours = [f"{count_name(above * unit_tokens)} ({name} {above})"]
+    if below > 0:
+        neighbours.insert(0, f"{count_name(below * unit_tokens)} ({name} {below})")
+    return (
+        f"--tokens-per-step {total_tokens:,} is not a multiple of the {unit_tokens:,} tokens each increment of "
+        f"{name} adds, so {name} would not be whole; the nearest that are: {' or '.join(neighbours)}"
+    )
+
+
+_FLAGS = {"micro_batch": "--micro-batch", "accumulation_steps": "--k", "world_size": "--devices"}
+"""The ``bigbatch plan`` flag of each quantity :func:`solve_plan` derives (its messages name the flags)."""
+
+
+def _flags(names: list[str]) -> str:
+    return ", ".join(_FLAGS[name] for name in names)
+
+
 @dataclass(frozen=True)
 class SolvedPlan:
     plan: BatchPlan
@@ -130,12 +163,14 @@ def solve_plan(
     micro_batch: int | None = None,
     accumulation_steps: int | None = None,
     world_size: int | None = None,
+    exact: bool = False,
 ) -> SolvedPlan:
     """Derive the missing one of micro_batch, K and world size (world defaults to 1 when two are missing).
 
-    When the token budget is not a whole number of micro-batches on every device,
-    the number of sequences is rounded to the nearest multiple that is (never to
-    zero), and the plan reports the total it came to.
+    When the token budget is not a whole number of micro-batches on every device: with ``exact`` (a budget the
+    user typed, as ``bigbatch plan --tokens-per-step`` and ``train`` take it) a :class:`PlanError` names both
+    neighbours; without it (a measured noise scale, an estimate) the number of sequences is rounded to the
+    nearest multiple that is (never to zero), and the plan reports the total it came to.
     """
     _require_positive(seq_len=seq_len)
     given = {"micro_batch": micro_batch, "accumulation_steps": accumulation_steps, "world_size": world_size}
@@ -145,7 +180,8 @@ def solve_plan(
     if total_tokens is None:
         missing = [n for n, v in given.items() if v is None]
         if missing and missing != ["world_size"]:
-            raise PlanError(f"without --tokens-per-step, give micro-batch and K (missing: {', '.join(missing)})")
+            needed = [n for n in missing if n != "world_size"]  # devices default to 1
+            raise PlanError(f"without --tokens-per-step, give --micro-batch and --k (missing: {_flags(needed)})")
         plan = BatchPlan(micro_batch, seq_len, accumulation_steps, world_size or 1)  # type: ignore[arg-type]
         return SolvedPlan(plan, None, "")
     _require_positive(total_batch_tokens=total_tokens)
@@ -154,19 +190,23 @@ def solve_plan(
         given["world_size"] = world_size = 1
         missing.remove("world_size")
     if len(missing) > 1:
-        raise PlanError(f"give all but one of micro-batch, K and devices (missing: {', '.join(missing)})")
+        raise PlanError(
+            f"give all but one of --micro-batch, --k and --devices (missing: {_flags(missing)}; devices default to 1)"
+        )
     target = missing[0] if missing else "accumulation_steps"
     others = [int(v) for n, v in given.items() if n != target and v is not None]  # the two given quantities
     granularity = others[0] * others[1]  # sequences per unit of the solved quantity
     sequences = total_tokens / seq_len
     units = max(1, round(sequences / granularity))
+    if exact and missing and units * granularity * seq_len != total_tokens:
+        raise PlanError(not_a_multiple(total_tokens, granularity * seq_len, target))
     if missing:
         given[target] = units
     elif given[target] != units:
         raise PlanError(
             f"micro_batch x K x devices x seq_len = {micro_batch} x {accumulation_steps} x {world_size} x {seq_len} "
             f"= {micro_batch * accumulation_steps * world_size * seq_len:,} tokens, not {total_tokens:,}; "  # type: ignore[operator]
-            "leave one of them out to derive it"
+            "leave one of them out (--micro-batch, --k or --devices) to derive it"
         )
     plan = BatchPlan(given["micro_batch"], seq_len, given["accumulation_steps"], given["world_size"])  # type: ignore[arg-type]
     return SolvedPlan(plan, total_tokens, target if missing else "")

@@ -88,7 +88,8 @@ def report_plan(
     if solved.plan.seq_len > model_config.block_size:
         if isinstance(model_config, HFConfig):  # its context is its config.json's: it cannot grow here
             raise ConfigError(
-                f"--seq-len {solved.plan.seq_len} exceeds {model_name}'s context length {model_config.block_size:,}"
+                f"--seq-len {solved.plan.seq_len} exceeds {model_name}'s context length {model_config.block_size:,} "
+                f"(its config.json's); lower --seq-len to at most {model_config.block_size:,}, or leave it out"
             )
         model_config = model_preset(model_name, block_size=solved.plan.seq_len, **overrides)
     measured = None

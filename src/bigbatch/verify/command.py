@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -19,7 +19,7 @@ from bigbatch.verify import (
     check_distributed_equivalence,
     check_equivalence,
 )
-from bigbatch.verify.packing import packed_documents
+from bigbatch.verify.packing import MIN_VOCAB, packed_documents, position_mismatch
 
 
 @dataclass
@@ -30,6 +30,7 @@ class VerifyCase:
     batch: tuple[torch.Tensor, ...] | None = None
     loss_fn: VerifyLossFn | None = None
     unpacked: tuple[torch.Tensor, ...] | None = None  # packed batch: the same documents one per row
+    packing_problems: list[str] = field(default_factory=list)  # what the loader's packed rows got wrong
 
 
 def load_factory(spec: str) -> VerifyCase:
@@ -97,7 +98,8 @@ def build_case(
     packed: bool = False,
 ) -> VerifyCase:
     """The model (a preset or ``factory``) with its batch: the factory's own, or ``samples`` random sequences
-    (with ``packed``, rows packed with random documents, and the same documents one per row)."""
+    (with ``packed``, rows of random documents packed by the training loader, the same documents one per row,
+    and whether the loader's positions restart at each document)."""
     torch.manual_seed(seed)  # the same model on every rank
     case = load_factory(factory) if factory else preset_case(preset_name, vocab_size, dropout)
     if case.batch is None:
@@ -106,7 +108,14 @@ def build_case(
             raise BigBatchError("the factory's model has no config.vocab_size; give --vocab-size")
         generator = torch.Generator().manual_seed(seed)
         if packed:
+            if vocab < MIN_VOCAB:
+                raise BigBatchError(f"--packed needs a vocabulary of at least {MIN_VOCAB} tokens; raise --vocab-size")
             case.batch, case.unpacked = packed_documents(samples, seq_len, vocab, generator)
+            mismatch = position_mismatch(case.batch[0], case.batch[2])
+            if mismatch:
+                case.packing_problems.append(
+                    f"the training loader's positions do not restart at each document: {mismatch}"
+                )
         else:
             case.batch = token_batch(samples, seq_len, vocab, ragged, generator)
     elif packed:
@@ -142,7 +151,7 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
     )
     assert case.batch is not None  # build_case gives every case a batch
     try:
-        return check_equivalence(
+        report = check_equivalence(
             case.model,
             case.batch,
             loss_fn=case.loss_fn,
@@ -156,6 +165,8 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc
+    report.packing_problems[:0] = case.packing_problems  # the loader's positions, before the gradients
+    return report
 
 
 def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bool]:
@@ -184,4 +195,5 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
             device=device,
             tolerance=s.tolerance or 1e-5,
         )
+        report.packing_problems[:0] = case.packing_problems
         return report, dist.is_main

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from bigbatch.engine.accumulate import token_loss_sum
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
-from bigbatch.models.coupling import cross_sample_modules
+from bigbatch.models.coupling import cross_sample_modules, set_dropout
 from bigbatch.verify.report import Finding
 
 VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]
@@ -48,18 +48,10 @@ def disable_dropout(model: nn.Module) -> list[str]:
 
     Probabilities are zeroed rather than modules put in eval mode, because some
     attention implementations read ``dropout.p`` guarded by their *own* training
-    flag (Hugging Face's GPT-2 does). Call this on a copy.
+    flag (Hugging Face's GPT-2 does), or a float attribute of their own
+    (``attention_dropout`` in transformers' Llama). Call this on a copy.
     """
-    disabled = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.p > 0.0:
-                module.p = 0.0
-                disabled.append(name or "<root>")
-        elif isinstance(getattr(module, "dropout", None), float) and module.dropout > 0.0:
-            module.dropout = 0.0  # e.g. nn.MultiheadAttention, bigbatch's attention
-            disabled.append(name or "<root>")
-    return disabled
+    return list(dict.fromkeys(site.module for site in set_dropout(model, 0.0)))
 
 
 def scan_cross_sample_modules(model: nn.Module) -> list[Finding]:

@@ -86,6 +86,7 @@ class EquivalenceReport:
     splits: list[SplitResult] = field(default_factory=list)
     buffers_compared: int = 0
     packing_rel_diff: float | None = None  # packed rows vs the same documents one per row, full-batch gradients
+    packing_problems: list[str] = field(default_factory=list)  # e.g. the loader's positions, its valid counts
 
     @property
     def reasons(self) -> list[str]:
@@ -110,6 +111,7 @@ class EquivalenceReport:
         for f in self.findings:
             if f.kind != "buffer":
                 out.append(f"{f.module} [{f.kind}] {f.detail}")
+        out += self.packing_problems
         if self.packing_rel_diff is not None and not self.packing_rel_diff <= self.tolerance:
             out.append(
                 f"packed rows give another gradient than the same documents one per row (relative L2 difference "
@@ -124,7 +126,7 @@ class EquivalenceReport:
             return not self.reasons
         within = self.total_rel_diff <= self.tolerance and all(p.within_tolerance for p in self.params)
         packing = self.packing_rel_diff is None or self.packing_rel_diff <= self.tolerance
-        return within and packing and not self.findings
+        return within and packing and not self.findings and not self.packing_problems
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain values (``bigbatch verify --json``)."""
@@ -139,6 +141,7 @@ class EquivalenceReport:
             "update_rel_diff": self.update_rel_diff,
             "seconds": self.seconds,
             "packing_rel_diff": self.packing_rel_diff,
+            "packing_problems": self.packing_problems,
             "mistakes": {m.name: m.rel_diff for m in self.mistakes},
             "findings": [asdict(f) for f in self.findings],
             "dropout_disabled": self.dropout_disabled,
@@ -172,6 +175,7 @@ class EquivalenceReport:
                 f"packed rows vs the same documents one per row: relative L2 difference {self.packing_rel_diff:.2e} "
                 f"(tolerance {self.tolerance:.0e})"
             )
+        lines += [f"breaks packing: {problem}" for problem in self.packing_problems]
         worst = sorted(self.params, key=lambda p: p.rel_diff, reverse=True)[:top]
         if worst:
             width = max(len(p.name) for p in worst)
@@ -232,6 +236,7 @@ class DistributedReport:
     findings: list[Finding] = field(default_factory=list)  # batch-coupled modules found by type
     buffers: list[str] = field(default_factory=list)  # "rank R: name" for buffers that differ from the full batch's
     buffers_compared: int = 0
+    packing_problems: list[str] = field(default_factory=list)  # what the training loader's packed rows got wrong
 
     @property
     def equivalent(self) -> bool:
@@ -240,6 +245,7 @@ class DistributedReport:
             and self.total_rel_diff <= self.tolerance
             and not self.findings
             and not self.buffers
+            and not self.packing_problems
         )
 
     def format(self) -> str:
@@ -255,5 +261,6 @@ class DistributedReport:
             "compared on each rank" + (": " + ", ".join(self.buffers) if self.buffers else ""),
         ]
         lines += [f"breaks equivalence: {f.module} [{f.kind}] {f.detail}" for f in self.findings]
+        lines += [f"breaks packing: {problem}" for problem in self.packing_problems]
         lines.append(f"verdict: {'EQUIVALENT' if self.equivalent else 'NOT EQUIVALENT'}")
         return "\n".join(lines)

@@ -27,7 +27,7 @@ from bigbatch.engine.rng import seed_rank_generators
 from bigbatch.models import LanguageModel
 from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
-from bigbatch.run.build.checks import check_config
+from bigbatch.run.build.checks import check_batch, check_config
 from bigbatch.run.build.data import Loader, build_loaders, open_run_data
 from bigbatch.run.build.engine import build_optimizer, wrap_for_training
 from bigbatch.run.build.model import build_run_model
@@ -90,6 +90,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     """Every part of the run, on every rank alike (rank 0 prepares data; the others wait and find it)."""
     seq_len_auto = config.batch.seq_len in (0, "auto")  # auto is stored as 0 (or set as the word from Python)
     config = check_config(config)
+    check_batch(config, dist.world_size)  # before the run directory is made
     seed_everything(config.run.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

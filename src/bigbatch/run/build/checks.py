@@ -35,6 +35,18 @@ def check_config(config: TrainConfig) -> TrainConfig:
     return resolve_seq_len(config)
 
 
+def check_batch(config: TrainConfig, world_size: int) -> None:
+    """The batch arithmetic of a resolved config, when the settings alone decide it (a micro-batch given, no token
+    budget): a total that does not divide, or a ramp that starts below one micro-batch, is refused before any
+    directory is made."""
+    batch = config.batch
+    if batch.micro_batch and not batch.token_budget:
+        full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
+        spec = parse_ramp(batch.batch_ramp)
+        if spec is not None:
+            BatchRamp(spec, full)  # START_TOKENS below one micro-batch per process
+
+
 def check_before_launch(config: TrainConfig, world_size: int) -> None:
     """Raise the :class:`~bigbatch.errors.BigBatchError` a worker would raise at start-up, if any."""
     config = check_config(config)
@@ -44,11 +56,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
         out = Path(run.out)
         require_own_dir(out, "run directory", "--out", RUN_MARKER, is_legacy_run)
         find_resume_checkpoint(out, run.resume, run.overwrite, is_main=False)
-    if batch.micro_batch and not batch.token_budget:
-        full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
-        spec = parse_ramp(batch.batch_ramp)
-        if spec is not None:
-            BatchRamp(spec, full)  # START_TOKENS below one micro-batch per process
+    check_batch(config, world_size)
     dataset = open_dataset(prepare_data(config))
     if not config.model.init_from:
         preset_shape(config, dataset.vocab_size)  # the shape only: no weights are allocated here

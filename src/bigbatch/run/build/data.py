@@ -19,6 +19,7 @@ from bigbatch.data.tokenizers import carries_tokenizer_json, get_tokenizer, mode
 from bigbatch.data.validation import ValidationWindows, validation_windows
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
+from bigbatch.progress import plural
 from bigbatch.run.config import TrainConfig, model_directory
 from bigbatch.sizing.plan import BatchPlan
 
@@ -137,7 +138,7 @@ def build_loader(
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
             f"the {name} split of {dataset.directory} holds no valid targets: each of its "
-            f"{loader.n_docs:,} documents is a single token or wholly masked (e.g. a prompt with an empty "
+            f"{plural(loader.n_docs, 'document')} is a single token or wholly masked (e.g. a prompt with an empty "
             "completion), so there is nothing to train on or score; fix the data"
         )
     return loader

@@ -14,6 +14,7 @@ from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.models import LanguageModel, fsdp_units
 from bigbatch.models.hf_causal import CompiledOrEager, HFCausalLM
 from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
+from bigbatch.progress import plural
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.resume import initial_schedule
 
@@ -61,9 +62,9 @@ def build_optimizer(
     schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)
     if opt.warmup_steps > schedule.warmup_steps and resume_from is None:
         say(
-            "warmup_steps %d is longer than the run (%d steps): warming up over all %d",
+            "warmup_steps %d is longer than the run (%s): warming up over all %d",
             opt.warmup_steps,
-            schedule.decay_steps,
+            plural(schedule.decay_steps, "step"),
             schedule.warmup_steps,
             level=logging.WARNING,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from bigbatch.data.tokenizers import check_tokenizer_fits, is_file_tokenizer
 from bigbatch.errors import ConfigError
 from bigbatch.models import HFConfig, LanguageModel, ModelConfig, build_model, hf_shape, is_hf_name, model_preset
 from bigbatch.models.coupling import cross_sample_modules
-from bigbatch.models.hf_causal import HFCausalLM, build_hf_model, training_notes
+from bigbatch.models.hf_causal import HFCausalLM, build_hf_model, dropout_note, dropout_settings, training_notes
+from bigbatch.models.hf_files import read_config
 from bigbatch.models.pretrained import load_pretrained
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.config import TrainConfig
@@ -33,6 +35,7 @@ def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device,
     model = model_from_config(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
     check_exactness(model, config.model.preset, say)
+    say_dropout(config, model, say)
     model.chunked_loss = chunked_loss(config, model, say)
     pack = packs_documents(config, dataset, model, say)
     dataset.check_token_ids(model.config.vocab_size)
@@ -54,11 +57,11 @@ def model_from_config(config: TrainConfig, vocab_size: int, tokenizer: str = "")
             )
         if config.model.dropout:
             raise ConfigError("dropout with --init-from is not supported; leave --dropout at 0")
-        check_seq_len(config, model.config.block_size, f"init from {config.model.init_from}")
+        check_seq_len(config, model.config.block_size, f"--init-from {config.model.init_from}", from_directory=True)
         return model
     shape = preset_shape(config, vocab_size)
     if isinstance(shape, HFConfig):  # hf:DIR: its weights when the directory has them, else seeded from config.json
-        return build_hf_model(shape, weights=True)
+        return build_hf_model(shape, weights=True, dropout=config.model.dropout)  # --dropout replaces config.json's
     return build_model(shape)
 
 
@@ -80,17 +83,11 @@ def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
     context; a model bigbatch cannot train exactly is refused here, before any weight is read."""
     name = config.model.preset
     shape = hf_shape(name)
-    if config.model.block_size:
-        raise ConfigError(
-            f"--block-size does not apply to {name}: its context length is its config.json's ({shape.block_size:,})"
-        )
-    if config.model.dropout:
-        raise ConfigError(f"--dropout does not apply to {name}: its config.json sets its dropout; leave --dropout at 0")
     check_tokenizer_fits(vocab_size, shape.vocab_size, "the data's tokenizer")
     refusal, _ = training_notes(shape)
     if refusal:
         raise ConfigError(refusal)
-    check_seq_len(config, shape.block_size, name)
+    check_seq_len(config, shape.block_size, name, from_directory=True)
     return shape
 
 
@@ -108,6 +105,31 @@ def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
         _, warning = training_notes(model.config)
         if warning:
             say("%s", warning, level=logging.WARNING)
+
+
+def say_dropout(config: TrainConfig, model: LanguageModel, say: Say) -> None:
+    """Say, before the first step, that dropout makes micro-batch and full-batch gradients differ, and what
+    ``--dropout`` did to an ``hf:`` model's own (its config.json's dropout is replaced: 0 by default)."""
+    if isinstance(model, HFCausalLM):
+        note = dropout_note(model.config, config.model.dropout)
+        if note:
+            say("%s", note, level=logging.WARNING)
+    elif config.model.init_from:  # bigbatch's own GPT-2 or Llama: no dropout, whatever config.json says
+        own = dropout_settings(read_config(Path(config.model.init_from), kind="GPT-2 or Llama"))
+        listed = ", ".join(f"{key} {value:g}" for key, value in sorted(own.items()) if value)
+        if listed:
+            say(
+                "--init-from %s: its config.json sets dropout (%s); trained without it, so micro-batch and "
+                "full-batch gradients are identical",
+                config.model.init_from,
+                listed,
+            )
+    elif config.model.dropout:
+        say(
+            "dropout %g (--dropout): micro-batch and full-batch gradients differ (each micro-batch draws its own "
+            "masks); --dropout 0 keeps them identical",
+            config.model.dropout,
+        )
 
 
 def chunked_loss(config: TrainConfig, model: LanguageModel, say: Say) -> bool:
@@ -144,9 +166,18 @@ def packs_documents(config: TrainConfig, dataset: Dataset, model: LanguageModel,
     return True
 
 
-def check_seq_len(config: TrainConfig, block_size: int, name: str) -> None:
-    if config.batch.seq_len > block_size:
+def check_seq_len(config: TrainConfig, block_size: int, name: str, from_directory: bool = False) -> None:
+    """Refuse a seq_len longer than the model's context, with the fix that applies to it: a preset's context is
+    ``--block-size``'s to raise; a model directory's is its config.json's, so only ``--seq-len`` can give."""
+    if config.batch.seq_len <= block_size:
+        return
+    if from_directory:
         raise ConfigError(
-            f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={block_size}; "
-            "lower --seq-len or raise --block-size"
+            f"seq_len={config.batch.seq_len} exceeds {name}'s context length {block_size:,} (its config.json's "
+            f"max_position_embeddings or n_positions, which --block-size cannot change); lower --seq-len to at most "
+            f"{block_size:,}, or leave it auto"
         )
+    raise ConfigError(
+        f"seq_len={config.batch.seq_len} exceeds {name}'s block_size={block_size}; "
+        f"lower --seq-len or raise --block-size to at least {config.batch.seq_len}"
+    )
