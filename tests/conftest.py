@@ -10,11 +10,10 @@ import fast_suite
 import outside_stop
 import pytest
 import torch
-from outside_stop import (  # noqa: F401 (hooks and a fixture: pytest finds them by name here)
+from outside_stop import (  # noqa: F401 (hooks: pytest finds them by name here)
     pytest_runtest_makereport,
     pytest_runtest_setup,
     pytest_unconfigure,
-    send_own_sigterm,
 )
 from tiny import VOCAB
 

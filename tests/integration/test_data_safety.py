@@ -4,9 +4,10 @@ contradicting --tokenizer, long documents, invalid UTF-8, and stop signals in ev
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -149,7 +150,7 @@ def documents_data(tmp_path: Path, n: int = 60) -> Path:
     return jsonl(tmp_path / "docs.jsonl", [completion(i, f" answer number {i} is long enough") for i in range(n)])
 
 
-def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path, send_own_sigterm: Callable[[], None]) -> None:
+def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path) -> None:
     trainer = Trainer(small_config(tmp_path, documents_data(tmp_path)))
     calls = 0
 
@@ -157,7 +158,7 @@ def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path, send_own_sigterm: 
         nonlocal calls
         calls += 1
         if calls == 3:
-            send_own_sigterm()
+            os.kill(os.getpid(), signal.SIGTERM)
         if calls > 50:
             raise AssertionError("SIGTERM was ignored by the loop that skips empty steps")
         batch = MicroBatch(torch.zeros(2, 16, dtype=torch.long), torch.full((2, 16), IGNORE_INDEX))
@@ -168,7 +169,7 @@ def test_sigterm_is_honoured_in_the_skip_loop(tmp_path: Path, send_own_sigterm: 
     assert result.stopped_by == signal.SIGTERM and calls == 3
 
 
-def test_sigterm_is_honoured_inside_an_eval(tmp_path: Path, send_own_sigterm: Callable[[], None]) -> None:
+def test_sigterm_is_honoured_inside_an_eval(tmp_path: Path) -> None:
     trainer = Trainer(small_config(tmp_path, documents_data(tmp_path, 200), eval_every=1, eval_batches=1000))
     scored = {"eval": 0}
     loss_fn = trainer.engine.loss_fn
@@ -177,7 +178,7 @@ def test_sigterm_is_honoured_inside_an_eval(tmp_path: Path, send_own_sigterm: Ca
         if not model.training:
             scored["eval"] += 1
             if scored["eval"] == 2:
-                send_own_sigterm()
+                os.kill(os.getpid(), signal.SIGTERM)
         return loss_fn(model, batch)
 
     trainer.engine.loss_fn = counting
@@ -189,16 +190,14 @@ def test_sigterm_is_honoured_inside_an_eval(tmp_path: Path, send_own_sigterm: Ca
     assert not [r for r in records if r.get("kind") == "eval"]
 
 
-def test_sigterm_during_prepare_exits_143_and_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, send_own_sigterm: Callable[[], None]
-) -> None:
+def test_sigterm_during_prepare_exits_143_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import bigbatch.data.encode as encode
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
     real = encode._encode_piece
 
     def interrupted(*args: object) -> np.ndarray:
-        send_own_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(encode, "_encode_piece", interrupted)
@@ -358,9 +357,7 @@ def test_prepare_reports_invalid_utf8_under_a_text_tokenizer(tmp_path: Path) -> 
     assert "utf8_replacements" not in json.loads(Path("byte/meta.json").read_text())["extra"]
 
 
-def test_sigterm_ends_sampling_with_exit_143(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, send_own_sigterm: Callable[[], None]
-) -> None:
+def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import bigbatch.models.sampling as sampling
 
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
@@ -371,7 +368,7 @@ def test_sigterm_ends_sampling_with_exit_143(
     def next_token(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
-            send_own_sigterm()
+            os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sampling, "_next_token", next_token)

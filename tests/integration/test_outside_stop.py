@@ -17,25 +17,37 @@ pytestmark = pytest.mark.slow  # three pytest runs of their own
 CHILD_TESTS = """
 import os
 import signal
+import subprocess
+import time
 
 from bigbatch.parallel.signals import StopRequest
 
 
+def from_outside():
+    # a time limit's SIGTERM: sent by another process
+    subprocess.run(["kill", "-TERM", str(os.getpid())], check=True)
+    time.sleep(0.5)  # the handler runs in the main thread at its next bytecode
+
+
 def test_a_listener_absorbs_it():
     with StopRequest() as stop:  # what a trainer inside pytest installs: a polite stop
-        os.kill(os.getpid(), signal.SIGTERM)  # stands in for a time limit's SIGTERM
+        from_outside()
     assert stop.signum == 0, "an unrelated assertion the stop makes fail"
 
 
 def test_nothing_listens():
-    os.kill(os.getpid(), signal.SIGTERM)
+    from_outside()
     assert False, "an unrelated assertion after the signal"
 
 
-def test_its_own_signal(send_own_sigterm):
-    with StopRequest() as stop:
-        send_own_sigterm()
+def test_its_own_signal():
+    with StopRequest() as stop:  # as a test, or bigbatch's fault injection, stops the code under test
+        os.kill(os.getpid(), signal.SIGTERM)
     assert stop.signum == signal.SIGTERM
+
+
+def test_its_own_signal_with_nothing_listening():
+    signal.raise_signal(signal.SIGTERM)  # only the guard's handler: no alarm either
 
 
 def test_after():
@@ -64,4 +76,4 @@ def test_an_outside_sigterm_ends_the_run_with_the_guards_line(tmp_path: Path, fi
 def test_a_tests_own_sigterm_is_no_alarm(tmp_path: Path) -> None:
     done = run_child(tmp_path, "-k", "test_its_own_signal or test_after")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout and OUTSIDE_SIGTERM not in done.stdout
+    assert "3 passed" in done.stdout and OUTSIDE_SIGTERM not in done.stdout

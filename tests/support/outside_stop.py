@@ -4,13 +4,15 @@ clear line, instead of surfacing as an unrelated failed assertion.
 Why it needs care: a trainer running inside pytest installs its own SIGTERM handler (a polite stop: finish the
 step, save, return), so an outside SIGTERM makes that test's run stop early and fail somewhere else, on an
 assertion about steps or files. Python writes the number of every signal it handles to the wakeup file
-descriptor, whoever's handler then runs, so the guard counts them there: after each test, SIGTERMs beyond those
-the test sent itself (through :meth:`OutsideStopGuard.send_own_sigterm`) came from outside, the test is reported
-as stopped from outside, and the session stops. Outside any handler of the code under test, the guard's own
-handler ends the session at once.
+descriptor, whoever's handler then runs, so the guard counts them there. A process sends itself a signal only
+through ``os.kill``, ``os.killpg`` or ``signal.raise_signal`` (a test on purpose, or bigbatch's own fault
+injection, ``BIGBATCH_FAULT=sigterm:...``), so the guard wraps those and counts the SIGTERMs they aim at this
+process: after each test, SIGTERMs beyond those came from outside, the test is reported as stopped from
+outside, and the session stops. Outside any handler of the code under test, the guard's own handler ends the
+session at once.
 
-The hooks and the ``send_own_sigterm`` fixture below are imported by ``tests/conftest.py`` (a plugin:
-``pytest -p outside_stop`` loads them in a run of its own, as the guard's test does).
+The hooks below are imported by ``tests/conftest.py`` (a plugin: ``pytest -p outside_stop`` loads them in a run
+of its own, as the guard's test does).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -33,24 +36,36 @@ class OutsideStopGuard:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self._write_fd, False)
-        self._own_sent = 0  # SIGTERMs the current test sent to its own process
+        self._own_sent = 0  # SIGTERMs this process sent itself since the last count
+        self._originals: dict[tuple[Any, str], Callable[..., None]] = {}
 
     def install(self) -> None:
-        """Point Python's signal wakeup descriptor at the guard and handle SIGTERM (call again to re-arm it if
-        anything else took the descriptor)."""
+        """Point Python's signal wakeup descriptor at the guard, handle SIGTERM, and count the SIGTERMs this
+        process sends itself."""
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        me = os.getpid()
+        self._wrap(os, "kill", lambda pid, sig: pid in (me, 0, -os.getpgid(me)) and sig == signal.SIGTERM)
+        self._wrap(os, "killpg", lambda pgid, sig: pgid in (0, os.getpgid(me)) and sig == signal.SIGTERM)
+        self._wrap(signal, "raise_signal", lambda sig: sig == signal.SIGTERM)
+
+    def _wrap(self, module: Any, name: str, aims_at_me: Callable[..., bool]) -> None:
+        original = getattr(module, name)
+        self._originals[(module, name)] = original
+
+        def counted(*args: Any) -> None:
+            if aims_at_me(*args):
+                self._own_sent += 1
+            original(*args)
+
+        setattr(module, name, counted)
 
     def rearm(self) -> None:
+        """Take the wakeup descriptor back, in case the code under test pointed it elsewhere."""
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
 
-    def send_own_sigterm(self) -> None:
-        """What a test that stops the code under test on purpose calls instead of ``os.kill(os.getpid(), ...)``."""
-        self._own_sent += 1
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def outside_sigterms(self) -> int:
-        """SIGTERMs received since the last call that the test did not send itself; resets the test's own count."""
+        """SIGTERMs received since the last call that this process did not send itself; resets its own count."""
         received = 0
         while True:
             try:
@@ -65,10 +80,12 @@ class OutsideStopGuard:
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self._own_sent:
-            return  # the test's own signal with nothing of the code under test listening: counted after the test
+            return  # this process's own signal with nothing of the code under test listening: counted after the test
         pytest.exit(OUTSIDE_SIGTERM, returncode=128 + signal.SIGTERM)
 
     def close(self) -> None:
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         signal.set_wakeup_fd(-1)
         os.close(self._read_fd)
         os.close(self._write_fd)
@@ -102,9 +119,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = OUTSIDE_SIGTERM
         item.session.shouldstop = OUTSIDE_SIGTERM
     return report
-
-
-@pytest.fixture
-def send_own_sigterm(request: pytest.FixtureRequest) -> Callable[[], None]:
-    """Send SIGTERM to this process on purpose (the guard then does not count it as coming from outside)."""
-    return request.config.stash[_GUARD].send_own_sigterm
