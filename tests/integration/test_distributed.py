@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -220,8 +221,7 @@ def test_token_budget_on_documents_across_two_ranks_matches_one_process(tmp_path
 
     def k_and_tokens(stdout: str) -> list[str]:  # "K 4 | tokens 153" of each step line (not the noise scale: the
         # two ranks measure it, each from its own micro-batch; one process with K = 1 planned does not)
-        lines = [line for line in stdout.splitlines() if line.startswith("step ")]
-        return [line.split(" | K ")[1].split(" | noise scale")[0] for line in lines]
+        return re.findall(r"^step .*?\| (K \d+ \| tokens \d+)", stdout, flags=re.MULTILINE)
 
     assert k_and_tokens(one.stdout) == k_and_tokens(two.stdout) and len(k_and_tokens(one.stdout)) == 3
     a, b = final_state(tmp_path / "one"), final_state(tmp_path / "two")
