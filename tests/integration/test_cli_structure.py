@@ -15,6 +15,7 @@ from bigbatch.errors import ConfigError
 from bigbatch.run.config import SECTIONS, TrainConfig
 from bigbatch.settings import choices
 from bigbatch.settings.choices import DATA_MODE, PRECISION, SWITCH, Choices
+from bigbatch.settings.ranges import AUTO
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -84,6 +85,27 @@ def test_cli_choices_come_from_bigbatch_choices() -> None:
     assert option(parsers["prepare"], "--mode").choices is DATA_MODE
     assert option(parsers["train"], "--compile").choices is SWITCH
     assert ", ".join(choices.TOKENIZER_NAMES) in option(parsers["prepare"], "--tokenizer").help
+
+
+def test_the_model_flags_commands_share_take_the_models_own_vocabulary() -> None:
+    """plan, memory and verify read --vocab-size alike: auto, the model's own, unless a number is given (memory
+    once assumed 256 byte tokens, which left out most of GPT-2's head)."""
+    parsers = subparsers()
+    for name in ("plan", "memory", "verify"):
+        vocab = option(parsers[name], "--vocab-size")
+        assert vocab.default == AUTO and vocab.type("auto") == AUTO, name
+        assert vocab.type("256") == 256 and "auto: the model's" in vocab.help, name
+
+
+@pytest.mark.slow  # a fresh process per measured size
+def test_memory_measures_the_models_own_vocabulary_unless_told(capsys: pytest.CaptureFixture[str]) -> None:
+    from bigbatch.cli.app import main
+
+    base = ["memory", "--model", "pico", "--seq-len", "8", "--max-micro-batch", "1", "--k", "2", "--device", "cpu"]
+    assert main(base) == 0
+    assert capsys.readouterr().out.startswith("pico | vocab 50,257 | seq_len 8 |")  # GPT-2's tokenizer, as trained
+    assert main([*base, "--vocab-size", "256"]) == 0
+    assert capsys.readouterr().out.startswith("pico | vocab 256 | seq_len 8 |")
 
 
 def choice_fields() -> list[tuple[str, str, Choices, str]]:

@@ -95,7 +95,7 @@ def test_memory_cli_measures_a_llama_preset(tmp_path: Path, capsys: pytest.Captu
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert out.startswith("llama-pico | seq_len 32 | fp32 | cpu") and "activations grow linearly" in out
+    assert out.startswith("llama-pico | vocab 50,257 | seq_len 32 | fp32 | cpu") and "activations grow linearly" in out
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision
+from bigbatch.cli.common import add_precision, add_vocab_size
 from bigbatch.settings.ranges import AUTO, MEMORY_K, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."
@@ -29,9 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
     parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
-    parser.add_argument(
-        "--vocab-size", type=POSITIVE_INT.argtype(), default=256, help="default: 256 (byte tokens); hf:DIR: its own"
-    )
+    add_vocab_size(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument(
         "--no-chunked-loss",
@@ -64,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len,
         args.max_micro_batch,
         k=args.k,
-        vocab_size=args.vocab_size,
+        vocab_size=0 if args.vocab_size == AUTO else args.vocab_size,  # 0: the model's
         device=device,
         precision=resolve_precision(args.precision, device),
         activation_checkpointing=args.activation_checkpointing,

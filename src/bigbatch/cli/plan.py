@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision
+from bigbatch.cli.common import add_precision, add_vocab_size
 from bigbatch.errors import BigBatchError, PlanError
 from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
@@ -55,13 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run's",
     )
     parser.add_argument("--model", help="a preset (GPT or Llama) or hf:DIR, for memory (and with --measure, step time)")
-    parser.add_argument(
-        "--vocab-size",
-        type=POSITIVE_INT_OR_AUTO.argtype(),
-        default=AUTO,
-        metavar="N|auto",
-        help="vocabulary; auto: the preset's, 50257 (llama3.2-1b: 128256) (default: auto)",
-    )
+    add_vocab_size(parser)
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser, default="auto")
     parser.add_argument("--device", default="auto")

@@ -6,14 +6,13 @@ import argparse
 import os
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision
+from bigbatch.cli.common import add_precision, add_vocab_size
 from bigbatch.files.atomic import write_json_atomically
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,
-    POSITIVE_INT_OR_AUTO,
     PROBABILITY,
     SEED,
 )
@@ -38,13 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="tokens per sequence, at most the model's block size (default: 64, which every preset holds)",
     )
-    parser.add_argument(
-        "--vocab-size",
-        type=POSITIVE_INT_OR_AUTO.argtype(),
-        default=AUTO,
-        metavar="N|auto",
-        help="vocabulary; auto: the model's (default: auto)",
-    )
+    add_vocab_size(parser)
     parser.add_argument(
         "--dropout",
         type=PROBABILITY.argtype(),

@@ -387,6 +387,7 @@ class MemorySweep:
     """Measured micro-steps of one model for micro-batch sizes 1, 2, 4, ..., with the activation estimates."""
 
     model: str
+    vocab_size: int  # the measured model's: its head and logits are part of every row
     seq_len: int
     precision: str
     device: torch.device
@@ -400,9 +401,8 @@ class MemorySweep:
         how = "allocator peaks" if self.device.type == "cuda" else "peak resident memory of a fresh process per size"
         checkpointing = " | activation checkpointing" if self.activation_checkpointing else ""
         loss = "" if self.chunked_loss else " | whole logits (--no-chunked-loss)"
-        header = (
-            f"{self.model} | seq_len {self.seq_len} | {self.precision} | {self.device} ({how}){checkpointing}{loss}"
-        )
+        shape = f"{self.model} | vocab {self.vocab_size:,} | seq_len {self.seq_len}"
+        header = f"{shape} | {self.precision} | {self.device} ({how}){checkpointing}{loss}"
         note = f"\nestimate: {HF_ESTIMATE_UNAVAILABLE}" if is_hf_name(self.model) else ""
         return header + "\n" + memory_report(self.rows, self.estimates) + note
 
@@ -424,7 +424,7 @@ def sweep_memory(
 
     Progress goes to ``stream`` (default: stderr): a redrawn bar on a terminal, else a line per size."""
     stream = sys.stderr if stream is None else stream
-    hf = is_hf_name(model)  # hf:DIR: its config.json's vocabulary, whatever --vocab-size says
+    hf = is_hf_name(model)  # hf:DIR: its config.json's vocabulary, whatever --vocab-size says; 0: the preset's
     config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not hf else {}))
     if seq_len > config.block_size:
         raise BigBatchError(
@@ -455,4 +455,6 @@ def sweep_memory(
     estimates = (
         {} if hf else {s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes}
     )
-    return MemorySweep(model, seq_len, precision, device, activation_checkpointing, chunked_loss, rows, estimates)
+    return MemorySweep(
+        model, config.vocab_size, seq_len, precision, device, activation_checkpointing, chunked_loss, rows, estimates
+    )
