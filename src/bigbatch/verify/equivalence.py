@@ -129,15 +129,8 @@ def check_equivalence(
     one of its :attr:`~EquivalenceReport.packing_problems`).
     """
     started = time.perf_counter()
-    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    tensors, splits = _checked_inputs(batch, k, splits)
     samples = tensors[0].shape[0]
-    if any(t.shape[0] != samples for t in tensors):
-        raise ValueError("every tensor of the batch must share its first (sample) dimension")
-    if not 1 <= k <= samples:
-        raise ValueError(f"k must be between 1 and the number of samples ({samples}), got {k}")
-    splits = list(dict.fromkeys(splits))
-    if not splits or any(s not in SPLITS for s in splits):
-        raise ValueError(f"splits must be one or more of {', '.join(SPLITS)}, got {', '.join(splits) or 'none'}")
     device = torch.device(device)
     precision = resolve_precision(precision, device)
     tolerance = DEFAULT_TOLERANCE[precision] if tolerance is None else tolerance
@@ -159,54 +152,16 @@ def check_equivalence(
         raise ValueError("the batch holds no valid items to average over")
 
     full = runner.run([full_batch], n_total)
-    packing_rel_diff: float | None = None
-    packing_problems: list[str] = []
-    if unpacked is not None:
-        one_per_row = TensorBatch(tuple(unpacked))
-        n_unpacked = runner.count(one_per_row)
-        if n_unpacked == n_total:
-            packing_rel_diff = rel_diff(runner.run([one_per_row], n_total).flat, full.flat)
-        else:  # the packed rows lost or gained targets: their gradient cannot be the documents'
-            packing_problems.append(
-                f"the packed rows hold {n_total:,} valid targets, the same documents one per row {n_unpacked:,}"
-            )
+    packing_rel_diff, packing_problems = _packing_comparison(runner, unpacked, full, n_total)
     before = flat([p.detach() for p in base.parameters()])
     full.engine.optimizer.step()
     update_full = flat([p.detach() for p in full.model.parameters()]) - before
     buffers_full = buffers_of(full.model)
 
     findings = scan_cross_sample_modules(base)
-    results: list[SplitResult] = []
-    update_rel_diff = 0.0
-    for split in splits:
-        indices = split_indices(samples, k, split, seed)
-        parts = [TensorBatch(tuple(t[idx] for t in tensors)) for idx in indices]
-        sizes = [int(idx.numel()) for idx in indices]
-        try:
-            acc = runner.run(parts, n_total)
-        except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refuses a micro-batch of one sample
-            if split == splits[0]:
-                raise
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            results.append(SplitResult(split, sizes, [], [], math.inf, 0.0, math.inf, [], tolerance, message))
-            continue
-        acc.engine.optimizer.step()
-        if split == splits[0]:
-            update_rel_diff = rel_diff(flat([p.detach() for p in acc.model.parameters()]) - before, update_full)
-        result = SplitResult(
-            name=split,
-            sizes=sizes,
-            valid_counts=[runner.count(p) for p in parts],
-            params=compare_params(full.grads, acc.grads, tolerance),
-            total_rel_diff=rel_diff(acc.flat, full.flat),
-            total_cosine=cosine(acc.flat, full.flat),
-            max_abs_diff=(acc.flat - full.flat).abs().max().item(),
-            buffers=compare_buffers(buffers_full, buffers_of(acc.model), tolerance),
-            tolerance=tolerance,
-        )
-        results.append(result)
-        comparisons = compare_calls(full.calls, acc.calls, sizes, torch.cat(indices))
-        findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
+    results, update_rel_diff = _compare_splits(
+        runner, tensors, splits, k, seed, n_total, full, before, update_full, buffers_full, tolerance, findings
+    )
 
     return EquivalenceReport(
         packing_rel_diff=packing_rel_diff,
@@ -227,6 +182,100 @@ def check_equivalence(
         seconds=time.perf_counter() - started,
         splits=results,
         buffers_compared=len(buffers_full),
+    )
+
+
+def _compare_splits(
+    runner: _Runner,
+    tensors: tuple[torch.Tensor, ...],
+    splits: list[str],
+    k: int,
+    seed: int,
+    n_total: int,
+    full: _Pass,
+    before: torch.Tensor,
+    update_full: torch.Tensor,
+    buffers_full: dict[str, torch.Tensor],
+    tolerance: float,
+    findings: list[Finding],
+) -> tuple[list[SplitResult], float]:
+    """Accumulate each split's micro-batches and compare them with the full batch (``findings`` gains what each
+    split breaks); (the splits' results, the first split's optimizer-update difference)."""
+    results: list[SplitResult] = []
+    samples = tensors[0].shape[0]
+    update_rel_diff = 0.0
+    for split in splits:
+        indices = split_indices(samples, k, split, seed)
+        parts = [TensorBatch(tuple(t[idx] for t in tensors)) for idx in indices]
+        sizes = [int(idx.numel()) for idx in indices]
+        try:
+            acc = runner.run(parts, n_total)
+        except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refuses a micro-batch of one sample
+            if split == splits[0]:
+                raise
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            results.append(SplitResult(split, sizes, [], [], math.inf, 0.0, math.inf, [], tolerance, message))
+            continue
+        acc.engine.optimizer.step()
+        if split == splits[0]:
+            update_rel_diff = rel_diff(flat([p.detach() for p in acc.model.parameters()]) - before, update_full)
+        result = _split_result(split, sizes, [runner.count(p) for p in parts], full, acc, buffers_full, tolerance)
+        results.append(result)
+        comparisons = compare_calls(full.calls, acc.calls, sizes, torch.cat(indices))
+        findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
+    return results, update_rel_diff
+
+
+def _checked_inputs(
+    batch: torch.Tensor | Sequence[torch.Tensor], k: int, splits: Sequence[str]
+) -> tuple[tuple[torch.Tensor, ...], list[str]]:
+    """The batch's tensors and the splits without repeats, or a ValueError saying what does not fit."""
+    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    samples = tensors[0].shape[0]
+    if any(t.shape[0] != samples for t in tensors):
+        raise ValueError("every tensor of the batch must share its first (sample) dimension")
+    if not 1 <= k <= samples:
+        raise ValueError(f"k must be between 1 and the number of samples ({samples}), got {k}")
+    unique = list(dict.fromkeys(splits))
+    if not unique or any(s not in SPLITS for s in unique):
+        raise ValueError(f"splits must be one or more of {', '.join(SPLITS)}, got {', '.join(unique) or 'none'}")
+    return tensors, unique
+
+
+def _packing_comparison(
+    runner: _Runner, unpacked: Sequence[torch.Tensor] | None, full: _Pass, n_total: int
+) -> tuple[float | None, list[str]]:
+    """The packed rows' full-batch gradient against the same documents each in its own row: (relative
+    difference, or ``None`` when not compared; problems)."""
+    if unpacked is None:
+        return None, []
+    one_per_row = TensorBatch(tuple(unpacked))
+    n_unpacked = runner.count(one_per_row)
+    if n_unpacked != n_total:  # the packed rows lost or gained targets: their gradient cannot be the documents'
+        return None, [f"the packed rows hold {n_total:,} valid targets, the same documents one per row {n_unpacked:,}"]
+    return rel_diff(runner.run([one_per_row], n_total).flat, full.flat), []
+
+
+def _split_result(
+    split: str,
+    sizes: list[int],
+    valid_counts: list[int],
+    full: _Pass,
+    acc: _Pass,
+    buffers_full: dict[str, torch.Tensor],
+    tolerance: float,
+) -> SplitResult:
+    """One split's accumulated gradient and buffers against the full batch's."""
+    return SplitResult(
+        name=split,
+        sizes=sizes,
+        valid_counts=valid_counts,
+        params=compare_params(full.grads, acc.grads, tolerance),
+        total_rel_diff=rel_diff(acc.flat, full.flat),
+        total_cosine=cosine(acc.flat, full.flat),
+        max_abs_diff=(acc.flat - full.flat).abs().max().item(),
+        buffers=compare_buffers(buffers_full, buffers_of(acc.model), tolerance),
+        tolerance=tolerance,
     )
 
 
