@@ -6,7 +6,9 @@ how to fix it. The CLI prints it without a traceback and exits non-zero.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,13 @@ def require_creatable_dir(path: Path, what: str) -> None:
             if not candidate.is_dir():
                 raise ConfigError(f"{what} {path} cannot be created: {candidate} is a file; choose another path")
             return
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``; did you mean --micro-batch?`` for the known name nearest a mistyped ``word`` (as git suggests one), or
+    ``""`` when none is near."""
+    nearest = difflib.get_close_matches(word, list(known), n=1)
+    return f"; did you mean {nearest[0]}?" if nearest else ""
 
 
 EXTRAS: dict[str, str] = {

@@ -4,7 +4,6 @@ closed pipe, signal or exhausted memory becomes an exit code (and at most one li
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ from typing import Any
 from bigbatch import __version__
 from bigbatch.cli import critical_batch, evaluate, export, memory, plan, prepare, report, sample, train, verify
 from bigbatch.cli.output import CurrentStdoutHandler, out_of_memory, out_of_memory_advice, silence_stdout
-from bigbatch.errors import EXIT_USER_ERROR, BigBatchError
+from bigbatch.errors import EXIT_USER_ERROR, BigBatchError, did_you_mean
 from bigbatch.parallel.launch import peer_exit_code, record_quiet_exit, record_user_error
 
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a writer ended by a closed pipe
@@ -49,9 +48,7 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse's signature says NoReturn
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:
-            nearest = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)
-            if nearest:
-                message += f"; did you mean {nearest[0]}?"
+            message += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
@@ -78,9 +75,7 @@ def unknown_flag(parser: argparse.ArgumentParser, words: list[str]) -> UsageErro
         flag = word.split("=", 1)[0]
         if any(known.startswith(flag) for known in flags):
             continue
-        nearest = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
-        hint = f"; did you mean {nearest[0]}?" if nearest else ""
-        return UsageError(f"unknown flag {flag}{hint} (see {parser.prog} --help)")
+        return UsageError(f"unknown flag {flag}{did_you_mean(flag, flags)} (see {parser.prog} --help)")
     return None
 
 

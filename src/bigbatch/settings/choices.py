@@ -5,10 +5,9 @@ This module imports nothing heavy (no torch), so the command line can build its 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -22,8 +21,7 @@ class Choices:
         """``value`` when allowed; else a one-line error naming the setting and the choices."""
         if value not in self.values:
             allowed = self.listed() if len(self.values) <= 2 else f"one of {', '.join(self.values)}"
-            nearest = difflib.get_close_matches(value, self.values, n=1) if isinstance(value, str) else []
-            hint = f"; did you mean {nearest[0]}?" if nearest else ""
+            hint = did_you_mean(value, self.values) if isinstance(value, str) else ""
             raise ConfigError(f"{self.setting} must be {allowed}, got {value!r}{hint}")
         return str(value)
 

@@ -119,8 +119,9 @@ _SOLVED_NAMES = {"micro_batch": "micro-batch", "accumulation_steps": "K", "world
 def count_name(tokens: int) -> str:
     """``tokens`` as a count it can be typed as, when one is shorter: 2,097,152 is ``2Mi``, 2,000,000 ``2M``."""
     for suffix in ("Gi", "G", "Mi", "M", "Ki", "K"):
-        if tokens % _SUFFIXES[suffix.lower()] == 0 and tokens // _SUFFIXES[suffix.lower()] < 1000:
-            return f"{tokens:,} = {tokens // _SUFFIXES[suffix.lower()]}{suffix}"
+        unit = _SUFFIXES[suffix.lower()]
+        if tokens % unit == 0 and tokens // unit < 1000:
+            return f"{tokens:,} = {tokens // unit}{suffix}"
     return f"{tokens:,}"
 
 
