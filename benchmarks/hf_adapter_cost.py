@@ -22,7 +22,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import Llama, llama_preset
-from bigbatch.models.hf_causal import build_hf_model, read_hf_config
+from bigbatch.models.hf.model import build_hf_model, read_hf_config
 from bigbatch.models.llama.hf import save_hf_llama
 
 B, T, K = 8, 128, 4

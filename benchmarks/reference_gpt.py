@@ -15,7 +15,7 @@ The loop: per step, set the learning rate, zero gradients, for each of ``accum``
 tensors of 2+ dims, betas (0.9, 0.95), eps 1e-8), and bigbatch's default schedule (linear warmup, cosine decay
 to ``min_lr_ratio x lr`` at ``decay_steps``, 0 meaning the last step). Windows come from a 1-D token array at
 random (seeded: ``B`` random offsets per micro-batch) or sequentially (window ``j`` starts at ``j * B * T``, as
-bigbatch's packed loader reads one process; it wraps when the next window would run past the end).
+bigbatch's token-stream loader reads one process; it wraps when the next window would run past the end).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.shards import TokenDataset
-from bigbatch.data.stream import PackedLoader
+from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import CosineSchedule, build_adamw
@@ -120,7 +120,7 @@ def main() -> None:
         root = Path(tmp)
         corpus, corpus_line = generated_corpus(root, 300_000)
         dataset = ensure_prepared(str(corpus), "byte", 0.1, root / "cache")  # once, before timing
-        loader = PackedLoader(TokenDataset(dataset).shard_arrays("train"), B, T)
+        loader = TokenStreamLoader(TokenDataset(dataset).shard_arrays("train"), B, T)
         batches = [loader.next_micro_batch() for _ in range(STEPS * K)]  # the Trainer's first STEPS steps
         config = make_config(dataset, root / "unused")
 

@@ -47,8 +47,8 @@ import torch
 
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.dataset import open_dataset
-from bigbatch.data.validation import validation_windows
-from bigbatch.data.windows import PackedWindows
+from bigbatch.data.validation_windows import validation_windows
+from bigbatch.data.windows import TokenStreamWindows
 from bigbatch.models import preset
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer
@@ -242,7 +242,7 @@ def main() -> int:
         dataset = open_dataset(ensure_prepared(data, "byte", 0.1, work / "cache"))
         val = validation_windows(dataset, "val", B, T, eval_batches=0, whole=True)
         assert val.whole
-        windows = PackedWindows(dataset.shard_arrays("val"), T)
+        windows = TokenStreamWindows(dataset.shard_arrays("val"), T)
         reference_windows = []
         for start in range(0, windows.count, B):  # the same windows bigbatch's evaluation reads
             batch = windows.read(list(range(start, min(start + B, windows.count))))

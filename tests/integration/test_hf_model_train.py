@@ -19,7 +19,7 @@ from hf_models import CLASSES, save_hf
 from reliability_runs import cli_args, final_model, run_cli, step_losses
 
 from bigbatch.models import HFCausalLM, Llama, llama_preset
-from bigbatch.models.hf_causal import build_hf_model, read_hf_config
+from bigbatch.models.hf.model import build_hf_model, read_hf_config
 from bigbatch.models.llama.hf import save_hf_llama
 from bigbatch.run import checkpoint as ckpt
 from bigbatch.run.config import TrainConfig

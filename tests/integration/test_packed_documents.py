@@ -13,7 +13,7 @@ from exactness import assert_big_batch_updates, capture_training
 from helpers import assert_one_line_error, run_main
 from reliability_runs import final_model
 
-from bigbatch.models.hf_causal import HFCausalLM
+from bigbatch.models.hf.model import HFCausalLM
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer
 

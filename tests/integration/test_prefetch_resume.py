@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import corpus_bytes
 
-from bigbatch.data.stream import PackedLoader
+from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.run import checkpoint as ckpt
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer
@@ -72,7 +72,7 @@ def test_resume_from_a_checkpoint_saved_while_reading_ahead_is_bitwise(tmp_path:
     # the same loader, unwrapped, that read exactly 3 steps x K = 3 micro-batches
     plain = Trainer(config(tmp_path / "plain", 3)).parts.train_loader
     if shuffle == "off":
-        assert isinstance(plain, PackedLoader)
+        assert isinstance(plain, TokenStreamLoader)
     for _ in range(3 * 3):
         plain.next_micro_batch()
     assert saved["loader"] == plain.state_dict()

@@ -357,15 +357,15 @@ def test_a_hung_peer_becomes_an_error_within_the_timeout(corpus: Path, tmp_path:
 
 
 def test_loader_state_from_a_smaller_world_continues_in_the_next_shard() -> None:
-    from bigbatch.data.stream import PackedLoader
+    from bigbatch.data.stream import TokenStreamLoader
 
     shards = [np.arange(1000, dtype=np.uint16), np.arange(1000, 2000, dtype=np.uint16)]
-    single = PackedLoader(shards, micro_batch=2, seq_len=50)  # global window 100
+    single = TokenStreamLoader(shards, micro_batch=2, seq_len=50)  # global window 100
     for _ in range(8):
         single.next_micro_batch()
     state = single.state_dict()
     assert state["offset"] == 800
-    two = [PackedLoader(shards, micro_batch=2, seq_len=50, rank=r, world_size=2) for r in range(2)]  # window 200
+    two = [TokenStreamLoader(shards, micro_batch=2, seq_len=50, rank=r, world_size=2) for r in range(2)]  # window 200
     for loader in two:
         loader.load_state_dict(state)  # 800 + 200 + 1 > 1000: no whole window left in shard 0
     first = two[0].next_micro_batch()

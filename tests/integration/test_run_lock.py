@@ -20,7 +20,7 @@ from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.prepare import preparation_lock
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.run.checkpoint import list_checkpoints
-from bigbatch.run.lock import RUN_LOCK
+from bigbatch.run.run_dir_lock import RUN_LOCK
 
 pytestmark = pytest.mark.slow
 

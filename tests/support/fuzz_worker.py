@@ -142,7 +142,7 @@ def run_bigbatch(
     checkpoint = load_checkpoint(resolve_checkpoint(result.run_dir))["model"] if dist.is_main else None
     gathered = dist.all_gather_object(calls)
     model_config = trainer.model_config.to_dict()
-    model_family = family_of(trainer.model)
+    model_family = family_of(trainer.model).name
     del trainer
     gc.collect()  # DDP/FSDP objects sit in reference cycles: free them while the process group lives
     if not dist.is_main:

@@ -1,4 +1,4 @@
-"""The data pipeline: the packed loader, dataset preparation, caching, shard reading, tokenizers."""
+"""The data pipeline: the token-stream loader, dataset preparation, caching, shard reading, tokenizers."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import bigbatch.data.cache as cache_module
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import META_FILE, TokenDataset
-from bigbatch.data.stream import PackedLoader
+from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 
 # --------------------------------------------------------------------------------------------
-# PackedLoader
+# TokenStreamLoader
 # --------------------------------------------------------------------------------------------
 
 
@@ -33,7 +33,7 @@ def flat(batch) -> list[int]:
 
 
 def test_targets_are_inputs_shifted_by_one_token() -> None:
-    loader = PackedLoader([shard(100)], micro_batch=2, seq_len=4)
+    loader = TokenStreamLoader([shard(100)], micro_batch=2, seq_len=4)
     batch = loader.next_micro_batch()
     assert batch.inputs.shape == (2, 4) and batch.targets.shape == (2, 4)
     assert batch.inputs.dtype == torch.int64 and batch.targets.dtype == torch.int64
@@ -49,7 +49,7 @@ def test_targets_are_inputs_shifted_by_one_token() -> None:
 
 def test_token_values_above_int16_survive() -> None:
     data = np.array([40_000 + i for i in range(9)], dtype=np.uint16)
-    batch = PackedLoader([data], micro_batch=1, seq_len=8).next_micro_batch()
+    batch = TokenStreamLoader([data], micro_batch=1, seq_len=8).next_micro_batch()
     assert batch.inputs.flatten().tolist() == list(range(40_000, 40_008))
 
 
@@ -58,7 +58,7 @@ def test_two_ranks_read_disjoint_windows_that_tile_the_global_window() -> None:
     window = B * T  # 8 tokens per rank
     n_windows = 5
     data = shard(window * world * n_windows + 1)  # exactly 5 global windows
-    ranks = [PackedLoader([data], B, T, rank=r, world_size=world) for r in range(world)]
+    ranks = [TokenStreamLoader([data], B, T, rank=r, world_size=world) for r in range(world)]
     seen: list[int] = []
     for j in range(n_windows):
         per_rank = [flat(loader.next_micro_batch()) for loader in ranks]
@@ -74,7 +74,7 @@ def test_two_ranks_read_disjoint_windows_that_tile_the_global_window() -> None:
 
 def test_rank_outside_world_size_is_rejected() -> None:
     with pytest.raises(ValueError):
-        PackedLoader([shard(100)], 2, 4, rank=2, world_size=2)
+        TokenStreamLoader([shard(100)], 2, 4, rank=2, world_size=2)
 
 
 def test_wraps_to_rank_start_of_first_shard_and_counts_epochs() -> None:
@@ -82,7 +82,7 @@ def test_wraps_to_rank_start_of_first_shard_and_counts_epochs() -> None:
     global_window = B * T * world  # 16
     data = shard(global_window * 3 + 10)  # 3 full global windows plus a short tail of 10 tokens
     for rank in range(world):
-        loader = PackedLoader([data], B, T, rank=rank, world_size=world)
+        loader = TokenStreamLoader([data], B, T, rank=rank, world_size=world)
         first = flat(loader.next_micro_batch())
         assert first[0] == rank * B * T
         loader.next_micro_batch()
@@ -102,7 +102,7 @@ def test_multi_shard_traversal_skips_tails_and_short_shards() -> None:
         shard(40, base=20_000),  # windows at 0, 8, 16, 24; tail skipped
         shard(3, base=30_000),  # far too short: skipped
     ]
-    loader = PackedLoader(shards, B, T)
+    loader = TokenStreamLoader(shards, B, T)
     assert loader.usable == [0, 2]
     expected_starts = [0, 8, 16, 24, 32, 40, 20_000, 20_008, 20_016, 20_024]
     starts = []
@@ -121,7 +121,7 @@ def test_multi_shard_traversal_skips_tails_and_short_shards() -> None:
 def test_multi_shard_two_ranks_cover_each_shard_without_overlap() -> None:
     B, T, world = 1, 4, 2  # 4 tokens per rank, global window 8 (+1)
     shards = [shard(30, base=0), shard(5, base=10_000), shard(20, base=20_000)]
-    ranks = [PackedLoader(shards, B, T, rank=r, world_size=world) for r in range(world)]
+    ranks = [TokenStreamLoader(shards, B, T, rank=r, world_size=world) for r in range(world)]
     # shard 0: global windows at 0, 8, 16 (24 + 9 > 30); shard 1 skipped; shard 2: 0, 8 (16 + 9 > 20)
     expected_global = [0, 8, 16, 20_000, 20_008]
     for g in expected_global:
@@ -137,8 +137,8 @@ def test_multi_shard_two_ranks_cover_each_shard_without_overlap() -> None:
 def test_state_dict_round_trip_resumes_identically(rank: int, world: int, consumed: int) -> None:
     shards = [shard(70, base=0), shard(4, base=5_000), shard(45, base=10_000)]
 
-    def make() -> PackedLoader:
-        return PackedLoader(shards, 2, 3, rank=rank, world_size=world)
+    def make() -> TokenStreamLoader:
+        return TokenStreamLoader(shards, 2, 3, rank=rank, world_size=world)
 
     original = make()
     for _ in range(consumed):
@@ -159,7 +159,7 @@ def test_state_dict_round_trip_resumes_identically(rank: int, world: int, consum
 
 
 def test_load_state_dict_rejects_state_from_other_data() -> None:
-    loader = PackedLoader([shard(50), shard(4)], 2, 4)
+    loader = TokenStreamLoader([shard(50), shard(4)], 2, 4)
     with pytest.raises(DataError, match="shard 1"):
         loader.load_state_dict({"shard": 1, "offset": 0, "epoch": 0})  # shard 1 is too short to be usable
     with pytest.raises(DataError, match="offset"):
@@ -171,7 +171,7 @@ def test_load_state_dict_rejects_state_from_other_data() -> None:
 
 
 def test_reset_returns_to_the_start() -> None:
-    loader = PackedLoader([shard(30)], 2, 4)
+    loader = TokenStreamLoader([shard(30)], 2, 4)
     first = flat(loader.next_micro_batch())
     for _ in range(4):
         loader.next_micro_batch()
@@ -183,7 +183,7 @@ def test_reset_returns_to_the_start() -> None:
 @pytest.mark.parametrize(("world", "needed"), [(1, 129), (2, 257)])
 def test_corpus_shorter_than_one_window_is_a_data_error(world: int, needed: int) -> None:
     with pytest.raises(DataError) as info:
-        PackedLoader([shard(100), shard(128)], micro_batch=4, seq_len=32, rank=0, world_size=world)
+        TokenStreamLoader([shard(100), shard(128)], micro_batch=4, seq_len=32, rank=0, world_size=world)
     message = str(info.value)
     assert str(needed) in message
     assert "128" in message  # the longest shard it did find
@@ -191,14 +191,14 @@ def test_corpus_shorter_than_one_window_is_a_data_error(world: int, needed: int)
 
 
 def test_exactly_one_window_is_enough() -> None:
-    loader = PackedLoader([shard(129)], micro_batch=4, seq_len=32)
+    loader = TokenStreamLoader([shard(129)], micro_batch=4, seq_len=32)
     assert flat(loader.next_micro_batch()) == list(range(128))
     assert loader.epoch == 1
 
 
 def test_no_shards_at_all_is_a_data_error() -> None:
     with pytest.raises(DataError):
-        PackedLoader([], 2, 4)
+        TokenStreamLoader([], 2, 4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from bigbatch.models import (
     model_config_from_dict,
     model_preset,
 )
-from bigbatch.models.hf_causal import CompiledOrEager, training_notes
+from bigbatch.models.hf.config import training_notes
+from bigbatch.models.hf.model import CompiledOrEager
 from bigbatch.run.build.model import check_exactness
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.identity import default_run_dir
@@ -57,7 +58,7 @@ def test_the_shape_comes_from_either_naming_of_config_json() -> None:
         "dir", {"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16, "n_positions": 40, "vocab_size": 300}
     )
     assert (gpt2.block_size, gpt2.n_layer, gpt2.n_kv_head, gpt2.architecture) == (40, 3, 2, "GPT2LMHeadModel")
-    assert HFConfig.from_dict(llama.to_dict()) == llama and family_of(llama) == "hf"
+    assert HFConfig.from_dict(llama.to_dict()) == llama and family_of(llama).name == "hf"
     assert model_config_from_dict("hf", llama.to_dict()) == llama
     with pytest.raises(ConfigError, match=r"^dir/config.json gives no context length \(looked for "):
         HFConfig("dir", {**LLAMA_JSON, "max_position_embeddings": None})
@@ -210,7 +211,8 @@ def test_dropout_replaces_every_dropout_probability_of_config_json(kind: str, ex
     float ``attention_dropout`` that its attention reads), set before the model is built; None keeps config.json's.
     The shape stays config.json as read (what checkpoints store and export writes)."""
     from bigbatch.models.coupling import dropout_sites
-    from bigbatch.models.hf_causal import build_hf_model, dropout_settings
+    from bigbatch.models.hf.config import dropout_settings
+    from bigbatch.models.hf.model import build_hf_model
 
     shape = HFConfig("d", hf_config(kind, **extra).to_dict())
     assert {key: dropout_settings(shape.hf_config)[key] for key in extra} == extra
@@ -227,7 +229,7 @@ def test_dropout_replaces_every_dropout_probability_of_config_json(kind: str, ex
 
 
 def test_dropout_settings_are_found_in_nested_configs_and_only_numbers() -> None:
-    from bigbatch.models.hf_causal import dropout_settings
+    from bigbatch.models.hf.config import dropout_settings
 
     values = {
         "attention_dropout": 0.1,
@@ -240,7 +242,7 @@ def test_dropout_settings_are_found_in_nested_configs_and_only_numbers() -> None
 
 
 def test_the_run_says_what_dropout_does_to_an_hf_model() -> None:
-    from bigbatch.models.hf_causal import dropout_note
+    from bigbatch.models.hf.config import dropout_note
     from bigbatch.run.build.model import say_dropout
 
     gpt2 = HFConfig("m/gpt2", hf_config("gpt2", **GPT2_DROPOUT).to_dict())

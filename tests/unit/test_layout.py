@@ -162,3 +162,53 @@ def test_known_violations_still_occur() -> None:
 def test_no_import_cycle_at_import_time() -> None:
     edges = {module: {t for t in at_import if t in modules()} for module, (_, at_import) in imports().items()}
     assert_acyclic(edges)
+
+
+def family_folders() -> list[Path]:
+    """The model family folders: each directory under ``models/`` with a ``family.py``."""
+    return sorted(path.parent for path in (PACKAGE / "models").glob("*/family.py"))
+
+
+def family_classes() -> set[str]:
+    """Every class a family folder defines (its model, config and their parts)."""
+    names = set()
+    for folder in family_folders():
+        for path in folder.glob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            names.update(node.name for node in tree.body if isinstance(node, ast.ClassDef))
+    return names
+
+
+def family_knowledge_outside_models() -> list[str]:
+    """``module:line what`` wherever a module outside ``models/`` (and the public facade) imports from a family
+    folder or names one of a family's classes (an ``isinstance`` check, an annotation, an import)."""
+    classes = family_classes()
+    folders = {".".join(("bigbatch", "models", folder.name)) for folder in family_folders()}
+    found = []
+    for module, path in modules().items():
+        if module in FACADES or room_of(module) == "models":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target, _ in _imported(module, path, node):
+                    if any(target == folder or target.startswith(folder + ".") for folder in folders):
+                        found.append(f"{module}:{node.lineno} imports {target}")
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in classes:
+                found.append(f"{module}:{node.lineno} names {name}")
+            if isinstance(node, ast.alias) and node.name in classes:
+                found.append(f"{module}:{getattr(node, 'lineno', 0)} imports {node.name}")
+    return found
+
+
+def test_the_family_walk_sees_every_family() -> None:
+    assert {folder.name for folder in family_folders()} >= {"gpt", "llama", "hf"}
+    assert {"GPT", "GPTConfig", "Llama", "LlamaConfig", "HFCausalLM", "HFConfig"} <= family_classes()
+
+
+def test_no_module_outside_models_knows_a_family() -> None:
+    """Families are reached through ``bigbatch.models.registry`` and the ``ModelFamily`` record only: adding one
+    touches its folder and the registry's list."""
+    found = family_knowledge_outside_models()
+    assert found == [], "family classes or folders named outside models/:\n" + "\n".join(found)

@@ -10,8 +10,9 @@ import torch
 
 from bigbatch.cli import main
 from bigbatch.models import llama_preset, model_preset
+from bigbatch.models.llama.family import layer_bytes_per_token as llama_layer_bytes_per_token
 from bigbatch.sizing.autobatch import choose_micro_batch
-from bigbatch.sizing.memory import estimate_memory, llama_layer_bytes_per_token, measure
+from bigbatch.sizing.memory import estimate_memory, measure
 
 
 def test_estimate_counts_parameters_exactly() -> None:

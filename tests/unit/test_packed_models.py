@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from bigbatch.engine.accumulate import token_loss_sum
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
-from bigbatch.models.attention import document_causal_mask
+from bigbatch.models.decoder import document_causal_mask
 from bigbatch.models.gpt.model import GPT, preset
-from bigbatch.models.hf_causal import build_hf_model, read_hf_config
+from bigbatch.models.hf.model import build_hf_model, read_hf_config
 from bigbatch.models.llama.model import Llama, llama_preset
 
 VOCAB = 256
@@ -172,7 +172,7 @@ def test_an_hf_head_with_a_soft_cap_keeps_the_whole_logits_and_its_weights(tmp_p
     torch.manual_seed(0)
     inner = transformers.AutoModelForCausalLM.from_config(config)
     before = {name: value.clone() for name, value in inner.state_dict().items()}
-    from bigbatch.models.hf_causal import HFCausalLM
+    from bigbatch.models.hf.model import HFCausalLM
 
     model = HFCausalLM(read_hf_config(tmp_path), inner)
     assert not model.head_detachable and not model.chunked_loss
@@ -196,7 +196,7 @@ def test_an_attention_mask_on_the_trunk_path_alone_fails_the_packing_probe(
     import transformers
     from hf_models import hf_config
 
-    from bigbatch.models.hf_causal import HFCausalLM, HFConfig
+    from bigbatch.models.hf.model import HFCausalLM, HFConfig
 
     config = hf_config(kind)
     torch.manual_seed(0)

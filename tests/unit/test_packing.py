@@ -11,7 +11,7 @@ import torch
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.packing import PACK_GROUP, next_fit_rows, pack_rows, padding_share
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.validation import ValidationWindows
+from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import DataError
 from bigbatch.run.header import describe_long_documents, describe_positions

@@ -11,14 +11,14 @@ import torch
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.stream import PackedLoader
+from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.engine.batch import StepPolicy, read_step
 from bigbatch.parallel.distributed import DistContext
 
 
-def packed(n_tokens: int = 200, B: int = 2, T: int = 8) -> PackedLoader:
+def packed(n_tokens: int = 200, B: int = 2, T: int = 8) -> TokenStreamLoader:
     rng = np.random.default_rng(0)
-    return PackedLoader([rng.integers(0, 50, n_tokens), rng.integers(0, 50, n_tokens // 2)], B, T)
+    return TokenStreamLoader([rng.integers(0, 50, n_tokens), rng.integers(0, 50, n_tokens // 2)], B, T)
 
 
 def documents(B: int = 2, T: int = 6) -> DocumentLoader:
@@ -113,7 +113,7 @@ def test_steps_assembled_from_the_read_ahead_loader_are_the_loaders() -> None:
 
 
 def test_a_reading_error_reaches_the_consumer_in_order() -> None:
-    class Failing(PackedLoader):
+    class Failing(TokenStreamLoader):
         reads = 0
 
         def next_micro_batch(self):  # type: ignore[no-untyped-def]
@@ -132,7 +132,7 @@ def test_a_reading_error_reaches_the_consumer_in_order() -> None:
 def test_reading_overlaps_the_consumer() -> None:
     """With a reader that takes 30 ms a micro-batch and a consumer that computes 30 ms, a step costs ~30 ms."""
 
-    class Slow(PackedLoader):
+    class Slow(TokenStreamLoader):
         def next_micro_batch(self):  # type: ignore[no-untyped-def]
             time.sleep(0.03)
             return super().next_micro_batch()

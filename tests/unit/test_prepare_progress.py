@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.data import prepare, progress
+from bigbatch.data import corpus_progress, prepare
 
 
 class FakeTTY(io.StringIO):
@@ -31,7 +31,7 @@ def test_no_bar_without_a_terminal(
 ) -> None:
     stderr = io.StringIO()  # not a TTY
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)  # a log line per document
+    monkeypatch.setattr(corpus_progress, "PROGRESS_SECONDS", 0.0)  # a log line per document
     with caplog.at_level(logging.INFO, logger="bigbatch.data"):
         prepare.prepare_dataset(str(corpus), tmp_path / "out", workers=1)
     assert stderr.getvalue() == ""
@@ -55,7 +55,7 @@ def test_bar_on_a_terminal(
 ) -> None:
     stderr = FakeTTY()
     monkeypatch.setattr(sys, "stderr", stderr)
-    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(corpus_progress, "PROGRESS_SECONDS", 0.0)
     with caplog.at_level(logging.INFO, logger="bigbatch.data"):
         meta = prepare.prepare_dataset(str(corpus), tmp_path / "out", workers=1)
     drawn = stderr.getvalue()

@@ -13,8 +13,8 @@ import torch
 
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.stream import PackedLoader, ShuffledPackedLoader
-from bigbatch.data.windows import PackedWindows, epoch_order, epoch_shift
+from bigbatch.data.stream import ShuffledTokenStreamLoader, TokenStreamLoader
+from bigbatch.data.windows import TokenStreamWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.config_sources import add_config_arguments, apply_mapping, config_from_args
@@ -34,7 +34,9 @@ def rows(batch) -> list[tuple[int, ...]]:  # noqa: ANN001
 
 def step_windows(micro_batch: int, world: int, k: int, steps: int, seed: int = 7) -> list[list[tuple[int, ...]]]:
     """The windows (as input rows) of each global step: K micro-batches from every rank."""
-    ranks = [ShuffledPackedLoader(shards(), micro_batch, T, rank=r, world_size=world, seed=seed) for r in range(world)]
+    ranks = [
+        ShuffledTokenStreamLoader(shards(), micro_batch, T, rank=r, world_size=world, seed=seed) for r in range(world)
+    ]
     out = []
     for _ in range(steps):
         step: list[tuple[int, ...]] = []
@@ -56,14 +58,14 @@ def test_windows_of_a_global_step_do_not_depend_on_micro_batch_or_world_size() -
 
 
 def test_each_epoch_reads_every_window_once_in_a_new_order() -> None:
-    loader = ShuffledPackedLoader(shards(), micro_batch=1, seq_len=T, seed=3)
-    n = PackedWindows(shards(), T).count
+    loader = ShuffledTokenStreamLoader(shards(), micro_batch=1, seq_len=T, seed=3)
+    n = TokenStreamWindows(shards(), T).count
     assert n == 40 + 23
     epochs = []
     for _ in range(3):
         assert loader.epoch == len(epochs)
         epochs.append([rows(loader.next_micro_batch())[0] for _ in range(n)])
-    windows = PackedWindows(shards(), T)
+    windows = TokenStreamWindows(shards(), T)
     for epoch, read in enumerate(epochs):
         shift = epoch_shift(T, 3, epoch)  # every window of a later epoch moved by the same seeded shift
         assert (shift == 0) == (epoch == 0) and 0 <= shift < T
@@ -80,7 +82,7 @@ def test_each_epoch_reads_every_window_once_in_a_new_order() -> None:
 
 
 def test_targets_are_the_inputs_shifted_within_each_window() -> None:
-    batch = ShuffledPackedLoader(shards(), micro_batch=6, seq_len=T, seed=1).next_micro_batch()
+    batch = ShuffledTokenStreamLoader(shards(), micro_batch=6, seq_len=T, seed=1).next_micro_batch()
     assert batch.inputs.shape == (6, T)
     assert torch.equal(batch.targets, batch.inputs + 1)  # the token values are positions
     assert all(int(row[0]) % T == 0 for row in batch.inputs % 10_000)  # windows start at multiples of T
@@ -89,8 +91,8 @@ def test_targets_are_the_inputs_shifted_within_each_window() -> None:
 @pytest.mark.parametrize("consumed", [0, 5, 31, 40])
 @pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
 def test_resume_mid_epoch_is_bitwise(consumed: int, rank: int, world: int) -> None:
-    def make() -> ShuffledPackedLoader:
-        return ShuffledPackedLoader(shards(), 3, T, rank=rank, world_size=world, seed=11)
+    def make() -> ShuffledTokenStreamLoader:
+        return ShuffledTokenStreamLoader(shards(), 3, T, rank=rank, world_size=world, seed=11)
 
     original = make()
     for _ in range(consumed):
@@ -106,11 +108,11 @@ def test_resume_mid_epoch_is_bitwise(consumed: int, rank: int, world: int) -> No
 
 
 def test_resume_under_another_micro_batch_and_world_continues_the_same_stream() -> None:
-    one = ShuffledPackedLoader(shards(), 4, T, seed=5)
+    one = ShuffledTokenStreamLoader(shards(), 4, T, seed=5)
     for _ in range(7):
         one.next_micro_batch()
     state = one.state_dict()
-    two = [ShuffledPackedLoader(shards(), 2, T, rank=r, world_size=2, seed=5) for r in range(2)]
+    two = [ShuffledTokenStreamLoader(shards(), 2, T, rank=r, world_size=2, seed=5) for r in range(2)]
     for loader in two:
         loader.load_state_dict(state)
     for _ in range(20):
@@ -120,15 +122,15 @@ def test_resume_under_another_micro_batch_and_world_continues_the_same_stream() 
 
 
 def test_a_run_resumes_only_in_the_order_it_was_saved_in() -> None:
-    sequential = PackedLoader(shards(), 2, T)
-    shuffled = ShuffledPackedLoader(shards(), 2, T, seed=1)
+    sequential = TokenStreamLoader(shards(), 2, T)
+    shuffled = ShuffledTokenStreamLoader(shards(), 2, T, seed=1)
     with pytest.raises(ConfigError, match="resume with --shuffle off"):
         shuffled.load_state_dict(sequential.state_dict())  # also a checkpoint from before --shuffle
     with pytest.raises(ConfigError, match="resume with --shuffle on"):
         sequential.load_state_dict(shuffled.state_dict())
     state = shuffled.state_dict() | {"windows": 62}
     with pytest.raises(DataError, match="was the data changed"):
-        ShuffledPackedLoader(shards(), 2, T, seed=1).load_state_dict(state)
+        ShuffledTokenStreamLoader(shards(), 2, T, seed=1).load_state_dict(state)
 
 
 def test_shuffle_off_reads_the_data_in_order() -> None:
@@ -144,9 +146,9 @@ def test_shuffle_off_reads_the_data_in_order() -> None:
             return shards()
 
     ordered = loader_for(Data(), "train", 2, T, shuffle=False)  # type: ignore[arg-type]
-    assert type(ordered) is PackedLoader
+    assert type(ordered) is TokenStreamLoader
     assert ordered.next_micro_batch().inputs.flatten().tolist() == list(range(2 * T))
-    assert isinstance(loader_for(Data(), "train", 2, T, shuffle=True, seed=1), ShuffledPackedLoader)  # type: ignore[arg-type]
+    assert isinstance(loader_for(Data(), "train", 2, T, shuffle=True, seed=1), ShuffledTokenStreamLoader)  # type: ignore[arg-type]
 
 
 def test_shuffle_is_on_by_default_and_switched_by_flag_and_toml() -> None:
@@ -207,11 +209,11 @@ def test_documents_shuffle_reads_every_sequence_once_per_epoch_over_all_ranks() 
 
 @pytest.mark.parametrize("seq_len", [1, 3, 8])
 def test_reading_windows_is_the_slice_of_each_window_moved_unless_it_would_overrun(seq_len: int) -> None:
-    """PackedWindows.read gathers each shard's rows at once; row by row it must be the plain slice: window i of a
+    """TokenStreamWindows.read gathers each shard's rows at once; row by row it must be the plain slice: window i of a
     shard at [i*T, i*T + T + 1), moved by its shift unless that runs past the shard's end; -1 is padding."""
     rng = np.random.default_rng(seq_len)
     data = [rng.integers(0, 50, size=n).astype(np.uint16) for n in (seq_len * 5 + 1, 0, seq_len * 3 + 2, 7, 40)]
-    windows = PackedWindows(data, seq_len)
+    windows = TokenStreamWindows(data, seq_len)
     for _ in range(20):
         index = rng.integers(-1, windows.count, size=9)
         shifts = rng.integers(0, seq_len, size=9)

@@ -14,22 +14,22 @@ import torch
 
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.shards import DocumentShard
-from bigbatch.data.validation import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
-from bigbatch.data.windows import PackedWindows, spread_sample
+from bigbatch.data.validation_windows import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
+from bigbatch.data.windows import TokenStreamWindows, spread_sample
 from bigbatch.models import GPT, GPTConfig
 from bigbatch.run.config import TrainConfig
 from bigbatch.run.trainer import Trainer
-from bigbatch.run.validation import summed_loss
+from bigbatch.run.validation_loss import summed_loss
 
 T = 4
 
 
-def windows(n_windows: int) -> PackedWindows:
+def windows(n_windows: int) -> TokenStreamWindows:
     """A packed split of ``n_windows`` windows of T tokens whose token values reveal their positions."""
-    return PackedWindows([np.arange(n_windows * T + 1, dtype=np.uint16)], T)
+    return TokenStreamWindows([np.arange(n_windows * T + 1, dtype=np.uint16)], T)
 
 
-def read_all(source: PackedWindows, wanted: int, micro_batch: int, world: int) -> tuple[list[int], list[int]]:
+def read_all(source: TokenStreamWindows, wanted: int, micro_batch: int, world: int) -> tuple[list[int], list[int]]:
     """(first token of every real window read, on all ranks; micro-batches per rank), one pass."""
     ranks = [ValidationWindows(source, wanted, micro_batch, rank=r, world_size=world) for r in range(world)]
     starts, per_rank = [], []

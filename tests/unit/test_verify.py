@@ -369,7 +369,7 @@ def test_packed_rows_give_the_gradient_of_one_document_per_row(capsys: pytest.Ca
 
 def test_attention_that_crosses_documents_is_caught_by_the_packed_check(monkeypatch: pytest.MonkeyPatch) -> None:
     import bigbatch.models.gpt.model as gpt_module
-    from bigbatch.verify.packing import packed_documents
+    from bigbatch.verify.packed_batch import packed_documents
 
     monkeypatch.setattr(gpt_module, "document_causal_mask", lambda positions: None)  # plain causal: rows mix
     packed, unpacked = packed_documents(4, 24, verify_factories.VOCAB, torch.Generator().manual_seed(0))
@@ -381,7 +381,7 @@ def test_attention_that_crosses_documents_is_caught_by_the_packed_check(monkeypa
 
 
 def test_packed_documents_are_the_loaders_rows_of_the_same_documents_one_per_row() -> None:
-    from bigbatch.verify.packing import START, packed_documents, position_mismatch
+    from bigbatch.verify.packed_batch import START, packed_documents, position_mismatch
 
     (inputs, targets, positions), (one_inputs, one_targets) = packed_documents(
         6, 32, 50, torch.Generator().manual_seed(1)
@@ -405,7 +405,7 @@ def test_packed_documents_are_the_loaders_rows_of_the_same_documents_one_per_row
 
 
 def test_positions_are_checked_against_the_document_boundaries() -> None:
-    from bigbatch.verify.packing import position_mismatch
+    from bigbatch.verify.packed_batch import position_mismatch
 
     inputs = torch.tensor([[1, 5, 6, 1, 7, 0, 0], [1, 8, 9, 9, 0, 0, 0]])
     right = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]])

@@ -1,8 +1,8 @@
 """``bigbatch eval``: loss and perplexity of a saved run's model on a token set.
 
 This module finds the checkpoint, its data and its windows; the scoring is the trainer's own
-(:func:`bigbatch.run.validation.score_windows`, on the windows of :mod:`bigbatch.data.validation`), so with the
-run's own data, micro-batch, sequence length and ``eval_batches`` it reproduces the run's last logged
+(:func:`bigbatch.run.validation_loss.score_windows`, on the windows of :mod:`bigbatch.data.validation_windows`), so
+with the run's own data, micro-batch, sequence length and ``eval_batches`` it reproduces the run's last logged
 validation loss.
 """
 
@@ -19,13 +19,13 @@ from bigbatch.data.dataset import open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
 from bigbatch.data.tokenizers import is_bpe
-from bigbatch.data.validation import validation_windows
+from bigbatch.data.validation_windows import validation_windows
 from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.progress import plural
 from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
 from bigbatch.run.resume import check_tokenizer
-from bigbatch.run.validation import ValidationResult, score_windows
+from bigbatch.run.validation_loss import ValidationResult, score_windows
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ EVAL_FLAGS = EvalFlags()
 
 @dataclass(frozen=True)
 class EvalResult:
-    """The score of :func:`~bigbatch.run.validation.score_windows` and what was scored, for the report line."""
+    """The score of :func:`~bigbatch.run.validation_loss.score_windows` and what was scored, for the report line."""
 
     scored: ValidationResult
     split: str

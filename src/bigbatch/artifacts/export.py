@@ -8,8 +8,7 @@ from pathlib import Path
 from bigbatch.data.tokenizer_files import export_tokenizer
 from bigbatch.errors import BigBatchError
 from bigbatch.files.permissions import apply_umask
-from bigbatch.models import HFCausalLM, Llama
-from bigbatch.models.pretrained import hf_class_name, save_pretrained
+from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
 from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 
 
@@ -36,12 +35,9 @@ def export_hf(run: Path, out: Path) -> str:
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
     give_umask_modes(out, created)
     cfg = model.config
-    layout = "Llama" if isinstance(model, Llama) else "GPT-2"
-    if isinstance(model, HFCausalLM):  # its own save_pretrained: the architecture it was trained as
-        layout = model.config.architecture
     return (
-        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {layout} layout: config.json + "
-        f"model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {hf_layout(model)} layout: "
+        f"config.json + model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
         f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
         f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained"
     )

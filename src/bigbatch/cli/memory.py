@@ -46,16 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bigbatch.engine.accumulate import resolve_precision
     from bigbatch.files.outputs import require_new_file
-    from bigbatch.models import is_hf_name, model_preset
     from bigbatch.parallel.distributed import resolve_device
-    from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
+    from bigbatch.run.config import model_auto_seq_len
     from bigbatch.sizing.memory import plot_memory, sweep_memory
 
     if args.plot:
         require_new_file(args.plot, "--plot", args.overwrite)  # before minutes of measuring
-    seq_len = model_preset(args.model).block_size if args.seq_len == AUTO else args.seq_len
-    if args.seq_len == AUTO and is_hf_name(args.model):  # a directory's context may be 131,072: capped as in train
-        seq_len = min(seq_len, INIT_FROM_AUTO_SEQ_LEN_CAP)
+    seq_len = model_auto_seq_len(args.model)[0] if args.seq_len == AUTO else args.seq_len  # capped as in train
     device = resolve_device(args.device)
     sweep = sweep_memory(
         args.model,

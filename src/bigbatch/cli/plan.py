@@ -78,12 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if seq_len == AUTO:
         if not args.model:
             raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
-        from bigbatch.models import is_hf_name, model_preset
-        from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
+        from bigbatch.run.config import model_auto_seq_len
 
-        seq_len = model_preset(args.model).block_size
-        if is_hf_name(args.model) and seq_len > INIT_FROM_AUTO_SEQ_LEN_CAP:  # capped as train caps it
-            seq_len = INIT_FROM_AUTO_SEQ_LEN_CAP
+        seq_len, capped = model_auto_seq_len(args.model)
+        if capped:  # a directory's context may be 131,072: capped as train caps it
             print(f"seq_len {seq_len} (the {args.model} model's block size, capped; --seq-len sets it)")
         else:
             print(f"seq_len {seq_len} (the {args.model} model's block size)")

@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
         print(config.to_toml(), end="")
         return 0
     if config.run.nproc > 1 and not launched_by_torchrun():
+        from bigbatch.run.build import chosen_run_dir
         from bigbatch.run.build.checks import check_before_launch
-        from bigbatch.run.build.run_dir import chosen_run_dir
-        from bigbatch.run.lock import held_for_workers
+        from bigbatch.run.run_dir_lock import held_for_workers
 
         check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
         with held_for_workers(chosen_run_dir(config), config.run.wait_for_lock, say):  # for the whole job

@@ -58,8 +58,8 @@ from bigbatch.run.checkpoint import (
     verify_checkpoint,
 )
 from bigbatch.run.config_sources import config_from_dict
-from bigbatch.run.lock import hold_directory
 from bigbatch.run.resume import saved_schedule
+from bigbatch.run.run_dir_lock import hold_directory
 from bigbatch.run.trainer import Trainer
 from bigbatch.sizing.plan import BatchPlan
 

@@ -13,15 +13,15 @@ if TYPE_CHECKING:
     from bigbatch.data.cache import ensure_prepared
     from bigbatch.data.prepare import prepare_dataset
     from bigbatch.data.shards import DatasetMeta, TokenDataset
-    from bigbatch.data.stream import PackedLoader
+    from bigbatch.data.stream import TokenStreamLoader
     from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.engine.batch import MicroBatch
 
 _HOMES = {
     "DatasetMeta": "bigbatch.data.shards",
     "MicroBatch": "bigbatch.engine.batch",
-    "PackedLoader": "bigbatch.data.stream",
     "TokenDataset": "bigbatch.data.shards",
+    "TokenStreamLoader": "bigbatch.data.stream",
     "ensure_prepared": "bigbatch.data.cache",
     "get_tokenizer": "bigbatch.data.tokenizers",
     "prepare_dataset": "bigbatch.data.prepare",
@@ -30,8 +30,8 @@ _HOMES = {
 __all__ = [
     "DatasetMeta",
     "MicroBatch",
-    "PackedLoader",
     "TokenDataset",
+    "TokenStreamLoader",
     "ensure_prepared",
     "get_tokenizer",
     "prepare_dataset",

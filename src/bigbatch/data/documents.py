@@ -1,7 +1,7 @@
 """The rank-aware, resumable reader of a ``documents`` dataset's split: each document is its own sequence
 (padded, its prompt tokens masked), one per row or packed several to a row (``--pack``).
 
-Unlike a packed token stream, a split of documents has epochs: :class:`DocumentLoader` numbers the epoch's
+Unlike a token stream, a split of documents has epochs: :class:`DocumentLoader` numbers the epoch's
 sequences (or packed rows) and deals them out as global micro-batches, the last one short. Padding and masked
 targets are ``-100``, so the engine's exact normalization counts only what is trained on.
 :func:`bigbatch.data.loader.loader_for` picks the reader a split needs.

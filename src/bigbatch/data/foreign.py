@@ -1,6 +1,6 @@
 """Token shards written by other GPT-2 training code, read where they are (no conversion, no copy).
 
-Two formats, both uint16 GPT-2 token ids (vocabulary 50257) in one packed stream per file:
+Two formats, both uint16 GPT-2 token ids (vocabulary 50257) in one token stream per file:
 
 * **build-nanogpt** ``.npy`` (``fineweb.py``): a directory of NumPy arrays such as
   ``edufineweb_train_000001.npy`` and ``edufineweb_val_000000.npy``.

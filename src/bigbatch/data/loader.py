@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.documents import DocumentLoader
-from bigbatch.data.stream import PackedLoader, ShuffledPackedLoader
+from bigbatch.data.stream import ShuffledTokenStreamLoader, TokenStreamLoader
 from bigbatch.engine.batch import MicroBatchSource
 
 
@@ -40,12 +40,12 @@ def loader_for(
     shuffle: bool = False,
     seed: int = 0,
     pack: bool = False,
-) -> PackedLoader | DocumentLoader:
+) -> TokenStreamLoader | DocumentLoader:
     """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
-    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the packed stream.
-    ``shuffle``: a seeded order per epoch (packed: of ``T``-token windows, see :class:`ShuffledPackedLoader`;
+    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the token stream.
+    ``shuffle``: a seeded order per epoch (packed: of ``T``-token windows, see :class:`ShuffledTokenStreamLoader`;
     documents: of the epoch's sequences), else the order of the data. ``pack``: a documents dataset's sequences
-    packed into rows (see :class:`DocumentLoader`); a packed token stream is packed already and ignores it."""
+    packed into rows (see :class:`DocumentLoader`); a token stream holds no padding to pack away and ignores it."""
     name = name or split
     if dataset.meta.mode == "documents":
         pad = dataset.meta.eot_token or 0
@@ -64,5 +64,7 @@ def loader_for(
             pack=pack,
         )
     if shuffle:
-        return ShuffledPackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed)
-    return PackedLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)
+        return ShuffledTokenStreamLoader(
+            dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name, seed
+        )
+    return TokenStreamLoader(dataset.shard_arrays(split), micro_batch, seq_len, rank, world_size, name=name)

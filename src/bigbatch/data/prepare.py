@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
+from bigbatch.data.corpus_progress import CorpusProgress
 from bigbatch.data.encode import encoded_documents, worker_count
 from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
-from bigbatch.data.progress import CorpusProgress
 from bigbatch.data.resumable import (
     LENGTHS_FILE,
     Checkpoint,

@@ -1,9 +1,9 @@
-"""The rank-aware, resumable readers of a packed token stream (a ``packed`` dataset's split).
+"""The rank-aware, resumable readers of a token stream (a ``packed`` dataset's split).
 
-:class:`PackedLoader` reads the stream in order, :class:`ShuffledPackedLoader` in a seeded order of windows that
-is new each epoch (``--shuffle on``). Both are endless and strided across ranks so that no two ranks read the
-same tokens; their saved position is the same on every rank. :func:`bigbatch.data.loader.loader_for` picks the
-reader a split needs.
+:class:`TokenStreamLoader` reads the stream in order, :class:`ShuffledTokenStreamLoader` in a seeded order of
+windows that is new each epoch (``--shuffle on``). Both are endless and strided across ranks so that no two ranks
+read the same tokens; their saved position is the same on every rank. :func:`bigbatch.data.loader.loader_for` picks
+the reader a split needs.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.data.windows import SEQUENTIAL, SHUFFLED, EpochOrders, PackedWindows, check_saved_order, epoch_shift
+from bigbatch.data.windows import SEQUENTIAL, SHUFFLED, EpochOrders, TokenStreamWindows, check_saved_order, epoch_shift
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.errors import DataError
 
 
-class PackedLoader:
-    """Reads (B, T) windows from a packed token stream, strided across ranks.
+class TokenStreamLoader:
+    """Reads (B, T) windows from a token stream, strided across ranks.
 
     Within a shard, global window ``j`` starts at ``j * B * T * world``; rank ``r``
     reads the ``B * T + 1`` tokens that begin ``r * B * T`` after it, so ranks never
@@ -81,7 +81,7 @@ class PackedLoader:
         self.epoch += 1
 
     def known_valid_targets(self) -> int | None:
-        return self.window  # packed: every target of the B x T window is valid
+        return self.window  # a token stream: every target of the B x T window is valid
 
     def next_micro_batch(self) -> MicroBatch:
         shard = self.shards[self.shard_index]
@@ -101,7 +101,7 @@ class PackedLoader:
                 self._slot = 0
                 self.epoch += 1
 
-    def __iter__(self) -> PackedLoader:
+    def __iter__(self) -> TokenStreamLoader:
         return self
 
     def __next__(self) -> MicroBatch:
@@ -138,12 +138,12 @@ class PackedLoader:
             self._advance(len(self.shards[shard]))
 
 
-class ShuffledPackedLoader(PackedLoader):
-    """The packed reader with a seeded order of ``T``-token windows that is new each epoch and the same for every
-    micro-batch size and number of processes (``--shuffle on``, the default).
+class ShuffledTokenStreamLoader(TokenStreamLoader):
+    """The token-stream reader with a seeded order of ``T``-token windows that is new each epoch and the same for
+    every micro-batch size and number of processes (``--shuffle on``, the default).
 
-    The split's windows are numbered once (:class:`~bigbatch.data.windows.PackedWindows`); epoch ``e`` reads them in
-    the permutation drawn from the run's seed and ``e``, every window moved ``epoch_shift(T, seed, e)`` tokens later
+    The split's windows are numbered once (:class:`~bigbatch.data.windows.TokenStreamWindows`); epoch ``e`` reads them
+    in the permutation drawn from the run's seed and ``e``, every window moved ``epoch_shift(T, seed, e)`` tokens later
     (0 in the first epoch: a repeated epoch reads new windows, not the first epoch's again), and the epochs follow
     one another as one endless stream of rows. Global micro-batch ``j`` is rows ``[j * B * world, (j + 1) * B *
     world)`` of that stream and rank ``r`` reads the ``B`` rows that begin ``r * B`` into it. A global step of ``K``
@@ -164,7 +164,7 @@ class ShuffledPackedLoader(PackedLoader):
         seed: int = 0,
     ) -> None:
         super().__init__(shards, micro_batch, seq_len, rank, world_size, name=name)  # the same checks
-        self.windows = PackedWindows(shards, seq_len)
+        self.windows = TokenStreamWindows(shards, seq_len)
         self.seed = seed
         self.orders = EpochOrders(self.windows.count, seed)
         self.row = 0  # first row of the next global micro-batch in the endless stream of epochs

@@ -1,10 +1,10 @@
-"""Windows of a packed token stream numbered once, whatever the micro-batch and world size; a seeded order of
+"""Windows of a token stream numbered once, whatever the micro-batch and world size; a seeded order of
 them per epoch; and a fixed sample of them spread uniformly over a split.
 
-A packed split is cut into windows of ``T + 1`` tokens at multiples of ``T`` in each shard (window ``i`` of a
-shard holds tokens ``[i * T, i * T + T + 1)``: ``T`` inputs and their ``T`` shifted targets, overlapping the next
-window by the one token that is both a target and the next input); a shard's tail shorter than a window is not
-read. An epoch may move every window by the same few tokens (:func:`epoch_shift`; a shard's last window stays if
+A ``packed`` dataset's split is cut into windows of ``T + 1`` tokens at multiples of ``T`` in each shard (window
+``i`` of a shard holds tokens ``[i * T, i * T + T + 1)``: ``T`` inputs and their ``T`` shifted targets, overlapping
+the next window by the one token that is both a target and the next input); a shard's tail shorter than a window is
+not read. An epoch may move every window by the same few tokens (:func:`epoch_shift`; a shard's last window stays if
 moving it would run past the shard's end). The numbering depends only on the shards and ``T``, so an order or a
 sample of windows chosen from it is the same for every micro-batch size and number of processes.
 """
@@ -46,8 +46,8 @@ def check_saved_order(state: dict[str, Any], order: str) -> None:
     )
 
 
-class PackedWindows:
-    """The ``T + 1``-token windows of packed ``shards``, numbered shard by shard."""
+class TokenStreamWindows:
+    """The ``T + 1``-token windows of token-stream ``shards``, numbered shard by shard."""
 
     def __init__(self, shards: list[np.ndarray], seq_len: int) -> None:
         self.shards = shards

@@ -25,7 +25,7 @@ Two ways to size a step:
 The **last window of an epoch** of a document split (fewer sequences left than
 one step needs) follows ``last_window``: ``partial`` (default) trains on what is
 there, with a smaller K and exact normalization; ``drop`` skips it and starts
-the next epoch. A packed token stream is endless (it wraps at micro-batch
+the next epoch. A token stream is endless (it wraps at micro-batch
 granularity), so with fixed K the policy does not apply to it; with a token
 budget it applies at the stream's wrap point.
 """
@@ -139,7 +139,7 @@ class MicroBatchSource(Protocol):
     def next_micro_batch(self) -> MicroBatch: ...
 
     def sequences_left(self) -> int | None:
-        """Sequences (all ranks) left in this epoch; ``None`` for an endless packed stream."""
+        """Sequences (all ranks) left in this epoch; ``None`` for an endless token stream."""
         ...
 
     def sequences_per_micro_batch(self) -> int:
@@ -147,13 +147,13 @@ class MicroBatchSource(Protocol):
         ...
 
     def sequences_per_epoch(self) -> int | None:
-        """Sequences in one epoch of the split; ``None`` for an endless packed stream."""
+        """Sequences in one epoch of the split; ``None`` for an endless token stream."""
         ...
 
     def skip_rest_of_epoch(self) -> None: ...
 
     def known_valid_targets(self) -> int | None:
-        """Valid targets in each of this rank's micro-batches when known without counting (a packed stream:
+        """Valid targets in each of this rank's micro-batches when known without counting (a token stream:
         micro_batch x seq_len); ``None`` when they must be counted (documents: padding, masks)."""
         ...
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.errors import BigBatchError
-from bigbatch.models import LanguageModel
+from bigbatch.models.decoder import LanguageModel
 from bigbatch.models.lm_output import computes_loss
 
 NEWLINE = 10  # the start token of an empty prompt when the vocabulary has no end-of-text token (bytes, GPT-2)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import CheckpointError
-from bigbatch.models import family_of
+from bigbatch.models.registry import family_of
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.checkpoint import load_checkpoint
 from bigbatch.run.resume import check_family, check_tokenizer, data_changed
@@ -27,7 +27,7 @@ from bigbatch.run.state import TrainState
 def check_branchable(document: dict[str, Any], state: TrainState, parent: Path) -> None:
     """Refuse a parent checkpoint whose model, tokenizer, sequence length or data differ from the branch's."""
     p = state.parts
-    check_family(document, family_of(p.model), f"cannot branch from {parent}: it")
+    check_family(document, family_of(p.model).name, f"cannot branch from {parent}: it")
     saved_model = document.get("model_config", {})
     diffs = [f"{k} {saved_model.get(k)} -> {v}" for k, v in p.model.config.to_dict().items() if saved_model.get(k) != v]
     if diffs:

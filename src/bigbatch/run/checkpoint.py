@@ -26,7 +26,8 @@ import torch
 
 from bigbatch.errors import BigBatchError, CheckpointError
 from bigbatch.files.atomic import write_atomically
-from bigbatch.models import FAMILIES, LanguageModel, build_model, model_config_from_dict
+from bigbatch.models.decoder import LanguageModel
+from bigbatch.models.registry import FAMILIES, build_model, family_names, model_config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -162,19 +163,19 @@ def load_checkpoint(location: Path | str, map_location: str | torch.device = "cp
 
 
 def model_family(document: dict[str, Any]) -> str:
-    """The family of a loaded checkpoint's model: its ``model_family``, or ``gpt`` (checkpoints from before Llama
-    record none)."""
-    family = document.get("model_family", "gpt")
-    if family not in FAMILIES:
+    """The family of a loaded checkpoint's model: its ``model_family``, or the first registered (GPT: checkpoints
+    from before Llama record none)."""
+    family = document.get("model_family", FAMILIES[0].name)
+    if family not in family_names():
         raise CheckpointError(
             f"the checkpoint holds a model of family {family!r}, which this bigbatch does not know (it knows "
-            f"{', '.join(FAMILIES)}); use the bigbatch that wrote it"
+            f"{', '.join(family_names())}); use the bigbatch that wrote it"
         )
     return str(family)
 
 
 def model_from_checkpoint(document: dict[str, Any]) -> LanguageModel:
-    """Rebuild the model (GPT or Llama, by ``model_family``) stored in a loaded checkpoint."""
+    """Rebuild the model (of the family ``model_family`` names) stored in a loaded checkpoint."""
     family = model_family(document)
     try:
         model = build_model(model_config_from_dict(family, document["model_config"]))

@@ -15,11 +15,11 @@ from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from bigbatch.errors import ConfigError, install_hint
+from bigbatch.models.registry import model_location, model_names_help
 from bigbatch.settings.choices import (
     DATA_MODE,
     LAST_WINDOW,
     LONG_DOCUMENTS,
-    MODEL_PRESET_NAMES,
     PACK,
     PARALLEL,
     PRECISION,
@@ -85,7 +85,7 @@ def _opt(
 class ModelSection:
     preset: str = _opt(
         "nano",
-        f"model preset: {', '.join(MODEL_PRESET_NAMES)}; or hf:DIR, a local Hugging Face causal LM",
+        f"model preset: {model_names_help()}",
         flag="model",
     )
     block_size: int = _opt(
@@ -446,7 +446,7 @@ def model_block_size(config: TrainConfig) -> int:
         return read_pretrained_config(config.model.init_from).block_size
     if config.model.block_size:
         return config.model.block_size
-    from bigbatch.models import model_preset
+    from bigbatch.models.registry import model_preset
 
     return model_preset(config.model.preset).block_size
 
@@ -458,11 +458,20 @@ def auto_seq_len(config: TrainConfig) -> int:
     return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if model_directory(config) else block_size
 
 
+def model_auto_seq_len(model_name: str) -> tuple[int, bool]:
+    """seq_len auto for ``--model model_name`` alone (``plan``, ``memory``): its block size, at most
+    :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` for a model read from a directory as in training; and whether it was capped."""
+    from bigbatch.models.registry import model_preset
+
+    block_size = model_preset(model_name).block_size
+    if model_location(model_name) and block_size > INIT_FROM_AUTO_SEQ_LEN_CAP:
+        return INIT_FROM_AUTO_SEQ_LEN_CAP, True
+    return block_size, False
+
+
 def model_directory(config: TrainConfig) -> str:
     """The directory the model comes from (``--init-from DIR`` or ``--model hf:DIR``), or ``""`` for a preset."""
-    if config.model.init_from:
-        return config.model.init_from
-    return config.model.preset.removeprefix("hf:") if config.model.preset.startswith("hf:") else ""
+    return config.model.init_from or model_location(config.model.preset)
 
 
 def resolve_seq_len(config: TrainConfig) -> TrainConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bigbatch import __version__
 from bigbatch.data.documents import DocumentLoader
-from bigbatch.models import HFConfig, LlamaConfig, ModelConfig
+from bigbatch.models.registry import family_of
 from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
 from bigbatch.run.config import INIT_FROM_AUTO_SEQ_LEN_CAP
@@ -27,7 +27,7 @@ def header_lines(parts: RunParts) -> list[str]:
         f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train "
         f"{plural(meta.tokens.get('train', 0), 'token')} | val {plural(meta.tokens.get('val', 0), 'token')}",
         f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
-        f"parameters | {describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
+        f"parameters | {family_of(cfg).describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
         plan,
     ]
     if parts.ramp is not None:
@@ -40,21 +40,6 @@ def header_lines(parts: RunParts) -> list[str]:
         every = parts.config.run.eval_every
         lines.append(f"validation | every {'step' if every == 1 else f'{every} steps'} | {parts.val_loader.describe()}")
     return lines
-
-
-def describe_shape(cfg: ModelConfig) -> str:
-    """Layers, heads and width; for a Llama also its key/value heads and MLP width; for ``hf:DIR`` the
-    transformers class it is."""
-    if isinstance(cfg, HFConfig):
-        kv = f" ({cfg.n_kv_head} key/value)" if cfg.n_kv_head != cfg.n_head else ""
-        experts = f", {cfg.experts} experts" if cfg.experts else ""
-        return f"hf {cfg.architecture}: {cfg.n_layer} layers, {cfg.n_head} heads{kv}, {cfg.n_embd} wide{experts}"
-    if isinstance(cfg, LlamaConfig):
-        return (
-            f"llama: {cfg.n_layer} layers, {cfg.n_head} heads ({cfg.n_kv_head} key/value), {cfg.n_embd} wide, "
-            f"ffn {cfg.ffn_hidden}"
-        )
-    return f"{cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide"
 
 
 def describe_plan(parts: RunParts) -> str:

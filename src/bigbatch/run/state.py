@@ -21,7 +21,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.optim import CosineSchedule
 from bigbatch.engine.rng import capture_rng_state, restore_rng_state, seed_rank_generators
 from bigbatch.errors import CheckpointError, DataError
-from bigbatch.models import family_of
+from bigbatch.models.registry import family_of
 from bigbatch.observe.metrics import truncate_metrics
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build import RunParts
@@ -220,7 +220,7 @@ class TrainState:
         """What the run is, for readers of the checkpoint (sample, export, eval, resume)."""
         p = self.parts
         return {
-            "model_family": family_of(p.model),  # gpt or llama: which class model_config builds
+            "model_family": family_of(p.model).name,  # which family model_config builds
             "model_config": p.model.config.to_dict(),
             "config": p.config.to_dict(),
             "tokenizer": p.dataset.meta.tokenizer,
@@ -267,7 +267,9 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
     ramp_note = check_ramp_change(
         document.get("config", {}), config.batch.batch_ramp, config.run.allow_ramp_change, p.run_dir
     )
-    check_compatible(document, family_of(p.model), p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch)
+    check_compatible(
+        document, family_of(p.model).name, p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch
+    )
     check_tokenizer(
         document.get("fingerprints") or {},
         p.fingerprints,

@@ -41,7 +41,7 @@ from bigbatch.run.config import TrainConfig
 from bigbatch.run.files import copy_run_tokenizer, start_run_dir
 from bigbatch.run.header import header_lines
 from bigbatch.run.state import TrainState, resume_run
-from bigbatch.run.validation import ValidationResult, score_windows
+from bigbatch.run.validation_loss import ValidationResult, score_windows
 from bigbatch.sizing.plan import BatchPlan
 
 log = logging.getLogger(__name__)
@@ -369,7 +369,7 @@ class Trainer:
             )
 
     def evaluate(self, stop: StopRequest | None = None) -> float | None:
-        """Mean validation loss (see :func:`bigbatch.run.validation.score_windows`); a stop signal on any
+        """Mean validation loss (see :func:`bigbatch.run.validation_loss.score_windows`); a stop signal on any
         rank cuts the pass short, and then there is no number."""
         result = self.evaluate_windows(stop)
         return None if result is None else result.loss

@@ -50,17 +50,5 @@ PACK = Choices("pack", ("auto", "on", "off"))
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 
 # Open sets, named here so that the command line's help needs neither torch nor the data package:
-# tests/integration/test_cli_structure.py checks that they match the tokenizers and the model presets they describe.
+# tests/integration/test_cli_structure.py checks that they match the tokenizers they describe.
 TOKENIZER_NAMES = ("byte", "gpt2", "bpe:VOCAB", "file:PATH")
-MODEL_PRESET_NAMES = (
-    "pico",
-    "nano",
-    "gpt2",
-    "gpt2-medium",
-    "gpt2-large",
-    "gpt2-xl",
-    "gpt-1b",
-    "llama-pico",
-    "llama-nano",
-    "llama3.2-1b",
-)

@@ -32,23 +32,12 @@ from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
-from bigbatch.models import (
-    GPTConfig,
-    HFConfig,
-    LlamaConfig,
-    ModelConfig,
-    build_model,
-    family_of,
-    is_hf_name,
-    model_config_from_dict,
-    model_preset,
-)
+from bigbatch.models.family import ModelShape
 from bigbatch.models.head_loss import largest_chunk
+from bigbatch.models.registry import build_model, family_for_model_name, family_of, model_config_from_dict, model_preset
 from bigbatch.progress import ProgressBar
 
 MiB = 2**20
-
-HF_ESTIMATE_UNAVAILABLE = "the analytic memory estimate is unavailable for hf: models (any architecture)"
 
 
 @dataclass(frozen=True)
@@ -64,21 +53,18 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    config: ModelConfig, micro_batch: int, seq_len: int, precision: str = "fp32", chunked_loss: bool = True
+    config: ModelShape, micro_batch: int, seq_len: int, precision: str = "fp32", chunked_loss: bool = True
 ) -> MemoryEstimate:
     """Shapes-only estimate: fp32 parameters, gradients and AdamW moments; activations of one micro-batch, the
-    layers' (:func:`gpt_layer_bytes_per_token` or :func:`llama_layer_bytes_per_token`) plus the head and loss
-    (:func:`head_loss_bytes`). Not for ``hf:DIR`` (a :class:`ConfigError`): its layers are not known here, only
-    measured."""
-    if isinstance(config, HFConfig):
-        raise ConfigError(HF_ESTIMATE_UNAVAILABLE)
+    layers' (the family's ``layer_bytes_per_token``) plus the head and loss (:func:`head_loss_bytes`). Not for a
+    family without a per-layer count (``hf:DIR``: a :class:`ConfigError`): its layers are only measured."""
+    family = family_of(config)
+    if family.layer_bytes_per_token is None:
+        raise ConfigError(family.no_estimate_reason)
     with torch.device("meta"):
         n = build_model(config).num_params(non_embedding=False)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
-    if isinstance(config, LlamaConfig):
-        per_token = llama_layer_bytes_per_token(config, act_bytes)
-    else:
-        per_token = gpt_layer_bytes_per_token(config, act_bytes)
+    per_token = family.layer_bytes_per_token(config, act_bytes)
     tokens = micro_batch * seq_len
     head = head_loss_bytes(config, tokens, chunked_loss)
     return MemoryEstimate(
@@ -86,7 +72,13 @@ def estimate_memory(
     )
 
 
-def head_loss_bytes(config: GPTConfig | LlamaConfig, tokens: int, chunked_loss: bool = True) -> int:
+def estimate_unavailable(config: ModelShape) -> str:
+    """Why ``config``'s family has no analytic estimate, or ``""`` when it has one."""
+    family = family_of(config)
+    return family.no_estimate_reason if family.layer_bytes_per_token is None else ""
+
+
+def head_loss_bytes(config: ModelShape, tokens: int, chunked_loss: bool = True) -> int:
     """What the head and the loss hold at the forward's end for ``tokens`` positions. Whole logits: the fp32
     logits and the log-softmax saved for backward. Chunked (:mod:`bigbatch.models.head_loss`): the rows' gradient
     (fp32, ``C`` per token), the head's gradient (``V x C``, once) and a chunk of logits in flight."""
@@ -94,31 +86,6 @@ def head_loss_bytes(config: GPTConfig | LlamaConfig, tokens: int, chunked_loss: 
     if not chunked_loss:
         return 2 * tokens * config.padded_vocab_size * 4
     return tokens * config.n_embd * 4 + vocab * config.n_embd * 4 + largest_chunk(tokens, vocab) * vocab * 4
-
-
-def gpt_layer_bytes_per_token(config: GPTConfig, act_bytes: int) -> int:
-    """What a GPT block keeps for backward per token: ``34 x C`` bytes at 16-bit activations, i.e. 17 values of
-    the width (attention scores are not stored by fused SDPA)."""
-    return 17 * config.n_embd * act_bytes
-
-
-def llama_layer_bytes_per_token(config: LlamaConfig, act_bytes: int) -> int:
-    """What a Llama decoder layer keeps for backward per token, counted from its operations:
-
-    * each RMSNorm: its input and normalised vector in fp32 (the residual stream and the statistics are fp32
-      whatever the precision), and its output, the projections' input;
-    * attention: the attention's inputs (queries ``C`` wide; keys and values repeated to every query head when
-      grouped, else ``kv`` wide each) and output, and the output projection's input. The rotation (RoPE) keeps
-      nothing: it multiplies by cos and sin, constants that need no gradient;
-    * the SwiGLU MLP: gate, its SiLU, up and their product, each ``ffn_hidden`` wide.
-
-    No position table, no biases, no attention scores (fused SDPA). On CPU in fp32 this is within a few percent
-    of the measured forward peak (``bigbatch memory --model llama-nano``)."""
-    c, kv, ffn = config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden
-    norms = 2 * (2 * c * 4 + c * act_bytes)
-    grouped = config.n_kv_head != config.n_head
-    attention = c + (2 * c if grouped else 2 * kv) + c + c
-    return norms + (attention + 4 * ffn) * act_bytes
 
 
 @dataclass(frozen=True)
@@ -171,7 +138,7 @@ class _CudaPeak:
 
 @preserved_rng()
 def measure_in_process(
-    config: ModelConfig,
+    config: ModelShape,
     micro_batch: int,
     seq_len: int,
     k: int,
@@ -256,7 +223,7 @@ def measure_in_process(
 
 
 def measure(
-    config: ModelConfig,
+    config: ModelShape,
     micro_batch: int,
     seq_len: int,
     k: int = 4,
@@ -272,7 +239,7 @@ def measure(
             config, micro_batch, seq_len, k, device, precision, activation_checkpointing, chunked_loss
         )
     request = {
-        "family": family_of(config),
+        "family": family_of(config).name,
         "config": config.to_dict(),
         "micro_batch": micro_batch,
         "seq_len": seq_len,
@@ -403,7 +370,8 @@ class MemorySweep:
         loss = "" if self.chunked_loss else " | whole logits (--no-chunked-loss)"
         shape = f"{self.model} | vocab {self.vocab_size:,} | seq_len {self.seq_len}"
         header = f"{shape} | {self.precision} | {self.device} ({how}){checkpointing}{loss}"
-        note = f"\nestimate: {HF_ESTIMATE_UNAVAILABLE}" if is_hf_name(self.model) else ""
+        reason = family_for_model_name(self.model).no_estimate_reason
+        note = f"\nestimate: {reason}" if reason else ""
         return header + "\n" + memory_report(self.rows, self.estimates) + note
 
 
@@ -424,8 +392,8 @@ def sweep_memory(
 
     Progress goes to ``stream`` (default: stderr): a redrawn bar on a terminal, else a line per size."""
     stream = sys.stderr if stream is None else stream
-    hf = is_hf_name(model)  # hf:DIR: its config.json's vocabulary, whatever --vocab-size says; 0: the preset's
-    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not hf else {}))
+    fixed = family_for_model_name(model).fixed_shape  # hf:DIR: its config.json's vocabulary; 0: the preset's
+    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not fixed else {}))
     if seq_len > config.block_size:
         raise BigBatchError(
             f"--seq-len {seq_len} exceeds the {model} block size {config.block_size:,}; lower --seq-len to at most "
@@ -453,7 +421,9 @@ def sweep_memory(
             else:
                 stream.write(f"measured micro-batch {size}\n")
     estimates = (
-        {} if hf else {s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes}
+        {}
+        if estimate_unavailable(config)
+        else {s: estimate_memory(config, s, seq_len, precision, chunked_loss).activations for s in sizes}
     )
     return MemorySweep(
         model, config.vocab_size, seq_len, precision, device, activation_checkpointing, chunked_loss, rows, estimates

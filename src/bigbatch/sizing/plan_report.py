@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError
-from bigbatch.models import HFConfig, ModelConfig, model_preset
+from bigbatch.models.family import ModelShape
+from bigbatch.models.registry import family_for_model_name, family_of, model_preset
 from bigbatch.parallel.distributed import resolve_device
-from bigbatch.sizing.memory import HF_ESTIMATE_UNAVAILABLE, MiB, MicroStepMeasurement, estimate_memory, measure
+from bigbatch.sizing.memory import MiB, MicroStepMeasurement, estimate_memory, estimate_unavailable, measure
 from bigbatch.sizing.plan import SolvedPlan
 
 
@@ -17,7 +18,7 @@ def _mib(n: float) -> str:
 def format_plan(
     solved: SolvedPlan,
     model_name: str | None = None,
-    model_config: ModelConfig | None = None,
+    model_config: ModelShape | None = None,
     precision: str = "fp32",
     measured: MicroStepMeasurement | None = None,
 ) -> str:
@@ -41,9 +42,11 @@ def format_plan(
             f"the sequences per step to {plan.sequences_per_step:,} = {plan.tokens_per_step:,} tokens"
             + (f" ({plan.tokens_per_step / 1e6:.1f}M)" if plan.tokens_per_step >= 100_000 else "")
         )
-    if isinstance(model_config, HFConfig):
-        rows.append((f"model {model_name}", f"hf {model_config.architecture}"))
-        notes.append(HF_ESTIMATE_UNAVAILABLE + ("; --measure measures it" if measured is None else ""))
+    unavailable = estimate_unavailable(model_config) if model_config is not None else ""
+    if model_config is not None and unavailable:
+        family = family_of(model_config)
+        rows.append((f"model {model_name}", f"{family.name} {family.hf_class_name(model_config)}"))
+        notes.append(unavailable + ("; --measure measures it" if measured is None else ""))
     elif model_config is not None:
         estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
         rows += [
@@ -86,7 +89,7 @@ def report_plan(
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
     model_config = model_preset(model_name, **overrides)
     if solved.plan.seq_len > model_config.block_size:
-        if isinstance(model_config, HFConfig):  # its context is its config.json's: it cannot grow here
+        if family_for_model_name(model_name).fixed_shape:  # its context is its config.json's: it cannot grow here
             raise ConfigError(
                 f"--seq-len {solved.plan.seq_len} exceeds {model_name}'s context length {model_config.block_size:,} "
                 f"(its config.json's); lower --seq-len to at most {model_config.block_size:,}, or leave it out"

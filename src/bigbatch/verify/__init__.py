@@ -31,7 +31,7 @@ items it sums over. A loss that returns a mean ``m`` over ``c`` items returns
 """
 
 from bigbatch.models.coupling import ROOT
-from bigbatch.verify.distributed import check_distributed_equivalence
+from bigbatch.verify.across_ranks import check_distributed_equivalence
 from bigbatch.verify.equivalence import check_equivalence
 from bigbatch.verify.inputs import (
     DEFAULT_TOLERANCE,
@@ -44,7 +44,7 @@ from bigbatch.verify.inputs import (
     scan_cross_sample_modules,
     split_indices,
 )
-from bigbatch.verify.report import (
+from bigbatch.verify.verdict import (
     LOSS,
     BufferComparison,
     DistributedReport,

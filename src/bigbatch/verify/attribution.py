@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from bigbatch.models.coupling import ROOT
 from bigbatch.verify.compare import rel_diff
-from bigbatch.verify.report import Finding
+from bigbatch.verify.verdict import Finding
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from bigbatch.verify import (
     check_distributed_equivalence,
     check_equivalence,
 )
-from bigbatch.verify.packing import MIN_VOCAB, packed_documents, position_mismatch
+from bigbatch.verify.packed_batch import MIN_VOCAB, packed_documents, position_mismatch
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.models.coupling import ROOT
-from bigbatch.verify.report import BufferComparison, ParamComparison
+from bigbatch.verify.verdict import BufferComparison, ParamComparison
 
 
 def flat(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from bigbatch.verify.inputs import (
     scan_cross_sample_modules,
     split_indices,
 )
-from bigbatch.verify.report import LOSS, EquivalenceReport, Finding, Mistake, SplitResult
+from bigbatch.verify.verdict import LOSS, EquivalenceReport, Finding, Mistake, SplitResult
 
 
 @dataclass

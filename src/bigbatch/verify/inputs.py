@@ -12,7 +12,7 @@ import torch.nn as nn
 from bigbatch.engine.accumulate import token_loss_sum
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.models.coupling import cross_sample_modules, set_dropout
-from bigbatch.verify.report import Finding
+from bigbatch.verify.verdict import Finding
 
 VerifyLossFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | int"]]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -16,145 +16,15 @@ devices or files.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from bigbatch.errors import ConfigError
-from bigbatch.models.attention import causal_attention, document_causal_mask
-from bigbatch.models.lm_output import logits_or_loss
+from bigbatch.models.decoder import DecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.llama.config import LLAMA_PRESETS, LlamaConfig, RopeScaling, llama_preset
 
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's stretch of the rotary frequencies for contexts longer than pre-training's.
-
-    Wavelengths longer than ``original_max_position / low_freq_factor`` are slowed by
-    ``factor``, those shorter than ``original_max_position / high_freq_factor`` are
-    kept, and those between are blended smoothly (``rope_type: llama3`` in Hugging Face).
-    """
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    def __post_init__(self) -> None:
-        if not self.factor >= 1.0:
-            raise ConfigError(f"rope scaling factor must be >= 1, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ConfigError(
-                f"rope scaling needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor} and "
-                f"{self.high_freq_factor}; Llama 3 uses 1 and 4"
-            )
-        if self.original_max_position < 1:
-            raise ConfigError(f"rope scaling original_max_position must be positive, got {self.original_max_position}")
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of a Llama-style model."""
-
-    n_layer: int
-    n_head: int
-    n_kv_head: int  # key/value heads; each serves n_head // n_kv_head query heads
-    n_embd: int
-    ffn_hidden: int  # width of the SwiGLU MLP's gate and up projections
-    block_size: int  # the longest sequence accepted (rotary has no table: any length up to this works)
-    vocab_size: int = 50257  # the GPT-2 tokenizer's, like the GPT presets; training uses the data's vocabulary
-    rope_base: float = 10_000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "block_size", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model {name} must be a positive integer, got {getattr(self, name)}")
-        if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                "choose n_embd as a multiple of n_head"
-            )
-        if self.n_head % self.n_kv_head != 0:
-            raise ConfigError(
-                f"model n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
-                "choose n_kv_head as a divisor of n_head"
-            )
-        if self.head_dim % 2 != 0:
-            raise ConfigError(
-                f"model head_dim={self.head_dim} (n_embd / n_head) is odd; rotary embeddings rotate pairs, "
-                "choose n_embd / n_head even"
-            )
-        if not self.rope_base > 0:
-            raise ConfigError(f"model rope_base must be positive, got {self.rope_base}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"model norm_eps must be positive, got {self.norm_eps}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """The embedding's rows: the vocabulary itself (no padding, so Hugging Face weights load as they are)."""
-        return self.vocab_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (``rope_scaling`` a dict or None); :meth:`from_dict` reads them back."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> LlamaConfig:
-        values = dict(values)
-        scaling = values.get("rope_scaling")
-        if isinstance(scaling, dict):
-            values["rope_scaling"] = RopeScaling(**scaling)
-        return cls(**values)
-
-
-LLAMA_PRESETS: dict[str, LlamaConfig] = {
-    # The budgets of the GPT presets pico and nano, with half as many key/value heads as query heads (so
-    # grouped-query attention is exercised) and an MLP of about 8/3 x width, a multiple of 32, as SwiGLU
-    # has three matrices where GELU has two.
-    "llama-pico": LlamaConfig(
-        n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=96, block_size=64, tie_embeddings=True
-    ),
-    "llama-nano": LlamaConfig(
-        n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=352, block_size=256, tie_embeddings=True
-    ),
-    # Meta's Llama 3.2 1B (1.24B parameters). It was trained to 131,072 tokens, but training's seq_len defaults
-    # to the block size and 131,072-token sequences rarely fit: 8,192 (its pre-training context) is the
-    # default here, and --block-size raises it (rotary has no table to outgrow).
-    "llama3.2-1b": LlamaConfig(
-        n_layer=16,
-        n_head=32,
-        n_kv_head=8,
-        n_embd=2048,
-        ffn_hidden=8192,
-        block_size=8192,
-        vocab_size=128_256,
-        rope_base=500_000.0,
-        rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192),
-        norm_eps=1e-5,
-        tie_embeddings=True,
-    ),
-}
-
-
-def llama_preset(name: str, **overrides: Any) -> LlamaConfig:
-    """A named Llama shape, optionally with fields replaced (e.g. ``vocab_size=256``)."""
-    if name not in LLAMA_PRESETS:
-        known = ", ".join(LLAMA_PRESETS)
-        raise ConfigError(f"unknown Llama preset {name!r}; choose one of: {known}")
-    return replace(LLAMA_PRESETS[name], **overrides)
+__all__ = ["LLAMA_PRESETS", "Llama", "LlamaConfig", "RopeScaling", "llama_preset"]
 
 
 def rope_inverse_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -292,15 +162,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
 
 
-class Llama(nn.Module):
-    """A Llama-style decoder. ``forward(idx)`` returns the logits, shape (B, T, vocab_size).
-
-    The same interface as :class:`~bigbatch.models.GPT`: ``forward(idx, targets, positions)`` (the summed loss;
-    rotary positions restart at each packed document), ``config``, ``activation_checkpointing``, ``chunked_loss``,
-    ``num_params``, ``flops_per_token`` and ``fsdp_units``.
-    """
-
-    computes_loss = True
+class Llama(DecoderLM):
+    """A Llama-style decoder on :class:`~bigbatch.models.decoder.DecoderLM` (its forward, loss and counts): rotary
+    positions restart at each packed document."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -309,9 +173,8 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Recompute each layer in backward instead of keeping its activations (less memory, ~1/3 more compute).
         self.activation_checkpointing = False
-        self.chunked_loss = True  # the loss from chunks of rows, never the whole (B, T, V) logits
+        self.chunked_loss = True
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -326,51 +189,25 @@ class Llama(nn.Module):
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        _, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
-        cos, sin = rope_cos_sin(self.config, T, idx.device)  # (T, head_dim) each, shared by every layer
+    def embed(
+        self, idx: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        cos, sin = rope_cos_sin(self.config, idx.size(1), idx.device)  # (T, head_dim) each, shared by every layer
         mask = None
         if positions is not None:  # packed documents: each token's own angles, attention within its document
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
             mask = document_causal_mask(positions)  # (B, 1, T, T)
-        x = self.model.embed_tokens(idx)  # (B, T, C)
-        for layer in self.model.layers:
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask)
-        x = self.model.norm(x)
-        if targets is None and not last_only:
-            return self.lm_head(x)  # (B, T, vocab)
-        return logits_or_loss(x, self.lm_head.weight, targets, chunked=self.chunked_loss, last_only=last_only)
+        return self.model.embed_tokens(idx), (cos, sin, mask)  # (B, T, C)
 
-    def fsdp_units(self) -> list[nn.Module]:
-        """What FSDP2 shards as units before the root (see :func:`bigbatch.models.sharding.fsdp_units`): the
-        decoder layers; the embedding, final norm and head stay with the root."""
-        return list(self.model.layers)
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; tied weights are counted once. ``non_embedding`` drops an untied input embedding
-        (a lookup, not a matmul); a tied one stays, as it is also the LM head's matmul."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and not self.config.tie_embeddings:
-            n -= self.model.embed_tokens.weight.numel()
-        return n
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``.
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
-        ``N`` counts the parameters that take part in matmuls (:meth:`num_params` with
-        ``non_embedding``); the second term is attention over ``seq_len`` with ``H``
-        query heads of ``Q`` dimensions (grouped key/value heads do not shrink it).
-        """
-        cfg = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+    def lookup_only_parameters(self) -> int:
+        """An untied input embedding is a lookup, not a matmul; a tied one is also the head's."""
+        return 0 if self.config.tie_embeddings else self.model.embed_tokens.weight.numel()

@@ -1,9 +1,10 @@
 """Every part of a training run, built from a :class:`~bigbatch.run.config.TrainConfig` in phases, each with
 the narrow inputs it needs, in the order data flows:
 
-check (:mod:`.checks`) -> run directory (:mod:`.run_dir`) -> data (:mod:`.data`) -> model (:mod:`.model`) ->
-sizing: plan, step policy, ramp (:mod:`.sizing`) -> loaders (:mod:`.data`) -> engine: wrapping, optimizer,
-schedule (:mod:`.engine`) -> observers: step hooks, peak FLOPs (:mod:`.observers`) -> the engine.
+check (:mod:`.checks`) -> run directory: chosen and held by one writer (:func:`hold_run_dir`, here) -> data
+(:mod:`.data`) -> model (:mod:`.model`) -> sizing: plan, step policy, ramp (:mod:`.sizing`) -> loaders
+(:mod:`.data`) -> engine: wrapping, optimizer, schedule (:mod:`.engine`) -> observers: step hooks, peak FLOPs
+(:mod:`.observers`) -> the engine.
 
 :func:`build_run` returns them as one frozen :class:`RunParts`; the trainer runs them and
 :class:`~bigbatch.run.state.TrainState` saves and restores their state.
@@ -20,10 +21,12 @@ import torch
 import torch.nn as nn
 
 from bigbatch.data.dataset import Dataset
-from bigbatch.data.validation import ValidationWindows
+from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.engine.batch import StepPolicy
 from bigbatch.engine.rng import seed_rank_generators
+from bigbatch.errors import ConfigError
+from bigbatch.files.outputs import RUN_MARKER, is_legacy_run, require_own_dir
 from bigbatch.models import LanguageModel
 from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
@@ -32,11 +35,11 @@ from bigbatch.run.build.data import Loader, build_loaders, open_run_data
 from bigbatch.run.build.engine import build_optimizer, wrap_for_training
 from bigbatch.run.build.model import build_run_model
 from bigbatch.run.build.observers import build_observers
-from bigbatch.run.build.run_dir import hold_run_dir
 from bigbatch.run.build.sizing import build_ramp, plan_steps
 from bigbatch.run.config import TrainConfig
-from bigbatch.run.lock import RunDirLock
+from bigbatch.run.identity import default_run_dir
 from bigbatch.run.resume import find_resume_checkpoint
+from bigbatch.run.run_dir_lock import RunDirLock, lock_run_dir
 from bigbatch.sizing.plan import BatchPlan
 from bigbatch.sizing.ramp import BatchRamp
 
@@ -66,7 +69,7 @@ class RunParts:
     peak_flops: float | None  # per device, for MFU; None when unknown
     ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.sizing.ramp)
     noise: NoiseMeter | None = None  # the engine's noise-scale hook, for its estimate (None: not measured)
-    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (see bigbatch.run.lock); released by the trainer
+    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (bigbatch.run.run_dir_lock); the trainer releases it
     seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
 
     @property
@@ -84,6 +87,30 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def chosen_run_dir(config: TrainConfig) -> Path:
+    """``--out``, or the default directory of these settings (the same settings find the same run again)."""
+    return Path(config.run.out) if config.run.out else default_run_dir(config)
+
+
+def hold_run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path, RunDirLock | None]:
+    """The run directory (rank 0's choice when defaulted), held by rank 0 (or its launcher) from here to the end
+    of the run; every rank raises the same one-line error when another process holds it."""
+    run_dir = Path(dist.broadcast_object(str(chosen_run_dir(config))))
+    run_lock, refusal = None, None
+    if dist.is_main:  # alone: the others would see the directory half-made
+        try:
+            require_own_dir(run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
+            run_lock = lock_run_dir(run_dir, config.run.wait_for_lock, say)
+        except ConfigError as exc:  # not bigbatch's directory, or in use
+            refusal = exc
+    message = dist.broadcast_object(None if refusal is None else str(refusal))
+    if refusal is not None:
+        raise refusal
+    if message is not None:
+        raise ConfigError(message)
+    return run_dir, run_lock
 
 
 def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say: Say) -> RunParts:

@@ -14,16 +14,16 @@ from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
 from bigbatch.data.loader import loader_for
 from bigbatch.data.shards import check_requested_tokenizer
-from bigbatch.data.stream import PackedLoader
+from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.data.tokenizers import carries_tokenizer_json, get_tokenizer, model_dir_tokenizer
-from bigbatch.data.validation import ValidationWindows, validation_windows
+from bigbatch.data.validation_windows import ValidationWindows, validation_windows
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
 from bigbatch.run.config import TrainConfig, model_directory
 from bigbatch.sizing.plan import BatchPlan
 
-Loader = PackedLoader | DocumentLoader
+Loader = TokenStreamLoader | DocumentLoader
 
 
 @dataclass(frozen=True)

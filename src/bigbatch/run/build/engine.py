@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.optim import CosineSchedule, build_adamw
-from bigbatch.models import LanguageModel, fsdp_units
-from bigbatch.models.hf_causal import CompiledOrEager, HFCausalLM
+from bigbatch.models.decoder import LanguageModel, fsdp_units
+from bigbatch.models.registry import family_of
 from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
 from bigbatch.progress import plural
 from bigbatch.run.config import TrainConfig
@@ -46,9 +46,8 @@ def wrap_for_training(
     )
     compile_model = config.run.compile == "on" or (config.run.compile == "auto" and device.type == "cuda")
     train_model: nn.Module = wrapped
-    if compile_model:  # an hf: model may be of an architecture that does not compile: it then trains eagerly
-        compiled = CompiledOrEager(wrapped) if isinstance(model, HFCausalLM) else torch.compile(wrapped)
-        train_model = compiled  # type: ignore[assignment]
+    if compile_model:  # as the family compiles (an hf: architecture that does not compile trains eagerly)
+        train_model = family_of(model).compile(wrapped)
     return WrappedModel(train_model, wrapped, grad_sync, parallel)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,11 +12,11 @@ import torch
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.tokenizers import check_tokenizer_fits, is_file_tokenizer
 from bigbatch.errors import ConfigError
-from bigbatch.models import HFConfig, LanguageModel, ModelConfig, build_model, hf_shape, is_hf_name, model_preset
 from bigbatch.models.coupling import cross_sample_modules
-from bigbatch.models.hf_causal import HFCausalLM, build_hf_model, dropout_note, dropout_settings, training_notes
-from bigbatch.models.hf_files import read_config
-from bigbatch.models.pretrained import load_pretrained
+from bigbatch.models.decoder import LanguageModel
+from bigbatch.models.family import ModelShape
+from bigbatch.models.pretrained import load_pretrained, pretrained_dropout
+from bigbatch.models.registry import family_for_model_name, family_of, model_preset
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.config import TrainConfig
 
@@ -60,16 +59,15 @@ def model_from_config(config: TrainConfig, vocab_size: int, tokenizer: str = "")
         check_seq_len(config, model.config.block_size, f"--init-from {config.model.init_from}", from_directory=True)
         return model
     shape = preset_shape(config, vocab_size)
-    if isinstance(shape, HFConfig):  # hf:DIR: its weights when the directory has them, else seeded from config.json
-        return build_hf_model(shape, weights=True, dropout=config.model.dropout)  # --dropout replaces config.json's
-    return build_model(shape)
+    # hf:DIR: its weights when the directory has them, else seeded from config.json; --dropout replaces its own
+    return family_of(shape).model_for_training(shape, config.model.dropout)
 
 
-def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The preset's shape (either family) with the data's vocabulary, ``--block-size`` and dropout; ``seq_len``
-    must fit it. ``hf:DIR``: see :func:`hf_run_shape`."""
-    if is_hf_name(config.model.preset):
-        return hf_run_shape(config, vocab_size)
+def preset_shape(config: TrainConfig, vocab_size: int) -> ModelShape:
+    """The preset's shape with the data's vocabulary, ``--block-size`` and dropout; ``seq_len`` must fit it. A
+    shape fixed by its directory (``hf:DIR``): see :func:`fixed_run_shape`."""
+    if family_for_model_name(config.model.preset).fixed_shape:
+        return fixed_run_shape(config, vocab_size)
     overrides: dict[str, Any] = {"vocab_size": vocab_size, "dropout": config.model.dropout}
     if config.model.block_size:
         overrides["block_size"] = config.model.block_size
@@ -78,13 +76,14 @@ def preset_shape(config: TrainConfig, vocab_size: int) -> ModelConfig:
     return shape
 
 
-def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
-    """``--model hf:DIR``'s shape, its config.json's: the data's tokens must fit its vocabulary and seq_len its
-    context; a model bigbatch cannot train exactly is refused here, before any weight is read."""
+def fixed_run_shape(config: TrainConfig, vocab_size: int) -> ModelShape:
+    """The shape of a ``--model`` whose directory decides it (``hf:DIR``'s config.json): the data's tokens must fit
+    its vocabulary and seq_len its context; a model bigbatch cannot train exactly is refused here, before any
+    weight is read."""
     name = config.model.preset
-    shape = hf_shape(name)
+    shape = model_preset(name)
     check_tokenizer_fits(vocab_size, shape.vocab_size, "the data's tokenizer")
-    refusal, _ = training_notes(shape)
+    refusal, _ = family_of(shape).training_notes(shape)
     if refusal:
         raise ConfigError(refusal)
     check_seq_len(config, shape.block_size, name, from_directory=True)
@@ -93,7 +92,8 @@ def hf_run_shape(config: TrainConfig, vocab_size: int) -> HFConfig:
 
 def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
     """Refuse a model with a module that mixes the samples of a batch (BatchNorm and kin in training mode): its
-    micro-batches cannot add up to the big batch. Say what an ``hf:`` mixture of experts leaves out."""
+    micro-batches cannot add up to the big batch. Say what training leaves out (an ``hf:`` mixture of experts'
+    balancing loss)."""
     coupled = cross_sample_modules(model)
     if coupled:
         first = coupled[0]
@@ -101,21 +101,21 @@ def check_exactness(model: LanguageModel, name: str, say: Say) -> None:
             f"{name} cannot be trained exactly: its module {first.module} ({first.kind}) {first.detail}, so "
             f"micro-batches cannot add up to the big batch (bigbatch verify --model {name} shows it)"
         )
-    if isinstance(model.config, HFConfig):
-        _, warning = training_notes(model.config)
-        if warning:
-            say("%s", warning, level=logging.WARNING)
+    _, warning = family_of(model).training_notes(model.config)
+    if warning:
+        say("%s", warning, level=logging.WARNING)
 
 
 def say_dropout(config: TrainConfig, model: LanguageModel, say: Say) -> None:
     """Say, before the first step, that dropout makes micro-batch and full-batch gradients differ, and what
     ``--dropout`` did to an ``hf:`` model's own (its config.json's dropout is replaced: 0 by default)."""
-    if isinstance(model, HFCausalLM):
-        note = dropout_note(model.config, config.model.dropout)
+    own_dropout = family_of(model).dropout_note
+    if own_dropout is not None:  # a model with dropout of its own (hf:DIR's config.json)
+        note = own_dropout(model.config, config.model.dropout)
         if note:
             say("%s", note, level=logging.WARNING)
     elif config.model.init_from:  # bigbatch's own GPT-2 or Llama: no dropout, whatever config.json says
-        own = dropout_settings(read_config(Path(config.model.init_from), kind="GPT-2 or Llama"))
+        own = pretrained_dropout(config.model.init_from)
         listed = ", ".join(f"{key} {value:g}" for key, value in sorted(own.items()) if value)
         if listed:
             say(
@@ -137,7 +137,7 @@ def chunked_loss(config: TrainConfig, model: LanguageModel, say: Say) -> bool:
     model whose logits are its head's linear map of the last hidden state), said once where it cannot."""
     if not config.model.chunked_loss:
         return False
-    if isinstance(model, HFCausalLM) and not model.head_detachable:
+    if not model.head_detachable:
         say(
             "%s: its logits are not its output head's linear map of the last hidden state (e.g. a soft cap or a "
             "scale after the head), so the loss is computed from the whole logits (--chunked-loss has no effect)",
@@ -154,9 +154,10 @@ def packs_documents(config: TrainConfig, dataset: Dataset, model: LanguageModel,
     and left unpacked with ``auto``."""
     if dataset.meta.mode != "documents" or config.data.pack == "off":
         return False
-    if isinstance(model, HFCausalLM) and not model.packs_documents:
+    if not model.packs_documents:
+        architecture = family_of(model).hf_class_name(model.config)
         reason = (
-            f"{config.model.preset}: {model.config.architecture} in transformers does not confine attention to each "
+            f"{config.model.preset}: {architecture} in transformers does not confine attention to each "
             "document from position_ids, so packed documents would attend to one another"
         )
         if config.data.pack == "on":

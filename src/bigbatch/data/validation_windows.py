@@ -2,7 +2,7 @@
 it; the same windows at every evaluation of a run.
 
 The split's windows are numbered once (packed: ``T + 1``-token windows at multiples of ``T``, see
-:class:`~bigbatch.data.windows.PackedWindows`; documents: the sequences of an epoch, a long document's windows
+:class:`~bigbatch.data.windows.TokenStreamWindows`; documents: the sequences of an epoch, a long document's windows
 included). ``eval_batches`` auto (stored as 0) asks for :data:`AUTO_EVAL_TOKENS` tokens, i.e. that many divided
 by ``T`` windows, whatever the micro-batch and the number of processes, so runs that divide their batch
 differently score the same windows; a number ``N`` asks for ``N`` micro-batches per process, i.e.
@@ -21,7 +21,7 @@ import numpy as np
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.loader import loader_for
-from bigbatch.data.windows import PackedWindows, spread_sample
+from bigbatch.data.windows import TokenStreamWindows, spread_sample
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.errors import DataError
 from bigbatch.progress import plural
@@ -41,19 +41,19 @@ def wanted_windows(eval_batches: int, micro_batch: int, seq_len: int, world_size
 
 class ValidationWindows:
     """This process's micro-batches of a fixed sample of a split's windows; read with :meth:`next_micro_batch`
-    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.run.validation.score_windows`);
+    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.run.validation_loss.score_windows`);
     :meth:`reset` rewinds."""
 
     def __init__(
         self,
-        source: PackedWindows | DocumentLoader,
+        source: TokenStreamWindows | DocumentLoader,
         wanted: int,
         micro_batch: int,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
         self.source = source
-        self.available = source.count if isinstance(source, PackedWindows) else source.n_sequences
+        self.available = source.count if isinstance(source, TokenStreamWindows) else source.n_sequences
         self.indices = spread_sample(self.available, wanted)
         self.whole = len(self.indices) == self.available
         self.micro_batch = micro_batch
@@ -71,7 +71,7 @@ class ValidationWindows:
     def describe(self) -> str:
         """E.g. ``1,742 windows of 64 tokens (the whole split)`` or ``2,048 of its 7,812 windows of 64 tokens,
         spread uniformly``."""
-        if isinstance(self.source, PackedWindows):
+        if isinstance(self.source, TokenStreamWindows):
             kind = "window"
         else:
             kind = "packed row" if self.source.pack else "sequence"
@@ -115,7 +115,7 @@ def validation_windows(
         loader = loader_for(dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents, pack=pack)
         assert isinstance(loader, DocumentLoader)
         return ValidationWindows(loader, wanted, micro_batch, rank, world_size)
-    windows = PackedWindows(dataset.shard_arrays(split), seq_len)
+    windows = TokenStreamWindows(dataset.shard_arrays(split), seq_len)
     if windows.count == 0:
         longest = max((len(s) for s in windows.shards), default=0)
         raise DataError(

@@ -22,7 +22,7 @@ from bigbatch.verify.inputs import (
     lm_loss,
     scan_cross_sample_modules,
 )
-from bigbatch.verify.report import DistributedReport
+from bigbatch.verify.verdict import DistributedReport
 
 
 def check_distributed_equivalence(

@@ -1,7 +1,7 @@
 """A model's loss on a split's validation windows: the one number the trainer's evaluations log and ``bigbatch
 eval`` prints.
 
-Both score the same windows (:mod:`bigbatch.data.validation`) through this one function, so ``bigbatch eval``
+Both score the same windows (:mod:`bigbatch.data.validation_windows`) through this one function, so ``bigbatch eval``
 with a run's own data and batch settings reproduces the run's logged validation loss. The loss is the
 token-weighted mean over valid targets (targets of ``-100`` count for nothing), summed over ranks before it is
 divided, so it does not depend on how the windows are split into micro-batches or processes.
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigbatch.data.validation import ValidationWindows
+from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.accumulate import LossFn, autocast_for, token_loss_sum
 from bigbatch.engine.batch import count_valid_targets
 from bigbatch.parallel.distributed import DistContext, reshard

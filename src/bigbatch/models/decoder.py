@@ -1,0 +1,136 @@
+"""The pieces every family's forward shares: :class:`DecoderLM` (the block loop with optional activation
+checkpointing, the lean head and loss, parameter and FLOP counts, the FSDP2 units), causal attention over rows
+that may hold several documents, and :func:`fsdp_units`, the one place that asks a model for its units.
+
+A packed row carries each token's position within its own document (0 at every document's first token). Two tokens
+may attend to each other only when they lie in the same document and the key does not come after the query: a
+block-diagonal causal mask. Rows without positions (one sequence per row) use the plain causal kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from bigbatch.models.lm_output import logits_or_loss
+
+
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``True`` where query ``i`` may attend to key ``j``, shape (B, 1, T, T), from ``positions`` (B, T).
+
+    A document begins wherever the position is 0, so the segment of a token is the number of zeros up to it.
+    Built once per forward and shared by every layer (T x T booleans per row: 256 KiB at T = 512)."""
+    T = positions.size(1)
+    segments = (positions == 0).cumsum(dim=1)  # (B, T)
+    same_document = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
+    return (same_document & causal).unsqueeze(1)  # (B, 1, T, T)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """SDPA over (B, heads, T, head_dim): within documents when ``mask`` (from :func:`document_causal_mask`) is
+    given, else plain causal. Every query sees at least itself, so no row of the mask is empty."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that FSDP2 shards as units before the root (see
+    :func:`bigbatch.parallel.distributed.wrap_model`, which knows nothing of the model's layout): what ``model``'s
+    class says through its ``fsdp_units()`` method (the embeddings, final norm and head stay with the root). A
+    model whose class has no such method gives none: only the root."""
+    units = getattr(type(model), "fsdp_units", None)  # the class's: a submodule named fsdp_units is no method
+    return list(units(model)) if callable(units) else []
+
+
+class DecoderLM(nn.Module):
+    """A decoder language model as bigbatch trains it. ``forward(idx)`` returns the logits (B, T, vocab);
+    ``forward(idx, targets)`` the summed next-token loss over the targets that are not -100, from the final hidden
+    states (:func:`~bigbatch.models.lm_output.logits_or_loss`: in chunks of rows, never the whole logits, unless
+    ``chunked_loss`` is off); ``positions`` (B, T), for rows packed with several documents, restarts positions at
+    each document and confines attention to it; ``last_only`` returns the last position's logits (B, 1, vocab).
+
+    A family's model names its parts: :meth:`embed` (the first hidden states and what every block takes besides
+    them), :meth:`blocks`, :meth:`final_norm`, :meth:`head_weight`, and :meth:`lookup_only_parameters` (embeddings
+    that are looked up but never multiplied). A model whose forward is another library's (``hf:DIR``) overrides
+    :meth:`forward` and keeps the counts."""
+
+    computes_loss = True  # forward(idx, targets) returns the loss sum (bigbatch.engine.accumulate.token_loss_sum asks)
+    head_detachable = True  # the logits are the head's linear map of the final hidden states: the loss can be chunked
+    packs_documents = True  # ``positions`` keep packed documents apart
+    activation_checkpointing = False  # recompute each block in backward (less memory, ~1/3 more compute)
+    chunked_loss = True  # the loss from chunks of rows, never the whole (B, T, V) logits
+
+    config: Any
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """The hidden states (B, T, C) entering the first block, and the extra arguments every block takes."""
+        raise NotImplementedError
+
+    def blocks(self) -> nn.ModuleList:
+        """The repeated blocks, in order."""
+        raise NotImplementedError
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's (vocab, C) weight: only the real vocabulary's rows, never padding."""
+        raise NotImplementedError
+
+    def lookup_only_parameters(self) -> int:
+        """Parameters used only by lookup (a position table, an untied input embedding): not in the FLOPs."""
+        return 0
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole logits (B, T, vocab) of the final hidden states ``x`` (B, T, C)."""
+        return F.linear(x, self.head_weight())
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        if idx.size(1) > self.config.block_size:
+            raise ValueError(f"sequence length {idx.size(1)} exceeds the model's block_size {self.config.block_size}")
+        x, extras = self.embed(idx, positions)  # (B, T, C)
+        for block in self.blocks():
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, *extras, use_reentrant=False)
+            else:
+                x = block(x, *extras)
+        x = self.final_norm(x)
+        if targets is None and not last_only:
+            return self.logits(x)
+        return logits_or_loss(x, self.head_weight(), targets, chunked=self.chunked_loss, last_only=last_only)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards as units before the root (see :func:`fsdp_units`): the blocks; the embeddings, final
+        norm and head stay with the root."""
+        return list(self.blocks())
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; tied weights are counted once. ``non_embedding`` drops the lookup-only parameters (a
+        tied embedding stays: it is also the head's matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.lookup_only_parameters() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``, with ``N`` the parameters
+        that take part in matmuls (:meth:`num_params` with ``non_embedding``) and the second term attention over
+        ``seq_len`` with ``H`` query heads of ``Q`` dimensions (grouped key/value heads do not shrink it)."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+LanguageModel = DecoderLM
+"""A model of any family."""

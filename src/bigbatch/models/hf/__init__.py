@@ -1,0 +1,1 @@
+"""The ``hf:DIR`` family: any local Hugging Face causal LM."""
