@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bigbatch.run.config import TrainConfig
+from bigbatch.run.configuration.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

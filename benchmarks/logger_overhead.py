@@ -57,9 +57,9 @@ def one(out: Path, steps: int, flags: list[str]) -> dict[str, float]:
 
     metrics.MetricsFanout.write_step = timed("sinks", metrics.MetricsFanout.write_step)  # type: ignore[method-assign]
     metrics.MetricsFanout.write_eval = timed("sinks", metrics.MetricsFanout.write_eval)  # type: ignore[method-assign]
-    import bigbatch.run.trainer as trainer
+    import bigbatch.run.loop.step_log as step_log
 
-    trainer.open_metrics = opened  # type: ignore[attr-defined]
+    step_log.open_metrics = opened  # type: ignore[attr-defined]
     code = main(
         ["train", "--max-steps", str(steps), "--sample-tokens", "0", "--eval-every", "0", "--out", str(out), *flags]
     )

@@ -26,8 +26,8 @@ from typing import Any
 
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.engine.batch import MicroBatch
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import bench_corpus, cpu_run_config  # noqa: E402

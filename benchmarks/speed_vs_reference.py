@@ -44,8 +44,8 @@ from reference_gpt import ReferenceGPT, train_reference  # noqa: E402
 
 from bigbatch.data.cache import ensure_prepared  # noqa: E402
 from bigbatch.data.shards import TokenDataset  # noqa: E402
-from bigbatch.run.config import TrainConfig  # noqa: E402
-from bigbatch.run.trainer import Trainer  # noqa: E402
+from bigbatch.run.configuration.train_config import TrainConfig  # noqa: E402
+from bigbatch.run.loop.trainer import Trainer  # noqa: E402
 
 SETTINGS = [(64, 12, 1), (64, 12, 4), (256, 16, 4)]  # (T, B, K)
 GOAL = 1.02

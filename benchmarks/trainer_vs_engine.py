@@ -39,8 +39,8 @@ from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.models import GPT, preset
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import cpu_run_config, generated_corpus  # noqa: E402

@@ -8,7 +8,7 @@ the byte tokenizer and bigbatch's 10% validation split, 2,000 steps, bigbatch's 
 (AdamW lr 2e-3, betas (0.9, 0.95), weight decay 0.1, 20 warmup steps, cosine to 10% at the last step, clip 1.0).
 Four runs per seed (``--runs`` picks some):
 
-* bigbatch ``--shuffle on`` (the default): the ``bigbatch train`` path (:class:`~bigbatch.run.trainer.Trainer`);
+* bigbatch ``--shuffle on`` (the default): the ``bigbatch train`` path (:class:`~bigbatch.run.loop.trainer.Trainer`);
 * bigbatch ``--shuffle off``: the same, windows in the order of the data;
 * the reference (``benchmarks/reference_gpt.py``, a minimal GPT-2 and the plainest loop) with windows at
   random offsets, the way the minimal scripts sample them, seeded with the same seed (``reference``);
@@ -50,8 +50,8 @@ from bigbatch.data.dataset import open_dataset
 from bigbatch.data.validation_windows import validation_windows
 from bigbatch.data.windows import TokenStreamWindows
 from bigbatch.models import preset
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_config import bench_corpus, cpu_run_config  # noqa: E402

@@ -26,8 +26,8 @@ _PUBLIC = {
     "LlamaConfig": "bigbatch.models",
     "model_preset": "bigbatch.models",
     "preset": "bigbatch.models",
-    "TrainConfig": "bigbatch.run.config",
-    "Trainer": "bigbatch.run.trainer",
+    "TrainConfig": "bigbatch.run.configuration.train_config",
+    "Trainer": "bigbatch.run.loop.trainer",
     "check_equivalence": "bigbatch.verify",
     "check_distributed_equivalence": "bigbatch.verify",
     "EquivalenceReport": "bigbatch.verify",
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     from bigbatch.engine.hooks import StepHook
     from bigbatch.engine.optim import CosineSchedule, build_adamw
     from bigbatch.models import GPT, GPTConfig, Llama, LlamaConfig, model_preset, preset
-    from bigbatch.run.config import TrainConfig
-    from bigbatch.run.trainer import Trainer
+    from bigbatch.run.configuration.train_config import TrainConfig
+    from bigbatch.run.loop.trainer import Trainer
     from bigbatch.verify import EquivalenceReport, check_distributed_equivalence, check_equivalence
 
 

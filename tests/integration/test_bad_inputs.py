@@ -371,7 +371,7 @@ def test_the_catalogue_is_large_and_covers_every_command() -> None:
 def test_every_numeric_config_field_declares_a_range() -> None:
     from dataclasses import fields
 
-    from bigbatch.run.config import SECTIONS
+    from bigbatch.run.configuration.train_config import SECTIONS
 
     missing = [
         f"{section}.{f.name}"
@@ -399,7 +399,7 @@ def test_no_command_has_an_unchecked_numeric_flag() -> None:
 
 
 def test_a_checkpoints_own_config_may_store_auto_as_zero() -> None:
-    from bigbatch.run.config_sources import config_from_dict
+    from bigbatch.run.configuration.config_sources import config_from_dict
 
     assert config_from_dict({"batch": {"micro_batch": 0}}).batch.micro_batch == 0  # what to_dict() writes for auto
 
@@ -506,7 +506,7 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_earlier_chec
     import tempfile as tempfile_module
 
     from bigbatch.files import atomic as atomic_file
-    from bigbatch.run import checkpoint
+    from bigbatch.run.checkpoints import checkpoint
 
     real_mkstemp, real_fdopen = tempfile_module.mkstemp, os.fdopen
     names: dict[int, str] = {}
@@ -789,20 +789,6 @@ ADVICE = [
         command="critical-batch",
     ),
     # --- plan ---
-    Advice(
-        "plan-no-seq-len",
-        ("--tokens-per-step", "1024", "--micro-batch", "4"),
-        "give --seq-len, or --model PRESET to take its block size",
-        ("--tokens-per-step", "1024", "--micro-batch", "4", "--model", "pico"),
-        command="plan",
-    ),
-    Advice(
-        "plan-two-missing",
-        ("--tokens-per-step", "1024", "--seq-len", "32"),
-        "give all but one of --micro-batch, --k and --devices (missing: --micro-batch, --k;",
-        ("--tokens-per-step", "1024", "--seq-len", "32", "--micro-batch", "4"),
-        command="plan",
-    ),
     Advice(
         "plan-no-tokens-no-k",
         ("--seq-len", "32", "--micro-batch", "4"),

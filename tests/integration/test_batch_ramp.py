@@ -19,8 +19,8 @@ from reliability_runs import cli_args, final_model, run_cli, step_losses
 
 from bigbatch.engine.optim import CosineSchedule
 from bigbatch.noise.scale import NoiseScale
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 from bigbatch.sizing.ramp import BatchRamp, RampSpec
 
 UNIT = 2 * 32  # micro_batch x seq_len: the tokens one more micro-batch adds
@@ -250,7 +250,7 @@ def test_a_ramp_across_two_processes_matches_one_process(corpus: Path, tmp_path:
 def test_the_ramp_is_part_of_the_default_run_directory(corpus: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Another ramp is another run (its own default directory); --allow-ramp-change on a fresh start says it has
     no effect rather than silently starting a new run."""
-    from bigbatch.run.identity import default_run_dir
+    from bigbatch.run.configuration.identity import default_run_dir
 
     plain = make_config(corpus, Path(""), ramp="")
     plain.run.out = ""

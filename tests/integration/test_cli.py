@@ -189,7 +189,7 @@ def test_sample_streams_the_same_text_as_a_batch(
 ) -> None:
     from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.models.sampling import generate
-    from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
+    from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint
 
     _, _, _, run_dir = trained_run
     for temperature in ("0", "0.8"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -12,7 +13,7 @@ import pytest
 
 from bigbatch.cli import COMMANDS, build_parser
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import SECTIONS, TrainConfig
+from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig
 from bigbatch.settings import choices
 from bigbatch.settings.choices import DATA_MODE, PRECISION, SWITCH, Choices
 from bigbatch.settings.ranges import AUTO
@@ -95,6 +96,63 @@ def test_the_model_flags_commands_share_take_the_models_own_vocabulary() -> None
         vocab = option(parsers[name], "--vocab-size")
         assert vocab.default == AUTO and vocab.type("auto") == AUTO, name
         assert vocab.type("256") == 256 and "auto: the model's" in vocab.help, name
+
+
+def shared_flags() -> dict[str, tuple[str, object]]:
+    """Each flag that several commands take, with its meaning (the config field's help, or --k's) and its one
+    default (the config field's; auto for an auto field)."""
+    from bigbatch.cli.common import K_MEANING
+    from bigbatch.run.configuration.train_config import flag_of
+
+    found: dict[str, tuple[str, object]] = {"--k": (K_MEANING, 4)}
+    for cls in SECTIONS.values():
+        for f in fields(cls):
+            default = AUTO if f.metadata.get("auto") and f.default == 0 else f.default
+            found[f"--{flag_of(f)}"] = (f.metadata["help"], default)
+    return found
+
+
+SHARED_BY_DESIGN = {"--model", "--seq-len", "--micro-batch", "--k", "--precision", "--device", "--seed", "--dropout"}
+"""The flags of the model, the batch and where it runs, which several commands take and which mean one thing."""
+
+
+def test_a_shared_flag_means_one_thing_with_one_default_in_every_command() -> None:
+    """Every command's --model, --seq-len, --micro-batch, --k, --precision, --device, --seed and --dropout: the
+    config field's meaning (help) and default, unless the command's own default is in OWN_DEFAULTS with its reason
+    (and then it really differs). train's flags are the config's own (a TOML file fills them)."""
+    from bigbatch.cli.common import OWN_DEFAULTS
+
+    shared = shared_flags()
+    seen: dict[str, list[str]] = {}
+    for command, parser in subparsers().items():
+        for action in parser._actions:
+            for flag in set(action.option_strings) & SHARED_BY_DESIGN:
+                meaning, default = shared[flag]
+                seen.setdefault(flag, []).append(command)
+                assert (action.help or "").startswith(meaning), (command, flag, action.help)
+                if command == "train":
+                    continue
+                if (command, flag) in OWN_DEFAULTS:
+                    assert action.default != default, f"{command} {flag}: listed as its own default, but it is not"
+                else:
+                    assert action.default == default, (command, flag, action.default, default)
+                assert f"(default: {'unset' if action.default is None else action.default})" in (action.help or "")
+    assert all(len(commands) >= 2 for commands in seen.values()), seen
+    assert {command for command, _ in OWN_DEFAULTS} <= set(subparsers())
+
+
+def test_plan_without_model_or_micro_batch_plans_trains_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unset --model is train's nano (its block size for --seq-len auto), an unset --micro-batch train's 16
+    with K derived; given --k, the micro-batch is derived instead."""
+    from bigbatch.cli.app import main
+
+    assert main(["plan", "--tokens-per-step", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "seq_len 256 (the nano model's block size)" in out and "model nano" in out
+    assert re.search(r"micro-batch per device \(B\)\s+16\n", out) and re.search(r"accumulation steps \(K\)\s+4\n", out)
+    assert main(["plan", "--tokens-per-step", "16384", "--seq-len", "64", "--k", "8"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"micro-batch per device \(B\)\s+32\n", out) and "derived: micro_batch" in out
 
 
 @pytest.mark.slow  # a fresh process per measured size
@@ -193,7 +251,7 @@ def test_default_tolerances_cover_the_resolved_precisions() -> None:
 def test_configuration_flag_table_names_every_choice(section: str, name: str, allowed: Choices, help_text: str) -> None:
     import re
 
-    from bigbatch.run.config import flag_of
+    from bigbatch.run.configuration.train_config import flag_of
 
     field = next(f for f in fields(SECTIONS[section]) if f.name == name)
     readme = (SRC.parent / "docs" / "configuration.md").read_text()

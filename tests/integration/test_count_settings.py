@@ -21,9 +21,9 @@ from text_corpus import text_corpus
 
 from bigbatch.cli import build_parser
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import SECTIONS, TrainConfig, resolve_seq_len
-from bigbatch.run.config_sources import apply_mapping
-from bigbatch.run.identity import default_run_dir
+from bigbatch.run.configuration.config_sources import apply_mapping
+from bigbatch.run.configuration.identity import default_run_dir
+from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig, resolve_seq_len
 from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 
 NOT_NUMBERS = (None, str, Path)  # a flag with another type= parses a number (int, float, a Range, a count)
@@ -205,13 +205,14 @@ def test_default_run_directories_are_unchanged_by_seq_len_auto() -> None:
     assert default_run_dir(with_settings(batch={"seq_len": 128})) != default_run_dir(TrainConfig())
 
 
-def test_plan_takes_seq_len_from_the_model_or_asks_for_it() -> None:
+def test_plan_takes_seq_len_from_the_model_trains_by_default() -> None:
     code, out, err = run_main(["plan", "--model", "pico", "--tokens-per-step", "1024", "--micro-batch", "4"])
     assert code == 0, err
     assert "seq_len 64 (the pico model's block size)" in out
     assert re.search(r"accumulation steps \(K\)\s+4", out), out
-    line = assert_one_line_error(*run_main(["plan", "--tokens-per-step", "1024", "--micro-batch", "4"]))
-    assert "--seq-len" in line and "--model" in line
+    code, out, err = run_main(["plan", "--tokens-per-step", "2048", "--micro-batch", "4"])  # no --model: nano
+    assert code == 0, err
+    assert "seq_len 256 (the nano model's block size)" in out and re.search(r"accumulation steps \(K\)\s+2", out)
 
 
 def test_memory_measures_at_the_presets_block_size_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -310,9 +310,9 @@ def test_the_branch_mode_refuses_a_parent_of_another_model_sequence_length_or_da
     parent: Path, tmp_path: Path, section: str, key: str, value: object, expected: str
 ) -> None:
     from bigbatch.errors import CheckpointError
-    from bigbatch.run.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from bigbatch.run.config_sources import config_from_dict
-    from bigbatch.run.trainer import Trainer
+    from bigbatch.run.checkpoints.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from bigbatch.run.configuration.config_sources import config_from_dict
+    from bigbatch.run.loop.trainer import Trainer
 
     checkpoint = latest_valid_checkpoint(parent)
     assert checkpoint is not None

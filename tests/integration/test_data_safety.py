@@ -22,8 +22,8 @@ from bigbatch.data.split import document_splits
 from bigbatch.data.text import utf8_replacements
 from bigbatch.engine.batch import IGNORE_INDEX, EmptyStepGuard, MicroBatch, StepBatch
 from bigbatch.errors import DataError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

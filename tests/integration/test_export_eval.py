@@ -11,8 +11,8 @@ import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.artifacts.evaluate import EvalResult, evaluate_checkpoint
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.validation_loss import ValidationResult
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.loop.validation_loss import ValidationResult
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ from reliability_runs import cli_args, final_model, run_cli, step_losses
 from bigbatch.models import HFCausalLM, Llama, llama_preset
 from bigbatch.models.hf.model import build_hf_model, read_hf_config
 from bigbatch.models.llama.hf import save_hf_llama
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 

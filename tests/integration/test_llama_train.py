@@ -17,9 +17,9 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 from reliability_runs import cli_args, final_model, run_cli, step_losses
 
 from bigbatch.models import Llama, llama_preset
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 TRAIN = ["--seq-len", "32", "--micro-batch", "4", "--total-batch-tokens", "256", "--sample-tokens", "0"]
 

@@ -266,11 +266,6 @@ def test_plan_from_run_refuses_what_it_derives(argv: list[str], expected: str, t
     assert expected in line
 
 
-def test_plan_without_seq_len_or_a_run_is_one_line() -> None:
-    line = assert_one_line_error(*run_main(["plan", "--tokens-per-step", "1024", "--micro-batch", "4"]))
-    assert "--seq-len" in line and "--from-run" in line
-
-
 @pytest.mark.slow
 def test_a_real_run_end_to_end(tmp_path: Path) -> None:
     """pico, K = 4, every step measured: report draws the panel, plan --from-run uses the run's last estimate."""

@@ -14,8 +14,8 @@ from helpers import assert_one_line_error, run_main
 from reliability_runs import final_model
 
 from bigbatch.models.hf.model import HFCausalLM
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import torch
 from helpers import corpus_bytes
 
 from bigbatch.data.stream import TokenStreamLoader
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 STEPS = 6
 

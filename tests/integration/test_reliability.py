@@ -16,8 +16,8 @@ from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli,
 from bigbatch.cli import main
 from bigbatch.engine.rng import capture_rng_state, restore_rng_state
 from bigbatch.errors import CheckpointError
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.loop.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

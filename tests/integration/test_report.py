@@ -410,8 +410,13 @@ def test_run_labels_use_the_name_given_at_training_time(tmp_path: Path) -> None:
 
 
 def test_the_run_name_is_not_part_of_the_runs_identity() -> None:
-    from bigbatch.run.config import TrainConfig
-    from bigbatch.run.identity import default_run_dir, identity_settings, settings_diff, settings_fingerprint
+    from bigbatch.run.configuration.identity import (
+        default_run_dir,
+        identity_settings,
+        settings_diff,
+        settings_fingerprint,
+    )
+    from bigbatch.run.configuration.train_config import TrainConfig
 
     base, named = TrainConfig(), TrainConfig()
     named.run.name = "my-experiment"

@@ -20,10 +20,10 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.engine.optim import CosineSchedule
 from bigbatch.errors import ConfigError
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.identity import MAY_CHANGE, default_run_dir, identity_settings
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.configuration.identity import MAY_CHANGE, default_run_dir, identity_settings
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 STEPS = 6
 

@@ -18,8 +18,8 @@ import bigbatch.sizing.autobatch
 import bigbatch.sizing.memory
 from bigbatch.engine.rng import capture_rng_state, derive_rank_seeds, preserved_rng, seed_rank_generators
 from bigbatch.models import preset
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.loop.trainer import Trainer
 from bigbatch.sizing.autobatch import choose_micro_batch
 from bigbatch.sizing.memory import measure_in_process
 
@@ -205,7 +205,7 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
         document = real_load(path)
         return {**document, "world_size": 2, "rng": document["rng"] * 2}
 
-    monkeypatch.setattr("bigbatch.run.state.load_checkpoint", saved_by_two_ranks)
+    monkeypatch.setattr("bigbatch.run.checkpoints.state.load_checkpoint", saved_by_two_ranks)
     resumed = Trainer(make_config(corpus, out, max_steps=4, save_every=2, eval_every=0))
     assert resumed.resumed_from is not None and resumed.engine.step_count == 2
     state = capture_rng_state()

@@ -19,8 +19,8 @@ from helpers import assert_one_line_error, corpus_bytes, run_main
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.prepare import preparation_lock
 from bigbatch.data.shards import is_prepared_dataset
-from bigbatch.run.checkpoint import list_checkpoints
-from bigbatch.run.run_dir_lock import RUN_LOCK
+from bigbatch.run.checkpoints.checkpoint import list_checkpoints
+from bigbatch.run.loop.run_dir_lock import RUN_LOCK
 
 pytestmark = pytest.mark.slow
 

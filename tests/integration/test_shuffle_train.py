@@ -80,8 +80,8 @@ def test_resuming_in_another_order_is_one_line(corpus: Path, tmp_path: Path) -> 
 def test_the_window_order_is_part_of_the_default_run_directory() -> None:
     """Shuffled and in-order runs compute different things: each gets its own default directory, so a run made
     before --shuffle existed (its directory's fingerprint had no order) is not resumed by the shuffled default."""
-    from bigbatch.run.config import TrainConfig
-    from bigbatch.run.identity import default_run_dir, identity_settings, settings_diff
+    from bigbatch.run.configuration.identity import default_run_dir, identity_settings, settings_diff
+    from bigbatch.run.configuration.train_config import TrainConfig
 
     shuffled, in_order = TrainConfig(), TrainConfig()
     shuffled.data.shuffle, in_order.data.shuffle = "on", "off"

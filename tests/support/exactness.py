@@ -58,7 +58,7 @@ def assert_parameters_match(model: GPT, reference: GPT, exact: torch.nn.Module |
 
 
 def capture_training(trainer: Any) -> tuple[torch.nn.Module, list[list[Any]], list[dict[str, Any]]]:
-    """Train ``trainer`` (a :class:`bigbatch.run.trainer.Trainer`): a copy of its initial model, every step's
+    """Train ``trainer`` (a :class:`bigbatch.run.loop.trainer.Trainer`): a copy of its initial model, every step's
     micro-batches as the engine received them, and the step records of its metrics log."""
     initial = copy.deepcopy(trainer.model)
     steps: list[list[Any]] = []

@@ -1,5 +1,5 @@
 """The bigbatch side of the differential fuzzer: train a :class:`~fuzz_settings.Setting` through the real
-``bigbatch train`` path (flags -> config -> :class:`~bigbatch.run.trainer.Trainer`) and record what happened.
+``bigbatch train`` path (flags -> config -> :class:`~bigbatch.run.loop.trainer.Trainer`) and record what happened.
 
 In-process for one rank (:func:`run_bigbatch`), or under torchrun for two, many settings in one job
 (amortising torchrun's start-up)::
@@ -57,9 +57,9 @@ def run_bigbatch(
     from bigbatch.engine.batch import MicroBatch, StepBatch, count_valid_targets
     from bigbatch.models import family_of
     from bigbatch.parallel.distributed import DistContext
-    from bigbatch.run.checkpoint import load_checkpoint, resolve_checkpoint
-    from bigbatch.run.config_sources import config_from_args
-    from bigbatch.run.trainer import Trainer
+    from bigbatch.run.checkpoints.checkpoint import load_checkpoint, resolve_checkpoint
+    from bigbatch.run.configuration.config_sources import config_from_args
+    from bigbatch.run.loop.trainer import Trainer
 
     assert sabotage in SABOTAGES, sabotage
     dist = dist or DistContext()

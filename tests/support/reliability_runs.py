@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from bigbatch.run import checkpoint as ckpt
-from bigbatch.run.config import TrainConfig
+from bigbatch.run.checkpoints import checkpoint as ckpt
+from bigbatch.run.configuration.train_config import TrainConfig
 
 STEPS = 6
 

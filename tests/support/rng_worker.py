@@ -15,7 +15,7 @@ from reliability_runs import make_config
 
 from bigbatch.engine.rng import capture_rng_state
 from bigbatch.parallel.distributed import distributed_session
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.loop.trainer import Trainer
 
 
 def main() -> None:

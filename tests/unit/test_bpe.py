@@ -19,8 +19,8 @@ from bigbatch.data.shards import META_FILE, TokenDataset
 from bigbatch.data.text import split_text
 from bigbatch.data.tokenizers import BPE_FILE, get_tokenizer, train_bpe
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 TRICKY = [
     "héllo wörld, naïve café — “quotes” and ‘apostrophes’\n",

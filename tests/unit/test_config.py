@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.config_sources import apply_mapping, config_from_dict
+from bigbatch.run.configuration.config_sources import apply_mapping, config_from_dict
+from bigbatch.run.configuration.train_config import TrainConfig
 
 
 def test_toml_round_trip_preserves_every_field() -> None:
@@ -66,7 +66,7 @@ def test_validation_rejects_out_of_range_values(section: str, key: str, value: o
 def test_demo_config_file_equals_the_defaults() -> None:
     from pathlib import Path
 
-    from bigbatch.run.config_sources import load_toml
+    from bigbatch.run.configuration.config_sources import load_toml
 
     path = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
     assert config_from_dict(load_toml(path)) == TrainConfig()
@@ -96,8 +96,8 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
     from pathlib import Path
 
     from bigbatch.models import model_preset
-    from bigbatch.run.config import resolve_seq_len
-    from bigbatch.run.config_sources import load_toml
+    from bigbatch.run.configuration.config_sources import load_toml
+    from bigbatch.run.configuration.train_config import resolve_seq_len
     from bigbatch.sizing.plan import plan_batch
 
     folder = Path(__file__).resolve().parents[2] / "configs"
@@ -137,7 +137,7 @@ def test_auto_set_from_python_is_stored_as_the_flag_stores_it() -> None:
     field that takes auto; the word on a field that does not take it is refused."""
     from dataclasses import fields
 
-    from bigbatch.run.config import SECTIONS
+    from bigbatch.run.configuration.train_config import SECTIONS
 
     config = TrainConfig()
     auto_fields = [(s, f.name) for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("auto")]
@@ -166,7 +166,7 @@ def test_auto_set_from_python_is_stored_as_the_flag_stores_it() -> None:
 )
 def test_a_toml_type_error_names_every_word_the_field_takes(tmp_path: Path, toml: str, message: str) -> None:
     from bigbatch.cli.app import build_parser
-    from bigbatch.run.config_sources import config_from_args
+    from bigbatch.run.configuration.config_sources import config_from_args
 
     (tmp_path / "t.toml").write_text(toml)
     args = build_parser().parse_args(["train", "--config", str(tmp_path / "t.toml")])
@@ -179,8 +179,8 @@ def test_every_auto_field_says_auto_in_its_type_errors_from_toml_and_flags() -> 
     """The class: each field whose range takes auto names it when a wrong type comes in, from both sources."""
     from dataclasses import fields
 
-    from bigbatch.run.config import SECTIONS, flag_of, kind_of
-    from bigbatch.run.config_sources import accepted_words, check_type
+    from bigbatch.run.configuration.config_sources import accepted_words, check_type
+    from bigbatch.run.configuration.train_config import SECTIONS, flag_of, kind_of
 
     auto_fields = [(s, f) for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("auto")]
     assert len(auto_fields) >= 6

@@ -131,7 +131,7 @@ def test_the_answer_says_when_it_lies_beyond_the_sizes_tried() -> None:
 def test_a_branch_of_a_ramped_run_trains_at_its_own_fixed_size(tmp_path: Path) -> None:
     """The parent's batch ramp would resize the branch's steps: a branch drops it (and never allows a change)."""
     from bigbatch.critical_batch.measure import _Parent, branch_config
-    from bigbatch.run.config import TrainConfig
+    from bigbatch.run.configuration.train_config import TrainConfig
     from bigbatch.sizing.plan import BatchPlan
 
     parent_config = TrainConfig()

@@ -15,8 +15,8 @@ from bigbatch.data.foreign import BIN_MAGIC, ForeignDataset, foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import TokenDataset
 from bigbatch.errors import DataError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

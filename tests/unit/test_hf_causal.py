@@ -25,9 +25,9 @@ from bigbatch.models import (
 )
 from bigbatch.models.hf.config import training_notes
 from bigbatch.models.hf.model import CompiledOrEager
-from bigbatch.run.build.model import check_exactness
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.identity import default_run_dir
+from bigbatch.run.build.model_phase import check_exactness
+from bigbatch.run.configuration.identity import default_run_dir
+from bigbatch.run.configuration.train_config import TrainConfig
 
 pytest.importorskip("transformers")
 
@@ -185,7 +185,7 @@ def test_the_default_run_directory_is_named_after_the_model_directory(tmp_path: 
 
 
 def test_seq_len_auto_of_an_hf_directory_is_its_context_capped(tmp_path: Path) -> None:
-    from bigbatch.run.config import resolve_seq_len
+    from bigbatch.run.configuration.train_config import resolve_seq_len
 
     for positions, expected in ((64, 64), (131_072, 8192)):
         save_hf("llama", tmp_path / str(positions), weights=False, max_position_embeddings=positions)
@@ -243,7 +243,7 @@ def test_dropout_settings_are_found_in_nested_configs_and_only_numbers() -> None
 
 def test_the_run_says_what_dropout_does_to_an_hf_model() -> None:
     from bigbatch.models.hf.config import dropout_note
-    from bigbatch.run.build.model import say_dropout
+    from bigbatch.run.build.model_phase import say_dropout
 
     gpt2 = HFConfig("m/gpt2", hf_config("gpt2", **GPT2_DROPOUT).to_dict())
     assert dropout_note(gpt2, 0.0) == (
@@ -279,7 +279,7 @@ def test_the_run_says_init_froms_config_dropout_is_not_trained_with(tmp_path: Pa
     import json
 
     from bigbatch.models import GPT, GPTConfig
-    from bigbatch.run.build.model import say_dropout
+    from bigbatch.run.build.model_phase import say_dropout
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", **GPT2_DROPOUT, "n_layer": 2}))
     config = TrainConfig()

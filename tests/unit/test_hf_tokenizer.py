@@ -479,8 +479,8 @@ def test_the_run_owns_a_copy_that_sample_and_export_use_after_the_model_moved(mo
 @pytest.mark.usefixtures("isolated")
 def test_a_run_samples_and_exports_after_the_model_and_the_cache_are_gone(tmp_path: Path) -> None:
     from bigbatch.cli import main
-    from bigbatch.run.config import TrainConfig
-    from bigbatch.run.trainer import Trainer
+    from bigbatch.run.configuration.train_config import TrainConfig
+    from bigbatch.run.loop.trainer import Trainer
 
     model = gpt2_like(tmp_path / "model")
     (tmp_path / "c.txt").write_text("".join(corpus(200)), encoding="utf-8")

@@ -135,7 +135,7 @@ def test_the_walk_sees_imports() -> None:
     assert "bigbatch.models.head_loss" in at_import
     assert ("bigbatch.models.head_loss", "IGNORE_INDEX") in everywhere
     deferred = {target for target, _ in imports()["bigbatch.cli.train"][0]} - imports()["bigbatch.cli.train"][1]
-    assert "bigbatch.run.trainer" in deferred  # inside a function: a dependency, not run at import
+    assert "bigbatch.run.loop.trainer" in deferred  # inside a function: a dependency, not run at import
 
 
 def test_no_loose_modules_in_the_package_root() -> None:
@@ -212,3 +212,43 @@ def test_no_module_outside_models_knows_a_family() -> None:
     touches its folder and the registry's list."""
     found = family_knowledge_outside_models()
     assert found == [], "family classes or folders named outside models/:\n" + "\n".join(found)
+
+
+MAX_FUNCTION_LINES = 80
+"""The longest a function or method may be (``def`` to its last line, decorators not counted): a longer one is
+split into named steps."""
+
+
+def _functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method under ``node``, nested ones too, with its qualified name (``Class.method``)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield f"{prefix}{child.name}", child
+            yield from _functions(child, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from _functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from _functions(child, prefix)
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``module:function lines`` for every function or method in the package longer than ``limit`` lines."""
+    found = []
+    for module, path in modules().items():
+        for name, node in _functions(ast.parse(path.read_text(), filename=str(path))):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{module}:{name} {lines}")
+    return found
+
+
+def test_the_function_walk_sees_methods_and_nested_functions() -> None:
+    names = {name for name, _ in _functions(ast.parse("class A:\n    def f(self):\n        def g(): pass\n"))}
+    assert names == {"A.f", "A.f.g"}
+    assert any(entry.startswith("bigbatch.run.loop.trainer:Trainer.") for entry in long_functions(limit=5))
+
+
+def test_no_function_over_80_lines() -> None:
+    found = long_functions()
+    assert found == [], f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(found)

@@ -17,7 +17,7 @@ from bigbatch.models import GPT
 from bigbatch.noise.meter import noise_meter_hooks
 from bigbatch.noise.scale import NoiseScale, unavailable_reason, unbiased_estimates
 from bigbatch.observe.metrics import format_step
-from bigbatch.run.trainer import critical_batch_line
+from bigbatch.run.loop.summary import critical_batch_line
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.errors import DataError
-from bigbatch.run.header import describe_long_documents, describe_positions
+from bigbatch.run.loop.header import describe_long_documents, describe_positions
 
 T = 16
 PAD = 65_000  # no document token has this value: padding is recognisable

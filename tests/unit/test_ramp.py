@@ -8,8 +8,8 @@ import pytest
 from helpers import assert_one_line_error, run_main
 
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.config_sources import apply_mapping
+from bigbatch.run.configuration.config_sources import apply_mapping
+from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
 from bigbatch.sizing.ramp import BatchRamp, RampSpec, check_ramp_change, format_ramp_table, parse_ramp
 

@@ -35,7 +35,7 @@ def test_every_name_a_script_imports_from_bigbatch_exists(script: Path) -> None:
             missing.append(module_name)
             continue
         if name and not hasattr(module, name):
-            try:  # a submodule: from bigbatch.run import checkpoint
+            try:  # a submodule: from bigbatch.run.checkpoints import checkpoint
                 importlib.import_module(f"{module_name}.{name}")
             except ImportError:
                 missing.append(f"{module_name}.{name}")

@@ -16,9 +16,9 @@ from bigbatch.data.shards import DocumentShard
 from bigbatch.data.stream import ShuffledTokenStreamLoader, TokenStreamLoader
 from bigbatch.data.windows import TokenStreamWindows, epoch_order, epoch_shift
 from bigbatch.errors import ConfigError, DataError
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.config_sources import add_config_arguments, apply_mapping, config_from_args
-from bigbatch.run.identity import settings_diff
+from bigbatch.run.configuration.config_sources import add_config_arguments, apply_mapping, config_from_args
+from bigbatch.run.configuration.identity import settings_diff
+from bigbatch.run.configuration.train_config import TrainConfig
 
 T = 5
 

@@ -16,7 +16,7 @@ from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.hooks import StepHook, StepOutcome
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import GPT
-from bigbatch.run.faults import Fault, FaultInjection
+from bigbatch.run.loop.faults import Fault, FaultInjection
 
 
 class Recorder(StepHook):

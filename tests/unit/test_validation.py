@@ -17,9 +17,9 @@ from bigbatch.data.shards import DocumentShard
 from bigbatch.data.validation_windows import AUTO_EVAL_TOKENS, ValidationWindows, wanted_windows
 from bigbatch.data.windows import TokenStreamWindows, spread_sample
 from bigbatch.models import GPT, GPTConfig
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.trainer import Trainer
-from bigbatch.run.validation_loss import summed_loss
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.trainer import Trainer
+from bigbatch.run.loop.validation_loss import summed_loss
 
 T = 4
 

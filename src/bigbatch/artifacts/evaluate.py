@@ -1,7 +1,7 @@
 """``bigbatch eval``: loss and perplexity of a saved run's model on a token set.
 
 This module finds the checkpoint, its data and its windows; the scoring is the trainer's own
-(:func:`bigbatch.run.validation_loss.score_windows`, on the windows of :mod:`bigbatch.data.validation_windows`), so
+(:func:`bigbatch.run.loop.validation_loss.score_windows`, on the windows of :mod:`bigbatch.data.validation_windows`), so
 with the run's own data, micro-batch, sequence length and ``eval_batches`` it reproduces the run's last logged
 validation loss.
 """
@@ -15,17 +15,18 @@ from typing import Any
 import torch
 
 from bigbatch.data.cache import ensure_prepared
-from bigbatch.data.dataset import open_dataset
+from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
 from bigbatch.data.tokenizers import is_bpe
-from bigbatch.data.validation_windows import validation_windows
+from bigbatch.data.validation_windows import ValidationWindows, validation_windows
 from bigbatch.engine.accumulate import resolve_precision
 from bigbatch.errors import ConfigError, DataError
+from bigbatch.models.decoder import LanguageModel
 from bigbatch.progress import plural
-from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
-from bigbatch.run.resume import check_tokenizer
-from bigbatch.run.validation_loss import ValidationResult, score_windows
+from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint
+from bigbatch.run.checkpoints.resume import check_tokenizer
+from bigbatch.run.loop.validation_loss import ValidationResult, score_windows
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ EVAL_FLAGS = EvalFlags()
 
 @dataclass(frozen=True)
 class EvalResult:
-    """The score of :func:`~bigbatch.run.validation_loss.score_windows` and what was scored, for the report line."""
+    """The score of :func:`~bigbatch.run.loop.validation_loss.score_windows` and what was scored, for the report
+    line."""
 
     scored: ValidationResult
     split: str
@@ -121,65 +123,13 @@ def evaluate_checkpoint(
     document = load_checkpoint(checkpoint)
     model = model_from_checkpoint(document)
     tokenizer = str(document.get("tokenizer", "byte"))
-    data_cfg, batch_cfg, run_cfg = _section(document, "data"), _section(document, "batch"), _section(document, "run")
-
-    if micro_batch is None:  # the run's (0 when it chose automatically: then 8)
-        micro_batch = int(batch_cfg.get("micro_batch") or 0) or 8
-    if seq_len is None:
-        seq_len = int(batch_cfg.get("seq_len") or 0) or model.config.block_size
-    run_batches = int(run_cfg.get("eval_batches", 8))  # 0: auto; a checkpoint without the setting read 8
-    if micro_batch < 1 or seq_len < 1 or (batches is not None and batches < 0):
-        raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
-    if seq_len > model.config.block_size:
-        raise ConfigError(
-            f"--seq-len {seq_len} exceeds the model's block size {model.config.block_size:,}; lower --seq-len to at "
-            f"most {model.config.block_size:,}, or leave it out (the run's)"
-        )
-
-    if cache_dir is None:  # the run's own cache when it is still there, so its prepared data is reused
-        run_cache = str(data_cfg.get("cache_dir") or "")
-        cache_dir = run_cache if run_cache and Path(run_cache).is_dir() else None
-    val_fraction = float(data_cfg.get("val_fraction", 0.1))
-    if data is None:  # the run's own data: the dataset it trained on while it exists, else its source
-        trained_on = str(document.get("dataset") or "")
-        data = trained_on if trained_on and Path(trained_on).exists() else str(data_cfg.get("data") or "")
-        if not data:
-            raise ConfigError("the checkpoint does not say which data it was trained on; give --data")
-    bpe_json = None
-    if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
-        bpe_json = checkpoint_tokenizer(document, Path(checkpoint)).to_str()  # type: ignore[attr-defined]
-    directory = ensure_prepared(
-        data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")), bpe_json=bpe_json
-    )
-    dataset = open_dataset(directory)
-    if dataset.meta.tokenizer != tokenizer:
-        # A bpe: tokenizer is trained on the data, so bigbatch prepare --tokenizer bpe:N makes another one.
-        prepared = "" if is_bpe(tokenizer) else f" or a dataset made by bigbatch prepare --tokenizer {tokenizer}"
-        raise DataError(
-            f"{directory} was prepared with the {dataset.meta.tokenizer} tokenizer but the checkpoint's model was "
-            f"trained with {tokenizer}; give --data raw text (tokenized with the checkpoint's tokenizer){prepared}"
-        )
+    micro_batch, seq_len, run_batches = _window_shape(document, model.config.block_size, batches, micro_batch, seq_len)
+    directory, dataset = _prepared_data(document, Path(checkpoint), data, tokenizer, cache_dir)
     check_tokenizer(document.get("fingerprints") or {}, dataset_fingerprints(dataset), tokenizer, str(directory))
     dataset.check_token_ids(model.config.vocab_size)
     if not dataset.meta.shards.get(split):
         raise DataError(f"{directory} has no {split} split; {_no_split_advice(split, tokenizer, flags)}")
-    # Read the split as the run's evaluations did, or the loss is not the one it logged: its long-document
-    # policy (a checkpoint without one truncated), its packing (without one: a document per row) and, unless
-    # --batches says otherwise, its own windows (batches=0: the whole split). A split too short for one window
-    # says so itself, naming --seq-len (a window's length does not depend on the micro-batch).
-    long_documents = str(data_cfg.get("long_documents", "truncate"))
-    pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
-    loader = validation_windows(
-        dataset,
-        split,
-        micro_batch,
-        seq_len,
-        run_batches if batches is None else batches,
-        long_documents=long_documents,
-        name="validation" if split == "val" else "training",
-        whole=batches == 0,
-        pack=pack,
-    )
+    loader = _run_windows(document, model, dataset, split, micro_batch, seq_len, batches, run_batches)
     if getattr(loader.source, "valid_targets", 1) == 0:
         raise DataError(
             f"the {split} split of {directory} holds no valid targets (every document is a single token or wholly "
@@ -198,6 +148,88 @@ def evaluate_checkpoint(
         micro_batch=micro_batch,
         seq_len=seq_len,
         whole_split=loader.whole,
+    )
+
+
+def _window_shape(
+    document: dict[str, Any], block_size: int, batches: int | None, micro_batch: int | None, seq_len: int | None
+) -> tuple[int, int, int]:
+    """The micro-batch, sequence length and the run's ``eval_batches``: those given, else the run's (checked)."""
+    batch_cfg, run_cfg = _section(document, "batch"), _section(document, "run")
+    if micro_batch is None:  # the run's (0 when it chose automatically: then 8)
+        micro_batch = int(batch_cfg.get("micro_batch") or 0) or 8
+    if seq_len is None:
+        seq_len = int(batch_cfg.get("seq_len") or 0) or block_size
+    run_batches = int(run_cfg.get("eval_batches", 8))  # 0: auto; a checkpoint without the setting read 8
+    if micro_batch < 1 or seq_len < 1 or (batches is not None and batches < 0):
+        raise ConfigError("--micro-batch and --seq-len must be positive and --batches at least 0")
+    if seq_len > block_size:
+        raise ConfigError(
+            f"--seq-len {seq_len} exceeds the model's block size {block_size:,}; lower --seq-len to at "
+            f"most {block_size:,}, or leave it out (the run's)"
+        )
+    return micro_batch, seq_len, run_batches
+
+
+def _prepared_data(
+    document: dict[str, Any], checkpoint: Path, data: str | None, tokenizer: str, cache_dir: Path | str | None
+) -> tuple[Path, Dataset]:
+    """The dataset to score: ``data`` (or the run's own) prepared with the checkpoint's tokenizer, validation
+    fraction and data mode, in the run's cache when it is still there; a dataset of another tokenizer is refused."""
+    data_cfg = _section(document, "data")
+    if cache_dir is None:  # the run's own cache when it is still there, so its prepared data is reused
+        run_cache = str(data_cfg.get("cache_dir") or "")
+        cache_dir = run_cache if run_cache and Path(run_cache).is_dir() else None
+    val_fraction = float(data_cfg.get("val_fraction", 0.1))
+    if data is None:  # the run's own data: the dataset it trained on while it exists, else its source
+        trained_on = str(document.get("dataset") or "")
+        data = trained_on if trained_on and Path(trained_on).exists() else str(data_cfg.get("data") or "")
+        if not data:
+            raise ConfigError("the checkpoint does not say which data it was trained on; give --data")
+    bpe_json = None
+    if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
+        bpe_json = checkpoint_tokenizer(document, checkpoint).to_str()  # type: ignore[attr-defined]
+    directory = ensure_prepared(
+        data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")), bpe_json=bpe_json
+    )
+    dataset = open_dataset(directory)
+    if dataset.meta.tokenizer != tokenizer:
+        # A bpe: tokenizer is trained on the data, so bigbatch prepare --tokenizer bpe:N makes another one.
+        prepared = "" if is_bpe(tokenizer) else f" or a dataset made by bigbatch prepare --tokenizer {tokenizer}"
+        raise DataError(
+            f"{directory} was prepared with the {dataset.meta.tokenizer} tokenizer but the checkpoint's model was "
+            f"trained with {tokenizer}; give --data raw text (tokenized with the checkpoint's tokenizer){prepared}"
+        )
+    return directory, dataset
+
+
+def _run_windows(
+    document: dict[str, Any],
+    model: LanguageModel,
+    dataset: Dataset,
+    split: str,
+    micro_batch: int,
+    seq_len: int,
+    batches: int | None,
+    run_batches: int,
+) -> ValidationWindows:
+    """The split read as the run's evaluations read it, or the loss is not the one it logged: its long-document
+    policy (a checkpoint without one truncated), its packing (without one: a document per row) and, unless
+    ``batches`` says otherwise, its own windows (``batches=0``: the whole split). A split too short for one window
+    says so itself, naming --seq-len (a window's length does not depend on the micro-batch)."""
+    data_cfg = _section(document, "data")
+    long_documents = str(data_cfg.get("long_documents", "truncate"))
+    pack = str(data_cfg.get("pack", "off")) != "off" and getattr(model, "packs_documents", True)
+    return validation_windows(
+        dataset,
+        split,
+        micro_batch,
+        seq_len,
+        run_batches if batches is None else batches,
+        long_documents=long_documents,
+        name="validation" if split == "val" else "training",
+        whole=batches == 0,
+        pack=pack,
     )
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from bigbatch.data.tokenizer_files import export_tokenizer
 from bigbatch.errors import BigBatchError
-from bigbatch.files.permissions import apply_umask
+from bigbatch.files.atomic import apply_umask
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
-from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
+from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 
 
 def give_umask_modes(out: Path, created: bool) -> None:

@@ -10,7 +10,7 @@ import torch
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
 from bigbatch.models.sampling import decoded_pieces, generate, generate_stream, prompt_ids
 from bigbatch.parallel.distributed import resolve_device
-from bigbatch.run.checkpoint import load_checkpoint, model_from_checkpoint
+from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint
 
 
 def sample_checkpoint(

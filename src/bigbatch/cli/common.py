@@ -1,16 +1,118 @@
-"""Arguments several commands share, declared once."""
+"""Arguments several commands share, declared once: each from the training config's field of the same name (its
+type, range, choices and meaning), so that ``--seq-len`` means one thing in ``train``, ``plan``, ``memory`` and
+``verify``, with one default. A command whose default is its own says so in :data:`OWN_DEFAULTS`, with the reason.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from bigbatch.settings.choices import PRECISION
-from bigbatch.settings.ranges import AUTO, POSITIVE_INT_OR_AUTO
+from bigbatch.run.configuration.train_config import BatchSection, ModelSection, RunSection, field_of, flag_of, kind_of
+from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, Range
+
+FROM_CONFIG = object()
+"""The default of a shared flag: its config field's."""
+
+K_MEANING = "accumulation steps (K): micro-batches per device per optimizer step"
+
+OWN_DEFAULTS: dict[tuple[str, str], str] = {
+    ("verify", "--micro-batch"): "the check's size, 2 x 4 x 64: seconds on a CPU (train's 16 x K x 256 for nano: a "
+    "minute)",
+    ("verify", "--seq-len"): "the check's size, and a length every preset holds",
+    ("verify", "--precision"): "the check is of exact arithmetic: fp32 unless asked",
+    ("verify", "--device"): "the check runs where it is asked to; the CPU always can",
+    ("verify", "--seed"): "the check's own random batch",
+    ("eval", "--precision"): "the loss as the run's fp32 validation computes it",
+    ("eval", "--micro-batch"): "the run's",
+    ("eval", "--seq-len"): "the run's",
+    ("critical-batch", "--micro-batch"): "the run's",
+    ("plan", "--micro-batch"): "derived when --k and --devices are given, else train's 16",
+    ("plan", "--k"): "derived from the tokens per step, as train derives it, unless given",
+    ("plan", "--model"): "train's nano, except with --from-run: no model unless one is named",
+}
+"""(command, flag) -> why that command's default is not the config's."""
 
 
-def add_precision(parser: argparse.ArgumentParser, default: str) -> None:
+def add_config_flag(
+    parser: argparse.ArgumentParser,
+    section: type,
+    name: str,
+    default: Any = FROM_CONFIG,
+    note: str = "",
+    allow_auto: bool = True,
+) -> argparse.Action:
+    """``--FLAG`` of the config field ``section.name``: its type, range or choices, and its help as meaning, with
+    ``note`` (what the command does with it) and the default. ``default``: the field's unless given (an auto field's
+    is ``auto``); a command's own default belongs in :data:`OWN_DEFAULTS`. Without ``allow_auto``, a field that takes
+    ``auto`` takes positive integers only here (where the command has nothing to resolve it from)."""
+    f = field_of(section, name)
+    auto = bool(f.metadata.get("auto")) and allow_auto
+    value = f.default if default is FROM_CONFIG else default
+    if f.metadata.get("auto") and value == 0:
+        value = AUTO if allow_auto else None
+    help_text = f"{f.metadata['help']}{note} (default: {'unset' if value is None else value})"
+    kind = kind_of(f)
+    if kind is bool:
+        action = parser.add_argument(
+            f"--{flag_of(f)}", action=argparse.BooleanOptionalAction, default=value, help=help_text
+        )
+    else:
+        declared = f.metadata.get("range")
+        if declared is not None and declared.auto and not allow_auto:
+            declared = POSITIVE_INT
+        action = parser.add_argument(
+            f"--{flag_of(f)}",
+            type=declared.argtype() if declared else kind,
+            choices=f.metadata.get("choices"),
+            default=value,
+            metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(),
+            help=help_text,
+        )
+    return action
+
+
+def add_model(parser: argparse.ArgumentParser, default: Any = FROM_CONFIG, note: str = "") -> None:
+    """``--model``: a preset or ``hf:DIR``, as ``train`` takes it."""
+    add_config_flag(parser, ModelSection, "preset", default=default, note=note)
+
+
+def config_default(section: type, name: str) -> Any:
+    """The default of the config field ``section.name``: what a command's unset shared flag stands for."""
+    return field_of(section, name).default
+
+
+def add_seq_len(
+    parser: argparse.ArgumentParser, default: Any = FROM_CONFIG, note: str = "", allow_auto: bool = True
+) -> None:
+    add_config_flag(parser, BatchSection, "seq_len", default=default, note=note, allow_auto=allow_auto)
+
+
+def add_micro_batch(
+    parser: argparse.ArgumentParser, default: Any = FROM_CONFIG, note: str = "", allow_auto: bool = True
+) -> None:
+    add_config_flag(parser, BatchSection, "micro_batch", default=default, note=note, allow_auto=allow_auto)
+
+
+def add_precision(parser: argparse.ArgumentParser, default: Any = FROM_CONFIG) -> None:
     """``--precision`` with the one set of precision names (:data:`bigbatch.settings.choices.PRECISION`)."""
-    parser.add_argument("--precision", default=default, choices=PRECISION)
+    add_config_flag(parser, RunSection, "precision", default=default)
+
+
+def add_device(parser: argparse.ArgumentParser, default: Any = FROM_CONFIG) -> None:
+    add_config_flag(parser, RunSection, "device", default=default)
+
+
+def add_seed(parser: argparse.ArgumentParser, default: Any = FROM_CONFIG) -> None:
+    add_config_flag(parser, RunSection, "seed", default=default)
+
+
+def add_k(parser: argparse.ArgumentParser, default: int | None, note: str = "", least: Range = POSITIVE_INT) -> None:
+    """``--k`` of the commands that take K itself (``train`` derives it from ``--total-batch-tokens``)."""
+    shown = "unset" if default is None else default
+    parser.add_argument(
+        "--k", type=least.argtype(), default=default, metavar="INT", help=f"{K_MEANING}{note} (default: {shown})"
+    )
 
 
 def add_vocab_size(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +122,7 @@ def add_vocab_size(parser: argparse.ArgumentParser) -> None:
         "--vocab-size",
         type=POSITIVE_INT_OR_AUTO.argtype(),
         default=AUTO,
-        metavar="N|auto",
+        metavar="INT|auto",
         help="vocabulary; auto: the model's own (a preset's 50257, llama3.2-1b's 128256, hf:DIR's config.json's); "
         "256 for byte tokens (default: auto)",
     )

@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from bigbatch.cli.common import add_device, add_micro_batch
 from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, DEFAULT_LR_RULE, LR_RULES, parse_sizes
 from bigbatch.errors import BigBatchError
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
@@ -72,10 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the branch's constant learning rate: the run's at the branch point times "
         "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)",
     )
-    parser.add_argument(
-        "--micro-batch",
-        type=POSITIVE_INT.argtype(),
-        help="sequences per micro-batch for every branch and evaluation (default: the run's)",
+    add_micro_batch(
+        parser,
+        default=None,
+        note="; critical-batch: every branch's and evaluation's, the run's unless given",
+        allow_auto=False,
     )
     parser.add_argument(
         "--eval-batches",
@@ -85,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step", type=POSITIVE_INT.argtype(), help="branch from RUN's checkpoint at this step (default: its newest)"
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_device(parser)
     parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")
 
 

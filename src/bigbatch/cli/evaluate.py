@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision
-from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
+from bigbatch.cli.common import add_device, add_micro_batch, add_precision, add_seq_len
+from bigbatch.settings.ranges import NON_NEGATIVE_INT
 
 HELP = "loss and perplexity of a saved run's model on a token set"
 DESCRIPTION = (
@@ -30,17 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="micro-batches' worth of windows, spread uniformly over the split; 0: no limit, the "
         "whole split (default: the run's eval_batches, i.e. its own validation windows)",
     )
-    parser.add_argument(
-        "--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch (default: the run's)"
-    )
-    parser.add_argument("--seq-len", type=POSITIVE_INT.argtype(), help="tokens per sequence (default: the run's)")
+    add_micro_batch(parser, default=None, note="; eval: the run's unless given", allow_auto=False)
+    add_seq_len(parser, default=None, note="; eval: the run's unless given", allow_auto=False)
     parser.add_argument(
         "--cache-dir",
         type=Path,
         help="where raw text is prepared (default: the run's cache if it exists, else the default cache)",
     )
     add_precision(parser, default="fp32")
-    parser.add_argument("--device", default="auto")
+    add_device(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision, add_vocab_size
-from bigbatch.settings.ranges import AUTO, MEMORY_K, POSITIVE_INT, POSITIVE_INT_OR_AUTO
+from bigbatch.cli.common import (
+    add_config_flag,
+    add_device,
+    add_k,
+    add_model,
+    add_precision,
+    add_seq_len,
+    add_vocab_size,
+)
+from bigbatch.run.configuration.train_config import ModelSection
+from bigbatch.settings.ranges import AUTO, MEMORY_K, POSITIVE_INT
 
 HELP = "measure peak memory of a training micro-step for micro-batch sizes 1, 2, 4, ..."
 DESCRIPTION = (
@@ -17,28 +26,15 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="nano", help="preset, GPT or Llama, or hf:DIR (a Hugging Face causal LM) (default: nano)"
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=POSITIVE_INT_OR_AUTO.argtype(),
-        default=AUTO,
-        metavar="T|auto",
-        help="tokens per sequence; auto: the preset's block size (default: auto)",
-    )
+    add_model(parser)
+    add_seq_len(parser)
     parser.add_argument("--max-micro-batch", type=POSITIVE_INT.argtype(), default=16)
-    parser.add_argument("--k", type=MEMORY_K.argtype(), default=8, help="K for the whole-step peak (default: 8)")
+    add_k(parser, default=4, note="; memory: the whole step's peak, against one micro-step's", least=MEMORY_K)
     add_vocab_size(parser)
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument(
-        "--no-chunked-loss",
-        dest="chunked_loss",
-        action="store_false",
-        help="score the whole (micro_batch, seq_len, vocab) logits at once",
-    )
-    add_precision(parser, default="auto")
-    parser.add_argument("--device", default="auto")
+    add_config_flag(parser, ModelSection, "activation_checkpointing")
+    add_config_flag(parser, ModelSection, "chunked_loss")
+    add_precision(parser)
+    add_device(parser)
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --plot file if it exists")
 
@@ -47,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.engine.accumulate import resolve_precision
     from bigbatch.files.outputs import require_new_file
     from bigbatch.parallel.distributed import resolve_device
-    from bigbatch.run.config import model_auto_seq_len
+    from bigbatch.run.configuration.train_config import model_auto_seq_len
     from bigbatch.sizing.memory import plot_memory, sweep_memory
 
     if args.plot:

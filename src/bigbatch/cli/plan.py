@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision, add_vocab_size
+from bigbatch.cli.common import (
+    add_device,
+    add_k,
+    add_micro_batch,
+    add_model,
+    add_precision,
+    add_seq_len,
+    add_vocab_size,
+    config_default,
+)
 from bigbatch.errors import BigBatchError, PlanError
-from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
+from bigbatch.run.configuration.train_config import BatchSection, ModelSection
+from bigbatch.settings.ranges import AUTO, POSITIVE_INT
 
 HELP = "derive K (or micro-batch, or devices) from a token budget; memory and step time"
 DESCRIPTION = (
@@ -35,16 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         help="e.g. 524288, 2M (2,000,000) or 512Ki",
     )
-    parser.add_argument(
-        "--seq-len",
-        type=POSITIVE_INT_OR_AUTO.argtype(),
-        default=AUTO,
-        metavar="T|auto",
-        help="tokens per sequence (T); auto: the run's with --from-run, else the --model preset's "
-        "block size (default: auto)",
-    )
-    parser.add_argument("--micro-batch", type=POSITIVE_INT.argtype(), help="sequences per micro-batch per device")
-    parser.add_argument("--k", type=POSITIVE_INT.argtype(), help="accumulation steps")
+    add_seq_len(parser, note="; plan: the run's with --from-run")
+    add_micro_batch(parser, default=None, note="; plan: derived when --k and --devices are given, else train's 16")
+    add_k(parser, default=None, note="; plan: derived unless given")
     parser.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
     parser.add_argument(
         "--from-run",
@@ -54,11 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
         "run's",
     )
-    parser.add_argument("--model", help="a preset (GPT or Llama) or hf:DIR, for memory (and with --measure, step time)")
+    add_model(parser, default=None, note="; plan: for memory (and with --measure, step time); nano unless --from-run")
     add_vocab_size(parser)
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
-    add_precision(parser, default="auto")
-    parser.add_argument("--device", default="auto")
+    add_precision(parser)
+    add_device(parser)
     parser.add_argument(
         "--batch-ramp",
         metavar="START_TOKENS:RAMP_TOKENS|auto",
@@ -74,11 +77,13 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the preset's
     if args.from_run is not None:
         return _from_run(args, vocab_size)
+    if args.model is None:
+        args.model = config_default(ModelSection, "preset")
+    if args.micro_batch is None and args.k is None:  # train's micro-batch, K derived
+        args.micro_batch = config_default(BatchSection, "micro_batch")
     seq_len = args.seq_len
     if seq_len == AUTO:
-        if not args.model:
-            raise PlanError("give --seq-len, or --model PRESET to take its block size (or --from-run RUN_DIR)")
-        from bigbatch.run.config import model_auto_seq_len
+        from bigbatch.run.configuration.train_config import model_auto_seq_len
 
         seq_len, capped = model_auto_seq_len(args.model)
         if capped:  # a directory's context may be 131,072: capped as train caps it

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from bigbatch.settings.ranges import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT, SEED
+from bigbatch.cli.common import add_device, add_seed
+from bigbatch.settings.ranges import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT
 
 HELP = "generate text from a saved run"
 DESCRIPTION = None
@@ -26,10 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the k most likely tokens; 0 disables top-k filtering (default: 50)",
     )
     parser.add_argument("--num-samples", type=POSITIVE_INT.argtype(), default=1)
-    parser.add_argument(
-        "--seed", type=SEED.argtype(), default=1337, help="random seed, any integer from 0 to 2**63 - 1 (default: 1337)"
-    )
-    parser.add_argument("--device", default="auto")
+    add_seed(parser)
+    add_device(parser)
 
 
 def run(args: argparse.Namespace) -> int:

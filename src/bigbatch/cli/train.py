@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from bigbatch.run.config_sources import add_config_arguments
+from bigbatch.run.configuration.config_sources import add_config_arguments
 
 HELP = "train a GPT-2 or Llama model"
 DESCRIPTION = "Train a GPT-2 or Llama model (--model). With no flags, trains the nano demo on the built-in corpus."
@@ -26,8 +26,8 @@ def say(message: str, *args: Any, level: int = logging.INFO) -> None:
 def run(args: argparse.Namespace) -> int:
     from bigbatch.parallel.distributed import distributed_session, launched_by_torchrun
     from bigbatch.parallel.launch import relaunch_under_torchrun
-    from bigbatch.run.config_sources import config_from_args
-    from bigbatch.run.trainer import Trainer
+    from bigbatch.run.configuration.config_sources import config_from_args
+    from bigbatch.run.loop.trainer import Trainer
 
     config = config_from_args(args)
     if args.print_config:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if config.run.nproc > 1 and not launched_by_torchrun():
         from bigbatch.run.build import chosen_run_dir
         from bigbatch.run.build.checks import check_before_launch
-        from bigbatch.run.run_dir_lock import held_for_workers
+        from bigbatch.run.loop.run_dir_lock import held_for_workers
 
         check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
         with held_for_workers(chosen_run_dir(config), config.run.wait_for_lock, say):  # for the whole job

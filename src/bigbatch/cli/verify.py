@@ -6,15 +6,24 @@ import argparse
 import os
 from pathlib import Path
 
-from bigbatch.cli.common import add_precision, add_vocab_size
+from bigbatch.cli.common import (
+    add_config_flag,
+    add_device,
+    add_k,
+    add_micro_batch,
+    add_model,
+    add_precision,
+    add_seed,
+    add_seq_len,
+    add_vocab_size,
+)
 from bigbatch.files.atomic import write_json_atomically
+from bigbatch.run.configuration.train_config import ModelSection
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
     POSITIVE,
     POSITIVE_INT,
-    PROBABILITY,
-    SEED,
 )
 
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
@@ -25,26 +34,17 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="nano", help="model preset, GPT or Llama, or hf:DIR (default: nano)")
+    add_model(parser)
     parser.add_argument("--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])")
-    parser.add_argument("--k", type=POSITIVE_INT.argtype(), default=4, help="micro-batches (default: 4)")
-    parser.add_argument(
-        "--micro-batch", type=POSITIVE_INT.argtype(), default=2, help="sequences per micro-batch (default: 2)"
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=POSITIVE_INT.argtype(),
-        default=64,
-        help="tokens per sequence, at most the model's block size (default: 64, which every preset holds)",
-    )
+    add_k(parser, default=4)
+    add_micro_batch(parser, default=2, note="; verify: the check's (every preset holds 2 x 4 x 64)")
+    add_seq_len(parser, default=64, note="; verify: at most the model's block size")
     add_vocab_size(parser)
-    parser.add_argument(
-        "--dropout",
-        type=PROBABILITY.argtype(),
-        default=0.0,
-        help="dropout probability of the model, 0 for none (for hf: models, every dropout of its config.json); "
-        "verify turns it off for the comparison, as dropout draws differ between micro-batch and full batch "
-        "(default: 0)",
+    add_config_flag(
+        parser,
+        ModelSection,
+        "dropout",
+        note="; verify turns it off for the comparison, as dropout draws differ between micro-batch and full batch",
     )
     parser.add_argument(
         "--ragged",
@@ -77,10 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun"
     )
-    parser.add_argument(
-        "--seed", type=SEED.argtype(), default=0, help="random seed, any integer from 0 to 2**63 - 1 (default: 0)"
-    )
-    parser.add_argument("--device", default="cpu")
+    add_seed(parser, default=0)
+    add_device(parser, default="cpu")
 
 
 def run(args: argparse.Namespace) -> int:

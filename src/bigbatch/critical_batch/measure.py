@@ -7,8 +7,8 @@ batch's. This module does that on bigbatch's own training path:
 
 * **Branches.** Each tokens-per-step N is a run of its own in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/tps_N/``
   (a normal run directory: config, metrics, checkpoints), started from RUN's latest checkpoint by
-  :mod:`bigbatch.run.branch` (model, optimizer, step, data position, tokens seen, generators) with the parent's
-  micro-batch and ``K = N / (micro_batch x seq_len)``: every step is exact at its size. It trains
+  :mod:`bigbatch.run.checkpoints.branch` (model, optimizer, step, data position, tokens seen, generators) with the
+  parent's micro-batch and ``K = N / (micro_batch x seq_len)``: every step is exact at its size. It trains
   ``budget / N`` steps, so every branch sees ``budget`` tokens, all from the same data position.
 * **Learning rate** (:func:`branch_lr`): constant over the branch, the parent's learning rate at the branch
   point scaled by the ratio of tokens per step ``r = N / N_parent``: ``sqrt`` (default: ``lr x sqrt(r)``, the
@@ -49,7 +49,7 @@ from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.files.atomic import write_json_atomically
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir, require_own_dir
 from bigbatch.parallel.distributed import resolve_device
-from bigbatch.run.checkpoint import (
+from bigbatch.run.checkpoints.checkpoint import (
     checkpoint_path,
     commit_path,
     latest_valid_checkpoint,
@@ -57,10 +57,10 @@ from bigbatch.run.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from bigbatch.run.config_sources import config_from_dict
-from bigbatch.run.resume import saved_schedule
-from bigbatch.run.run_dir_lock import hold_directory
-from bigbatch.run.trainer import Trainer
+from bigbatch.run.checkpoints.resume import saved_schedule
+from bigbatch.run.configuration.config_sources import config_from_dict
+from bigbatch.run.loop.run_dir_lock import hold_directory
+from bigbatch.run.loop.trainer import Trainer
 from bigbatch.sizing.plan import BatchPlan
 
 log = logging.getLogger(__name__)
@@ -310,36 +310,10 @@ def _measure(
         f"{budget:,}",
         base,
     )
-    trained: list[tuple[BatchPlan, int, float, float, bool, Path]] = []
-    for plan in plans:
-        size, steps = plan.tokens_per_step, budget // plan.tokens_per_step
-        lr = branch_lr(lr_rule, parent.lr, parent.tokens_per_step, size)
-        branch_dir = base / f"tps_{size}"
-        record = {
-            "parent_run": str(run_dir.resolve()),
-            "parent_checkpoint": parent.checkpoint.name,
-            "parent_step": parent.step,
-            "parent_sha256": parent.sha256,
-            "parent_tokens_per_step": parent.tokens_per_step,
-            "parent_lr": parent.lr,
-            "tokens_per_step": size,
-            "lr_rule": lr_rule,
-            "lr": lr,
-        }
-        _check_branch_record(branch_dir, record)
-        config = branch_config(parent, branch_dir, plan, lr, steps, eval_batches, device)
-        target = parent.step + steps
-        log.info(
-            "branch %s tokens per step (K %d, lr %.2e): steps %d..%d",
-            f"{size:,}",
-            plan.accumulation_steps,
-            lr,
-            parent.step + 1,
-            target,
-        )
-        reused = _train_branch(config, parent, target)
-        loss, _ = evaluate(checkpoint_path(branch_dir, target))
-        trained.append((plan, steps, lr, loss, reused, branch_dir))
+    trained = [
+        _train_and_score_branch(run_dir, base, parent, plan, budget, lr_rule, eval_batches, device, evaluate)
+        for plan in plans
+    ]
     critical, within = critical_batch_size(sizes, [t[3] for t in trained], tolerance)
     noise = noise_scale_series(run_dir, up_to_step=parent.step)
     result = CriticalBatchResult(
@@ -369,3 +343,51 @@ def _measure(
         plot_result(result, noise_scale_series(run_dir), base / PLOT_FILE)
     write_json_atomically(base / RESULT_FILE, result.to_dict())
     return result
+
+
+_Trained = tuple[BatchPlan, int, float, float, bool, Path]
+"""A branch trained and scored: its plan, steps, learning rate, validation loss, whether it was reused, its
+directory."""
+
+
+def _train_and_score_branch(
+    run_dir: Path,
+    base: Path,
+    parent: _Parent,
+    plan: BatchPlan,
+    budget: int,
+    lr_rule: str,
+    eval_batches: int,
+    device: str,
+    evaluate: Callable[[Path], tuple[float, int]],
+) -> _Trained:
+    """One branch of :func:`_measure`: ``budget`` tokens at ``plan``'s tokens per step from the parent (or its
+    finished checkpoint, reused), then its validation loss."""
+    size, steps = plan.tokens_per_step, budget // plan.tokens_per_step
+    lr = branch_lr(lr_rule, parent.lr, parent.tokens_per_step, size)
+    branch_dir = base / f"tps_{size}"
+    record = {
+        "parent_run": str(run_dir.resolve()),
+        "parent_checkpoint": parent.checkpoint.name,
+        "parent_step": parent.step,
+        "parent_sha256": parent.sha256,
+        "parent_tokens_per_step": parent.tokens_per_step,
+        "parent_lr": parent.lr,
+        "tokens_per_step": size,
+        "lr_rule": lr_rule,
+        "lr": lr,
+    }
+    _check_branch_record(branch_dir, record)
+    config = branch_config(parent, branch_dir, plan, lr, steps, eval_batches, device)
+    target = parent.step + steps
+    log.info(
+        "branch %s tokens per step (K %d, lr %.2e): steps %d..%d",
+        f"{size:,}",
+        plan.accumulation_steps,
+        lr,
+        parent.step + 1,
+        target,
+    )
+    reused = _train_branch(config, parent, target)
+    loss, _ = evaluate(checkpoint_path(branch_dir, target))
+    return plan, steps, lr, loss, reused, branch_dir

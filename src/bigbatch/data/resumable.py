@@ -27,8 +27,7 @@ from typing import IO, Any
 import numpy as np
 
 from bigbatch.data.writer import staged_directory
-from bigbatch.files.atomic import write_text_atomically
-from bigbatch.files.permissions import apply_umask
+from bigbatch.files.atomic import apply_umask, write_text_atomically
 from bigbatch.progress import plural
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from bigbatch.data.tokenizers import (
     tokenizer_json_fingerprint,
 )
 from bigbatch.errors import BigBatchError, CheckpointError
-from bigbatch.files.permissions import apply_umask
+from bigbatch.files.atomic import apply_umask
 
 log = logging.getLogger(__name__)
 

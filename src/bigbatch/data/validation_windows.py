@@ -41,7 +41,7 @@ def wanted_windows(eval_batches: int, micro_batch: int, seq_len: int, world_size
 
 class ValidationWindows:
     """This process's micro-batches of a fixed sample of a split's windows; read with :meth:`next_micro_batch`
-    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.run.validation_loss.score_windows`);
+    until ``epoch`` turns 1 (a loader's view, for :func:`~bigbatch.run.loop.validation_loss.score_windows`);
     :meth:`reset` rewinds."""
 
     def __init__(

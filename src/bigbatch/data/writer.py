@@ -14,7 +14,7 @@ import numpy as np
 
 from bigbatch.data.shards import META_FILE, DatasetMeta, document_mask_name, document_offsets_name
 from bigbatch.data.split import DocumentSets, TokenPieces
-from bigbatch.files.permissions import apply_umask
+from bigbatch.files.atomic import apply_umask
 
 ShardNames = dict[str, list[str]]
 """Split -> shard file names, in order."""

@@ -3,6 +3,11 @@
 The new content goes to a temporary file beside the target, is flushed and fsynced, and is renamed over the
 target; then the directory is fsynced so the rename itself is durable. Checkpoints, their commit markers, the
 metrics log when a resume cuts it back, logger state and data-preparation positions are all written this way.
+
+File modes: what bigbatch writes gets the permissions the user's umask gives, as ``open()`` would.
+``tempfile.mkstemp`` creates 0600 files and ``mkdtemp`` 0700 directories, whatever the umask; files written that
+way and renamed into place (checkpoints, exports, prepared datasets) are set to ``0666 & ~umask`` (directories
+``0777 & ~umask``) before the rename (:func:`apply_umask`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bigbatch.files.permissions import apply_umask
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(target: Path | str | int, directory: bool = False) -> None:
+    """Give ``target`` (a path, or an open file descriptor) the mode a plain ``open``/``mkdir`` would have."""
+    mode = (0o777 if directory else 0o666) & ~current_umask()
+    if isinstance(target, int):
+        os.fchmod(target, mode)
+    else:
+        os.chmod(target, mode)
 
 
 def fsync_dir(folder: Path) -> None:

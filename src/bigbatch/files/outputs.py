@@ -18,7 +18,7 @@ from bigbatch.errors import ConfigError, require_creatable_dir
 from bigbatch.files.atomic import write_json_atomically
 
 RUN_MARKER = ".bigbatch-run"
-RUN_LOCK = ".bigbatch-lock"  # held while a process trains in the run (see bigbatch.run.run_dir_lock)
+RUN_LOCK = ".bigbatch-lock"  # held while a process trains in the run (see bigbatch.run.loop.run_dir_lock)
 REPORT_MARKER = ".bigbatch-report"
 
 

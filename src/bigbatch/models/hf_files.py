@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError
-from bigbatch.files.permissions import apply_umask
+from bigbatch.files.atomic import apply_umask
 
 SHARD_INDEX = "model.safetensors.index.json"  # what save_pretrained writes beside the shards of a large model
 WEIGHT_FILES = ("model.safetensors", SHARD_INDEX, "pytorch_model.bin")

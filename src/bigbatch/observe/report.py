@@ -8,6 +8,7 @@ on top of each other: exact accumulation makes their curves coincide.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,115 +209,150 @@ def summarize(run: RunMetrics) -> RunSummary:
     )
 
 
+Draw = Callable[[Any, RunMetrics, str, float], None]
+"""Draws one run's curve on a plot's axes, in its color and line width."""
+
+
+@dataclass(frozen=True)
+class _Plot:
+    """One of the report's PNGs: its file, title, axes and how a run is drawn on it."""
+
+    name: str
+    title: str
+    xlabel: str
+    ylabel: str
+    draw: Draw
+    logy: bool = False
+
+
 def plot_runs(runs: list[RunMetrics], out_dir: Path) -> list[Path]:
     """One PNG per quantity, every run overlaid; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    written: list[Path] = []
-
-    def figure(name: str, title: str, xlabel: str, ylabel: str, draw: Any, logy: bool = False) -> None:
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-        for i, run in enumerate(runs):
-            draw(ax, run, colors[i % len(colors)], width(i))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        if logy:
-            ax.set_yscale("log")
-        if "tokens" in xlabel:
-            ax.xaxis.set_major_formatter(EngFormatter())
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if "tokens/s" in ylabel:
-            ax.yaxis.set_major_formatter(EngFormatter())
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
-
-    def width(i: int) -> float:
-        """Earlier runs drawn wider, so curves that coincide (K=1 vs K=8, same tokens per step) stay visible."""
-        return max(1.0, 1.2 + 1.2 * (len(runs) - 1 - i))
-
-    def series(records: list[dict[str, Any]], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
-        points = [(r[x_key], r[key]) for r in records if _finite(r.get(key))]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    def loss(ax: Any, run: RunMetrics, color: str, lw: float, by_tokens: bool) -> None:
-        tokens = run.cumulative_tokens()
-        train = [dict(r, x=tokens[int(r["step"])] if by_tokens else r["step"]) for r in run.trained]
-        evals = [dict(r, x=tokens.get(int(r["step"]), 0) if by_tokens else r["step"]) for r in run.evals]
-        xs, ys = series(train, "loss", "x")
-        ax.plot(xs, ys, "-" if len(xs) > 1 else "o", color=color, lw=lw, label=f"{run.label} train")
-        xs, ys = series(evals, "val_loss", "x")
-        if xs:
-            ax.plot(xs, ys, "o--", color=color, ms=2 + 2 * lw, lw=lw, label=f"{run.label} val")
-
-    def simple(key: str, skip_first: bool = False) -> Any:
-        def draw(ax: Any, run: RunMetrics, color: str, lw: float) -> None:
-            records = run.steps if key == "lr" else run.trained
-            if skip_first and len(records) > 1:
-                records = [r for r in records if int(r["step"]) > 1]
-            xs, ys = series(records, key)
-            marker = "-" if len(xs) > 1 else "o"
-            ax.plot(xs, ys, marker, color=color, lw=lw, ms=2 + 2 * lw, label=run.label)
-
-        return draw
-
-    figure(
-        "loss_vs_step.png",
-        "Loss",
-        "optimizer step",
-        "loss (nats per token)",
-        lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=False),
-    )
-    figure(
-        "loss_vs_tokens.png",
-        "Loss",
-        "tokens (valid targets, cumulative)",
-        "loss (nats per token)",
-        lambda ax, run, c, lw: loss(ax, run, c, lw, by_tokens=True),
-    )
-    figure("lr.png", "Learning rate", "optimizer step", "learning rate", simple("lr"))
-    norms = [r["grad_norm"] for run in runs for r in run.trained if _finite(r.get("grad_norm"))]
-    figure(
-        "grad_norm.png",
-        "Gradient norm (before clipping)",
-        "optimizer step",
-        "global L2 norm",
-        simple("grad_norm"),
-        logy=bool(norms) and min(norms) > 0,
-    )
-    figure(
-        "tokens_per_s.png",
-        "Throughput (step 1, warm-up, left out)",
-        "optimizer step",
-        "tokens/s (valid targets)",
-        simple("tokens_per_s", skip_first=True),
-    )
-    if any(_finite(r.get("mfu")) for run in runs for r in run.steps):
-        figure(
-            "mfu.png",
-            "Model FLOPs utilization (step 1 left out)",
-            "optimizer step",
-            "MFU",
-            simple("mfu", skip_first=True),
-        )
-
+    written = [_draw_plot(plot, runs, colors, out_dir) for plot in _plots(runs)]
     noise_plot = plot_noise_scale(runs, out_dir / NOISE_PLOT, colors)  # runs that measured it; else no file
     if noise_plot is not None:
         written.append(noise_plot)
     return written
+
+
+def _plots(runs: list[RunMetrics]) -> list[_Plot]:
+    """The report's plots, in order: ``mfu.png`` only when a run's records carry MFU; the gradient norm on a log
+    scale when every norm is positive."""
+    norms = [r["grad_norm"] for run in runs for r in run.trained if _finite(r.get("grad_norm"))]
+    plots = [
+        _Plot(
+            "loss_vs_step.png",
+            "Loss",
+            "optimizer step",
+            "loss (nats per token)",
+            lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=False),
+        ),
+        _Plot(
+            "loss_vs_tokens.png",
+            "Loss",
+            "tokens (valid targets, cumulative)",
+            "loss (nats per token)",
+            lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=True),
+        ),
+        _Plot("lr.png", "Learning rate", "optimizer step", "learning rate", _draw_key("lr")),
+        _Plot(
+            "grad_norm.png",
+            "Gradient norm (before clipping)",
+            "optimizer step",
+            "global L2 norm",
+            _draw_key("grad_norm"),
+            logy=bool(norms) and min(norms) > 0,
+        ),
+        _Plot(
+            "tokens_per_s.png",
+            "Throughput (step 1, warm-up, left out)",
+            "optimizer step",
+            "tokens/s (valid targets)",
+            _draw_key("tokens_per_s", skip_first=True),
+        ),
+    ]
+    if any(_finite(r.get("mfu")) for run in runs for r in run.steps):
+        plots.append(
+            _Plot(
+                "mfu.png",
+                "Model FLOPs utilization (step 1 left out)",
+                "optimizer step",
+                "MFU",
+                _draw_key("mfu", skip_first=True),
+            )
+        )
+    return plots
+
+
+def _draw_plot(plot: _Plot, runs: list[RunMetrics], colors: list[str], out_dir: Path) -> Path:
+    """Draw every run on ``plot`` and save it in ``out_dir``; returns its path."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for i, run in enumerate(runs):
+        plot.draw(ax, run, colors[i % len(colors)], _line_width(i, len(runs)))
+    ax.set_xlabel(plot.xlabel)
+    ax.set_ylabel(plot.ylabel)
+    ax.set_title(plot.title)
+    if plot.logy:
+        ax.set_yscale("log")
+    if "tokens" in plot.xlabel:
+        ax.xaxis.set_major_formatter(EngFormatter())
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if "tokens/s" in plot.ylabel:
+        ax.yaxis.set_major_formatter(EngFormatter())
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / plot.name
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _line_width(i: int, runs: int) -> float:
+    """Earlier runs drawn wider, so curves that coincide (K=1 vs K=8, same tokens per step) stay visible."""
+    return max(1.0, 1.2 + 1.2 * (runs - 1 - i))
+
+
+def _series(records: list[dict[str, Any]], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
+    points = [(r[x_key], r[key]) for r in records if _finite(r.get(key))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _draw_loss(ax: Any, run: RunMetrics, color: str, lw: float, by_tokens: bool) -> None:
+    """The training loss, and the validation loss as points, against steps or cumulative tokens."""
+    tokens = run.cumulative_tokens()
+    train = [dict(r, x=tokens[int(r["step"])] if by_tokens else r["step"]) for r in run.trained]
+    evals = [dict(r, x=tokens.get(int(r["step"]), 0) if by_tokens else r["step"]) for r in run.evals]
+    xs, ys = _series(train, "loss", "x")
+    ax.plot(xs, ys, "-" if len(xs) > 1 else "o", color=color, lw=lw, label=f"{run.label} train")
+    xs, ys = _series(evals, "val_loss", "x")
+    if xs:
+        ax.plot(xs, ys, "o--", color=color, ms=2 + 2 * lw, lw=lw, label=f"{run.label} val")
+
+
+def _draw_key(key: str, skip_first: bool = False) -> Draw:
+    """A step record's ``key`` against the step (``lr`` of every step, the rest of applied steps)."""
+
+    def draw(ax: Any, run: RunMetrics, color: str, lw: float) -> None:
+        records = run.steps if key == "lr" else run.trained
+        if skip_first and len(records) > 1:
+            records = [r for r in records if int(r["step"]) > 1]
+        xs, ys = _series(records, key)
+        marker = "-" if len(xs) > 1 else "o"
+        ax.plot(xs, ys, marker, color=color, lw=lw, ms=2 + 2 * lw, label=run.label)
+
+    return draw
 
 
 def make_report(

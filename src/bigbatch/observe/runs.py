@@ -12,7 +12,7 @@ from bigbatch.errors import BigBatchError
 from bigbatch.observe.metrics import METRICS_FILE, read_records
 
 CONFIG_FILE = "config.toml"
-"""The run's settings as its latest session resolved them (written by :mod:`bigbatch.run.files`)."""
+"""The run's settings as its latest session resolved them (written by :mod:`bigbatch.run.loop.run_dir_files`)."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
+from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.family import ModelShape
 from bigbatch.models.head_loss import largest_chunk
 from bigbatch.models.registry import build_model, family_for_model_name, family_of, model_config_from_dict, model_preset
@@ -136,6 +137,40 @@ class _CudaPeak:
         self.peak = torch.cuda.max_memory_allocated() - self.start
 
 
+def _model_and_optimizer(
+    config: ModelShape, device: torch.device, activation_checkpointing: bool, chunked_loss: bool
+) -> tuple[DecoderLM, torch.optim.Optimizer, int]:
+    """The model on ``device`` and its AdamW with its moments already created (so the measured phases do not
+    create them), and the bytes both hold before every step (gradients appear during backward)."""
+    model = build_model(config).to(device)
+    model.activation_checkpointing = activation_checkpointing
+    model.chunked_loss = chunked_loss
+    optimizer = build_adamw(model, lr=1e-4)
+    for p in model.parameters():  # create AdamW's moments now, so the phases below do not
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    return model, optimizer, param_bytes + state_bytes
+
+
+def _timed(fn: object, device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` (synchronized on CUDA)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()  # type: ignore[operator]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 @preserved_rng()
 def measure_in_process(
     config: ModelShape,
@@ -153,19 +188,7 @@ def measure_in_process(
     generators (e.g. a trainer's, for ``--micro-batch auto`` on CUDA) are left exactly as they were."""
     peak_meter = _CudaPeak if device.type == "cuda" else _CpuPeak
     torch.manual_seed(0)
-    model = build_model(config).to(device)
-    model.activation_checkpointing = activation_checkpointing
-    model.chunked_loss = chunked_loss
-    optimizer = build_adamw(model, lr=1e-4)
-    for p in model.parameters():  # create AdamW's moments now, so the phases below do not
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    state_bytes = sum(
-        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
-    )
-    fixed = param_bytes + state_bytes  # resident before every step; gradients appear during backward
+    model, optimizer, fixed = _model_and_optimizer(config, device, activation_checkpointing, chunked_loss)
     engine = AccumulationEngine(model, optimizer, constant_schedule(1e-4), device=device, precision=precision)
     tokens = torch.randint(0, config.vocab_size, (max(k, 2), micro_batch, seq_len + 1))
     batches = [MicroBatch(t[:, :-1], t[:, 1:]).to(device) for t in tokens]
@@ -193,21 +216,8 @@ def measure_in_process(
     with peak_meter() as stepk:
         engine.step(batches[:k])
     model.zero_grad(set_to_none=True)
-
-    def timed(fn: object, repeats: int = 3) -> float:
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            fn()  # type: ignore[operator]
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times)
-
-    micro_seconds = timed(lambda: micro_step().backward())
-    opt_seconds = timed(optimizer.step)
+    micro_seconds = _timed(lambda: micro_step().backward(), device)
+    opt_seconds = _timed(optimizer.step, device)
     return MicroStepMeasurement(
         micro_batch=micro_batch,
         fixed=fixed,

@@ -1,13 +1,13 @@
-"""Every part of a training run, built from a :class:`~bigbatch.run.config.TrainConfig` in phases, each with
-the narrow inputs it needs, in the order data flows:
+"""Every part of a training run, built from a :class:`~bigbatch.run.configuration.train_config.TrainConfig` in
+phases, each with the narrow inputs it needs, in the order data flows:
 
 check (:mod:`.checks`) -> run directory: chosen and held by one writer (:func:`hold_run_dir`, here) -> data
-(:mod:`.data`) -> model (:mod:`.model`) -> sizing: plan, step policy, ramp (:mod:`.sizing`) -> loaders
-(:mod:`.data`) -> engine: wrapping, optimizer, schedule (:mod:`.engine`) -> observers: step hooks, peak FLOPs
-(:mod:`.observers`) -> the engine.
+(:mod:`.data_phase`) -> model (:mod:`.model_phase`) -> sizing: plan, step policy, ramp (:mod:`.sizing_phase`) ->
+loaders (:mod:`.data_phase`) -> engine: wrapping, optimizer, schedule (:mod:`.engine_phase`) -> observers: step
+hooks, peak FLOPs (:mod:`.observers`) -> the engine.
 
 :func:`build_run` returns them as one frozen :class:`RunParts`; the trainer runs them and
-:class:`~bigbatch.run.state.TrainState` saves and restores their state.
+:class:`~bigbatch.run.checkpoints.state.TrainState` saves and restores their state.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from bigbatch.models import LanguageModel
 from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build.checks import check_batch, check_config
-from bigbatch.run.build.data import Loader, build_loaders, open_run_data
-from bigbatch.run.build.engine import build_optimizer, wrap_for_training
-from bigbatch.run.build.model import build_run_model
+from bigbatch.run.build.data_phase import Loader, build_loaders, open_run_data
+from bigbatch.run.build.engine_phase import build_optimizer, wrap_for_training
+from bigbatch.run.build.model_phase import build_run_model
 from bigbatch.run.build.observers import build_observers
-from bigbatch.run.build.sizing import build_ramp, plan_steps
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.identity import default_run_dir
-from bigbatch.run.resume import find_resume_checkpoint
-from bigbatch.run.run_dir_lock import RunDirLock, lock_run_dir
+from bigbatch.run.build.sizing_phase import build_ramp, plan_steps
+from bigbatch.run.checkpoints.resume import find_resume_checkpoint
+from bigbatch.run.configuration.identity import default_run_dir
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.run_dir_lock import RunDirLock, lock_run_dir
 from bigbatch.sizing.plan import BatchPlan
 from bigbatch.sizing.ramp import BatchRamp
 
@@ -69,7 +69,7 @@ class RunParts:
     peak_flops: float | None  # per device, for MFU; None when unknown
     ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.sizing.ramp)
     noise: NoiseMeter | None = None  # the engine's noise-scale hook, for its estimate (None: not measured)
-    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (bigbatch.run.run_dir_lock); the trainer releases it
+    run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (run/loop/run_dir_lock.py); the trainer releases it
     seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
 
     @property

@@ -16,10 +16,10 @@ from bigbatch.errors import require_creatable_dir
 from bigbatch.files.outputs import RUN_MARKER, is_legacy_run, require_own_dir
 from bigbatch.observe.metrics import check_optional_loggers
 from bigbatch.parallel.distributed import DistContext, resolve_device
-from bigbatch.run.build.data import build_loader, check_micro_batch_fits, prepare_data
-from bigbatch.run.build.model import preset_shape
-from bigbatch.run.config import TrainConfig, resolve_seq_len
-from bigbatch.run.resume import find_resume_checkpoint
+from bigbatch.run.build.data_phase import build_loader, check_micro_batch_fits, prepare_data
+from bigbatch.run.build.model_phase import preset_shape
+from bigbatch.run.checkpoints.resume import find_resume_checkpoint
+from bigbatch.run.configuration.train_config import TrainConfig, resolve_seq_len
 from bigbatch.sizing.plan import BatchPlan, plan_batch
 from bigbatch.sizing.ramp import BatchRamp, parse_ramp
 

@@ -14,9 +14,9 @@ from bigbatch.noise.probe import small_grad_probe
 from bigbatch.noise.scale import NoiseScale, decay_for_window
 from bigbatch.observe.metrics import device_peak_flops
 from bigbatch.parallel.distributed import DistContext, Say
-from bigbatch.run.build.sizing import noise_unmeasurable
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.faults import FaultInjection, fault_from_env
+from bigbatch.run.build.sizing_phase import noise_unmeasurable
+from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.faults import FaultInjection, fault_from_env
 from bigbatch.sizing.plan import BatchPlan
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import ConfigError
-from bigbatch.run.config import SECTIONS, TrainConfig, field_of, flag_of, kind_of
+from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig, field_of, flag_of, kind_of
 from bigbatch.settings.ranges import AUTO, Range
 
 

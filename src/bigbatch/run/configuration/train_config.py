@@ -1,6 +1,6 @@
 """Run configuration: dataclasses whose field help becomes the CLI help, their validation and TOML form.
 
-Where a config comes from (defaults < a TOML file < flags) is :mod:`bigbatch.run.config_sources`.
+Where a config comes from (defaults < a TOML file < flags) is :mod:`bigbatch.run.configuration.config_sources`.
 A TOML file has one table per section::
 
     [batch]

@@ -20,7 +20,7 @@ from bigbatch.data.validation_windows import ValidationWindows, validation_windo
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
-from bigbatch.run.config import TrainConfig, model_directory
+from bigbatch.run.configuration.train_config import TrainConfig, model_directory
 from bigbatch.sizing.plan import BatchPlan
 
 Loader = TokenStreamLoader | DocumentLoader

@@ -66,7 +66,7 @@ def lock_run_dir(run_dir: Path, wait: bool, say: Say) -> RunDirLock:
     if held is not None:
         return RunDirLock(run_dir, held)
     created = missing_directories(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (bigbatch.run.files)
+    run_dir.mkdir(parents=True, exist_ok=True)  # its marker comes when the run starts writing (run_dir_files.py)
     try:
         lock = hold_directory(run_dir, "run directory", wait, say)
     except BaseException:

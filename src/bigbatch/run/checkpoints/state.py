@@ -25,8 +25,14 @@ from bigbatch.models.registry import family_of
 from bigbatch.observe.metrics import truncate_metrics
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build import RunParts
-from bigbatch.run.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoints, save_checkpoint
-from bigbatch.run.resume import check_compatible, check_settings, check_tokenizer, data_changed, resumed_schedule
+from bigbatch.run.checkpoints.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoints, save_checkpoint
+from bigbatch.run.checkpoints.resume import (
+    check_compatible,
+    check_settings,
+    check_tokenizer,
+    data_changed,
+    resumed_schedule,
+)
 from bigbatch.sizing.ramp import check_ramp_change
 
 
@@ -200,9 +206,9 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any], schedule: CosineSchedule, new_data: bool, say: Say) -> None:
         """Restore every part from ``state``; the next step is the one after it. ``schedule`` is the one the
-        resumed run follows (see :func:`bigbatch.run.resume.resumed_schedule`), set before the engine restores
-        its counters (which set the next step's learning rate); with ``new_data`` a loader position that the
-        new data lacks restarts at its beginning instead of failing. A part the checkpoint lacks (an older
+        resumed run follows (see :func:`bigbatch.run.checkpoints.resume.resumed_schedule`), set before the engine
+        restores its counters (which set the next step's learning rate); with ``new_data`` a loader position that
+        the new data lacks restarts at its beginning instead of failing. A part the checkpoint lacks (an older
         one) is given ``None``."""
         self._schedule.schedule = self.parts.engine.schedule = schedule
         self._loader.new_data, self._loader.restarted = new_data, False

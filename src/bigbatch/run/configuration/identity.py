@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import BigBatchError
-from bigbatch.run.config import TrainConfig, resolve_seq_len
-from bigbatch.run.config_sources import config_from_dict
+from bigbatch.run.configuration.config_sources import config_from_dict
+from bigbatch.run.configuration.train_config import TrainConfig, resolve_seq_len
 
 MAY_CHANGE: frozenset[str] = frozenset(
     {
         "model.activation_checkpointing",
         "model.chunked_loss",
         "data.cache_dir",
-        "data.data",  # checked through the data fingerprint (see bigbatch.run.resume.data_changed)
+        "data.data",  # checked through the data fingerprint (see bigbatch.run.checkpoints.resume.data_changed)
         "batch.micro_batch",
         "batch.memory_budget",
         "optim.decay_steps",  # the schedule is kept on resume; changing it needs --extend-schedule

@@ -9,7 +9,7 @@ from bigbatch.errors import ConfigError
 from bigbatch.models import LanguageModel
 from bigbatch.noise.scale import unavailable_reason
 from bigbatch.parallel.distributed import DistContext, Say
-from bigbatch.run.config import TrainConfig
+from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.sizing.plan import BatchPlan, plan_batch
 from bigbatch.sizing.ramp import BatchRamp, parse_ramp

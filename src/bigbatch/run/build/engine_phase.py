@@ -15,8 +15,8 @@ from bigbatch.models.decoder import LanguageModel, fsdp_units
 from bigbatch.models.registry import family_of
 from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
 from bigbatch.progress import plural
-from bigbatch.run.config import TrainConfig
-from bigbatch.run.resume import initial_schedule
+from bigbatch.run.checkpoints.resume import initial_schedule
+from bigbatch.run.configuration.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from bigbatch.models.family import ModelShape
 from bigbatch.models.pretrained import load_pretrained, pretrained_dropout
 from bigbatch.models.registry import family_for_model_name, family_of, model_preset
 from bigbatch.parallel.distributed import Say
-from bigbatch.run.config import TrainConfig
+from bigbatch.run.configuration.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

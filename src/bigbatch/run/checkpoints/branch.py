@@ -1,7 +1,7 @@
 """Branching: a new run that starts from another run's checkpoint with settings of its own.
 
-Resume (:func:`bigbatch.run.state.resume_run`) continues *the same* run and refuses a checkpoint whose tokens
-per step differ. A branch is a different run: it has its own run directory and config record (e.g. another
+Resume (:func:`bigbatch.run.checkpoints.state.resume_run`) continues *the same* run and refuses a checkpoint whose
+tokens per step differ. A branch is a different run: it has its own run directory and config record (e.g. another
 tokens per step, hence another K, and its own learning rate), and starts where the parent stood: the parent's
 model and optimizer state, engine counters (the step number continues), data position, tokens seen and
 generators. Its learning-rate schedule is the branch's own (from its config), not the parent's.
@@ -19,9 +19,9 @@ from typing import Any
 from bigbatch.errors import CheckpointError
 from bigbatch.models.registry import family_of
 from bigbatch.parallel.distributed import Say
-from bigbatch.run.checkpoint import load_checkpoint
-from bigbatch.run.resume import check_family, check_tokenizer, data_changed
-from bigbatch.run.state import TrainState
+from bigbatch.run.checkpoints.checkpoint import load_checkpoint
+from bigbatch.run.checkpoints.resume import check_family, check_tokenizer, data_changed
+from bigbatch.run.checkpoints.state import TrainState
 
 
 def check_branchable(document: dict[str, Any], state: TrainState, parent: Path) -> None:

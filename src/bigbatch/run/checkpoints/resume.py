@@ -12,13 +12,13 @@ from bigbatch.engine.optim import CosineSchedule
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.observe.metrics import METRICS_FILE
 from bigbatch.progress import plural
-from bigbatch.run.checkpoint import (
+from bigbatch.run.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     latest_valid_checkpoint,
     list_checkpoints,
     model_family,
 )
-from bigbatch.run.identity import settings_diff
+from bigbatch.run.configuration.identity import settings_diff
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def check_compatible(
 
 
 def check_settings(document: dict[str, Any], config: Any, run_dir: Path) -> None:
-    """Refuse to continue a run whose defining settings (see :mod:`bigbatch.run.identity`) differ from this one's."""
+    """Refuse to continue a run whose defining settings (see :mod:`bigbatch.run.configuration.identity`) differ
+    from this one's."""
     diffs = settings_diff(document.get("config", {}), config)
     if diffs:
         raise CheckpointError(
