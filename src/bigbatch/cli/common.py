@@ -6,6 +6,7 @@ type, range, choices and meaning), so that ``--seq-len`` means one thing in ``tr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from bigbatch.run.configuration.train_config import BatchSection, ModelSection, RunSection, field_of, flag_of, kind_of
@@ -27,7 +28,12 @@ OWN_DEFAULTS: dict[tuple[str, str], str] = {
     ("eval", "--micro-batch"): "the run's",
     ("eval", "--seq-len"): "the run's",
     ("critical-batch", "--micro-batch"): "the run's",
+    ("critical-batch", "--eval-batches"): "the run's",
+    ("eval", "--data"): "the run's own data",
+    ("eval", "--cache-dir"): "the run's cache, when it still exists",
+    ("prepare", "--tokenizer"): "byte: prepare has no --init-from whose tokenizer auto would take",
     ("plan", "--micro-batch"): "derived when --k and --devices are given, else train's 16",
+    ("plan", "--total-batch-tokens"): "derived from --micro-batch, --k and --devices when all three are given",
     ("plan", "--k"): "derived from the tokens per step, as train derives it, unless given",
     ("plan", "--model"): "train's nano, except with --from-run: no model unless one is named",
 }
@@ -41,16 +47,21 @@ def add_config_flag(
     default: Any = FROM_CONFIG,
     note: str = "",
     allow_auto: bool = True,
+    parse: Callable[[str], Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> argparse.Action:
     """``--FLAG`` of the config field ``section.name``: its type, range or choices, and its help as meaning, with
     ``note`` (what the command does with it) and the default. ``default``: the field's unless given (an auto field's
     is ``auto``); a command's own default belongs in :data:`OWN_DEFAULTS`. Without ``allow_auto``, a field that takes
-    ``auto`` takes positive integers only here (where the command has nothing to resolve it from)."""
+    ``auto`` takes positive integers only here (where the command has nothing to resolve it from). ``parse``: a
+    command's own reading of the value (``2M``); ``aliases``: other spellings of the flag, first."""
     f = field_of(section, name)
     auto = bool(f.metadata.get("auto")) and allow_auto
     value = f.default if default is FROM_CONFIG else default
     if f.metadata.get("auto") and value == 0:
         value = AUTO if allow_auto else None
+    if f.metadata.get("auto") and not allow_auto:
+        note += f"; {parser.prog.split()[-1]} takes a number, not auto"
     help_text = f"{f.metadata['help']}{note} (default: {'unset' if value is None else value})"
     kind = kind_of(f)
     if kind is bool:
@@ -62,8 +73,10 @@ def add_config_flag(
         if declared is not None and declared.auto and not allow_auto:
             declared = POSITIVE_INT
         action = parser.add_argument(
+            *aliases,
             f"--{flag_of(f)}",
-            type=declared.argtype() if declared else kind,
+            dest=flag_of(f).replace("-", "_"),
+            type=parse or (declared.argtype() if declared else kind),
             choices=f.metadata.get("choices"),
             default=value,
             metavar=f"{kind.__name__.upper()}|auto" if auto else kind.__name__.upper(),

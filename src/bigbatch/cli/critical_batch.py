@@ -6,9 +6,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from bigbatch.cli.common import add_device, add_micro_batch
+from bigbatch.cli.common import add_config_flag, add_device, add_micro_batch
 from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, DEFAULT_LR_RULE, LR_RULES, parse_sizes
 from bigbatch.errors import BigBatchError
+from bigbatch.run.configuration.train_config import RunSection
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
 from bigbatch.sizing.plan import parse_count
 
@@ -79,10 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         note="; critical-batch: every branch's and evaluation's, the run's unless given",
         allow_auto=False,
     )
-    parser.add_argument(
-        "--eval-batches",
-        type=POSITIVE_INT.argtype(),
-        help="validation micro-batches scored per branch (default: the run's eval_batches)",
+    add_config_flag(
+        parser,
+        RunSection,
+        "eval_batches",
+        default=None,
+        allow_auto=False,
+        note="; critical-batch: per branch, the run's unless given",
     )
     parser.add_argument(
         "--step", type=POSITIVE_INT.argtype(), help="branch from RUN's checkpoint at this step (default: its newest)"

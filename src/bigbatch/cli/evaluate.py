@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_device, add_micro_batch, add_precision, add_seq_len
+from bigbatch.cli.common import add_config_flag, add_device, add_micro_batch, add_precision, add_seq_len
+from bigbatch.run.configuration.train_config import DataSection
 from bigbatch.settings.ranges import NON_NEGATIVE_INT
 
 HELP = "loss and perplexity of a saved run's model on a token set"
@@ -18,10 +19,12 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
-    parser.add_argument(
-        "--data",
-        help="prepared dataset directory or raw text (file, dir, glob, 'builtin'), "
-        "prepared with the checkpoint's tokenizer (default: the run's own data)",
+    add_config_flag(
+        parser,
+        DataSection,
+        "data",
+        default=None,
+        note="; eval: with the checkpoint's tokenizer, the run's own unless given",
     )
     parser.add_argument("--split", default="val", choices=("val", "train"))
     parser.add_argument(
@@ -32,11 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_micro_batch(parser, default=None, note="; eval: the run's unless given", allow_auto=False)
     add_seq_len(parser, default=None, note="; eval: the run's unless given", allow_auto=False)
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        help="where raw text is prepared (default: the run's cache if it exists, else the default cache)",
-    )
+    add_config_flag(parser, DataSection, "cache_dir", default=None, note="; eval: the run's cache if it exists")
     add_precision(parser, default="fp32")
     add_device(parser)
 

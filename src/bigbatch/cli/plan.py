@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from bigbatch.cli.common import (
+    add_config_flag,
     add_device,
     add_k,
     add_micro_batch,
@@ -38,15 +39,19 @@ def _count(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tokens-per-step",
-        "--total-batch-tokens",
-        dest="tokens_per_step",
-        type=_count,
-        help="e.g. 524288, 2M (2,000,000) or 512Ki",
+    add_config_flag(
+        parser,
+        BatchSection,
+        "total_batch_tokens",
+        default=None,
+        note="; plan: e.g. 524288, 2M (2,000,000) or 512Ki; derived when --micro-batch, --k and --devices are given",
+        parse=_count,
+        aliases=("--tokens-per-step",),
     )
     add_seq_len(parser, note="; plan: the run's with --from-run")
-    add_micro_batch(parser, default=None, note="; plan: derived when --k and --devices are given, else train's 16")
+    add_micro_batch(
+        parser, default=None, note="; plan: derived when --k and --devices are given, else train's 16", allow_auto=False
+    )
     add_k(parser, default=None, note="; plan: derived unless given")
     parser.add_argument("--devices", "--world-size", dest="devices", type=POSITIVE_INT.argtype(), help="world size")
     parser.add_argument(
@@ -62,11 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser)
     add_device(parser)
-    parser.add_argument(
-        "--batch-ramp",
-        metavar="START_TOKENS:RAMP_TOKENS|auto",
-        default="",
-        help="also print the ramp table: step, K, tokens per step, cumulative tokens (e.g. 32K:10M)",
+    add_config_flag(
+        parser, BatchSection, "batch_ramp", note="; plan: also prints the ramp table (step, K, tokens per step, tokens)"
     )
 
 
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"seq_len {seq_len} (the {args.model} model's block size, capped; --seq-len sets it)")
         else:
             print(f"seq_len {seq_len} (the {args.model} model's block size)")
-    solved = solve_plan(seq_len, args.tokens_per_step, args.micro_batch, args.k, args.devices, exact=True)
+    solved = solve_plan(seq_len, args.total_batch_tokens, args.micro_batch, args.k, args.devices, exact=True)
     ramp = None
     if args.batch_ramp:
         from bigbatch.sizing.ramp import BatchRamp, check_ramp_settings, format_ramp_table
@@ -108,7 +110,7 @@ def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     from bigbatch.observe.noise_report import plan_from_run
     from bigbatch.sizing.plan_report import report_plan
 
-    for given, flag in ((args.tokens_per_step, "--tokens-per-step"), (args.k, "--k")):
+    for given, flag in ((args.total_batch_tokens, "--tokens-per-step"), (args.k, "--k")):
         if given is not None:
             raise PlanError(f"--from-run derives tokens per step and K from the run's noise scale; leave out {flag}")
     seq_len = None if args.seq_len == AUTO else args.seq_len  # None: the run's

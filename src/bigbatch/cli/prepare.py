@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bigbatch.cli.common import add_config_flag
 from bigbatch.progress import plural
+from bigbatch.run.configuration.train_config import DataSection
 from bigbatch.settings.choices import DATA_MODE, TOKENIZER_NAMES
-from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO, PROBABILITY
+from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "tokenize text into token shards"
 DESCRIPTION = None
@@ -22,13 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hf:json:data/*.jsonl), hf:DIR (save_to_disk); #COLUMN at the end for a text column other than 'text'",
     )
     parser.add_argument("--out", required=True, type=Path, help="new dataset directory to create")
-    parser.add_argument("--tokenizer", default="byte", help=f"one of {', '.join(TOKENIZER_NAMES)} (default: byte)")
-    parser.add_argument(
-        "--val-fraction",
-        type=PROBABILITY.argtype(),
-        default=0.1,
-        help="held-out share; 0 holds none out (default: 0.1)",
+    add_config_flag(
+        parser, DataSection, "tokenizer", default="byte", note=f"; prepare: one of {', '.join(TOKENIZER_NAMES)}"
     )
+    add_config_flag(parser, DataSection, "val_fraction")
     parser.add_argument(
         "--shard-tokens",
         type=POSITIVE_INT.argtype(),

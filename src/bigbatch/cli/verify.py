@@ -18,12 +18,11 @@ from bigbatch.cli.common import (
     add_vocab_size,
 )
 from bigbatch.files.atomic import write_json_atomically
-from bigbatch.run.configuration.train_config import ModelSection
+from bigbatch.run.configuration.train_config import ModelSection, RunSection
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
     POSITIVE,
-    POSITIVE_INT,
 )
 
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
@@ -37,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser)
     parser.add_argument("--factory", help="package.module:function returning your model, or (model, batch[, loss_fn])")
     add_k(parser, default=4)
-    add_micro_batch(parser, default=2, note="; verify: the check's (every preset holds 2 x 4 x 64)")
-    add_seq_len(parser, default=64, note="; verify: at most the model's block size")
+    add_micro_batch(parser, default=2, note="; verify: the check's (every preset holds 2 x 4 x 64)", allow_auto=False)
+    add_seq_len(parser, default=64, note="; verify: at most the model's block size", allow_auto=False)
     add_vocab_size(parser)
     add_config_flag(
         parser,
@@ -74,9 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, help="also write the report as JSON (a new file)")
     parser.add_argument("--overwrite", action="store_true", help="replace the --json file if it exists")
-    parser.add_argument(
-        "--nproc", type=POSITIVE_INT.argtype(), default=1, help="processes: >1 checks DDP across ranks via torchrun"
-    )
+    add_config_flag(parser, RunSection, "nproc", note="; verify: >1 checks DDP against one process across the ranks")
     add_seed(parser, default=0)
     add_device(parser, default="cpu")
 
