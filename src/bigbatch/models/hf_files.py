@@ -3,7 +3,7 @@ writing a new one all at once.
 
 The layout is a directory with ``config.json`` and ``model.safetensors`` (or the shards that
 ``model.safetensors.index.json`` lists, or ``pytorch_model.bin``). The families' conversions (:mod:`.gpt.hf` for
-GPT-2, :mod:`.llama.hf` for Llama), :mod:`.hf_causal` and :mod:`.pretrained` share these. Nothing here touches the
+GPT-2, :mod:`.llama.hf` for Llama), :mod:`.hf.model` and :mod:`.pretrained` share these. Nothing here touches the
 network: give a local directory (for example one written by ``save_pretrained``).
 """
 
