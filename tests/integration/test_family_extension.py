@@ -54,13 +54,33 @@ def changed_files(left: Path, right: Path) -> list[str]:
     return sorted(found)
 
 
-def bigbatch_cli(root: Path, cwd: Path, *argv: str) -> str:
+COMMANDS_IN_ONE_INTERPRETER = """
+import contextlib, io, json, sys
+from bigbatch.cli import main
+outputs = []
+for argv in json.loads(sys.argv[1]):
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        try:
+            code = main(argv)
+        except SystemExit as exit:  # --help
+            code = exit.code
+    outputs.append([code, buffer.getvalue()])
+print(json.dumps(outputs))
+"""
+"""Runs several commands in one fresh interpreter (one torch import), each one's exit code and stdout returned."""
+
+
+def bigbatch_cli(root: Path, cwd: Path, *commands: list[str]) -> list[str]:
+    """The stdout of each command, run in order by the package copy under ``root``; each must exit 0."""
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "BIGBATCH_CACHE": str(cwd / "cache")}
-    done = subprocess.run(
-        [sys.executable, "-m", "bigbatch", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    argv = [sys.executable, "-c", COMMANDS_IN_ONE_INTERPRETER, json.dumps(list(commands))]
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for command, (code, out) in zip(commands, results, strict=True):
+        assert code == 0, f"{command}: exit {code}\n{out}{done.stderr}"
+    return [out for _, out in results]
 
 
 def test_adding_a_family_is_its_folder_and_one_registry_line(extended: Path) -> None:
@@ -72,32 +92,32 @@ def test_adding_a_family_is_its_folder_and_one_registry_line(extended: Path) -> 
 
 def test_the_whole_command_line_works_with_the_new_family(extended: Path, tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_bytes(corpus_bytes(20_000))
-    help_text = bigbatch_cli(extended, tmp_path, "train", "--help")
-    assert "toy-pico" in help_text
     train = ["train", "--data", "corpus.txt", "--model", "toy-pico", "--seq-len", "32", "--micro-batch", "2"]
     train += ["--total-batch-tokens", "256", "--max-steps", "3", "--sample-tokens", "0", "--eval-every", "0"]
-    out = bigbatch_cli(extended, tmp_path, *train, "--out", "run")
-    assert "toy: 2 layers, 16 wide" in out and "K 4" in out
-
-    verified = bigbatch_cli(extended, tmp_path, "verify", "--model", "toy-pico", "--top", "0")
-    assert "verdict: EQUIVALENT" in verified
-    planned = bigbatch_cli(extended, tmp_path, "plan", "--model", "toy-pico", "--tokens-per-step", "1024", "--k", "4")
-    assert "sequence length (T)" in planned and "model toy-pico" in planned and "parameters" in planned
-    measured = bigbatch_cli(extended, tmp_path, "memory", "--model", "toy-pico", "--max-micro-batch", "2", "--k", "2")
-    assert "toy-pico | vocab 256 | seq_len 64" in measured
-
-    assert "perplexity" in bigbatch_cli(extended, tmp_path, "eval", "run", "--batches", "2")
-    sampled = bigbatch_cli(
-        extended, tmp_path, "sample", "--checkpoint", "run", "--prompt", "the", "--max-new-tokens", "8"
+    from_export = [*train[:3], "--init-from", "exported", *train[5:], "--max-steps", "1", "--out", "from-export"]
+    outputs = bigbatch_cli(
+        extended,
+        tmp_path,
+        ["train", "--help"],
+        [*train, "--out", "run"],
+        ["verify", "--model", "toy-pico", "--top", "0"],
+        ["plan", "--model", "toy-pico", "--tokens-per-step", "1024", "--k", "4"],
+        ["memory", "--model", "toy-pico", "--max-micro-batch", "2", "--k", "2"],
+        ["eval", "run", "--batches", "2"],
+        ["sample", "--checkpoint", "run", "--prompt", "the", "--max-new-tokens", "8"],
+        ["export", "run", "exported"],
+        from_export,
     )
+    help_text, trained, verified, planned, measured, evaluated, sampled, exported, again = outputs
+    assert "toy-pico" in help_text
+    assert "toy: 2 layers, 16 wide" in trained and "K 4" in trained
+    assert "verdict: EQUIVALENT" in verified
+    assert "sequence length (T)" in planned and "model toy-pico" in planned and "parameters" in planned
+    assert "toy-pico | vocab 256 | seq_len 64" in measured
+    assert "perplexity" in evaluated
     assert sampled.startswith("the")
-    exported = bigbatch_cli(extended, tmp_path, "export", "run", "exported")
     assert "Hugging Face toy layout" in exported
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["model_type"] == "bigbatch-toy"
-    resumed = train[:3] + ["--init-from", "exported"] + train[5:]
-    again = bigbatch_cli(extended, tmp_path, *resumed, "--max-steps", "1", "--out", "from-export")
     assert "model exported" in again
-
-    # The run's checkpoint holds the toy family's weights; the new run started from the exported ones.
-    step3 = torch.load(sorted((tmp_path / "run").glob("**/*.pt"))[-1], weights_only=False)
-    assert step3["model_family"] == "toy"
+    checkpoint = torch.load(sorted((tmp_path / "run").glob("**/*.pt"))[-1], weights_only=False)
+    assert checkpoint["model_family"] == "toy"  # what resume, branches and export read
