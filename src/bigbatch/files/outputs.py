@@ -28,6 +28,16 @@ def is_legacy_run(path: Path) -> bool:
     return (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file() or (path / RUN_LOCK).is_file()
 
 
+def is_bigbatch_run(path: Path) -> bool:
+    """Whether ``path`` is a bigbatch run directory: its marker, or the checkpoints, metrics or lock of one."""
+    return (path / RUN_MARKER).is_file() or is_legacy_run(path)
+
+
+def require_own_run_dir(path: Path) -> None:
+    """Refuse ``--out path`` unless it is new, empty or a bigbatch run (see :func:`require_own_dir`)."""
+    require_own_dir(path, "run directory", "--out", RUN_MARKER, is_legacy_run)
+
+
 def is_legacy_report(path: Path) -> bool:
     """A report directory from before markers: only ``summary.txt`` and PNG plots."""
     names = [p.name for p in path.iterdir()]

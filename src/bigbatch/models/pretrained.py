@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigbatch.errors import CheckpointError
-from bigbatch.files.outputs import RUN_MARKER, is_legacy_run
+from bigbatch.files.outputs import is_bigbatch_run
 from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.family import ModelFamily, ModelShape
 from bigbatch.models.hf.config import dropout_settings
@@ -44,11 +44,6 @@ def hf_model_type(directory: Path | str) -> str:
 def _kinds() -> str:
     """``GPT-2 or Llama``: the layouts ``--init-from`` reads, as messages name them."""
     return " or ".join(family.hf_layout_name for family in FAMILIES if family.hf_model_types)
-
-
-def is_bigbatch_run(directory: Path) -> bool:
-    """Whether ``directory`` is a bigbatch run (its marker, or the checkpoints and metrics of one)."""
-    return (directory / RUN_MARKER).is_file() or is_legacy_run(directory)
 
 
 def pretrained_dropout(directory: Path | str) -> dict[str, float]:

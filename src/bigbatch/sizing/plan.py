@@ -113,7 +113,12 @@ def parse_count(text: str) -> int:
     return value
 
 
-_SOLVED_NAMES = {"micro_batch": "micro-batch", "accumulation_steps": "K", "world_size": "devices"}
+_SOLVED = {
+    "micro_batch": ("micro-batch", "--micro-batch"),
+    "accumulation_steps": ("K", "--k"),
+    "world_size": ("devices", "--devices"),
+}
+"""Each quantity :func:`solve_plan` derives: its name in messages, and its ``bigbatch plan`` flag."""
 
 
 def count_name(tokens: int) -> str:
@@ -128,7 +133,7 @@ def count_name(tokens: int) -> str:
 def not_a_multiple(total_tokens: int, unit_tokens: int, solved_for: str) -> str:
     """Why ``total_tokens`` does not solve (it is no multiple of the ``unit_tokens`` each unit of ``solved_for``
     adds), naming the multiples on either side."""
-    name = _SOLVED_NAMES[solved_for]
+    name = _SOLVED[solved_for][0]
     below, above = total_tokens // unit_tokens, total_tokens // unit_tokens + 1
     neighbours = [f"{count_name(above * unit_tokens)} ({name} {above})"]
     if below > 0:
@@ -139,12 +144,8 @@ def not_a_multiple(total_tokens: int, unit_tokens: int, solved_for: str) -> str:
     )
 
 
-_FLAGS = {"micro_batch": "--micro-batch", "accumulation_steps": "--k", "world_size": "--devices"}
-"""The ``bigbatch plan`` flag of each quantity :func:`solve_plan` derives (its messages name the flags)."""
-
-
 def _flags(names: list[str]) -> str:
-    return ", ".join(_FLAGS[name] for name in names)
+    return ", ".join(_SOLVED[name][1] for name in names)
 
 
 @dataclass(frozen=True)

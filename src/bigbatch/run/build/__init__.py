@@ -26,7 +26,7 @@ from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.engine.batch import StepPolicy
 from bigbatch.engine.rng import seed_rank_generators
 from bigbatch.errors import ConfigError
-from bigbatch.files.outputs import RUN_MARKER, is_legacy_run, require_own_dir
+from bigbatch.files.outputs import require_own_run_dir
 from bigbatch.models import LanguageModel
 from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
@@ -101,7 +101,7 @@ def hold_run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path
     run_lock, refusal = None, None
     if dist.is_main:  # alone: the others would see the directory half-made
         try:
-            require_own_dir(run_dir, "run directory", "--out", RUN_MARKER, is_legacy_run)
+            require_own_run_dir(run_dir)
             run_lock = lock_run_dir(run_dir, config.run.wait_for_lock, say)
         except ConfigError as exc:  # not bigbatch's directory, or in use
             refusal = exc

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bigbatch.data.dataset import open_dataset
 from bigbatch.errors import require_creatable_dir
-from bigbatch.files.outputs import RUN_MARKER, is_legacy_run, require_own_dir
+from bigbatch.files.outputs import require_own_run_dir
 from bigbatch.observe.metrics import check_optional_loggers
 from bigbatch.parallel.distributed import DistContext, resolve_device
 from bigbatch.run.build.data_phase import build_loader, check_micro_batch_fits, prepare_data
@@ -54,7 +54,7 @@ def check_before_launch(config: TrainConfig, world_size: int) -> None:
     resolve_device(run.device)  # e.g. cuda asked for where there is none
     if run.out:
         out = Path(run.out)
-        require_own_dir(out, "run directory", "--out", RUN_MARKER, is_legacy_run)
+        require_own_run_dir(out)
         find_resume_checkpoint(out, run.resume, run.overwrite, is_main=False)
     check_batch(config, world_size)
     dataset = open_dataset(prepare_data(config))
