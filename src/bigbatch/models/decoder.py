@@ -1,6 +1,7 @@
-"""The pieces every family's forward shares: :class:`DecoderLM` (the block loop with optional activation
-checkpointing, the lean head and loss, parameter and FLOP counts, the FSDP2 units), causal attention over rows
-that may hold several documents, and :func:`fsdp_units`, the one place that asks a model for its units.
+"""The pieces every family shares: :class:`DecoderLM` (parameter and FLOP counts, the FSDP2 units),
+:class:`StackedDecoderLM` (the block loop with optional activation checkpointing, the lean head and loss), causal
+attention over rows that may hold several documents, and :func:`fsdp_units`, the one place that asks a model for
+its units.
 
 A packed row carries each token's position within its own document (0 at every document's first token). Two tokens
 may attend to each other only when they lie in the same document and the key does not come after the query: a
@@ -9,6 +10,7 @@ block-diagonal causal mask. Rows without positions (one sequence per row) use th
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -50,17 +52,16 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return list(units(model)) if callable(units) else []
 
 
-class DecoderLM(nn.Module):
-    """A decoder language model as bigbatch trains it. ``forward(idx)`` returns the logits (B, T, vocab);
-    ``forward(idx, targets)`` the summed next-token loss over the targets that are not -100, from the final hidden
-    states (:func:`~bigbatch.models.lm_output.logits_or_loss`: in chunks of rows, never the whole logits, unless
+class DecoderLM(nn.Module, abc.ABC):
+    """A decoder language model as bigbatch trains it, whoever runs its forward: ``forward(idx)`` returns the
+    logits (B, T, vocab); ``forward(idx, targets)`` the summed next-token loss over the targets that are not -100
+    (:func:`~bigbatch.models.lm_output.logits_or_loss`: in chunks of rows, never the whole logits, unless
     ``chunked_loss`` is off); ``positions`` (B, T), for rows packed with several documents, restarts positions at
     each document and confines attention to it; ``last_only`` returns the last position's logits (B, 1, vocab).
 
-    A family's model names its parts: :meth:`embed` (the first hidden states and what every block takes besides
-    them), :meth:`blocks`, :meth:`final_norm`, :meth:`head_weight`, and :meth:`lookup_only_parameters` (embeddings
-    that are looked up but never multiplied). A model whose forward is another library's (``hf:DIR``) overrides
-    :meth:`forward` and keeps the counts."""
+    Here: the parameter and FLOP counts and the FSDP2 units, from :meth:`blocks` and
+    :meth:`lookup_only_parameters`. bigbatch's own families run their forward on :class:`StackedDecoderLM`; an
+    ``hf:DIR`` model's is transformers'."""
 
     computes_loss = True  # forward(idx, targets) returns the loss sum (bigbatch.engine.accumulate.token_loss_sum asks)
     head_detachable = True  # the logits are the head's linear map of the final hidden states: the loss can be chunked
@@ -70,24 +71,50 @@ class DecoderLM(nn.Module):
 
     config: Any
 
-    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        """The hidden states (B, T, C) entering the first block, and the extra arguments every block takes."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def blocks(self) -> nn.ModuleList:
         """The repeated blocks, in order."""
-        raise NotImplementedError
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def head_weight(self) -> torch.Tensor:
-        """The output head's (vocab, C) weight: only the real vocabulary's rows, never padding."""
-        raise NotImplementedError
 
     def lookup_only_parameters(self) -> int:
         """Parameters used only by lookup (a position table, an untied input embedding): not in the FLOPs."""
         return 0
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP2 shards as units before the root (see :func:`fsdp_units`): the blocks; the embeddings, final
+        norm and head stay with the root."""
+        return list(self.blocks())
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; tied weights are counted once. ``non_embedding`` drops the lookup-only parameters (a
+        tied embedding stays: it is also the head's matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.lookup_only_parameters() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``, with ``N`` the parameters
+        that take part in matmuls (:meth:`num_params` with ``non_embedding``) and the second term attention over
+        ``seq_len`` with ``H`` query heads of ``Q`` dimensions (grouped key/value heads do not shrink it)."""
+        cfg = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+class StackedDecoderLM(DecoderLM):
+    """A :class:`DecoderLM` whose forward is bigbatch's: embed, the blocks (with activation checkpointing), the
+    final norm, then the head and the lean loss. A family's model names its parts: :meth:`embed` (the first hidden
+    states and what every block takes besides them), :meth:`blocks`, :meth:`final_norm`, :meth:`head_weight` and
+    :meth:`lookup_only_parameters`."""
+
+    @abc.abstractmethod
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """The hidden states (B, T, C) entering the first block, and the extra arguments every block takes."""
+
+    @abc.abstractmethod
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden states (B, T, C) after the last block, normalised for the head."""
+
+    @abc.abstractmethod
+    def head_weight(self) -> torch.Tensor:
+        """The output head's (vocab, C) weight: only the real vocabulary's rows, never padding."""
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The whole logits (B, T, vocab) of the final hidden states ``x`` (B, T, C)."""
@@ -112,24 +139,6 @@ class DecoderLM(nn.Module):
         if targets is None and not last_only:
             return self.logits(x)
         return logits_or_loss(x, self.head_weight(), targets, chunked=self.chunked_loss, last_only=last_only)
-
-    def fsdp_units(self) -> list[nn.Module]:
-        """What FSDP2 shards as units before the root (see :func:`fsdp_units`): the blocks; the embeddings, final
-        norm and head stay with the root."""
-        return list(self.blocks())
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; tied weights are counted once. ``non_embedding`` drops the lookup-only parameters (a
-        tied embedding stays: it is also the head's matmul)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.lookup_only_parameters() if non_embedding else n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``, with ``N`` the parameters
-        that take part in matmuls (:meth:`num_params` with ``non_embedding``) and the second term attention over
-        ``seq_len`` with ``H`` query heads of ``Q`` dimensions (grouped key/value heads do not shrink it)."""
-        cfg = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 LanguageModel = DecoderLM

@@ -1,7 +1,7 @@
 """What the rest of bigbatch asks of a model family, in one record: :class:`ModelFamily`.
 
 Each family folder (``gpt/``, ``llama/``, ``hf/``) has the same files: ``config.py`` (its shape and presets, no
-torch), ``model.py`` (the module, on :class:`~bigbatch.models.decoder.DecoderLM`), ``hf.py`` where it reads and
+torch), ``model.py`` (the module, a :class:`~bigbatch.models.decoder.DecoderLM`), ``hf.py`` where it reads and
 writes a Hugging Face layout of its own, and ``family.py`` (its :class:`ModelFamily`). :mod:`.registry` lists the
 families; nothing outside ``models/`` names a family's classes or checks which family a model is.
 

@@ -36,16 +36,21 @@ def preset_names() -> tuple[str, ...]:
     return tuple(name for family in FAMILIES for name in family.presets)
 
 
+def location_families() -> tuple[ModelFamily, ...]:
+    """The families whose models are named by a location (``hf:DIR``) rather than by preset."""
+    return tuple(family for family in FAMILIES if family.name_prefix)
+
+
 def model_names_help() -> str:
     """The ``--model`` values, for help text: the presets, then each location a family takes."""
-    locations = [f"; or {family.name_prefix}DIR, {family.location_help}" for family in FAMILIES if family.name_prefix]
+    locations = [f"; or {family.name_prefix}DIR, {family.location_help}" for family in location_families()]
     return ", ".join(preset_names()) + "".join(locations)
 
 
 def model_location(model_name: str) -> str:
     """Where a ``--model`` value's shape is read from (``DIR`` of ``hf:DIR``), or ``""`` for a preset."""
-    for family in FAMILIES:
-        if family.name_prefix and model_name.startswith(family.name_prefix):
+    for family in location_families():
+        if model_name.startswith(family.name_prefix):
             return model_name[len(family.name_prefix) :]
     return ""
 
@@ -63,7 +68,7 @@ def family_for_model_name(model_name: str) -> ModelFamily:
     for family in FAMILIES:
         if family.claims(model_name):
             return family
-    known = ", ".join([*preset_names(), *(f"{f.name_prefix}DIR" for f in FAMILIES if f.name_prefix)])
+    known = ", ".join([*preset_names(), *(f"{family.name_prefix}DIR" for family in location_families())])
     raise ConfigError(f"unknown model preset {model_name!r}; choose one of: {known}")
 
 

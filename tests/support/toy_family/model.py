@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from bigbatch.models.decoder import DecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
 
 from .config import ToyConfig
 
@@ -22,7 +22,7 @@ class ToyBlock(nn.Module):
         return x + self.proj(causal_attention(q, k, v, mask, 0.0).squeeze(1))
 
 
-class ToyLM(DecoderLM):
+class ToyLM(StackedDecoderLM):
     def __init__(self, config: ToyConfig) -> None:
         super().__init__()
         self.config = config

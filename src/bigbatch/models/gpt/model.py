@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.decoder import DecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
 from bigbatch.models.gpt.config import MODEL_PRESETS, GPTConfig, pad_vocab, preset
 
 __all__ = ["GPT", "MODEL_PRESETS", "GPTConfig", "pad_vocab", "preset"]
@@ -79,9 +79,9 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
 
 
-class GPT(DecoderLM):
-    """GPT-2 on :class:`~bigbatch.models.decoder.DecoderLM` (its forward, loss and counts); the learned positions
-    restart at each packed document.
+class GPT(StackedDecoderLM):
+    """GPT-2 on :class:`~bigbatch.models.decoder.StackedDecoderLM` (its forward, loss and counts); the learned
+    positions restart at each packed document.
 
     The embedding table is padded to a multiple of 64 for speed, but the padded
     columns are cut off so they never enter a softmax.

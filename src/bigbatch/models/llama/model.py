@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.decoder import DecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
 from bigbatch.models.llama.config import LLAMA_PRESETS, LlamaConfig, RopeScaling, llama_preset
 
 __all__ = ["LLAMA_PRESETS", "Llama", "LlamaConfig", "RopeScaling", "llama_preset"]
@@ -162,9 +162,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
 
 
-class Llama(DecoderLM):
-    """A Llama-style decoder on :class:`~bigbatch.models.decoder.DecoderLM` (its forward, loss and counts): rotary
-    positions restart at each packed document."""
+class Llama(StackedDecoderLM):
+    """A Llama-style decoder on :class:`~bigbatch.models.decoder.StackedDecoderLM` (its forward, loss and
+    counts): rotary positions restart at each packed document."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

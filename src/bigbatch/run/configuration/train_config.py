@@ -454,8 +454,13 @@ def model_block_size(config: TrainConfig) -> int:
 def auto_seq_len(config: TrainConfig) -> int:
     """What seq_len auto resolves to: the model's block size; with ``--init-from`` or ``--model hf:DIR`` at most
     :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` (a preset's or ``--block-size``'s is the user's own choice)."""
-    block_size = model_block_size(config)
-    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if model_directory(config) else block_size
+    return capped_seq_len(model_block_size(config), bool(model_directory(config)))
+
+
+def capped_seq_len(block_size: int, from_directory: bool) -> int:
+    """seq_len auto of a model of ``block_size``: all of it, or at most :data:`INIT_FROM_AUTO_SEQ_LEN_CAP` when the
+    model comes from a directory (whose context may be 131,072)."""
+    return min(block_size, INIT_FROM_AUTO_SEQ_LEN_CAP) if from_directory else block_size
 
 
 def model_auto_seq_len(model_name: str) -> tuple[int, bool]:
@@ -464,9 +469,8 @@ def model_auto_seq_len(model_name: str) -> tuple[int, bool]:
     from bigbatch.models.registry import model_preset
 
     block_size = model_preset(model_name).block_size
-    if model_location(model_name) and block_size > INIT_FROM_AUTO_SEQ_LEN_CAP:
-        return INIT_FROM_AUTO_SEQ_LEN_CAP, True
-    return block_size, False
+    seq_len = capped_seq_len(block_size, bool(model_location(model_name)))
+    return seq_len, seq_len < block_size
 
 
 def model_directory(config: TrainConfig) -> str:
