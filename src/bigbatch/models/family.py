@@ -48,6 +48,19 @@ ModelConfig = ModelShape
 """The shape of any family."""
 
 
+def check_sizes(shape: Any, positive: tuple[str, ...]) -> None:
+    """One line for a shape whose ``positive`` fields are not all positive, or whose width does not split into its
+    heads: the checks every family's config starts with."""
+    for name in positive:
+        if getattr(shape, name) < 1:
+            raise ConfigError(f"model {name} must be a positive integer, got {getattr(shape, name)}")
+    if shape.n_embd % shape.n_head != 0:
+        raise ConfigError(
+            f"model n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}; "
+            "choose n_embd as a multiple of n_head"
+        )
+
+
 def _no_notes(config: Any) -> tuple[str | None, str | None]:
     return None, None
 

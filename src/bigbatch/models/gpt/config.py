@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bigbatch.errors import ConfigError
+from bigbatch.models.family import check_sizes
 
 
 def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -25,14 +26,7 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model {name} must be a positive integer, got {getattr(self, name)}")
-        if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"model n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                "choose n_embd as a multiple of n_head"
-            )
+        check_sizes(self, ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"))
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model dropout must be in [0, 1), got {self.dropout}")
 
