@@ -27,7 +27,9 @@ import torch.nn as nn
 
 from bigbatch.engine.batch import MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.engine.hooks import StepHook, StepOutcome
+from bigbatch.engine.router_balance import RouterBalance
 from bigbatch.models.lm_output import computes_loss, logits_loss
+from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, GradSync, LocalGradSync
 from bigbatch.settings.choices import RESOLVED_PRECISIONS
 
@@ -59,6 +61,20 @@ def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
         output = output.logits
     logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
     return logits_loss(logits, batch.targets)
+
+
+def token_route(model: nn.Module, batch: MicroBatch) -> object:
+    """A forward that routes ``batch``'s tokens through every MoE layer and computes as little else as it can:
+    bigbatch's families and ``hf:`` models give only the last position's logits (no loss, no whole head); any other
+    model runs :func:`token_loss_sum`."""
+    if not computes_loss(model) or not isinstance(batch, MicroBatch):
+        return token_loss_sum(model, batch)
+    return model(batch.inputs, positions=batch.positions, last_only=True)
+
+
+def batch_positions(batch: MicroBatch) -> int:
+    """The positions of a micro-batch, every one a token a router routes."""
+    return batch.inputs.numel()
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -121,7 +137,11 @@ class AccumulationEngine:
 
     Micro-batches are :class:`~bigbatch.engine.batch.MicroBatch` by default; any
     object with ``.to(device, non_blocking=...)`` works with a matching
-    ``loss_fn`` and ``count_fn``.
+    ``loss_fn`` and ``count_fn`` (and, for a mixture of experts, ``route_fn`` and ``positions_fn``).
+
+    A model that routes tokens to experts (it has a :class:`~bigbatch.models.routing.RouterRecorder`) adds its
+    load-balancing loss and z-loss over the whole step (:mod:`bigbatch.engine.router_balance`): ``router_balance``
+    is the mode (``exact`` by default), ``router_aux_coef`` and ``router_z_coef`` replace the model's coefficients.
     """
 
     def __init__(
@@ -138,6 +158,11 @@ class AccumulationEngine:
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
         hooks: Sequence[StepHook] = (),
+        router_balance: str = "exact",
+        router_aux_coef: float | None = None,
+        router_z_coef: float | None = None,
+        route_fn: Callable[[nn.Module, Any], object] = token_route,
+        positions_fn: CountFn = batch_positions,
     ) -> None:
         self.model = model
         # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
@@ -160,6 +185,13 @@ class AccumulationEngine:
         if len(names) != len(set(names)):
             raise ValueError(f"step hooks need distinct names, got {names}")
         self.hooks = list(hooks)
+        recorder = router_recorder(model)
+        self.router: RouterBalance | None = None
+        if recorder is not None:
+            self.router = RouterBalance(
+                recorder, router_balance, self.dist, self.device, router_aux_coef, router_z_coef
+            )
+        self.route_fn, self.positions_fn = route_fn, positions_fn
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -192,19 +224,39 @@ class AccumulationEngine:
         scale = self.dist.world_size / n_valid  # the one place the loss is scaled
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
+        if self.router is not None:
+            self._begin_routing(micro_batches)
         for i, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
             with sync:  # covers forward and backward: DDP decides at forward time
+                router_term = None
                 with self.autocast():
-                    loss_sum = self.loss_fn(self.model, micro_batch)
+                    if self.router is None:
+                        loss_sum = self.loss_fn(self.model, micro_batch)
+                    else:
+                        with self.router.recording() as layers:
+                            loss_sum = self.loss_fn(self.model, micro_batch)
+                        router_term = self.router.term(layers)
                 for hook in self.hooks:
                     loss_sum = hook.after_forward(self, i, loss_sum)
-                self.scaler.scale(loss_sum * scale).backward()
+                objective = loss_sum * scale
+                if router_term is not None:  # already a share of the step's: DDP's average is undone as for the loss
+                    objective = objective + router_term * self.dist.world_size
+                self.scaler.scale(objective).backward()
             loss_total += loss_sum.detach().float()
             for hook in self.hooks:
                 hook.after_backward(self, i, micro_batch)
         return loss_total, n_valid
+
+    def _begin_routing(self, micro_batches: Sequence[Any]) -> None:
+        assert self.router is not None
+
+        def route(micro_batch: Any) -> object:
+            with self.autocast():
+                return self.route_fn(self.model, micro_batch.to(self.device, non_blocking=True))
+
+        self.router.begin(micro_batches, self.positions_fn, route)
 
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
         """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""
@@ -227,6 +279,8 @@ class AccumulationEngine:
             step=self.step_count + int(skipped), grad_norm=grad_norm, n_valid=n_valid, skipped=skipped
         )
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
+        if self.router is not None:
+            measurements["router"] = self.router.finish()
         loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,

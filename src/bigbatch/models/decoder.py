@@ -79,6 +79,10 @@ class DecoderLM(nn.Module, abc.ABC):
         """Parameters used only by lookup (a position table, an untied input embedding): not in the FLOPs."""
         return 0
 
+    def inactive_parameters(self) -> int:
+        """Parameters a token does not use (a mixture's experts it is not routed to): not in the FLOPs."""
+        return 0
+
     def fsdp_units(self) -> list[nn.Module]:
         """What FSDP2 shards as units before the root (see :func:`fsdp_units`): the blocks; the embeddings, final
         norm and head stay with the root."""
@@ -92,10 +96,12 @@ class DecoderLM(nn.Module, abc.ABC):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``, with ``N`` the parameters
-        that take part in matmuls (:meth:`num_params` with ``non_embedding``) and the second term attention over
-        ``seq_len`` with ``H`` query heads of ``Q`` dimensions (grouped key/value heads do not shrink it)."""
+        a token's matmuls use (:meth:`num_params` with ``non_embedding``, less :meth:`inactive_parameters`) and the
+        second term attention over ``seq_len`` with ``H`` query heads of ``Q`` dimensions (grouped key/value heads
+        do not shrink it)."""
         cfg = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+        active = self.num_params(non_embedding=True) - self.inactive_parameters()
+        return 6 * active + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 class StackedDecoderLM(DecoderLM):

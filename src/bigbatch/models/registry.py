@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 FAMILY_MODULES = (
     "bigbatch.models.gpt.family",
     "bigbatch.models.llama.family",
+    "bigbatch.models.moe.family",
     "bigbatch.models.hf.family",
 )
 """The module of each family's :class:`ModelFamily` (its ``FAMILY``), in the order help and listings name them; a

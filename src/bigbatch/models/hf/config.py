@@ -15,7 +15,11 @@ HF_PREFIX = "hf:"
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 """config.json keys that count a mixture of experts' experts (Mixtral, Qwen2-MoE / OLMoE, DeepSeek)."""
 
-CAPACITY_KEYS = ("capacity_factor", "expert_capacity")
+ROUTER_MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
+"""The ``model_type`` s whose router bigbatch reads (softmax, then top-k of ``num_experts_per_tok``, the router
+logits transformers returns with ``output_router_logits``), and so whose load-balancing loss it computes."""
+
+CAPACITY_KEYS = ("capacity_factor", "expert_capacity", "moe_capacity_factor", "router_capacity_factor")
 """Routing with an expert capacity drops tokens by what else is in the batch: not per sample."""
 
 DROPOUT_KEY_MARKS = ("dropout", "pdrop")
@@ -183,12 +187,12 @@ def training_notes(config: HFConfig) -> tuple[str | None, str | None]:
             "micro-batches cannot add up to the big batch; bigbatch refuses it",
             None,
         )
-    if config.experts:
-        coef = config.hf_config.get("router_aux_loss_coef")
-        weight = f" (router_aux_loss_coef {coef:g})" if isinstance(coef, (int, float)) else ""
-        return None, (
-            f"{config.architecture} is a mixture of {config.experts} experts: its load-balancing loss{weight} is left "
-            "out: bigbatch's loss is the token-weighted cross-entropy only (the router still routes each token on its "
-            "own, so that gradient stays exact)"
+    if config.experts and config.model_type not in ROUTER_MODEL_TYPES:
+        known = ", ".join(ROUTER_MODEL_TYPES.values())
+        return (
+            f"hf:{config.directory} is a mixture of experts whose router bigbatch does not know (model_type "
+            f"{config.model_type}): its load-balancing loss over the step could not be computed, and without it the "
+            f"router collapses; bigbatch computes it for {known} routers",
+            None,
         )
     return None, None

@@ -20,9 +20,10 @@ import torch.nn as nn
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.models.coupling import set_dropout
 from bigbatch.models.decoder import DecoderLM
-from bigbatch.models.hf.config import HFConfig, require_transformers
+from bigbatch.models.hf.config import ROUTER_MODEL_TYPES, HFConfig, require_transformers
 from bigbatch.models.hf_files import WEIGHT_FILES, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
+from bigbatch.models.routing import RouterRecorder, RouterSpec, router_stats
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,24 @@ def read_hf_config(directory: Path | str) -> HFConfig:
             "bigbatch trains next-token prediction"
         )
     return HFConfig(directory=str(path), hf_config=values)
+
+
+def router_spec(config: HFConfig) -> RouterSpec | None:
+    """How transformers defines the balancing loss of a mixture of experts whose router bigbatch reads
+    (:data:`~bigbatch.models.hf.config.ROUTER_MODEL_TYPES`): every MoE layer's tokens pooled, ``f`` the share of the
+    tokens (``top_k`` at balance), its ``router_aux_loss_coef``; None for a dense model or another router."""
+    values = config.hf_config
+    if not config.experts or config.model_type not in ROUTER_MODEL_TYPES:
+        return None
+    coef = values.get("router_aux_loss_coef", 0.001)
+    return RouterSpec(
+        n_expert=config.experts,
+        top_k=int(values.get("num_experts_per_tok", 2)),
+        n_moe_layer=config.n_layer,
+        pooling="pooled",
+        per_assignment=False,
+        aux_coef=float(coef) if isinstance(coef, (int, float)) else 0.001,
+    )
 
 
 def has_weights(directory: Path | str) -> bool:
@@ -113,8 +132,9 @@ class HFCausalLM(DecoderLM):
     ``num_params``, ``flops_per_token`` and :meth:`fsdp_units` (its :meth:`blocks`).
 
     No labels go in (the engine's token-weighted loss is computed here from the final hidden states, in chunks of
-    rows when the head can be taken apart from the trunk: :attr:`head_detachable`), no key/value cache, and a
-    mixture of experts' router logits are not collected (its load-balancing loss is left out). ``positions`` go in
+    rows when the head can be taken apart from the trunk: :attr:`head_detachable`) and no key/value cache. A mixture
+    of experts whose router bigbatch reads returns its router logits, from which each forward reports every MoE
+    layer's routing to :attr:`router_recorder` (the trainer computes the balancing loss over the step). ``positions`` go in
     as ``position_ids``, from which transformers confines attention to each packed document
     (:attr:`packs_documents` says whether this architecture does)."""
 
@@ -126,8 +146,20 @@ class HFCausalLM(DecoderLM):
         self._forward_kwargs: dict[str, Any] = {"use_cache": False}
         if hasattr(model.config, "output_router_logits"):
             self._forward_kwargs["output_router_logits"] = False
+        spec = router_spec(config)
+        self.router_recorder = RouterRecorder(spec) if spec is not None else None
         self.head_detachable, self.packs_documents = self._probe()
         self.chunked_loss = self.head_detachable
+        if spec is not None:
+            self._forward_kwargs["output_router_logits"] = True
+
+    def _report_routing(self, output: Any) -> None:
+        """Each MoE layer's routing of this forward, from the router logits (tokens, E) transformers returned."""
+        recorder = self.router_recorder
+        if recorder is None:
+            return
+        for logits in getattr(output, "router_logits", None) or ():
+            recorder.add(router_stats(logits, recorder.spec.top_k)[0])
 
     def _trunk_and_head(self) -> tuple[nn.Module, nn.Linear] | None:
         model: Any = self.hf_model
@@ -138,7 +170,10 @@ class HFCausalLM(DecoderLM):
         return trunk, head
 
     def _hidden(self, trunk: nn.Module, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return trunk(input_ids=idx, position_ids=positions, **self._forward_kwargs).last_hidden_state
+        output = trunk(input_ids=idx, position_ids=positions, **self._forward_kwargs)
+        self._report_routing(output)
+        hidden: torch.Tensor = output.last_hidden_state
+        return hidden
 
     def _probe(self) -> tuple[bool, bool]:
         """(whether the logits are the head's linear map of the trunk's last hidden state, so the loss can be
@@ -197,7 +232,9 @@ class HFCausalLM(DecoderLM):
         return True
 
     def _whole_logits(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        logits: torch.Tensor = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs).logits
+        output = self.hf_model(input_ids=idx, position_ids=positions, **self._forward_kwargs)
+        self._report_routing(output)
+        logits: torch.Tensor = output.logits
         return logits  # (B, T, V)
 
     def forward(

@@ -87,7 +87,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Grouped-query attention with rotary positions; ``qk_norm``: each query and key head RMS-normalised before
+    the rotation (Qwen3's ``q_norm`` and ``k_norm``)."""
+
+    def __init__(self, config: LlamaConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
@@ -98,6 +101,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
         self.o_proj.residual_projection = True  # type: ignore[assignment]  # scaled init
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if qk_norm else None
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -108,6 +113,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv_head != self.n_head:
             # Query head h reads key/value head h // group. Repeated explicitly rather than with SDPA's

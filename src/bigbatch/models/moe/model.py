@@ -1,0 +1,179 @@
+"""A mixture-of-experts decoder: Llama's attention, norms and rotary positions, and in every layer a router that
+sends each token to ``top_k`` of ``n_expert`` SwiGLU experts (optionally beside a shared expert).
+
+Routing is dropless (no capacity: a token never loses its experts because others chose them too, which would make
+one sample's output depend on the rest of the batch), so the model is exact under accumulation like a dense one.
+Each MoE layer reports its routing (:class:`~bigbatch.models.routing.RouterStats`) to the model's recorder; the
+load-balancing loss over the whole step is the trainer's (:mod:`bigbatch.engine.router_balance`).
+
+Parameter names are those of transformers' ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` in memory
+(``model.layers.0.mlp.gate.weight``, ``model.layers.0.mlp.experts.gate_up_proj``, ...), so weights move between
+them by name (:mod:`bigbatch.models.moe.hf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bigbatch.models.decoder import StackedDecoderLM, document_causal_mask
+from bigbatch.models.llama.config import LlamaConfig
+from bigbatch.models.llama.model import MLP, Attention, RMSNorm, rope_cos_sin
+from bigbatch.models.moe.config import MOE_PRESETS, MoEConfig, moe_preset
+from bigbatch.models.routing import RouterRecorder, RouterSpec, router_stats
+
+__all__ = ["MOE_PRESETS", "MoE", "MoEConfig", "moe_preset"]
+
+
+class Experts(nn.Module):
+    """``n_expert`` SwiGLU experts as two stacked weights: ``gate_up_proj`` (E, 2F, C), gate rows then up rows,
+    and ``down_proj`` (E, C, F)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        e, c, f = config.n_expert, config.n_embd, config.ffn_hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, c))
+        self.down_proj = nn.Parameter(torch.empty(e, c, f))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` (N, C) through each token's ``experts`` (N, k), mixed by ``weights`` (N, k): (N, C). Every expert
+        runs, on its tokens or on none, so each has a gradient (DDP needs one for every parameter)."""
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, F) each
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # (n_e, C)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The router (``gate``: C -> E logits), the experts, and the shared expert with its sigmoid gate."""
+
+    def __init__(self, config: MoEConfig, recorder: RouterRecorder) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.top_k, config.norm_topk_prob
+        self.gate = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = Experts(config)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_ffn_hidden:
+            self.shared_expert = MLP(_with_ffn(config, config.shared_ffn_hidden))
+            self.shared_expert_gate = nn.Linear(config.n_embd, 1, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+        self.recorder = recorder  # shared with the model: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)  # (N, C)
+        stats, probs, top = router_stats(self.gate(flat), self.top_k)  # probs (N, E) fp32, top (N, k)
+        self.recorder.add(stats)
+        weights = probs.gather(1, top)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(flat, top, weights.to(flat.dtype))  # (N, C)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return self.dropout(out.view(B, T, C))
+
+
+def _with_ffn(config: MoEConfig, ffn_hidden: int) -> LlamaConfig:
+    """The shared expert's shape: a Llama MLP of ``ffn_hidden`` (the MoE output's dropout is the layer's)."""
+    return replace(config.llama, ffn_hidden=ffn_hidden, dropout=0.0)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoEConfig, recorder: RouterRecorder) -> None:
+        super().__init__()
+        llama = config.llama
+        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.self_attn = Attention(llama, qk_norm=config.qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = SparseMoE(config, recorder)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEModel(nn.Module):
+    """The embedding, layers and final norm (parameter names ``model.embed_tokens.weight``, ...)."""
+
+    def __init__(self, config: MoEConfig, recorder: RouterRecorder) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList([MoELayer(config, recorder) for _ in range(config.n_layer)])
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+
+
+class MoE(StackedDecoderLM):
+    """A mixture-of-experts decoder on :class:`~bigbatch.models.decoder.StackedDecoderLM`; its FLOPs count the
+    parameters a token uses (its k experts, not all E)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.router_recorder = RouterRecorder(
+            RouterSpec(
+                n_expert=config.n_expert,
+                top_k=config.top_k,
+                n_moe_layer=config.n_layer,
+                pooling="layer",
+                per_assignment=True,
+                aux_coef=config.router_aux_coef,
+                z_coef=config.router_z_coef,
+            )
+        )
+        self.model = MoEModel(config, self.router_recorder)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False
+        self.chunked_loss = True
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = 0.02
+        residual_std = std * (2 * self.config.n_layer) ** -0.5  # two residual additions per layer
+        if isinstance(module, nn.Linear):
+            scaled = getattr(module, "residual_projection", False)
+            nn.init.normal_(module.weight, mean=0.0, std=residual_std if scaled else std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
+
+    def embed(
+        self, idx: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        cos, sin = rope_cos_sin(self.config.llama, idx.size(1), idx.device)  # (T, head_dim) each
+        mask = None
+        if positions is not None:  # packed documents: each token's own angles, attention within its document
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
+            mask = document_causal_mask(positions)  # (B, 1, T, T)
+        return self.model.embed_tokens(idx), (cos, sin, mask)  # (B, T, C)
+
+    def blocks(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def lookup_only_parameters(self) -> int:
+        return 0 if self.config.tie_embeddings else self.model.embed_tokens.weight.numel()
+
+    def inactive_parameters(self) -> int:
+        """The experts a token does not reach: ``(E - k)`` experts in every layer."""
+        cfg = self.config
+        return cfg.n_layer * (cfg.n_expert - cfg.top_k) * cfg.expert_parameters()

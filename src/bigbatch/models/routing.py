@@ -1,0 +1,125 @@
+"""What a mixture of experts' router tells the trainer, whatever the family: one :class:`RouterStats` per MoE layer
+and forward, gathered by the model's :class:`RouterRecorder`, and the :class:`RouterSpec` that says how the model
+defines its load-balancing loss.
+
+The load-balancing loss of a set of tokens is ``E * sum_e f_e * P_e``: ``f_e`` the share of the tokens routed to
+expert ``e`` (a constant: top-k has no gradient), ``P_e`` their mean router probability for ``e``. It is linear in
+the per-token probabilities once ``f`` is known, so a layer's forward only has to report, for its tokens, the
+routed counts (no gradient) and the *sums* of the probabilities (with gradient): the trainer weights the sums by
+the step's ``f`` (:mod:`bigbatch.engine.router_balance`). The sums are computed inside the layer on every forward,
+recomputation included, so activation checkpointing replays the same operations; only a forward the trainer
+records (:meth:`RouterRecorder.recording`) keeps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+POOLINGS = ("layer", "pooled")
+"""How a model pools its MoE layers into one balancing loss: ``layer`` (each layer's own ``f`` and ``P``, the
+losses averaged over layers: bigbatch's family) or ``pooled`` (every layer's tokens counted together, one ``f`` and
+``P``: transformers' ``load_balancing_loss_func`` for Mixtral, Qwen2/3-MoE and OLMoE)."""
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a model's balancing loss is defined: ``n_expert`` routed experts, ``top_k`` per token, over
+    ``n_moe_layer`` layers pooled as ``pooling``; ``per_assignment``: ``f_e`` is the share of the ``top_k x tokens``
+    assignments (1 at balance) rather than of the tokens (``top_k`` at balance, transformers'); the coefficients
+    the model's config gives (``aux_coef`` for the balancing loss, ``z_coef`` for the router z-loss)."""
+
+    n_expert: int
+    top_k: int
+    n_moe_layer: int
+    pooling: str
+    per_assignment: bool
+    aux_coef: float
+    z_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"router pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+
+    def balance_weights(self, counts: torch.Tensor, tokens: int | float) -> torch.Tensor:
+        """The weights ``W`` (layers, E) such that the balancing loss of a set of ``tokens`` tokens whose routed
+        ``counts`` (layers, E) and probability sums ``S`` (layers, E) are known is ``sum(W * S)`` (no coefficient)."""
+        layers = counts.shape[0]
+        counts = counts.float()
+        if self.pooling == "pooled":  # one f over every layer's tokens: sum_l counts / (L T)
+            counts = counts.sum(0, keepdim=True).expand(layers, -1)
+            tokens = tokens * layers
+        share = counts / (tokens * (self.top_k if self.per_assignment else 1))  # f: (layers, E)
+        per_layer = self.n_expert * share / tokens  # P = S / T
+        return per_layer / layers if self.pooling == "layer" else per_layer
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """One MoE layer's routing of one forward: ``counts`` (E,) fp32, the tokens routed to each expert (every
+    top-k slot counts; no gradient); ``prob_sums`` (E,) fp32, the sum over tokens of the router's probabilities
+    (with gradient); ``z_sum`` 0-d fp32, the sum over tokens of ``logsumexp(router logits)^2`` (with gradient);
+    ``tokens`` the tokens routed."""
+
+    counts: torch.Tensor
+    prob_sums: torch.Tensor
+    z_sum: torch.Tensor
+    tokens: int
+
+
+def router_stats(logits: torch.Tensor, top_k: int) -> tuple[RouterStats, torch.Tensor, torch.Tensor]:
+    """From a layer's router ``logits`` (tokens, E): its :class:`RouterStats`, and the softmax probabilities
+    (tokens, E) fp32 and the top-k experts (tokens, top_k) the layer routes by (softmax, then top-k: ties go to the
+    lower expert, as ``torch.topk`` breaks them)."""
+    logits32 = logits.float()
+    probs = torch.softmax(logits32, dim=-1)  # (tokens, E)
+    top = torch.topk(probs, top_k, dim=-1).indices  # (tokens, top_k)
+    n_expert = logits.shape[-1]
+    with torch.no_grad():
+        counts = torch.zeros(n_expert, dtype=torch.float32, device=logits.device)
+        counts.scatter_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float32, device=logits.device))
+    z_sum = torch.logsumexp(logits32, dim=-1).square().sum()
+    return RouterStats(counts, probs.sum(0), z_sum, int(logits.shape[0])), probs, top
+
+
+class RouterRecorder:
+    """Collects the :class:`RouterStats` of the MoE layers, in order, during a forward the trainer records; a
+    forward outside :meth:`recording` (evaluation, sampling, a checkpointed block's recomputation in backward)
+    keeps nothing."""
+
+    def __init__(self, spec: RouterSpec) -> None:
+        self.spec = spec
+        self._layers: list[RouterStats] | None = None
+
+    @contextmanager
+    def recording(self) -> Iterator[list[RouterStats]]:
+        """Keep the stats of the forwards inside; the list fills as the layers run (one per MoE layer and forward)."""
+        previous, self._layers = self._layers, []
+        try:
+            yield self._layers
+        finally:
+            self._layers = previous
+
+    def add(self, stats: RouterStats) -> None:
+        if self._layers is not None:
+            self._layers.append(stats)
+
+
+def router_recorder(model: nn.Module) -> RouterRecorder | None:
+    """The recorder of ``model`` (perhaps inside DDP, ``torch.compile`` or the compile fallback) when it routes
+    tokens to experts, else ``None``."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        recorder = getattr(model, "router_recorder", None)
+        if isinstance(recorder, RouterRecorder):
+            return recorder
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "eager", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return None
