@@ -1,14 +1,14 @@
-"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2 or Llama model."""
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face GPT-2, Llama or mixture-of-experts model."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-HELP = "write a run's newest valid checkpoint as a Hugging Face model (GPT-2 or Llama)"
+HELP = "write a run's newest valid checkpoint as a Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE)"
 DESCRIPTION = (
     "Write the model of the newest valid checkpoint (config.json + model.safetensors) and its tokenizer, loadable "
-    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run."
+    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run, MixtralForCausalLM's (or Qwen3-MoE's with query/key norms, Qwen2-MoE's with a shared expert) for an MoE run."
 )
 
 
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         default="hf",
         choices=("hf",),
-        help="hf: the Hugging Face layout of the run's model, GPT-2 or Llama (default)",
+        help="hf: the Hugging Face layout of the run's model, GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE (default)",
     )
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="new (or empty) output directory")
 

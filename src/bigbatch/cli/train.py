@@ -1,4 +1,4 @@
-"""``bigbatch train``: train a GPT-2 or Llama model; every config field is a flag."""
+"""``bigbatch train``: train a GPT-2, Llama or mixture-of-experts model; every config field is a flag."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from bigbatch.run.configuration.config_sources import add_config_arguments
 
-HELP = "train a GPT-2 or Llama model"
-DESCRIPTION = "Train a GPT-2 or Llama model (--model). With no flags, trains the nano demo on the built-in corpus."
+HELP = "train a GPT-2, Llama or mixture-of-experts model"
+DESCRIPTION = "Train a GPT-2, Llama or mixture-of-experts model (--model). With no flags, trains the nano demo on the built-in corpus."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -118,6 +118,22 @@ class RouterBalance:
         self._balance = torch.zeros((), dtype=torch.float32, device=self.device)
         self._z = torch.zeros((), dtype=torch.float32, device=self.device)
 
+    def describe(self) -> str:
+        """The header's words: ``balance exact (over the whole step) x 0.01, pooled per layer | z-loss off``."""
+        how = {
+            "exact": "over the whole step, from a routing pass",
+            "running": "counts so far: depends on K",
+            "micro": "per micro-batch: depends on K",
+            "off": "none",
+        }[self.mode]
+        balance = f"balance {self.mode} ({how})"
+        if self.mode != "off":
+            pooling = "every layer's tokens pooled" if self.spec.pooling == "pooled" else "per layer, averaged"
+            balance += f" x {self.aux_coef:g}, {pooling}"
+        z_loss = f"z-loss x {self.z_coef:g}" if self.z_coef else "z-loss off"
+        top = f"top-{self.spec.top_k} of {self.spec.n_expert} experts"
+        return f"{top} | {balance} | {z_loss}"
+
     def recording(self) -> AbstractContextManager[list[RouterStats]]:
         return self.recorder.recording()
 

@@ -42,8 +42,10 @@ def hf_model_type(directory: Path | str) -> str:
 
 
 def _kinds() -> str:
-    """``GPT-2 or Llama``: the layouts ``--init-from`` reads, as messages name them."""
-    return " or ".join(family.hf_layout_name for family in FAMILIES if family.hf_model_types)
+    """``GPT-2, Llama or mixtral/qwen3_moe``: the layouts ``--init-from`` reads, as messages name them (a family
+    whose layout depends on its shape by its ``model_type`` s)."""
+    names = [family.hf_layout_name or "/".join(family.hf_model_types) for family in FAMILIES if family.hf_model_types]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def pretrained_dropout(directory: Path | str) -> dict[str, float]:

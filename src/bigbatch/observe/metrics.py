@@ -83,6 +83,9 @@ def format_step(
         line += f" | mfu {mfu_value:.1%}"
     if show_k:
         line += f" | K {record.micro_batches} | tokens {record.tokens:,}"
+    router = record.measurements.get("router")
+    if router is not None:  # a mixture of experts: what its router adds, and the busiest expert against the mean
+        line += f" | router {router.router_loss:.4f} | load max/mean {max(router.load_max_over_mean):.2f}"
     if noise_scale is not None:
         line += f" | noise scale {format_noise_scale(noise_scale)} tok" if noise_scale > 0 else f" | {NO_NOISE_SCALE}"
     if record.skipped:

@@ -46,6 +46,7 @@ RESUME = Choices("resume", ("auto", "never"))
 SWITCH = Choices("compile", ("auto", "on", "off"))
 SHUFFLE = Choices("shuffle", ("on", "off"))
 PACK = Choices("pack", ("auto", "on", "off"))
+ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro", "off"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

@@ -32,7 +32,7 @@ from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build.checks import check_batch, check_config
 from bigbatch.run.build.data_phase import Loader, build_loaders, open_run_data
-from bigbatch.run.build.engine_phase import build_optimizer, wrap_for_training
+from bigbatch.run.build.engine_phase import build_optimizer, resolve_router_balance, wrap_for_training
 from bigbatch.run.build.model_phase import build_run_model
 from bigbatch.run.build.observers import build_observers
 from bigbatch.run.build.sizing_phase import build_ramp, plan_steps
@@ -57,7 +57,7 @@ class RunParts:
     dataset: Dataset  # a prepared or foreign token dataset
     fingerprints: dict[str, str]  # of the dataset's tokenizer and tokens
     bpe_json: str | None  # a bpe:VOCAB tokenizer travels inside each checkpoint (it is small)
-    model: LanguageModel  # GPT, Llama or an hf: model
+    model: LanguageModel  # GPT, Llama, MoE or an hf: model
     train_model: nn.Module
     parallel: str
     optimizer: torch.optim.Optimizer
@@ -164,6 +164,9 @@ def _build_parts(
         grad_sync=wrapped.grad_sync,
         dist=dist,
         hooks=observers.hooks,
+        router_balance=resolve_router_balance(config, model),
+        router_aux_coef=config.model.router_aux_coef or None,
+        router_z_coef=config.model.router_z_coef or None,
     )
     # Every part is built (the model from the shared seed above; probes leave the generators as they found
     # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.

@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.optim import CosineSchedule, build_adamw
+from bigbatch.errors import ConfigError
 from bigbatch.models.decoder import LanguageModel, fsdp_units
 from bigbatch.models.registry import family_of
+from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
 from bigbatch.progress import plural
 from bigbatch.run.checkpoints.resume import initial_schedule
@@ -68,3 +70,25 @@ def build_optimizer(
             level=logging.WARNING,
         )
     return optimizer, schedule
+
+
+def resolve_router_balance(config: TrainConfig, model: LanguageModel) -> str:
+    """The engine's router-balance mode: ``auto`` is ``exact``. A router setting given for a dense model is refused
+    in one line (it would change nothing)."""
+    section = config.model
+    if router_recorder(model) is None:
+        given = [
+            flag
+            for flag, is_set in (
+                (f"--router-balance {section.router_balance}", section.router_balance != "auto"),
+                (f"--router-aux-coef {section.router_aux_coef:g}", bool(section.router_aux_coef)),
+                (f"--router-z-coef {section.router_z_coef:g}", bool(section.router_z_coef)),
+            )
+            if is_set
+        ]
+        if given:
+            raise ConfigError(
+                f"{given[0]} applies to a mixture of experts, and {section.init_from or section.preset} is dense (no "
+                "router); leave it out or train an MoE model (e.g. --model moe-nano)"
+            )
+    return "exact" if section.router_balance == "auto" else section.router_balance

@@ -42,7 +42,7 @@ def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device,
 
 
 def model_from_config(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:
-    """The preset (GPT or Llama) with the data's vocabulary, or the pretrained GPT-2 or Llama of ``--init-from``."""
+    """The preset (any family's) with the data's vocabulary, or the pretrained model of ``--init-from``."""
     if config.model.init_from:
         model = load_pretrained(config.model.init_from)  # its config.json's model_type decides the family
         if is_file_tokenizer(tokenizer):  # a model's own tokenizer may be smaller than its (padded) vocabulary
@@ -114,7 +114,7 @@ def say_dropout(config: TrainConfig, model: LanguageModel, say: Say) -> None:
         note = own_dropout(model.config, config.model.dropout)
         if note:
             say("%s", note, level=logging.WARNING)
-    elif config.model.init_from:  # bigbatch's own GPT-2 or Llama: no dropout, whatever config.json says
+    elif config.model.init_from:  # bigbatch's own families: no dropout, whatever config.json says
         own = pretrained_dropout(config.model.init_from)
         listed = ", ".join(f"{key} {value:g}" for key, value in sorted(own.items()) if value)
         if listed:

@@ -24,6 +24,7 @@ from bigbatch.settings.choices import (
     PARALLEL,
     PRECISION,
     RESUME,
+    ROUTER_BALANCE,
     SHUFFLE,
     SWITCH,
     Choices,
@@ -109,9 +110,28 @@ class ModelSection:
         "logits (the same numbers to rounding; an hf: model whose logits are not its head's linear map uses the "
         "whole logits)",
     )
+    router_balance: str = _opt(
+        "auto",
+        "a mixture of experts' load-balancing loss: exact (over the whole step: a routing pass without gradients "
+        "counts every micro-batch's tokens per expert first, so the update is the big batch's at any K and world "
+        "size), running (counts so far, as Megatron-LM: cheaper, depends on K), micro (each micro-batch's own, as "
+        "transformers: depends on K) or off (none; loads still measured); auto: exact (dense models: none)",
+        choices=ROUTER_BALANCE,
+    )
+    router_aux_coef: float = _opt(
+        0.0,
+        "weight of a mixture of experts' load-balancing loss; auto: the model's (the MoE presets' 0.01, an hf: or "
+        "--init-from model's router_aux_loss_coef)",
+        range=POSITIVE_OR_AUTO,
+    )
+    router_z_coef: float = _opt(
+        0.0,
+        "weight of the router z-loss (mean squared log-sum-exp of the router logits); auto: the model's (0: none)",
+        range=POSITIVE_OR_AUTO,
+    )
     init_from: str = _opt(
         "",
-        "start from a local Hugging Face GPT-2 or Llama directory (config.json + model.safetensors; its model_type "
+        "start from a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (config.json + model.safetensors; its model_type "
         "decides); replaces the preset; its tokenizer.json, when present, is what --tokenizer auto uses",
     )
 

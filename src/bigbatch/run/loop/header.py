@@ -32,6 +32,8 @@ def header_lines(parts: RunParts) -> list[str]:
     ]
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
+    if parts.engine.router is not None:
+        lines.append(f"router | {parts.engine.router.describe()}")
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"documents | {describe_positions(parts.train_loader)}")
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bigbatch.engine.accumulate import StepRecord
+from bigbatch.engine.router_balance import RouterMeasurement
 from bigbatch.observe.metrics import Throughput, format_noise_scale
 from bigbatch.parallel.distributed import Say
 from bigbatch.progress import plural
@@ -59,7 +60,21 @@ def say_summary(parts: RunParts, state: TrainState, seen: LoopTally, mfu: Mfu, s
             100 * seen.prompt / seen.positions,
             100 * (seen.positions - seen.padding - seen.prompt) / seen.positions,
         )
+    router = seen.record.measurements.get("router")
+    if router is not None:
+        say("%s", describe_expert_load(router))
     say_noise_scale(parts, state, seen.record, say)
+
+
+def describe_expert_load(router: RouterMeasurement) -> str:
+    """``experts | last step: router loss 0.0101 (balance 1.003) | load max/mean 1.21, 1.08 | cv 0.09, 0.05`` (per
+    MoE layer)."""
+    peaks = ", ".join(f"{x:.2f}" for x in router.load_max_over_mean)
+    cvs = ", ".join(f"{x:.2f}" for x in router.load_cv)
+    return (
+        f"experts | last step: router loss {router.router_loss:.4f} (balance {router.balance_loss:.3f}, "
+        f"{router.mode}) | load max/mean by layer {peaks} | cv {cvs}"
+    )
 
 
 def say_noise_scale(parts: RunParts, state: TrainState, last: StepRecord | None, say: Say) -> None:
