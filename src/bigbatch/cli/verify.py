@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dropout",
         note="; verify turns it off for the comparison, as dropout draws differ between micro-batch and full batch",
     )
+    add_config_flag(
+        parser,
+        ModelSection,
+        "router_balance",
+        note="; verify: exact must be EQUIVALENT, running and micro are named as the coupling with their distance",
+    )
     parser.add_argument(
         "--ragged",
         action=argparse.BooleanOptionalAction,
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         seed=args.seed,
         device=args.device,
+        router_balance=args.router_balance,
     )
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         distributed, is_main = verify_across_ranks(settings)

@@ -21,6 +21,7 @@ from bigbatch.verify.inputs import (
     disable_dropout,
     lm_loss,
     scan_cross_sample_modules,
+    tensor_batch_routing,
 )
 from bigbatch.verify.verdict import DistributedReport
 
@@ -33,6 +34,7 @@ def check_distributed_equivalence(
     k: int = 4,
     device: torch.device | str = "cpu",
     tolerance: float = DEFAULT_TOLERANCE["fp32"],
+    router_balance: str = "exact",
 ) -> DistributedReport:
     """Run on every rank of a torchrun job with the same ``model`` and global ``batch``.
 
@@ -74,6 +76,8 @@ def check_distributed_equivalence(
         count_fn=lambda b: local[id(b)],
         grad_sync=DDPGradSync(ddp),
         dist=dist_ctx,
+        **tensor_batch_routing(loss_fn),
+        router_balance=router_balance,
     )
     replica.zero_grad(set_to_none=True)
     engine.accumulate(parts, n_valid=n_valid)
@@ -81,10 +85,19 @@ def check_distributed_equivalence(
     everyone = dist_ctx.all_gather(flat_ddp)
     rank_diff = max((g - everyone[0]).abs().max().item() for g in everyone)
 
-    reference = copy.deepcopy(base)
+    reference = copy.deepcopy(base)  # one process, the whole batch as one part (a router's loss included)
+    reference_engine = AccumulationEngine(
+        reference,
+        torch.optim.SGD(reference.parameters(), lr=0.0),
+        constant_schedule(1.0),
+        grad_clip=0.0,
+        device=device,
+        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
+        count_fn=lambda b: n_valid,
+        **tensor_batch_routing(loss_fn),
+    )
     reference.zero_grad(set_to_none=True)
-    loss_sum, _ = loss_fn(reference, *(t.to(device) for t in tensors))
-    (loss_sum / n_valid).backward()
+    reference_engine.accumulate([TensorBatch(tuple(t.to(device) for t in tensors))], n_valid=n_valid)
     flat_full = flat(list(gradients(reference).values())).to(device)
     reference_buffers = buffers_of(reference)
     differing = [b.name for b in compare_buffers(reference_buffers, buffers_of(replica), tolerance)]

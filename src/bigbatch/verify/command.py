@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.batch import IGNORE_INDEX
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import BigBatchError, ConfigError
 from bigbatch.models import build_model, model_preset
+from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import distributed_session, resolve_device
 from bigbatch.verify import (
     DistributedReport,
@@ -123,6 +124,16 @@ def build_case(
     return case
 
 
+def check_router_balance(case: VerifyCase, settings: VerifySettings) -> None:
+    """``--router-balance`` on a model without a router is refused in one line."""
+    if settings.router_balance != "auto" and router_recorder(case.model) is None:
+        name = settings.factory or settings.model
+        raise ConfigError(
+            f"--router-balance {settings.router_balance} applies to a mixture of experts, and {name} is dense (no "
+            "router); leave it out or verify an MoE model (e.g. --model moe-pico)"
+        )
+
+
 @dataclass(frozen=True)
 class VerifySettings:
     """What ``bigbatch verify`` compares: the model (a preset or ``factory``), its batch and how it is cut."""
@@ -141,6 +152,11 @@ class VerifySettings:
     tolerance: float | None = None
     seed: int = 0
     device: str = "cpu"
+    router_balance: str = "auto"  # a mixture of experts' balancing loss (auto: exact); refused for a dense model
+
+    @property
+    def balance(self) -> str:
+        return "exact" if self.router_balance == "auto" else self.router_balance
 
 
 def verify_here(settings: VerifySettings) -> EquivalenceReport:
@@ -150,6 +166,7 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
         s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged, s.packed
     )
     assert case.batch is not None  # build_case gives every case a batch
+    check_router_balance(case, s)
     try:
         report = check_equivalence(
             case.model,
@@ -162,6 +179,7 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
             seed=s.seed,
             splits=list(s.splits),
             unpacked=case.unpacked,
+            router_balance=s.balance,
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc
@@ -186,6 +204,7 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
             s.packed,
         )
         assert case.batch is not None  # build_case gives every case a batch
+        check_router_balance(case, s)
         report = check_distributed_equivalence(
             case.model,
             case.batch,
@@ -194,6 +213,7 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
             k=s.k,
             device=device,
             tolerance=s.tolerance or 1e-5,
+            router_balance=s.balance,
         )
         report.packing_problems[:0] = case.packing_problems
         return report, dist.is_main

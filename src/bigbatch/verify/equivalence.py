@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,7 @@ import torch.nn as nn
 from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.engine.rng import preserved_rng
+from bigbatch.models.routing import router_recorder
 from bigbatch.verify.attribution import CallRecorder, ModuleComparison, attribute, compare_calls
 from bigbatch.verify.compare import (
     buffer_owner,
@@ -35,8 +37,9 @@ from bigbatch.verify.inputs import (
     lm_loss,
     scan_cross_sample_modules,
     split_indices,
+    tensor_batch_routing,
 )
-from bigbatch.verify.verdict import LOSS, EquivalenceReport, Finding, Mistake, SplitResult
+from bigbatch.verify.verdict import LOSS, ROUTER_LOSS, EquivalenceReport, Finding, Mistake, SplitResult
 
 
 @dataclass
@@ -62,9 +65,11 @@ class _Runner:
         device: torch.device,
         seed: int,
         make_optimizer: OptimizerFactory,
+        router_balance: str = "exact",
     ) -> None:
         self.base, self.loss_fn, self.precision, self.device, self.seed = base, loss_fn, precision, device, seed
         self.make_optimizer = make_optimizer
+        self.router_balance = router_balance
         self._counter = copy.deepcopy(base)  # a forward in training mode may update buffers: never count on base
         self._counts: dict[int, tuple[TensorBatch, int]] = {}  # id -> (the part, kept alive so its id stays; count)
 
@@ -75,8 +80,9 @@ class _Runner:
             self._counts[id(part)] = (part, items)
         return self._counts[id(part)][1]
 
-    def run(self, parts: list[TensorBatch], n_valid: int) -> _Pass:
-        """Forward and backward over ``parts`` through the engine, gradients in true units (fp16 unscaled)."""
+    def run(self, parts: list[TensorBatch], n_valid: int, router_balance: str | None = None) -> _Pass:
+        """Forward and backward over ``parts`` through the engine, gradients in true units (fp16 unscaled); a
+        mixture of experts' balancing loss as ``router_balance`` (default: the runner's) says."""
         replica = copy.deepcopy(self.base)
         engine = AccumulationEngine(
             replica,
@@ -87,6 +93,8 @@ class _Runner:
             device=self.device,
             loss_fn=lambda m, b: self.loss_fn(m, *b.tensors)[0],
             count_fn=self.count,
+            **tensor_batch_routing(self.loss_fn),
+            router_balance=router_balance or self.router_balance,
         )
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
         engine.schedule = constant_schedule(lr)
@@ -115,6 +123,7 @@ def check_equivalence(
     seed: int = 0,
     splits: Sequence[str] = SPLITS,
     unpacked: Sequence[torch.Tensor] | None = None,
+    router_balance: str = "exact",
 ) -> EquivalenceReport:
     """Compare the full-batch gradient with the engine's accumulated gradient (see :mod:`bigbatch.verify`).
 
@@ -126,7 +135,9 @@ def check_equivalence(
     pass runs on a copy. ``unpacked``: ``batch`` holds rows packed with several documents (inputs, targets,
     positions) and this is the same documents each in its own padded row (inputs, targets); the full-batch
     gradients of the two are compared too (:attr:`EquivalenceReport.packing_rel_diff`; different valid counts are
-    one of its :attr:`~EquivalenceReport.packing_problems`).
+    one of its :attr:`~EquivalenceReport.packing_problems`). ``router_balance``: how a mixture of experts'
+    load-balancing loss is accumulated (:mod:`bigbatch.engine.router_balance`); the full batch is the step's own
+    in every mode, and a mode that is not exact is named as the coupling, with its distance.
     """
     started = time.perf_counter()
     tensors, splits = _checked_inputs(batch, k, splits)
@@ -145,6 +156,7 @@ def check_equivalence(
         device,
         seed,
         optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)),
+        router_balance,
     )
     full_batch = TensorBatch(tensors)
     n_total = runner.count(full_batch)
@@ -221,9 +233,45 @@ def _compare_splits(
             update_rel_diff = rel_diff(flat([p.detach() for p in acc.model.parameters()]) - before, update_full)
         result = _split_result(split, sizes, [runner.count(p) for p in parts], full, acc, buffers_full, tolerance)
         results.append(result)
+        if not result.gradient_matches and _inexact_router(runner):
+            findings += _router_findings(runner, parts, n_total, full, result, findings)
+            continue
         comparisons = compare_calls(full.calls, acc.calls, sizes, torch.cat(indices))
         findings += _split_findings(result, comparisons, findings, full.loss_sum, acc.loss_sum, tolerance)
     return results, update_rel_diff
+
+
+def _inexact_router(runner: _Runner) -> bool:
+    return runner.router_balance != "exact" and router_recorder(runner.base) is not None
+
+
+def _router_findings(
+    runner: _Runner,
+    parts: list[TensorBatch],
+    n_total: int,
+    full: _Pass,
+    result: SplitResult,
+    known: list[Finding],
+) -> list[Finding]:
+    """A split whose gradient differs under a router balance that is not exact: the same split with ``exact``
+    says whether the balancing loss is what couples the micro-batches, and by how much."""
+    if any(f.module == ROUTER_LOSS for f in known):
+        return []
+    exact = rel_diff(runner.run(parts, n_total, router_balance="exact").flat, full.flat)
+    mode = runner.router_balance
+    how = {
+        "running": "weights each micro-batch by the expert counts of the micro-batches so far",
+        "micro": "balances each micro-batch on its own",
+    }.get(mode, f"accumulates it as {mode}")
+    return [
+        Finding(
+            ROUTER_LOSS,
+            "router",
+            f"the load-balancing loss couples the micro-batches: --router-balance {mode} {how}, not by the step's "
+            f"counts (gradient distance {result.total_rel_diff:.2e}; with exact {exact:.2e})",
+            split=result.name,
+        )
+    ]
 
 
 def _checked_inputs(

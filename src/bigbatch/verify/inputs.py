@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,14 @@ class TensorBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TensorBatch:
         return TensorBatch(tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors))
+
+
+def tensor_batch_routing(loss_fn: VerifyLossFn) -> dict[str, Any]:
+    """The engine's routing pass and routed positions for :class:`TensorBatch` micro-batches (inputs first)."""
+    return {
+        "route_fn": lambda m, b: loss_fn(m, *b.tensors)[0],
+        "positions_fn": lambda b: int(b.tensors[0].numel()),
+    }
 
 
 def lm_loss(

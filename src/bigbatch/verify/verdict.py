@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 LOSS = "<loss>"  # the name findings use for the loss function
+ROUTER_LOSS = "<router loss>"  # a mixture of experts' load-balancing loss, accumulated otherwise than exactly
 
 
 @dataclass(frozen=True)
