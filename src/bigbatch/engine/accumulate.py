@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigbatch.engine.batch import MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.engine.hooks import StepHook, StepOutcome
 from bigbatch.engine.router_balance import RouterBalance
 from bigbatch.models.lm_output import computes_loss, logits_loss
@@ -72,9 +72,9 @@ def token_route(model: nn.Module, batch: MicroBatch) -> object:
     return model(batch.inputs, positions=batch.positions, last_only=True)
 
 
-def batch_positions(batch: MicroBatch) -> int:
-    """The positions of a micro-batch, every one a token a router routes."""
-    return batch.inputs.numel()
+def counted_tokens(batch: MicroBatch) -> torch.Tensor:
+    """The tokens of a micro-batch a router's balancing loss counts, flattened (B*T,): those with a valid target."""
+    return (batch.targets != IGNORE_INDEX).reshape(-1)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -137,7 +137,7 @@ class AccumulationEngine:
 
     Micro-batches are :class:`~bigbatch.engine.batch.MicroBatch` by default; any
     object with ``.to(device, non_blocking=...)`` works with a matching
-    ``loss_fn`` and ``count_fn`` (and, for a mixture of experts, ``route_fn`` and ``positions_fn``).
+    ``loss_fn`` and ``count_fn`` (and, for a mixture of experts, ``route_fn`` and ``counted_fn``).
 
     A model that routes tokens to experts (it has a :class:`~bigbatch.models.routing.RouterRecorder`) adds its
     load-balancing loss and z-loss over the whole step (:mod:`bigbatch.engine.router_balance`): ``router_balance``
@@ -162,7 +162,7 @@ class AccumulationEngine:
         router_aux_coef: float | None = None,
         router_z_coef: float | None = None,
         route_fn: Callable[[nn.Module, Any], object] = token_route,
-        positions_fn: CountFn = batch_positions,
+        counted_fn: Callable[[Any], torch.Tensor] = counted_tokens,
     ) -> None:
         self.model = model
         # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
@@ -191,7 +191,7 @@ class AccumulationEngine:
             self.router = RouterBalance(
                 recorder, router_balance, self.dist, self.device, router_aux_coef, router_z_coef
             )
-        self.route_fn, self.positions_fn = route_fn, positions_fn
+        self.route_fn, self.counted_fn = route_fn, counted_fn
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
@@ -225,7 +225,7 @@ class AccumulationEngine:
         loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
         if self.router is not None:
-            self._begin_routing(micro_batches)
+            self._begin_routing(micro_batches, n_valid)
         for i, micro_batch in enumerate(micro_batches):
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
@@ -237,7 +237,7 @@ class AccumulationEngine:
                     else:
                         with self.router.recording() as layers:
                             loss_sum = self.loss_fn(self.model, micro_batch)
-                        router_term = self.router.term(layers)
+                        router_term = self.router.term(layers, self.counted_fn(micro_batch))
                 for hook in self.hooks:
                     loss_sum = hook.after_forward(self, i, loss_sum)
                 objective = loss_sum * scale
@@ -249,14 +249,14 @@ class AccumulationEngine:
                 hook.after_backward(self, i, micro_batch)
         return loss_total, n_valid
 
-    def _begin_routing(self, micro_batches: Sequence[Any]) -> None:
+    def _begin_routing(self, micro_batches: Sequence[Any], n_valid: int) -> None:
         assert self.router is not None
 
         def route(micro_batch: Any) -> object:
             with self.autocast():
                 return self.route_fn(self.model, micro_batch.to(self.device, non_blocking=True))
 
-        self.router.begin(micro_batches, self.positions_fn, route)
+        self.router.begin(micro_batches, n_valid, self.counted_fn, route)
 
     def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
         """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""

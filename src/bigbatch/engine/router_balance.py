@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.models.routing import RouterRecorder, RouterSpec, RouterStats
+from bigbatch.models.routing import RoutedTokens, RouterRecorder, RouterSpec, RouterStats
 from bigbatch.parallel.distributed import DistContext
 
 ROUTER_BALANCE_MODES = ("exact", "running", "micro", "off")
@@ -113,7 +113,7 @@ class RouterBalance:
         self._tokens = 0.0  # the step's routed tokens, all ranks
         self._step_counts: torch.Tensor | None = None  # exact: the routing pass's counts (layers, E), all ranks
         self._running_counts: torch.Tensor | None = None  # running: counts so far, all ranks
-        self._running_tokens = 0.0
+        self._running_tokens: float | torch.Tensor = 0.0
         self._trained_counts: torch.Tensor | None = None  # this rank's training-pass counts (layers, E)
         self._balance = torch.zeros((), dtype=torch.float32, device=self.device)
         self._z = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -134,51 +134,52 @@ class RouterBalance:
         top = f"top-{self.spec.top_k} of {self.spec.n_expert} experts"
         return f"{top} | {balance} | {z_loss}"
 
-    def recording(self) -> AbstractContextManager[list[RouterStats]]:
+    def recording(self) -> AbstractContextManager[list[RoutedTokens]]:
         return self.recorder.recording()
 
     def begin(
         self,
         micro_batches: Sequence[Any],
-        positions: Callable[[Any], int],
+        n_valid: int,
+        counted: Callable[[Any], torch.Tensor],
         route: Callable[[Any], object],
     ) -> None:
-        """Start a step: its routed tokens on every rank and, for ``exact``, the routing pass (``route`` runs one
-        micro-batch's forward without gradients, under the engine's autocast, with the generators replayed)."""
+        """Start a step of ``n_valid`` counted tokens on every rank (the valid targets): for ``exact``, the routing
+        pass (``route`` runs one micro-batch's forward without gradients, under the engine's autocast, with the
+        generators replayed; ``counted`` marks a micro-batch's counted tokens, flattened)."""
         self._reset()
+        self._tokens = float(n_valid)
         if self.mode != "exact":
-            self._tokens = float(self.dist.sum_int(sum(positions(mb) for mb in micro_batches), self.device))
             return
         counts: torch.Tensor | None = None
-        tokens = 0
         with torch.no_grad(), replayed_generators():
             for micro_batch in micro_batches:
                 with self.recorder.recording() as layers:
                     route(micro_batch)
-                layer_counts = _stack(layers, "counts")
+                stats = [layer.stats(counted(micro_batch).to(self.device)) for layer in layers]
+                layer_counts = _stack(stats, "counts")
                 counts = layer_counts if counts is None else counts + layer_counts
-                tokens += layers[0].tokens
         assert counts is not None
-        summed = self.dist.all_reduce_sum(torch.cat([counts.flatten(), counts.new_tensor([tokens])]))
-        self._step_counts = summed[:-1].view_as(counts)
-        self._tokens = float(summed[-1].item())
+        self._step_counts = self.dist.all_reduce_sum(counts)
 
-    def term(self, layers: Sequence[RouterStats]) -> torch.Tensor:
-        """The 0-d fp32 router loss micro-batch ``layers`` back-propagates, as a share of the step's (the engine
-        multiplies it by the world size, as it does the cross-entropy's)."""
-        if not layers:
+    def term(self, routed: Sequence[RoutedTokens], counted: torch.Tensor) -> torch.Tensor:
+        """The 0-d fp32 router loss a micro-batch back-propagates, from its layers' ``routed`` tokens of which
+        ``counted`` (N,) are counted, as a share of the step's (the engine multiplies it by the world size, as it
+        does the cross-entropy's)."""
+        if not routed:
             raise RuntimeError("the model routes tokens but reported no MoE layer for this micro-batch")
+        layers = [layer.stats(counted) for layer in routed]
         counts = _stack(layers, "counts")  # (layers, E)
         sums = _stack(layers, "prob_sums")  # (layers, E), with gradient
         self._trained_counts = counts if self._trained_counts is None else self._trained_counts + counts
-        weights = self._weights(counts, layers[0].tokens)
+        weights = self._weights(counts, layers[0].tokens.clamp_min(1.0))
         balance = (weights * sums).sum()
         z = torch.stack([layer.z_sum for layer in layers]).sum() / (self._tokens * len(layers))
         self._balance += balance.detach()
         self._z += z.detach()
         return self.aux_coef * balance + self.z_coef * z
 
-    def _weights(self, counts: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _weights(self, counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if self.mode == "off":
             return torch.zeros_like(counts)
@@ -187,10 +188,10 @@ class RouterBalance:
             return spec.balance_weights(self._step_counts, self._tokens)
         if self.mode == "micro":  # this micro-batch's own loss, weighted by its share of the step's tokens
             return spec.balance_weights(counts, tokens) * (tokens / self._tokens)
-        summed = self.dist.all_reduce_sum(torch.cat([counts.flatten(), counts.new_tensor([tokens])]))
-        so_far = summed[:-1].view_as(counts)
-        self._running_counts = so_far if self._running_counts is None else self._running_counts + so_far
-        self._running_tokens += float(summed[-1].item())
+        summed = self.dist.all_reduce_sum(torch.cat([counts.flatten(), tokens.view(1)]))
+        this_step = summed[:-1].view_as(counts)
+        self._running_counts = this_step if self._running_counts is None else self._running_counts + this_step
+        self._running_tokens = self._running_tokens + summed[-1]
         # f from the counts so far; P over the step's tokens, so that one micro-batch (K = 1) is exact.
         return spec.balance_weights(self._running_counts, self._running_tokens) * (self._running_tokens / self._tokens)
 

@@ -1,14 +1,16 @@
-"""What a mixture of experts' router tells the trainer, whatever the family: one :class:`RouterStats` per MoE layer
-and forward, gathered by the model's :class:`RouterRecorder`, and the :class:`RouterSpec` that says how the model
-defines its load-balancing loss.
+"""What a mixture of experts' router tells the trainer, whatever the family: one :class:`RoutedTokens` per MoE
+layer and forward, gathered by the model's :class:`RouterRecorder`, and the :class:`RouterSpec` that says how the
+model defines its load-balancing loss.
 
 The load-balancing loss of a set of tokens is ``E * sum_e f_e * P_e``: ``f_e`` the share of the tokens routed to
 expert ``e`` (a constant: top-k has no gradient), ``P_e`` their mean router probability for ``e``. It is linear in
-the per-token probabilities once ``f`` is known, so a layer's forward only has to report, for its tokens, the
-routed counts (no gradient) and the *sums* of the probabilities (with gradient): the trainer weights the sums by
-the step's ``f`` (:mod:`bigbatch.engine.router_balance`). The sums are computed inside the layer on every forward,
-recomputation included, so activation checkpointing replays the same operations; only a forward the trainer
-records (:meth:`RouterRecorder.recording`) keeps them.
+the per-token probabilities once ``f`` is known, so the trainer needs, per layer, the routed counts (no gradient)
+and the *sums* of the probabilities (with gradient) of the tokens it counts (:class:`RouterStats`), and weights
+the sums by the step's ``f`` (:mod:`bigbatch.engine.router_balance`). The tokens counted are those the step trains
+on (a valid target): padding and masked prompts are routed but not balanced, so packing documents into rows or
+padding them one per row changes nothing. A layer reports its probabilities and choices for every token on every
+forward, recomputation included, so activation checkpointing replays the same operations; only a forward the
+trainer records (:meth:`RouterRecorder.recording`) keeps them, and the counting happens outside the blocks.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class RouterSpec:
         if self.pooling not in POOLINGS:
             raise ValueError(f"router pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
-    def balance_weights(self, counts: torch.Tensor, tokens: int | float) -> torch.Tensor:
+    def balance_weights(self, counts: torch.Tensor, tokens: float | torch.Tensor) -> torch.Tensor:
         """The weights ``W`` (layers, E) such that the balancing loss of a set of ``tokens`` tokens whose routed
         ``counts`` (layers, E) and probability sums ``S`` (layers, E) are known is ``sum(W * S)`` (no coefficient)."""
         layers = counts.shape[0]
@@ -60,53 +62,73 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class RouterStats:
-    """One MoE layer's routing of one forward: ``counts`` (E,) fp32, the tokens routed to each expert (every
-    top-k slot counts; no gradient); ``prob_sums`` (E,) fp32, the sum over tokens of the router's probabilities
-    (with gradient); ``z_sum`` 0-d fp32, the sum over tokens of ``logsumexp(router logits)^2`` (with gradient);
-    ``tokens`` the tokens routed."""
+    """One MoE layer's routing of the counted tokens of one forward: ``counts`` (E,) fp32, the tokens routed to
+    each expert (every top-k slot counts; no gradient); ``prob_sums`` (E,) fp32, the sum over tokens of the
+    router's probabilities (with gradient); ``z_sum`` 0-d fp32, the sum over tokens of
+    ``logsumexp(router logits)^2`` (with gradient); ``tokens`` 0-d fp32, the tokens counted (a tensor: reading it
+    would wait for the device)."""
 
     counts: torch.Tensor
     prob_sums: torch.Tensor
     z_sum: torch.Tensor
-    tokens: int
+    tokens: torch.Tensor
 
 
-def router_stats(logits: torch.Tensor, top_k: int) -> tuple[RouterStats, torch.Tensor, torch.Tensor]:
-    """From a layer's router ``logits`` (tokens, E): its :class:`RouterStats`, and the softmax probabilities
-    (tokens, E) fp32 and the top-k experts (tokens, top_k) the layer routes by (softmax, then top-k: ties go to the
-    lower expert, as ``torch.topk`` breaks them)."""
+@dataclass(frozen=True)
+class RoutedTokens:
+    """What one MoE layer's router decided for every token of a forward: ``probs`` (N, E) fp32, the softmax of its
+    logits (with gradient); ``experts`` (N, k), each token's top-k; ``log_normalisers`` (N,) fp32, the logsumexp of
+    its logits (with gradient, for the z-loss)."""
+
+    probs: torch.Tensor
+    experts: torch.Tensor
+    log_normalisers: torch.Tensor
+
+    def stats(self, counted: torch.Tensor | None) -> RouterStats:
+        """The :class:`RouterStats` of the tokens ``counted`` (N,) marks (all when None). Computed where the
+        trainer reads the routing, outside any checkpointed block, so the mask is no part of a recomputation."""
+        n_expert = self.probs.shape[-1]
+        weight = torch.ones(self.probs.shape[0], device=self.probs.device) if counted is None else counted.float()
+        with torch.no_grad():
+            slots = weight.repeat_interleave(self.experts.shape[-1])  # (N * k,)
+            counts = torch.zeros(n_expert, dtype=torch.float32, device=self.probs.device)
+            counts.scatter_add_(0, self.experts.reshape(-1), slots)
+        prob_sums = (self.probs * weight[:, None]).sum(0)
+        z_sum = (self.log_normalisers.square() * weight).sum()
+        return RouterStats(counts, prob_sums, z_sum, weight.sum())
+
+
+def route_tokens(logits: torch.Tensor, top_k: int) -> RoutedTokens:
+    """From a layer's router ``logits`` (N, E): softmax, then top-k (ties go to the lower expert, as
+    ``torch.topk`` breaks them)."""
     logits32 = logits.float()
-    probs = torch.softmax(logits32, dim=-1)  # (tokens, E)
-    top = torch.topk(probs, top_k, dim=-1).indices  # (tokens, top_k)
-    n_expert = logits.shape[-1]
-    with torch.no_grad():
-        counts = torch.zeros(n_expert, dtype=torch.float32, device=logits.device)
-        counts.scatter_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float32, device=logits.device))
-    z_sum = torch.logsumexp(logits32, dim=-1).square().sum()
-    return RouterStats(counts, probs.sum(0), z_sum, int(logits.shape[0])), probs, top
+    probs = torch.softmax(logits32, dim=-1)  # (N, E)
+    experts = torch.topk(probs, top_k, dim=-1).indices  # (N, k)
+    return RoutedTokens(probs, experts, torch.logsumexp(logits32, dim=-1))
 
 
 class RouterRecorder:
-    """Collects the :class:`RouterStats` of the MoE layers, in order, during a forward the trainer records; a
+    """Collects the :class:`RoutedTokens` of the MoE layers, in order, during a forward the trainer records; a
     forward outside :meth:`recording` (evaluation, sampling, a checkpointed block's recomputation in backward)
     keeps nothing."""
 
     def __init__(self, spec: RouterSpec) -> None:
         self.spec = spec
-        self._layers: list[RouterStats] | None = None
+        self._layers: list[RoutedTokens] | None = None
 
     @contextmanager
-    def recording(self) -> Iterator[list[RouterStats]]:
-        """Keep the stats of the forwards inside; the list fills as the layers run (one per MoE layer and forward)."""
+    def recording(self) -> Iterator[list[RoutedTokens]]:
+        """Keep the routing of the forwards inside; the list fills as the layers run (one per MoE layer and
+        forward)."""
         previous, self._layers = self._layers, []
         try:
             yield self._layers
         finally:
             self._layers = previous
 
-    def add(self, stats: RouterStats) -> None:
+    def add(self, routed: RoutedTokens) -> None:
         if self._layers is not None:
-            self._layers.append(stats)
+            self._layers.append(routed)
 
 
 def router_recorder(model: nn.Module) -> RouterRecorder | None:

@@ -38,10 +38,10 @@ class TensorBatch:
 
 
 def tensor_batch_routing(loss_fn: VerifyLossFn) -> dict[str, Any]:
-    """The engine's routing pass and routed positions for :class:`TensorBatch` micro-batches (inputs first)."""
+    """The engine's routing pass and counted tokens for :class:`TensorBatch` micro-batches (inputs, targets, ...)."""
     return {
         "route_fn": lambda m, b: loss_fn(m, *b.tensors)[0],
-        "positions_fn": lambda b: int(b.tensors[0].numel()),
+        "counted_fn": lambda b: (b.tensors[1] != IGNORE_INDEX).reshape(-1),
     }
 
 

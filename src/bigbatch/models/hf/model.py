@@ -23,7 +23,7 @@ from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf.config import ROUTER_MODEL_TYPES, HFConfig, require_transformers
 from bigbatch.models.hf_files import WEIGHT_FILES, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
-from bigbatch.models.routing import RouterRecorder, RouterSpec, router_stats
+from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class HFCausalLM(DecoderLM):
         if recorder is None:
             return
         for logits in getattr(output, "router_logits", None) or ():
-            recorder.add(router_stats(logits, recorder.spec.top_k)[0])
+            recorder.add(route_tokens(logits, recorder.spec.top_k))
 
     def _trunk_and_head(self) -> tuple[nn.Module, nn.Linear] | None:
         model: Any = self.hf_model

@@ -3,7 +3,7 @@ sends each token to ``top_k`` of ``n_expert`` SwiGLU experts (optionally beside 
 
 Routing is dropless (no capacity: a token never loses its experts because others chose them too, which would make
 one sample's output depend on the rest of the batch), so the model is exact under accumulation like a dense one.
-Each MoE layer reports its routing (:class:`~bigbatch.models.routing.RouterStats`) to the model's recorder; the
+Each MoE layer reports its routing (:class:`~bigbatch.models.routing.RoutedTokens`) to the model's recorder; the
 load-balancing loss over the whole step is the trainer's (:mod:`bigbatch.engine.router_balance`).
 
 Parameter names are those of transformers' ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM`` in memory
@@ -23,7 +23,7 @@ from bigbatch.models.decoder import StackedDecoderLM, document_causal_mask
 from bigbatch.models.llama.config import LlamaConfig
 from bigbatch.models.llama.model import MLP, Attention, RMSNorm, rope_cos_sin
 from bigbatch.models.moe.config import MOE_PRESETS, MoEConfig, moe_preset
-from bigbatch.models.routing import RouterRecorder, RouterSpec, router_stats
+from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
 
 __all__ = ["MOE_PRESETS", "MoE", "MoEConfig", "moe_preset"]
 
@@ -69,9 +69,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
-        stats, probs, top = router_stats(self.gate(flat), self.top_k)  # probs (N, E) fp32, top (N, k)
-        self.recorder.add(stats)
-        weights = probs.gather(1, top)  # (N, k)
+        routed = route_tokens(self.gate(flat), self.top_k)  # probs (N, E) fp32, experts (N, k)
+        self.recorder.add(routed)
+        top = routed.experts
+        weights = routed.probs.gather(1, top)  # (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.experts(flat, top, weights.to(flat.dtype))  # (N, C)
