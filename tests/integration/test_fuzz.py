@@ -1,6 +1,7 @@
 """The differential fuzzer (tests/support/fuzz.py) on its fixed seeds, and proof that it catches planted bugs.
 
-Each seed is a random setting (a GPT-2, a Llama or transformers' Llama through hf:DIR among its choices) trained through ``bigbatch train``'s code
+Each seed is a random setting (a GPT-2, a Llama, transformers' Llama through hf:DIR or a mixture of experts with
+its balancing loss over the step among its choices) trained through ``bigbatch train``'s code
 path and replayed by a naive float64 reference (one forward/backward over every sample of the global step, clip,
 AdamW, schedule); see tests/support/fuzz_reference.py for what is compared, how exactly-zero gradients are
 handled and the shuffled window order (``--shuffle on``) the reference replays. ``make fuzz N=200`` runs random
@@ -20,6 +21,8 @@ from fuzz_settings import CLIPS, FAMILIES, LAST_WINDOWS, LONG_DOCUMENTS, MODES, 
 
 ONE_RANK = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 1]
 TWO_RANKS = [seed for seed in fuzz.FIXED_SEEDS if draw(seed).world == 2]
+PLANTED_ONE_RANK = [seed for seed in fuzz.PLANTED_ROUTER_SEEDS if draw(seed).world == 1]
+PLANTED_TWO_RANKS = [seed for seed in fuzz.PLANTED_ROUTER_SEEDS if draw(seed).world == 2]
 PLANTED_SEED = 453  # documents, ragged, K 4 with a short last window, a decaying lr, clipping that bites
 SHUFFLED_PACKED_SEED = 2  # packed, shuffled, B 1 x T 13, 5 windows, K 3 x 4 steps: epochs 0, 1 and 2 are read
 
@@ -85,6 +88,12 @@ def test_fixed_seeds_cover_every_drawn_choice() -> None:
     assert {s.parallel for s in settings} == set(PARALLELS)
     assert {s.parallel for s in settings if s.family == "llama" and s.world == 2} == {"ddp", "fsdp"}
     assert {s.parallel for s in settings if s.family == "hf" and s.world == 2} == {"ddp", "fsdp"}
+    assert {s.parallel for s in settings if s.family == "moe" and s.world == 2} == {"ddp", "fsdp"}
+    moe = [s for s in settings if s.family == "moe"]
+    assert {s.router_balance for s in moe} == {"exact"}  # the fixed seeds must match; the planted ones differ
+    assert any(s.pack for s in moe) and any(s.activation_checkpointing for s in moe) and any(s.k > 1 for s in moe)
+    planted = [draw(seed) for seed in fuzz.PLANTED_ROUTER_SEEDS]
+    assert {s.router_balance for s in planted} == {"running", "micro"} and all(s.expect_difference for s in planted)
     assert any(s.family == "hf" and s.pack for s in settings)  # transformers' attention from position_ids
     assert any(s.sync_every_micro_step for s in settings) and any(s.activation_checkpointing for s in settings)
     events = set().union(*(step_events(seed) for seed in fuzz.FIXED_SEEDS))
@@ -160,7 +169,8 @@ def test_one_rank_matches_the_naive_giant_batch(seed: int, tmp_path: Path) -> No
 @pytest.fixture(scope="module")
 def two_rank_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Outcome]:
     """All two-rank seeds in one torchrun job (its start-up is most of the cost)."""
-    return fuzz.torchrun_results([draw(seed) for seed in TWO_RANKS], tmp_path_factory.mktemp("fuzz"))
+    seeds = [*TWO_RANKS, *PLANTED_TWO_RANKS]
+    return fuzz.torchrun_results([draw(seed) for seed in seeds], tmp_path_factory.mktemp("fuzz"))
 
 
 @pytest.mark.slow
@@ -169,6 +179,23 @@ def test_two_ranks_match_the_naive_giant_batch(seed: int, two_rank_outcomes: dic
     outcome = two_rank_outcomes[seed]
     assert outcome.ok, explain(outcome)
     assert outcome.steps == draw(seed).max_steps
+
+
+@pytest.mark.parametrize("seed", PLANTED_ONE_RANK)
+def test_the_fuzzer_catches_a_balancing_loss_per_micro_batch_on_one_rank(seed: int, tmp_path: Path) -> None:
+    outcome = fuzz.run_one_rank(draw(seed), tmp_path)
+    assert outcome.ok and outcome.caught, explain(outcome)
+    assert any("the parameters:" in caught for caught in outcome.caught), outcome.caught
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", PLANTED_TWO_RANKS)
+def test_the_fuzzer_catches_a_balancing_loss_per_micro_batch_on_two_ranks(
+    seed: int, two_rank_outcomes: dict[int, Outcome]
+) -> None:
+    outcome = two_rank_outcomes[seed]
+    assert outcome.ok and outcome.caught, explain(outcome)
+    assert any("the parameters:" in caught for caught in outcome.caught), outcome.caught
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@
     make fuzz SEED=1234        # one seed, e.g. a counterexample
     OMP_NUM_THREADS=1 .venv/bin/python tests/support/fuzz.py --seed 1234 --seed 99 --verbose
 
-Each seed draws a setting (``fuzz_settings.draw``), the model family among its choices; bigbatch trains it through ``bigbatch train``'s code
+Each seed draws a setting (``fuzz_settings.draw``), the model family among its choices (a mixture of experts
+with its router balance among them: ``running`` and ``micro`` are differences planted for the fuzzer to catch); bigbatch trains it through ``bigbatch train``'s code
 path (one-rank settings in this process, two-rank settings in one torchrun job per batch of settings);
 ``fuzz_reference.compare`` replays it naively and lists any difference. Half the settings read their data
 in bigbatch's default shuffled order (``--shuffle on``: packed windows permuted per epoch and moved in later
@@ -37,8 +38,10 @@ from fuzz_settings import Setting, draw
 from fuzz_worker import run_bigbatch
 
 HERE = Path(__file__).resolve().parent
-FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 19, 99, 145, 236, 105, 3971, 226, 48, 75, 1106)
-"""What CI runs: seven one-rank and nine two-rank settings, chosen so that every drawn choice (the three model
+FIXED_SEEDS = (4, 2, 190, 453, 1083, 2226, 19, 99, 145, 236, 105, 3971, 226, 48, 75, 1106, 58, 396, 616, 63, 286)
+"""What CI runs: ten one-rank and eleven two-rank settings (the last five: moe-pico with the step's exact
+balancing loss, packed and documents, packed documents on one and two ranks, under activation checkpointing, under
+DDP and under FSDP2), chosen so that every drawn choice (the three model
 families, GPT-2's pico, llama-pico and transformers' Llama through hf:DIR, on one and on two ranks, a Llama under
 DDP and under FSDP2, the hf family under DDP and under FSDP2 with activation checkpointing) and every step
 event (short last window, partial budget step, dropped remainder, step without valid targets) occurs,
@@ -48,6 +51,9 @@ both, the last window kept in place and moved (once exactly onto the corpus's la
 straddling an epoch's end and documents in a later epoch's order, and documents packed into rows (several to a
 row) and one per row on one and two ranks, transformers' Llama among the packed; tests/integration/test_fuzz.py
 checks that."""
+PLANTED_ROUTER_SEEDS = (287, 129)
+"""moe-pico with its balancing loss accumulated otherwise than exactly, which the fuzzer must catch: ``running``
+over K 4 on one rank, ``micro`` over K 2 on each of two ranks (both with activation checkpointing or not)."""
 TORCHRUN_BATCH = 25  # two-rank settings per torchrun job
 
 
@@ -127,6 +133,8 @@ def fuzz(
             f"| K {outcome.micro_batches} clipped {outcome.clipped_steps}/{outcome.steps} "
             f"| plain fp32 {outcome.ref32_rel:.1e}"
         )
+        if outcome.caught:
+            line += f" | planted --router-balance {setting.router_balance} caught: {outcome.caught[0]}"
         if verbose or not outcome.ok:
             say(line)
         for problem in outcome.problems:
@@ -171,7 +179,8 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         [
             f"fuzz: {len(outcomes)} settings, {len(bad)} failed, {seconds:.0f}s"
             f" | gpt {count(lambda s: s.family == 'gpt')}, llama {count(lambda s: s.family == 'llama')}, "
-            f"hf {count(lambda s: s.family == 'hf')}"
+            f"hf {count(lambda s: s.family == 'hf')}, moe {count(lambda s: s.family == 'moe')} (planted router "
+            f"balances caught {sum(bool(o.caught) for o in outcomes)})"
             f" | world 1: {count(lambda s: s.world == 1)}, ddp: {count(lambda s: s.parallel == 'ddp')}, "
             f"fsdp: {count(lambda s: s.parallel == 'fsdp')} | packed {count(lambda s: s.mode == 'packed')}, "
             f"documents {count(lambda s: s.mode == 'documents')} | fixed K {count(lambda s: s.k > 0)}, "

@@ -43,6 +43,15 @@ fp32 lands from float64 on this setting). Settings where that raises a bar (plai
 are counted in the summary; for all others the bar is exactly 1e-5. The planted bugs of test_fuzz
 (mean / K, an off-by-one schedule, no clipping, a step short of a micro-batch) are 1e-3 off or more.
 
+**A mixture of experts** (moe-pico) is written out too (:func:`expert_mixture`: softmax router, top-k, each
+token through its own k SwiGLU experts) and its balancing loss is the giant batch's by definition
+(:func:`balance_loss`: per layer ``E * sum_e f_e P_e`` over every token of the step with a valid target, averaged
+over layers), added to the mean token loss with ``--router-aux-coef``; the logged loss is the cross-entropy alone.
+``--router-balance exact`` must match; ``running`` and ``micro`` are planted differences the comparison must find
+(:func:`planted_outcome`). A token whose k-th and (k+1)-th router probabilities tie to fp32 rounding could be routed
+differently by bigbatch and by the float64 reference; on pico's random routers such ties are rare, and a seed that
+hit one would show as a difference in that token's output.
+
 **The shuffled order** (``--shuffle on``, bigbatch's default), as docs/data.md states it, replayed here from
 the raw data without bigbatch's loader code (only the constant ``ORDER_SEED_TAG`` is imported). ``seed`` is
 the run's ``--seed``; a permutation of ``n`` items for epoch ``e`` is
@@ -85,7 +94,7 @@ CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this ma
 NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the global norm is zero to rounding
 IGNORE = -100
 LN_EPS = 1e-5
-EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # the table a tied head shares
+EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "moe": "model.embed_tokens.weight"}  # the table a tied head shares
 HF_PREFIX = "hf_model."  # where bigbatch's adapter (--model hf:DIR) holds the transformers model
 
 
@@ -108,6 +117,7 @@ class Outcome:
     skipped_empty: int = 0  # steps whose samples held no valid target (the trainer takes no step)
     micro_batches: list[int] = field(default_factory=list)  # K per rank of each optimizer step
     step_norm_rel: list[float] = field(default_factory=list)  # per step: logged gradient norm vs the reference's
+    caught: list[str] = field(default_factory=list)  # a planted difference (see Setting.expect_difference), found
     ref32_rel: float = math.nan  # the same reference in float32 against float64: the setting's conditioning
     widened: bool = False  # plain fp32 itself misses TOL on this setting, so a bar was raised to SLACK x it
     closest: float = 0.0  # the largest difference / tolerance over the checks: how near to failing
@@ -490,10 +500,65 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def llama_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str, Any]) -> torch.Tensor:
+Routing = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per MoE layer: every token's router probabilities (N, E) and top-k experts (N, k)."""
+
+
+def swiglu(p: dict[str, torch.Tensor], w: str, m: torch.Tensor) -> torch.Tensor:
+    gate, up = m @ p[w + "mlp.gate_proj.weight"].T, m @ p[w + "mlp.up_proj.weight"].T
+    return (_silu(gate) * up) @ p[w + "mlp.down_proj.weight"].T
+
+
+def expert_mixture(config: dict[str, Any], routing: Routing) -> Any:
+    """The MoE family's MLP, written out: softmax over the experts, top-k, the k weights renormalised when the
+    config says so, each token through its own k SwiGLU experts (stacked ``gate_up_proj`` (E, 2F, C), gate rows
+    first, and ``down_proj`` (E, C, F)); each layer's routing is appended to ``routing``."""
+    k = int(config["top_k"])
+    assert not config["qk_norm"] and not config["shared_ffn_hidden"], "the fuzzer's MoE is moe-pico's shape"
+
+    def mlp(p: dict[str, torch.Tensor], w: str, m: torch.Tensor) -> torch.Tensor:
+        B, T, C = m.shape
+        flat = m.reshape(B * T, C)
+        probs = torch.softmax(flat @ p[w + "mlp.gate.weight"].T, dim=-1)  # (N, E)
+        top = torch.topk(probs, k, dim=-1).indices  # (N, k)
+        weights = probs.gather(1, top)
+        if config["norm_topk_prob"]:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for slot in range(k):
+            expert = top[:, slot]
+            gate, up = torch.einsum("nc,nfc->nf", flat, p[w + "mlp.experts.gate_up_proj"][expert]).chunk(2, dim=-1)
+            y = torch.einsum("nf,ncf->nc", _silu(gate) * up, p[w + "mlp.experts.down_proj"][expert])
+            out = out + y * weights[:, slot : slot + 1]
+        routing.append((probs, top))
+        return out.reshape(B, T, C)
+
+    return mlp
+
+
+def balance_loss(routing: Routing, targets: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """The MoE family's load-balancing loss of the whole step, by its definition: per layer ``E * sum_e f_e P_e``
+    over the tokens with a valid target (``f_e`` the share of their k x N assignments that go to ``e``, without
+    gradient; ``P_e`` their mean probability for ``e``), averaged over the layers."""
+    counted = (targets != IGNORE).reshape(-1)
+    losses = []
+    for probs, top in routing:
+        probs, top = probs[counted], top[counted]
+        n, k = top.shape
+        share = torch.zeros(n_expert, dtype=probs.dtype).scatter_add_(
+            0, top.reshape(-1), torch.ones(top.numel(), dtype=probs.dtype)
+        ) / (k * n)
+        losses.append(n_expert * (share * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def llama_logits(
+    p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str, Any], mlp: Any = swiglu
+) -> torch.Tensor:
     """(B, T) token ids -> (B, T, vocab) logits of a Llama with parameters ``p``: RoPE (dimension i of a head
-    turned with dimension i + D/2 by position x base^(-2i/D)), grouped-query attention, SwiGLU, RMSNorm; the head
-    is ``lm_head.weight``, or the token table when tied (then ``p`` holds only the table)."""
+    turned with dimension i + D/2 by position x base^(-2i/D)), grouped-query attention, SwiGLU (or ``mlp``: the
+    MoE family's), RMSNorm; the head is ``lm_head.weight``, or the token table when tied (then ``p`` holds only
+    the table)."""
     assert config.get("rope_scaling") is None, "the fuzzer's Llama has no rope scaling"
     B, T = idx.shape
     H, KV, C = int(config["n_head"]), int(config["n_kv_head"]), int(config["n_embd"])
@@ -523,9 +588,7 @@ def llama_logits(p: dict[str, torch.Tensor], idx: torch.Tensor, config: dict[str
         weights = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
         y = (weights @ v).transpose(1, 2).reshape(B, T, C)
         x = x + y @ p[w + "self_attn.o_proj.weight"].T
-        m = _rms_norm(x, p[w + "post_attention_layernorm.weight"], eps)
-        gate, up = m @ p[w + "mlp.gate_proj.weight"].T, m @ p[w + "mlp.up_proj.weight"].T
-        x = x + (_silu(gate) * up) @ p[w + "mlp.down_proj.weight"].T
+        x = x + mlp(p, w, _rms_norm(x, p[w + "post_attention_layernorm.weight"], eps))
         layer += 1
     x = _rms_norm(x, p["model.norm.weight"], eps)
     return x @ p.get("lm_head.weight", p["model.embed_tokens.weight"]).T
@@ -558,6 +621,8 @@ def model_logits(family: str, p: dict[str, torch.Tensor], idx: torch.Tensor, con
     """The logits of the family's reference forward (the hf family's: the Llama's)."""
     if family in ("llama", "hf"):
         return llama_logits(p, idx, config)
+    if family == "moe":
+        return llama_logits(p, idx, config, expert_mixture(config, []))
     return gpt_logits(p, idx, int(config["n_head"]), int(config["vocab_size"]))
 
 
@@ -619,8 +684,16 @@ def replay(
     null = {name: torch.ones_like(v, dtype=torch.bool) for name, v in params.items()}
     for t, (x, y) in enumerate(steps, start=1):
         lr = learning_rate(setting, t - 1)
-        loss, n = mean_token_loss(model_logits(setting.family, params, x, config), y)  # ONE forward, whole step
-        grads = dict(zip(names, torch.autograd.grad(loss, [params[k] for k in names]), strict=True))
+        routing: Routing = []
+        if setting.family == "moe":  # ONE forward of the whole step, its balancing loss over the whole step too
+            logits = llama_logits(params, x, config, expert_mixture(config, routing))
+        else:
+            logits = model_logits(setting.family, params, x, config)  # ONE forward, whole step
+        loss, n = mean_token_loss(logits, y)
+        objective = loss
+        if routing:
+            objective = loss + setting.router_aux_coef * balance_loss(routing, y, int(config["n_expert"]))
+        grads = dict(zip(names, torch.autograd.grad(objective, [params[k] for k in names]), strict=True))
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
         for name, g in grads.items():
             null[name] &= g.abs() <= NULL_GRAD * norm
@@ -776,4 +849,21 @@ def compare(setting: Setting, result: dict[str, Any]) -> Outcome:
         problems.append(f"clipping was to bite on every step but bit on {out.clipped_steps} of {out.steps}")
     if setting.clip == "loose" and out.clipped_steps:
         problems.append("clipping was never to bite but did")
+    return planted_outcome(setting, out)
+
+
+def planted_outcome(setting: Setting, out: Outcome) -> Outcome:
+    """A setting whose balancing loss is accumulated otherwise than exactly: the differences found are the planted
+    one caught (``caught``), and none found where one must be is the problem."""
+    expected = setting.expect_difference
+    if not expected and expected is not None:
+        return out
+    numeric = [p for p in out.problems if "relative difference from the reference" in p]
+    out.caught = numeric
+    out.problems = [p for p in out.problems if p not in numeric]
+    if expected and not numeric:
+        out.problems.append(
+            f"--router-balance {setting.router_balance} was planted, and bigbatch matched the reference: the fuzzer "
+            "does not see a balancing loss accumulated per micro-batch"
+        )
     return out

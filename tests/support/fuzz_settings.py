@@ -25,8 +25,10 @@ PARALLELS = ("none", "ddp", "fsdp")
 LAST_WINDOWS = ("partial", "drop")
 CLIPS = ("off", "loose", "tight")
 LONG_DOCUMENTS = ("split", "truncate")  # documents mode: a document longer than T + 1 tokens (inert when packed)
-FAMILIES = ("gpt", "llama", "hf")
-PRESETS = {"gpt": "pico", "llama": "llama-pico", "hf": "hf:LlamaForCausalLM"}  # 2 layers, 2 heads, 32 wide, block 64
+FAMILIES = ("gpt", "llama", "hf", "moe")
+PRESETS = {"gpt": "pico", "llama": "llama-pico", "hf": "hf:LlamaForCausalLM", "moe": "moe-pico"}  # 2 layers, 32 wide
+ROUTER_BALANCES = ("exact", "running", "micro")  # moe: exact must match; running and micro are planted differences
+ROUTER_AUX_COEFS = (0.1, 0.5, 1.0)  # large enough that a balancing loss accumulated otherwise shows above 1e-5
 HF_DIR = "hf-llama"  # beside the data: the hf family's config.json (no weights: --seed initialises it)
 HF_CONFIG = {
     "model_type": "llama",
@@ -81,6 +83,8 @@ class Setting:
     family: str  # gpt (pico: learned positions, LayerNorm, GELU, biases) | llama (llama-pico: RoPE, 1 k/v head, SwiGLU)
     # | hf (llama-pico's shape as transformers' LlamaForCausalLM, through --model hf:DIR)
     pack: bool  # documents mode: --pack on (documents back to back in rows, attention within each) or off
+    router_balance: str  # moe: --router-balance (exact | running | micro); "" for a dense family
+    router_aux_coef: float  # moe: --router-aux-coef; 0 for a dense family
     corpus: str  # packed mode: the whole training text
     documents: tuple[tuple[str | None, str], ...]  # documents mode: (prompt or None for a {"text"} line, text)
 
@@ -101,7 +105,19 @@ class Setting:
             + (" | sync every micro-step" if self.sync_every_micro_step else "")
             + (" | activation checkpointing" if self.activation_checkpointing else "")
             + f" | shuffle {'on' if self.shuffle else 'off'}"
+            + (f" | router {self.router_balance} x {self.router_aux_coef:g}" if self.router_balance else "")
         )
+
+    @property
+    def expect_difference(self) -> bool | None:
+        """Whether bigbatch must differ from the reference: a balancing loss accumulated otherwise than exactly
+        (``running``: exact with one micro-batch per rank; ``micro``: with one micro-batch in all) is a planted
+        difference the fuzzer must catch. False: it must match; None (a token budget, whose K varies): either."""
+        if self.router_balance == "running":
+            return None if not self.k else self.k > 1
+        if self.router_balance == "micro":
+            return True if self.world > 1 else (None if not self.k else self.k > 1)
+        return False
 
     def data_path(self, directory: Path) -> Path:
         return directory / ("corpus.txt" if self.mode == "packed" else "docs.jsonl")
@@ -197,6 +213,11 @@ class Setting:
             str(out),
             "--sync-every-micro-step" if self.sync_every_micro_step else "--no-sync-every-micro-step",
             "--activation-checkpointing" if self.activation_checkpointing else "--no-activation-checkpointing",
+            *(
+                ["--router-balance", self.router_balance, "--router-aux-coef", repr(self.router_aux_coef)]
+                if self.router_balance
+                else []
+            ),
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -299,6 +320,12 @@ def draw(seed: int) -> Setting:
     activation_checkpointing = rng.random() < 0.2
     long_documents, shuffle, family = rng.choice(LONG_DOCUMENTS), rng.random() < 0.5, _family(rng)
     pack = mode == "documents" and rng.random() < 0.5
+    router_balance, router_aux_coef = "", 0.0
+    moe = random.Random(f"moe-{seed}")  # its own stream: every earlier choice of a seed stays as it was
+    if family == "llama" and moe.random() < 0.5:  # half the llama-pico settings become moe-pico's
+        family = "moe"
+        router_balance = moe.choices(ROUTER_BALANCES, weights=(6, 2, 2))[0]
+        router_aux_coef = moe.choice(ROUTER_AUX_COEFS)
     if pack:  # enough rows: any packing of the documents' positions needs at least ceil(positions / T) rows
         more = random.Random(seed + 1)  # its own stream: the other choices of a seed stay as they were
         needed = B * world * (k if k and last_window == "drop" else 1)
@@ -334,6 +361,8 @@ def draw(seed: int) -> Setting:
         shuffle=shuffle,
         family=family,
         pack=pack,
+        router_balance=router_balance,
+        router_aux_coef=router_aux_coef,
     )
 
 
