@@ -29,7 +29,7 @@ PLOTS = (
     "tokens_per_s.png",
 )
 """Files every report writes (``mfu.png`` as well when a run's records carry MFU, ``noise_scale.png`` when a run
-measured the gradient noise scale)."""
+measured the gradient noise scale, ``expert_load.png`` and ``router_loss.png`` for a mixture of experts)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class RunSummary:
     skipped: int
     positions: Positions | None = None  # documents runs: padding and masked-prompt shares
     noise_scale: str = ""  # the measured noise scale, or why there is none
+    experts: str = ""  # a mixture of experts: its last step's router loss and expert load
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -109,6 +110,8 @@ class RunSummary:
             lines += self.positions.format()
         if self.noise_scale:
             lines.append(f"  noise scale        {self.noise_scale}")
+        if self.experts:
+            lines.append(f"  experts            {self.experts}")
         lines.append(f"  skipped steps      {self.skipped}")
         return "\n".join(lines)
 
@@ -206,6 +209,19 @@ def summarize(run: RunMetrics) -> RunSummary:
         skipped=sum(1 for r in run.steps if r.get("skipped")),
         positions=positions(run),
         noise_scale=describe_noise_scale(run),
+        experts=describe_experts(trained),
+    )
+
+
+def describe_experts(trained: list[dict[str, Any]]) -> str:
+    """``router loss 0.0101 | load max/mean 1.21, cv 0.09 (busiest layer, last step)`` for a mixture of experts."""
+    last = next((r for r in reversed(trained) if _finite(r.get("expert_load_cv"))), None)
+    if last is None:
+        return ""
+    return (
+        f"router loss {float(last.get('router_loss', 0.0)):.4f} | load max/mean "
+        f"{float(last.get('expert_load_max_over_mean', 1.0)):.2f}, cv {float(last['expert_load_cv']):.2f} (busiest "
+        "layer, last step)"
     )
 
 
@@ -277,6 +293,25 @@ def _plots(runs: list[RunMetrics]) -> list[_Plot]:
             _draw_key("tokens_per_s", skip_first=True),
         ),
     ]
+    if any(_finite(r.get("expert_load_cv")) for run in runs for r in run.steps):
+        plots.append(
+            _Plot(
+                "expert_load.png",
+                "Expert load: coefficient of variation, busiest layer (0: balanced)",
+                "optimizer step",
+                "CV of tokens per expert",
+                _draw_key("expert_load_cv"),
+            )
+        )
+        plots.append(
+            _Plot(
+                "router_loss.png",
+                "Router loss (balancing and z-loss, weighted)",
+                "optimizer step",
+                "router loss",
+                _draw_key("router_loss"),
+            )
+        )
     if any(_finite(r.get("mfu")) for run in runs for r in run.steps):
         plots.append(
             _Plot(
