@@ -2,7 +2,7 @@
 random GPT-2, Llama and Qwen2 models saved in the test (offline): train (their own weights, the accumulated update
 equal to one giant batch), sample, eval, export (loaded back by AutoModelForCausalLM), verify, plan, memory, auto
 micro-batch, compile, bitwise resume after SIGKILL, two processes under DDP and FSDP2; the mixture-of-experts rule
-(trained with a warning that names the load-balancing loss it leaves out) and the one-line refusals of directories
+(trained with its load-balancing loss over the whole step) and the one-line refusals of directories
 that are not a causal LM."""
 
 from __future__ import annotations
@@ -232,14 +232,15 @@ def test_plan_names_the_model_and_says_the_estimate_is_unavailable(workspace: Pa
 
 
 # --------------------------------------------------------------------------------------------
-# a mixture of experts trains with a warning; directories that are not a causal LM are one line
+# a mixture of experts trains with its balancing loss over the step; directories that are not a causal LM are one
+# line
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("isolated")
-def test_a_mixture_of_experts_trains_without_its_load_balancing_loss(workspace: Path, tmp_path: Path) -> None:
-    """Mixtral with output_router_logits on in its config.json: the warning comes before the first step, the router
-    logits are not collected, and the logged loss is the cross-entropy of the logits alone."""
+def test_a_mixture_of_experts_trains_with_the_steps_balancing_loss(workspace: Path, tmp_path: Path) -> None:
+    """Mixtral: no warning, the header names the router's balance, the logged loss is the cross-entropy of the
+    logits alone and the router loss is transformers' own aux_loss of the step's batch times its coefficient."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(workspace / "mixtral"), local_files_only=True)
     code, stdout, stderr = run_main(
         train_argv(
@@ -256,16 +257,42 @@ def test_a_mixture_of_experts_trains_without_its_load_balancing_loss(workspace: 
         )
     )
     assert code == 0, stdout + stderr
-    warning = (
-        "MixtralForCausalLM is a mixture of 4 experts: its load-balancing loss (router_aux_loss_coef 0.02) is left "
-        "out: bigbatch's loss is the token-weighted cross-entropy only"
-    )
-    assert warning in stdout and stdout.index(warning) < stdout.index("step 1 |")
+    assert "left out" not in stdout
+    assert "router | top-2 of 4 experts | balance exact (over the whole step, from a routing pass) x 0.02" in stdout
     assert "hf MixtralForCausalLM: 2 layers, 4 heads (2 key/value), 32 wide, 4 experts" in stdout
     x, y = first_batch(workspace)
     with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(reference.eval()(x).logits.reshape(-1, 256), y.reshape(-1))
+        out = reference.eval()(x, output_router_logits=True)
+        expected = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 256), y.reshape(-1))
     assert float(stdout.split("step 1 | loss ")[1].split()[0]) == pytest.approx(expected.item(), abs=1e-4)
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["kind"] == "step" and step["router_replay_mismatch"] == 0.0
+    assert step["router_balance_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
+
+
+def test_a_mixture_of_experts_with_a_router_bigbatch_does_not_know_is_one_line(workspace: Path, tmp_path: Path) -> None:
+    save_hf("granitemoe", tmp_path / "granite", weights=False)
+    code, out, err = run_main(train_argv(workspace, tmp_path / "run", "--model", f"hf:{tmp_path / 'granite'}"))
+    line = assert_one_line_error(code, out, err)
+    assert "is a mixture of experts whose router bigbatch does not know (model_type granitemoe)" in line
+    assert "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_router_settings_on_a_dense_model_are_one_line(workspace: Path, tmp_path: Path) -> None:
+    for flag in (["--router-balance", "micro"], ["--router-aux-coef", "0.1"]):
+        code, out, err = run_main(train_argv(workspace, tmp_path / "run", "--model", "pico", *flag))
+        line = assert_one_line_error(code, out, err)
+        assert f"{' '.join(flag)} applies to a mixture of experts, and pico is dense" in line
+
+
+@pytest.mark.parametrize("key", ["capacity_factor", "expert_capacity"])
+def test_an_expert_capacity_is_refused(workspace: Path, tmp_path: Path, key: str) -> None:
+    save_hf("mixtral", tmp_path / "capped", weights=False, **{key: 2})
+    code, out, err = run_main(train_argv(workspace, tmp_path / "run", "--model", f"hf:{tmp_path / 'capped'}"))
+    assert "routes tokens to experts with a capacity" in assert_one_line_error(code, out, err)
+    code, out, err = run_main(train_argv(workspace, tmp_path / "run2", "--init-from", str(tmp_path / "capped")))
+    assert "a capacity drops the tokens routed to a full expert" in assert_one_line_error(code, out, err)
 
 
 def not_causal(directory: Path) -> str:

@@ -95,6 +95,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "eos_token_id": 0,
         "pad_token_id": 1,
     },
+    "granitemoe": {  # a router bigbatch does not read
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
 CLASSES = {
     "gpt2": "GPT2LMHeadModel",
