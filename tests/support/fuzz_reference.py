@@ -94,7 +94,11 @@ CONDITIONING_SLACK = 10.0  # an ill-conditioned setting: bigbatch may be this ma
 NULL_GRAD = 1e-12  # an element whose float64 gradient is below this x the global norm is zero to rounding
 IGNORE = -100
 LN_EPS = 1e-5
-EMBEDDING = {"gpt": "transformer.wte.weight", "llama": "model.embed_tokens.weight", "moe": "model.embed_tokens.weight"}  # the table a tied head shares
+EMBEDDING = {
+    "gpt": "transformer.wte.weight",
+    "llama": "model.embed_tokens.weight",
+    "moe": "model.embed_tokens.weight",
+}  # the table a tied head shares
 HF_PREFIX = "hf_model."  # where bigbatch's adapter (--model hf:DIR) holds the transformers model
 
 

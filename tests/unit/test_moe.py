@@ -185,7 +185,9 @@ def test_a_step_records_the_router_loss_and_load_beside_the_cross_entropy() -> N
     with torch.no_grad():
         cross_entropy = float(model(inputs, targets=targets)) / targets.numel()
     engine = AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), constant_schedule(0.1))
-    record = engine.step([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(2), targets.tensor_split(2))])
+    record = engine.step(
+        [MicroBatch(x, y) for x, y in zip(inputs.tensor_split(2), targets.tensor_split(2), strict=True)]
+    )
     router = record.measurements["router"]
     values = router.as_dict()
     assert values["router_loss"] == pytest.approx(0.01 * router.balance_loss)
@@ -278,9 +280,19 @@ def test_a_shape_without_a_transformers_layout_is_refused_in_one_line() -> None:
 def test_a_mixtral_variant_bigbatch_does_not_compute_is_refused(extra: dict[str, object], message: str) -> None:
     from bigbatch.models.moe.hf import moe_config_from_hf
 
-    config = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 16, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-              "vocab_size": VOCAB, "max_position_embeddings": 64, **extra}
+    config = {
+        "model_type": "mixtral",
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        **extra,
+    }
     with pytest.raises((CheckpointError, ConfigError), match=message):
         moe_config_from_hf(config)
     assert isinstance(moe_config_from_hf({k: v for k, v in config.items() if k not in extra}), MoEConfig)
@@ -310,7 +322,9 @@ def test_an_hf_mixture_of_experts_balances_the_step_as_transformers_defines_it(k
         replica = copy.deepcopy(model)
         replica.activation_checkpointing = checkpointing
         engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1.0), constant_schedule(1.0))
-        engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k))])
+        engine.accumulate(
+            [MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)]
+        )
         return torch.cat([p.grad.flatten() for p in replica.parameters() if p.grad is not None])
 
     full = gradient(1, False)

@@ -1,5 +1,5 @@
-"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face model directory (GPT-2, Llama or mixture of experts
-layout, by the run's model family; an ``hf:DIR`` model in its own architecture's)."""
+"""``bigbatch export``: a run's newest valid checkpoint as a Hugging Face model directory (GPT-2, Llama or
+mixture-of-experts layout, by the run's model family; an ``hf:DIR`` model in its own architecture's)."""
 
 from __future__ import annotations
 

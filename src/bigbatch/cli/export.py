@@ -8,7 +8,9 @@ from pathlib import Path
 HELP = "write a run's newest valid checkpoint as a Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE)"
 DESCRIPTION = (
     "Write the model of the newest valid checkpoint (config.json + model.safetensors) and its tokenizer, loadable "
-    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run, MixtralForCausalLM's (or Qwen3-MoE's with query/key norms, Qwen2-MoE's with a shared expert) for an MoE run."
+    "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run, "
+    "MixtralForCausalLM's for an MoE run (Qwen3MoeForCausalLM's with query/key norms, Qwen2MoeForCausalLM's with a "
+    "shared expert)."
 )
 
 

@@ -10,7 +10,10 @@ from typing import Any
 from bigbatch.run.configuration.config_sources import add_config_arguments
 
 HELP = "train a GPT-2, Llama or mixture-of-experts model"
-DESCRIPTION = "Train a GPT-2, Llama or mixture-of-experts model (--model). With no flags, trains the nano demo on the built-in corpus."
+DESCRIPTION = (
+    "Train a GPT-2, Llama or mixture-of-experts model (--model). With no flags, trains the nano demo on the built-in "
+    "corpus."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -134,8 +134,8 @@ class HFCausalLM(DecoderLM):
     No labels go in (the engine's token-weighted loss is computed here from the final hidden states, in chunks of
     rows when the head can be taken apart from the trunk: :attr:`head_detachable`) and no key/value cache. A mixture
     of experts whose router bigbatch reads returns its router logits, from which each forward reports every MoE
-    layer's routing to :attr:`router_recorder` (the trainer computes the balancing loss over the step). ``positions`` go in
-    as ``position_ids``, from which transformers confines attention to each packed document
+    layer's routing to :attr:`router_recorder` (the trainer computes the balancing loss over the step).
+    ``positions`` go in as ``position_ids``, from which transformers confines attention to each packed document
     (:attr:`packs_documents` says whether this architecture does)."""
 
     def __init__(self, config: HFConfig, model: nn.Module) -> None:

@@ -91,11 +91,25 @@ MOE_PRESETS: dict[str, MoEConfig] = {
     # The Llama presets' attention with 4 (pico) and 8 (nano) experts, 2 per token, each expert as wide as the
     # model (so a token's active MLP is twice its width, about the dense presets' 8/3).
     "moe-pico": MoEConfig(
-        n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=32, n_expert=4, top_k=2, block_size=64,
+        n_layer=2,
+        n_head=2,
+        n_kv_head=1,
+        n_embd=32,
+        ffn_hidden=32,
+        n_expert=4,
+        top_k=2,
+        block_size=64,
         tie_embeddings=True,
     ),
     "moe-nano": MoEConfig(
-        n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=128, n_expert=8, top_k=2, block_size=256,
+        n_layer=4,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=128,
+        ffn_hidden=128,
+        n_expert=8,
+        top_k=2,
+        block_size=256,
         tie_embeddings=True,
     ),
     # Mistral's Mixtral 8x7B (46.7B parameters, 12.9B active per token), for plan and memory.

@@ -145,9 +145,12 @@ def _stack_experts(state: dict[str, torch.Tensor], config: MoEConfig, mixtral: b
         for expert in range(config.n_expert):
             gate, up, down = (state.pop(name, None) for name in _expert_names(layer, expert, mixtral))
             if gate is None or up is None or down is None:
-                raise CheckpointError(f"the weights have no expert {expert} in layer {layer} (config.json has "
-                                      f"{config.n_expert} experts)")
-            gates.append(gate), ups.append(up), downs.append(down)
+                raise CheckpointError(
+                    f"the weights have no expert {expert} in layer {layer} (config.json has {config.n_expert} experts)"
+                )
+            gates.append(gate)
+            ups.append(up)
+            downs.append(down)
         state[f"{prefix}.experts.gate_up_proj"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
         state[f"{prefix}.experts.down_proj"] = torch.stack(downs)
 

@@ -131,8 +131,9 @@ class ModelSection:
     )
     init_from: str = _opt(
         "",
-        "start from a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (config.json + model.safetensors; its model_type "
-        "decides); replaces the preset; its tokenizer.json, when present, is what --tokenizer auto uses",
+        "start from a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (config.json + "
+        "model.safetensors; its model_type decides); replaces the preset; its tokenizer.json, when present, is what "
+        "--tokenizer auto uses",
     )
 
 
