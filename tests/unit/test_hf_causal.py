@@ -74,15 +74,12 @@ def test_an_override_that_would_change_the_shape_is_refused(tmp_path: Path) -> N
     assert model_preset(name, dropout=0.1) == model_preset(name)
 
 
-def test_a_mixture_of_experts_is_warned_about_and_a_capacity_refused() -> None:
+def test_a_known_router_trains_an_unknown_one_and_a_capacity_are_refused() -> None:
     assert training_notes(HFConfig("d", LLAMA_JSON)) == (None, None)
     moe = {**LLAMA_JSON, "model_type": "qwen2_moe", "num_experts": 8, "router_aux_loss_coef": 0.001}
-    refusal, warning = training_notes(HFConfig("d", moe))
-    assert refusal is None and warning == (
-        "Qwen2MoeForCausalLM is a mixture of 8 experts: its load-balancing loss (router_aux_loss_coef 0.001) is left "
-        "out: bigbatch's loss is the token-weighted cross-entropy only (the router still routes each token on its "
-        "own, so that gradient stays exact)"
-    )
+    assert training_notes(HFConfig("d", moe)) == (None, None)  # bigbatch computes its balancing loss
+    refusal, _ = training_notes(HFConfig("d", {**moe, "model_type": "granitemoe"}))
+    assert refusal is not None and "whose router bigbatch does not know (model_type granitemoe)" in refusal
     refusal, _ = training_notes(HFConfig("d", {**moe, "capacity_factor": 1.25}))
     assert refusal is not None and "with a capacity (capacity_factor 1.25)" in refusal
     assert "depends on the rest of the batch" in refusal

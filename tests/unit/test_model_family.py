@@ -121,11 +121,13 @@ def test_model_type_decides_the_family_of_a_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as caught:
         hf_model_type(other)
     assert str(caught.value) == (
-        f"--init-from {other}: its config.json has model_type 'mistral', and --init-from reads only gpt2 and "
-        f"llama into bigbatch's own models; to train this model's weights as they are, pass --model hf:{other} "
+        f"--init-from {other}: its config.json has model_type 'mistral', and --init-from reads only gpt2, llama, "
+        f"mixtral or qwen3_moe into bigbatch's own models; to train this model's weights as they are, pass --model hf:{other} "
         "instead of --init-from"
     )
-    with pytest.raises(CheckpointError, match="is not a directory; give a Hugging Face GPT-2 or Llama directory"):
+    with pytest.raises(
+        CheckpointError, match="is not a directory; give a Hugging Face GPT-2, Llama or mixtral/qwen3_moe directory"
+    ):
         hf_model_type(tmp_path / "missing")
 
 

@@ -35,17 +35,24 @@ def hf_model_type(directory: Path | str) -> str:
     if family_for_hf_model_type(str(model_type)) is None:
         raise CheckpointError(
             f"--init-from {directory}: its config.json has model_type {model_type!r}, and --init-from reads only "
-            f"{' and '.join(hf_model_types())} into bigbatch's own models; to train this model's weights as "
+            f"{_listed(hf_model_types())} into bigbatch's own models; to train this model's weights as "
             f"they are, pass --model hf:{directory} instead of --init-from"
         )
     return str(model_type)
 
 
+def _listed(names: tuple[str, ...] | list[str]) -> str:
+    """``a, b or c``."""
+    names = list(names)
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
 def _kinds() -> str:
     """``GPT-2, Llama or mixtral/qwen3_moe``: the layouts ``--init-from`` reads, as messages name them (a family
     whose layout depends on its shape by its ``model_type`` s)."""
-    names = [family.hf_layout_name or "/".join(family.hf_model_types) for family in FAMILIES if family.hf_model_types]
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+    return _listed(
+        [family.hf_layout_name or "/".join(family.hf_model_types) for family in FAMILIES if family.hf_model_types]
+    )
 
 
 def pretrained_dropout(directory: Path | str) -> dict[str, float]:

@@ -85,19 +85,7 @@ def check_distributed_equivalence(
     everyone = dist_ctx.all_gather(flat_ddp)
     rank_diff = max((g - everyone[0]).abs().max().item() for g in everyone)
 
-    reference = copy.deepcopy(base)  # one process, the whole batch as one part (a router's loss included)
-    reference_engine = AccumulationEngine(
-        reference,
-        torch.optim.SGD(reference.parameters(), lr=0.0),
-        constant_schedule(1.0),
-        grad_clip=0.0,
-        device=device,
-        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
-        count_fn=lambda b: n_valid,
-        **tensor_batch_routing(loss_fn),
-    )
-    reference.zero_grad(set_to_none=True)
-    reference_engine.accumulate([TensorBatch(tuple(t.to(device) for t in tensors))], n_valid=n_valid)
+    reference = _whole_batch_pass(base, tensors, loss_fn, n_valid, device)
     flat_full = flat(list(gradients(reference).values())).to(device)
     reference_buffers = buffers_of(reference)
     differing = [b.name for b in compare_buffers(reference_buffers, buffers_of(replica), tolerance)]
@@ -114,3 +102,24 @@ def check_distributed_equivalence(
         buffers=[f"rank {r}: {name}" for r, names in enumerate(per_rank) for name in names],
         buffers_compared=len(reference_buffers),
     )
+
+
+def _whole_batch_pass(
+    base: nn.Module, tensors: tuple[torch.Tensor, ...], loss_fn: VerifyLossFn, n_valid: int, device: torch.device
+) -> nn.Module:
+    """A copy of ``base`` after one process's forward and backward over the whole batch as one part, through the
+    engine (so a router's balancing loss is the batch's own)."""
+    reference = copy.deepcopy(base)
+    engine = AccumulationEngine(
+        reference,
+        torch.optim.SGD(reference.parameters(), lr=0.0),
+        constant_schedule(1.0),
+        grad_clip=0.0,
+        device=device,
+        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
+        count_fn=lambda b: n_valid,
+        **tensor_batch_routing(loss_fn),
+    )
+    reference.zero_grad(set_to_none=True)
+    engine.accumulate([TensorBatch(tuple(t.to(device) for t in tensors))], n_valid=n_valid)
+    return reference

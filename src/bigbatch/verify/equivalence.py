@@ -126,17 +126,14 @@ def check_equivalence(
 ) -> EquivalenceReport:
     """Compare the full-batch gradient with the engine's accumulated gradient (see :mod:`bigbatch.verify`).
 
-    ``batch`` is a tensor or a sequence of tensors that all share the first
-    (sample) dimension. It is cut into micro-batches by each of ``splits``
-    (see :data:`SPLITS`; ``equal`` uses ``k`` pieces, as does ``permuted``).
-    ``loss_fn`` defaults to :func:`lm_loss` (a model returning logits, batch =
-    (inputs, targets) with -100 for no loss). The model is not modified: every
-    pass runs on a copy. ``unpacked``: ``batch`` holds rows packed with several documents (inputs, targets,
-    positions) and this is the same documents each in its own padded row (inputs, targets); the full-batch
-    gradients of the two are compared too (:attr:`EquivalenceReport.packing_rel_diff`; different valid counts are
-    one of its :attr:`~EquivalenceReport.packing_problems`). ``router_balance``: how a mixture of experts'
-    load-balancing loss is accumulated (:mod:`bigbatch.engine.router_balance`); the full batch is the step's own
-    in every mode, and a mode that is not exact is named as the coupling, with its distance.
+    ``batch`` is a tensor or a sequence of tensors that all share the first (sample) dimension. It is cut into
+    micro-batches by each of ``splits`` (see :data:`SPLITS`; ``equal`` uses ``k`` pieces, as does ``permuted``).
+    ``loss_fn`` defaults to :func:`lm_loss` (a model returning logits, batch = (inputs, targets) with -100 for no
+    loss). The model is not modified: every pass runs on a copy. ``unpacked``: ``batch`` holds rows packed with
+    several documents (inputs, targets, positions) and this is the same documents each in its own padded row; the
+    full-batch gradients of the two are compared too (:attr:`EquivalenceReport.packing_rel_diff`; different valid
+    counts are one of its :attr:`~EquivalenceReport.packing_problems`). ``router_balance``: a mixture of experts'
+    balancing loss mode (:mod:`bigbatch.engine.router_balance`); one that is not exact is named as the coupling.
     """
     started = time.perf_counter()
     tensors, splits = _checked_inputs(batch, k, splits)
@@ -145,17 +142,11 @@ def check_equivalence(
     precision = resolve_precision(precision, device)
     tolerance = DEFAULT_TOLERANCE[precision] if tolerance is None else tolerance
 
-    base = copy.deepcopy(model).to(device)
-    base.train()
+    base = copy.deepcopy(model).to(device).train()
     dropout_disabled = disable_dropout(base)
+    default_optimizer: OptimizerFactory = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)  # noqa: E731
     runner = _Runner(
-        base,
-        loss_fn or lm_loss,
-        precision,
-        device,
-        seed,
-        optimizer_factory or (lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)),
-        router_balance,
+        base, loss_fn or lm_loss, precision, device, seed, optimizer_factory or default_optimizer, router_balance
     )
     full_batch = TensorBatch(tensors)
     n_total = runner.count(full_batch)
