@@ -450,7 +450,7 @@ def test_nproc_user_error_inside_the_workers_is_one_line_without_torchrun_traces
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "bigbatch: error: no-such-hf-dir is not a directory; give a Hugging Face GPT-2 or Llama directory"
+        "bigbatch: error: no-such-hf-dir is not a directory; give a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory"
     ], result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert snapshot(workspace) == before

@@ -308,7 +308,7 @@ def test_init_from_an_unsupported_model_type_is_one_line(workspace: Path, tmp_pa
         del argv[at : at + 2]
     line = assert_one_line_error(*run_main(argv))
     assert "model_type 'mistral'" in line
-    assert "--init-from reads only gpt2 and llama" in line
+    assert "--init-from reads only gpt2, llama, mixtral or qwen3_moe" in line
     assert f"pass --model hf:{directory} instead of --init-from" in line
     assert not (tmp_path / "run").exists()
 

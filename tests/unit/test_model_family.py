@@ -126,7 +126,7 @@ def test_model_type_decides_the_family_of_a_directory(tmp_path: Path) -> None:
         "instead of --init-from"
     )
     with pytest.raises(
-        CheckpointError, match="is not a directory; give a Hugging Face GPT-2, Llama or mixtral/qwen3_moe directory"
+        CheckpointError, match="is not a directory; give a Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory"
     ):
         hf_model_type(tmp_path / "missing")
 

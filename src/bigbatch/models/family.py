@@ -93,6 +93,8 @@ class ModelFamily:
     no_estimate_reason: str = ""  # why there is no analytic memory estimate, when ``layer_bytes_per_token`` is None
     hf_layout_name: str = ""  # the Hugging Face layout it reads and writes (``GPT-2``); none: each shape's class
     hf_model_types: tuple[str, ...] = ()  # config.json ``model_type`` values ``--init-from`` reads into this family
+    hf_read_name: str = ""  # the layouts ``--init-from`` reads, as messages name them, comma-separated (default:
+    # ``hf_layout_name``)
     read_hf_config: Callable[[Path], Any] | None = None  # a Hugging Face directory -> the shape (no weights read)
     load_hf: Callable[[Path], DecoderLM] | None = None  # a Hugging Face directory -> the model with its weights
     name_prefix: str = ""  # models named by location (``hf:``) rather than by preset

@@ -48,11 +48,9 @@ def _listed(names: tuple[str, ...] | list[str]) -> str:
 
 
 def _kinds() -> str:
-    """``GPT-2, Llama or mixtral/qwen3_moe``: the layouts ``--init-from`` reads, as messages name them (a family
-    whose layout depends on its shape by its ``model_type`` s)."""
-    return _listed(
-        [family.hf_layout_name or "/".join(family.hf_model_types) for family in FAMILIES if family.hf_model_types]
-    )
+    """``GPT-2, Llama, Mixtral or Qwen3-MoE``: the layouts ``--init-from`` reads, as messages name them."""
+    names = [family.hf_read_name or family.hf_layout_name for family in FAMILIES if family.hf_model_types]
+    return _listed([name for listed in names for name in listed.split(", ")])
 
 
 def pretrained_dropout(directory: Path | str) -> dict[str, float]:

@@ -75,6 +75,7 @@ FAMILY = ModelFamily(
     hf_class_name=hf_class_name,
     layer_bytes_per_token=layer_bytes_per_token,
     hf_model_types=("mixtral", "qwen3_moe"),
+    hf_read_name="Mixtral, Qwen3-MoE",
     read_hf_config=read_hf_config,
     load_hf=load_hf,
 )
