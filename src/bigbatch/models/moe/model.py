@@ -39,15 +39,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, c, f))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x`` (N, C) through each token's ``experts`` (N, k), mixed by ``weights`` (N, k): (N, C). Every expert
+        """``x`` (N, C) through each token's ``experts`` (N, k), mixed by ``weights`` (N, k): (N, C). The N x k
+        assignments are sorted by expert (one read of the counts per layer, not one per expert), and every expert
         runs, on its tokens or on none, so each has a gradient (DDP needs one for every parameter)."""
-        out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, F) each
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # (n_e, C)
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out
+        k = experts.shape[1]
+        flat = experts.reshape(-1)  # (N * k,)
+        order = flat.argsort(stable=True)  # assignments grouped by expert, each group in token order
+        token = order // k  # (N * k,)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        routed = x[token]  # (N * k, C)
+        outputs = []
+        for e, group in enumerate(routed.split(counts)):
+            gate, up = F.linear(group, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, F) each
+            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n_e, C)
+        mixed = torch.cat(outputs) * weights.reshape(-1)[order, None]  # (N * k, C)
+        return torch.zeros_like(x).index_add_(0, token, mixed.to(x.dtype))
 
 
 class SparseMoE(nn.Module):
