@@ -10,7 +10,9 @@ the K backward passes and DDP averages them over ``world_size`` ranks, so the
 final gradient is that of ``(sum of all per-token losses) / N``: the mean loss of
 one giant batch. With full micro-batches this is the classic ``mean / K``; with
 padding or masks, ``mean / K`` over-weights short micro-batches and is wrong.
-That scale is applied here and nowhere else.
+That scale is applied here and nowhere else. A mixture of experts' load-balancing loss, a statistic of the
+whole step, is added to each micro-batch's as that micro-batch's share of the step's
+(:mod:`bigbatch.engine.router_balance`), scaled by the world size the same way.
 """
 
 from __future__ import annotations
