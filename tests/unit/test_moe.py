@@ -330,3 +330,14 @@ def test_an_hf_mixture_of_experts_balances_the_step_as_transformers_defines_it(k
     full = gradient(1, False)
     assert rel(gradient(4, False), full) < 1e-5
     assert rel(gradient(2, True), full) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["exact", "running", "micro"])
+def test_a_micro_batch_without_valid_targets_adds_nothing_and_breaks_nothing(mode: str) -> None:
+    model = pico(router_aux_coef=0.5)
+    inputs, targets = batch(ragged=False)
+    targets[:2] = IGNORE_INDEX  # the first micro-batch of four holds no valid target
+    got, _ = accumulated_gradient(model, inputs, targets, 4, mode)
+    assert torch.isfinite(got).all()
+    if mode == "exact":
+        assert rel(got, reference_gradient(model, inputs, targets, coef=0.5)) < 1e-5

@@ -110,7 +110,7 @@ class RouterBalance:
         self._reset()
 
     def _reset(self) -> None:
-        self._tokens = 0.0  # the step's routed tokens, all ranks
+        self._tokens = 0.0  # the step's counted tokens (valid targets), all ranks
         self._step_counts: torch.Tensor | None = None  # exact: the routing pass's counts (layers, E), all ranks
         self._running_counts: torch.Tensor | None = None  # running: counts so far, all ranks
         self._running_tokens: float | torch.Tensor = 0.0
@@ -119,7 +119,8 @@ class RouterBalance:
         self._z = torch.zeros((), dtype=torch.float32, device=self.device)
 
     def describe(self) -> str:
-        """The header's words: ``balance exact (over the whole step) x 0.01, pooled per layer | z-loss off``."""
+        """The header's words: ``top-2 of 4 experts | balance exact (over the whole step, from a routing pass) x 0.01,
+        per layer, averaged | z-loss off``."""
         how = {
             "exact": "over the whole step, from a routing pass",
             "running": "counts so far: depends on K",
@@ -193,7 +194,8 @@ class RouterBalance:
         self._running_counts = this_step if self._running_counts is None else self._running_counts + this_step
         self._running_tokens = self._running_tokens + summed[-1]
         # f from the counts so far; P over the step's tokens, so that one micro-batch (K = 1) is exact.
-        return spec.balance_weights(self._running_counts, self._running_tokens) * (self._running_tokens / self._tokens)
+        so_far = torch.as_tensor(self._running_tokens).clamp_min(1.0)  # micro-batches so far may hold no valid target
+        return spec.balance_weights(self._running_counts, so_far) * (so_far / self._tokens)
 
     def finish(self) -> RouterMeasurement:
         """The step's measurement (one all-reduce: the losses and the training pass's counts)."""
