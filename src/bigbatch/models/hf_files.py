@@ -3,7 +3,8 @@ writing a new one all at once.
 
 The layout is a directory with ``config.json`` and ``model.safetensors`` (or the shards that
 ``model.safetensors.index.json`` lists, or ``pytorch_model.bin``). The families' conversions (:mod:`.gpt.hf` for
-GPT-2, :mod:`.llama.hf` for Llama), :mod:`.hf.model` and :mod:`.pretrained` share these. Nothing here touches the
+GPT-2, :mod:`.llama.hf` for Llama, :mod:`.moe.hf` for mixtures of experts), :mod:`.hf.model` and :mod:`.pretrained`
+share these. Nothing here touches the
 network: give a local directory (for example one written by ``save_pretrained``).
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from bigbatch.errors import CheckpointError
 from bigbatch.files.atomic import apply_umask
@@ -112,3 +114,37 @@ def write_hf_directory(directory: Path, tensors: dict[str, torch.Tensor], config
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return directory
+
+
+def _names(keys: list[str]) -> str:
+    """A few names of a list, in one line."""
+    shown = ", ".join(keys[:3])
+    return f"{shown} and {len(keys) - 3} more" if len(keys) > 3 else shown
+
+
+def load_fitting_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], directory: Path, tied_head: str = "", embedding: str = ""
+) -> None:
+    """Load ``state`` (a directory's tensors under the model's names) into ``model`` (built on the meta device) in
+    fp32, assigning the tensors. ``tied_head``: the name of a head tied to ``embedding``: a checkpoint that stores it
+    anyway must store the embedding there, and only the embedding is loaded (the caller ties the head again, as
+    assigning replaced the parameter). Missing, unexpected or misshapen tensors are refused in one line."""
+    if tied_head and tied_head in state:
+        head, table = state.pop(tied_head), state.get(embedding)
+        if table is not None and not torch.equal(head, table):
+            raise CheckpointError(
+                f"{directory} has an LM head that differs from its token embedding, but its config.json says "
+                "tie_word_embeddings; set it to false"
+            )
+    expected = {key: value.shape for key, value in model.state_dict().items() if key != tied_head}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshapen = sorted(key for key in set(expected) & set(state) if state[key].shape != expected[key])
+    if missing or unexpected or misshapen:
+        parts = [f"missing {_names(missing)}"] if missing else []
+        parts += [f"unexpected {_names(unexpected)}"] if unexpected else []
+        parts += [
+            f"{key} has shape {tuple(state[key].shape)}, expected {tuple(expected[key])}" for key in misshapen[:1]
+        ]
+        raise CheckpointError(f"the weights in {directory} do not fit its config.json: {'; '.join(parts)}")
+    model.load_state_dict({key: value.float() for key, value in state.items()}, strict=False, assign=True)

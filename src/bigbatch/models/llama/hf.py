@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.models.hf_files import check_new_directory, read_config, read_weights, write_hf_directory
+from bigbatch.models.hf_files import (
+    check_new_directory,
+    load_fitting_weights,
+    read_config,
+    read_weights,
+    write_hf_directory,
+)
 from bigbatch.models.llama.model import Llama, LlamaConfig, RopeScaling
 
 # Rotary frequency tables that some older checkpoints saved with the weights; they are recomputed from the config.
@@ -107,12 +113,6 @@ def read_hf_llama_config(directory: Path | str) -> LlamaConfig:
     return llama_config_from_hf(read_config(directory, kind="Llama"))
 
 
-def _names(keys: list[str]) -> str:
-    """A few names of a list, in one line."""
-    shown = ", ".join(keys[:3])
-    return f"{shown} and {len(keys) - 3} more" if len(keys) > 3 else shown
-
-
 def load_hf_llama(directory: Path | str) -> Llama:
     """A :class:`Llama` (fp32, on the CPU) with the weights of a local Hugging Face ``LlamaForCausalLM``
     directory; missing, unexpected or misshapen tensors are refused in one line."""
@@ -120,34 +120,12 @@ def load_hf_llama(directory: Path | str) -> Llama:
     config = read_hf_llama_config(directory)
     raw = read_weights(directory)
     state = {key: value for key, value in raw.items() if not key.endswith(_IGNORED_SUFFIXES)}
-    if config.tie_embeddings and _HEAD in state:
-        # Some tied checkpoints store the head anyway: it must be the embedding, which is all that is loaded.
-        head = state.pop(_HEAD)
-        embedding = state.get(_EMBEDDING)
-        if embedding is not None and not torch.equal(head, embedding):
-            raise CheckpointError(
-                f"{directory} has an LM head that differs from its token embedding, but its config.json says "
-                "tie_word_embeddings; set it to false"
-            )
     # Built on the meta device: no time spent on a random initialisation that the weights replace.
     with torch.device("meta"):
         model = Llama(config)
-    expected = {key: value.shape for key, value in model.state_dict().items()}
+    load_fitting_weights(model, state, directory, _HEAD if config.tie_embeddings else "", _EMBEDDING)
     if config.tie_embeddings:
-        del expected[_HEAD]  # the embedding, under its other name
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshapen = sorted(key for key in set(expected) & set(state) if state[key].shape != expected[key])
-    if missing or unexpected or misshapen:
-        parts = [f"missing {_names(missing)}"] if missing else []
-        parts += [f"unexpected {_names(unexpected)}"] if unexpected else []
-        parts += [
-            f"{key} has shape {tuple(state[key].shape)}, expected {tuple(expected[key])}" for key in misshapen[:1]
-        ]
-        raise CheckpointError(f"the weights in {directory} do not fit its config.json: {'; '.join(parts)}")
-    model.load_state_dict({key: value.float() for key, value in state.items()}, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight  # assign replaced the parameter: tie it again
+        model.tie_head()  # assign replaced the parameter: tie it again
     return model
 
 

@@ -16,15 +16,19 @@ from typing import Any
 import torch
 
 from bigbatch.errors import CheckpointError, ConfigError
-from bigbatch.models.hf_files import check_new_directory, read_config, read_weights, write_hf_directory
+from bigbatch.models.hf.config import CAPACITY_KEYS  # the same keys hf:DIR is refused for
+from bigbatch.models.hf_files import (
+    check_new_directory,
+    load_fitting_weights,
+    read_config,
+    read_weights,
+    write_hf_directory,
+)
 from bigbatch.models.moe.config import MoEConfig
 from bigbatch.models.moe.model import MoE
 
 MODEL_TYPES = ("mixtral", "qwen3_moe")
 """The ``model_type`` s ``--init-from`` reads into the native family (others: ``--model hf:DIR``)."""
-
-CAPACITY_KEYS = ("capacity_factor", "expert_capacity", "moe_capacity_factor", "router_capacity_factor")
-"""config.json keys of a capacity limit: a token dropped because others filled its expert couples samples."""
 
 _CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
@@ -116,11 +120,14 @@ def moe_config_from_hf(config: dict[str, Any]) -> MoEConfig:
         raise CheckpointError(f"this {model_type} config.json does not describe a valid model: {exc}") from exc
 
 
-def read_hf_moe_config(directory: Path | str) -> MoEConfig:
-    directory = Path(directory)
+def _read_moe_config(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory; give a Hugging Face Mixtral or Qwen3-MoE directory")
-    return moe_config_from_hf(read_config(directory, kind="mixture-of-experts"))
+    return read_config(directory, kind="mixture-of-experts")
+
+
+def read_hf_moe_config(directory: Path | str) -> MoEConfig:
+    return moe_config_from_hf(_read_moe_config(Path(directory)))
 
 
 def _expert_names(layer: int, expert: int, mixtral: bool) -> tuple[str, str, str]:
@@ -156,30 +163,19 @@ def _stack_experts(state: dict[str, torch.Tensor], config: MoEConfig, mixtral: b
 
 
 def load_hf_moe(directory: Path | str) -> MoE:
-    """A :class:`MoE` (fp32, on the CPU) with the weights of a local Mixtral or Qwen3-MoE directory."""
+    """A :class:`MoE` (fp32, on the CPU) with the weights of a local Mixtral or Qwen3-MoE directory; missing,
+    unexpected or misshapen tensors are refused in one line."""
     directory = Path(directory)
-    config = read_hf_moe_config(directory)
-    mixtral = read_config(directory, kind="mixture-of-experts").get("model_type") == "mixtral"
+    values = _read_moe_config(directory)
+    config = moe_config_from_hf(values)
     state = {k: v for k, v in read_weights(directory).items() if not k.endswith("rotary_emb.inv_freq")}
-    _stack_experts(state, config, mixtral)
-    if config.tie_embeddings:
-        state.pop("lm_head.weight", None)
+    _stack_experts(state, config, mixtral=values.get("model_type") == "mixtral")
     with torch.device("meta"):
         model = MoE(config)
-    expected = {key: value.shape for key, value in model.state_dict().items()}
+    load_fitting_weights(model, state, directory, "lm_head.weight" if config.tie_embeddings else "",
+                         "model.embed_tokens.weight")  # fmt: skip
     if config.tie_embeddings:
-        del expected["lm_head.weight"]
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshapen = sorted(key for key in set(expected) & set(state) if state[key].shape != expected[key])
-    if missing or unexpected or misshapen:
-        parts = [f"missing {', '.join(missing[:3])}"] if missing else []
-        parts += [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else []
-        parts += [f"{k} has shape {tuple(state[k].shape)}, expected {tuple(expected[k])}" for k in misshapen[:1]]
-        raise CheckpointError(f"the weights in {directory} do not fit its config.json: {'; '.join(parts)}")
-    model.load_state_dict({key: value.float() for key, value in state.items()}, strict=False, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.tie_head()  # assign replaced the parameter: tie it again
     return model
 
 
