@@ -160,29 +160,34 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The embedding, decoder layers and final norm (parameter names ``model.embed_tokens.weight``, ...)."""
+    """The embedding, decoder layers and final norm (parameter names ``model.embed_tokens.weight``, ...): Llama's
+    decoder layers, or the ``layers`` given (a mixture of experts' share the rest)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layers: list[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_layer)])
+        self.layers = nn.ModuleList(
+            layers if layers is not None else [DecoderLayer(config) for _ in range(config.n_layer)]
+        )
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
 
 
-class Llama(StackedDecoderLM):
-    """A Llama-style decoder on :class:`~bigbatch.models.decoder.StackedDecoderLM` (its forward, loss and
-    counts): rotary positions restart at each packed document."""
+class RotaryDecoderLM(StackedDecoderLM):
+    """Llama's embedding, rotary positions (restarting at each packed document), final RMSNorm and head, optionally
+    tied to the embedding, around the decoder layers a subclass builds: ``self.model`` holds ``embed_tokens``,
+    ``layers`` and ``norm``, ``self.lm_head`` the head, and :meth:`rope_shape` gives the rotary settings."""
 
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+    model: LlamaModel
+    lm_head: nn.Linear
+
+    def rope_shape(self) -> LlamaConfig:
+        """The shape whose rotary settings (base, scaling, head_dim) the positions use."""
+        shape: LlamaConfig = self.config
+        return shape
+
+    def tie_head(self) -> None:
+        if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.activation_checkpointing = False
-        self.chunked_loss = True
-        self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -199,7 +204,7 @@ class Llama(StackedDecoderLM):
     def embed(
         self, idx: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-        cos, sin = rope_cos_sin(self.config, idx.size(1), idx.device)  # (T, head_dim) each, shared by every layer
+        cos, sin = rope_cos_sin(self.rope_shape(), idx.size(1), idx.device)  # (T, head_dim) each, shared by every layer
         mask = None
         if positions is not None:  # packed documents: each token's own angles, attention within its document
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
@@ -218,3 +223,18 @@ class Llama(StackedDecoderLM):
     def lookup_only_parameters(self) -> int:
         """An untied input embedding is a lookup, not a matmul; a tied one is also the head's."""
         return 0 if self.config.tie_embeddings else self.model.embed_tokens.weight.numel()
+
+
+class Llama(RotaryDecoderLM):
+    """A Llama-style decoder on :class:`~bigbatch.models.decoder.StackedDecoderLM` (its forward, loss and
+    counts): rotary positions restart at each packed document."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.tie_head()
+        self.activation_checkpointing = False
+        self.chunked_loss = True
+        self.apply(self._init_weights)

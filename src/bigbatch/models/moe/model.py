@@ -19,9 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.decoder import StackedDecoderLM, document_causal_mask
 from bigbatch.models.llama.config import LlamaConfig
-from bigbatch.models.llama.model import MLP, Attention, RMSNorm, rope_cos_sin
+from bigbatch.models.llama.model import MLP, Attention, LlamaModel, RMSNorm, RotaryDecoderLM
 from bigbatch.models.moe.config import MOE_PRESETS, MoEConfig, moe_preset
 from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
 
@@ -108,19 +107,10 @@ class MoELayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MoEModel(nn.Module):
-    """The embedding, layers and final norm (parameter names ``model.embed_tokens.weight``, ...)."""
-
-    def __init__(self, config: MoEConfig, recorder: RouterRecorder) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList([MoELayer(config, recorder) for _ in range(config.n_layer)])
-        self.norm = RMSNorm(config.n_embd, config.norm_eps)
-
-
-class MoE(StackedDecoderLM):
-    """A mixture-of-experts decoder on :class:`~bigbatch.models.decoder.StackedDecoderLM`; its FLOPs count the
-    parameters a token uses (its k experts, not all E)."""
+class MoE(RotaryDecoderLM):
+    """A mixture-of-experts decoder on Llama's embedding, positions and head
+    (:class:`~bigbatch.models.llama.model.RotaryDecoderLM`); its FLOPs count the parameters a token uses (its k
+    experts, not all E)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -136,49 +126,24 @@ class MoE(StackedDecoderLM):
                 z_coef=config.router_z_coef,
             )
         )
-        self.model = MoEModel(config, self.router_recorder)
+        moe_layers: list[nn.Module] = [MoELayer(config, self.router_recorder) for _ in range(config.n_layer)]
+        self.model = LlamaModel(config.llama, moe_layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_head()
         self.activation_checkpointing = False
         self.chunked_loss = True
         self.apply(self._init_weights)
 
+    def rope_shape(self) -> LlamaConfig:
+        return self.config.llama
+
     def _init_weights(self, module: nn.Module) -> None:
-        std = 0.02
-        residual_std = std * (2 * self.config.n_layer) ** -0.5  # two residual additions per layer
-        if isinstance(module, nn.Linear):
-            scaled = getattr(module, "residual_projection", False)
-            nn.init.normal_(module.weight, mean=0.0, std=residual_std if scaled else std)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-        elif isinstance(module, Experts):
-            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
-
-    def embed(
-        self, idx: torch.Tensor, positions: torch.Tensor | None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-        cos, sin = rope_cos_sin(self.config.llama, idx.size(1), idx.device)  # (T, head_dim) each
-        mask = None
-        if positions is not None:  # packed documents: each token's own angles, attention within its document
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
-            mask = document_causal_mask(positions)  # (B, 1, T, T)
-        return self.model.embed_tokens(idx), (cos, sin, mask)  # (B, T, C)
-
-    def blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(x)
-
-    def head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight
-
-    def lookup_only_parameters(self) -> int:
-        return 0 if self.config.tie_embeddings else self.model.embed_tokens.weight.numel()
+        """Llama's, and the stacked experts as Llama's MLP: gate and up at 0.02, down scaled as a residual
+        projection."""
+        super()._init_weights(module)
+        if isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
+            nn.init.normal_(module.down_proj, mean=0.0, std=0.02 * (2 * self.config.n_layer) ** -0.5)
 
     def inactive_parameters(self) -> int:
         """The experts a token does not reach: ``(E - k)`` experts in every layer."""
