@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.engine.rng import preserved_rng
 from bigbatch.models.routing import RoutedTokens, RouterRecorder, RouterSpec, RouterStats
 from bigbatch.parallel.distributed import DistContext
 
@@ -153,11 +154,12 @@ class RouterBalance:
         if self.mode != "exact":
             return
         counts: torch.Tensor | None = None
-        with torch.no_grad(), replayed_generators():
+        with torch.no_grad(), preserved_rng():  # the training pass draws what this pass drew
             for micro_batch in micro_batches:
                 with self.recorder.recording() as layers:
                     route(micro_batch)
-                stats = [layer.stats(counted(micro_batch).to(self.device)) for layer in layers]
+                weight = counted(micro_batch).to(self.device).float()  # (N,): once for every layer
+                stats = [layer.stats(weight) for layer in layers]
                 layer_counts = _stack(stats, "counts")
                 counts = layer_counts if counts is None else counts + layer_counts
         assert counts is not None
@@ -169,7 +171,8 @@ class RouterBalance:
         does the cross-entropy's)."""
         if not routed:
             raise RuntimeError("the model routes tokens but reported no MoE layer for this micro-batch")
-        layers = [layer.stats(counted) for layer in routed]
+        weight = counted.float()  # (N,): once for every layer
+        layers = [layer.stats(weight) for layer in routed]
         counts = _stack(layers, "counts")  # (layers, E)
         sums = _stack(layers, "prob_sums")  # (layers, E), with gradient
         self._trained_counts = counts if self._trained_counts is None else self._trained_counts + counts
@@ -217,17 +220,3 @@ class RouterBalance:
             load_cv=cv,
             replay_mismatch=mismatch,
         )
-
-
-class replayed_generators:  # noqa: N801 - used as a context manager, like torch's own
-    """torch's CPU and CUDA generators are left as they were on entry: what the block draws (dropout, router
-    noise), the code after it draws again."""
-
-    def __enter__(self) -> None:
-        self._cpu = torch.get_rng_state()
-        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self._cpu)
-        if self._cuda is not None:
-            torch.cuda.set_rng_state_all(self._cuda)

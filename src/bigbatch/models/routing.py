@@ -85,8 +85,8 @@ class RoutedTokens:
     log_normalisers: torch.Tensor
 
     def stats(self, counted: torch.Tensor | None) -> RouterStats:
-        """The :class:`RouterStats` of the tokens ``counted`` (N,) marks (all when None). Computed where the
-        trainer reads the routing, outside any checkpointed block, so the mask is no part of a recomputation."""
+        """The :class:`RouterStats` of the tokens ``counted`` (N,) marks, 1.0 or 0.0 (all when None). Computed where
+        the trainer reads the routing, outside any checkpointed block, so the mask is no part of a recomputation."""
         n_expert = self.probs.shape[-1]
         weight = torch.ones(self.probs.shape[0], device=self.probs.device) if counted is None else counted.float()
         with torch.no_grad():
