@@ -14,6 +14,7 @@ from bigbatch.models.family import ModelFamily, ModelShape
 from bigbatch.models.hf.config import dropout_settings
 from bigbatch.models.hf_files import read_config
 from bigbatch.models.registry import FAMILIES, family_for_hf_model_type, family_of, hf_model_types
+from bigbatch.settings.choices import listed
 
 LEGACY_MODEL_TYPE = "gpt2"
 """What a config.json without ``model_type`` is (GPT-2 directories from before the field existed)."""
@@ -35,22 +36,16 @@ def hf_model_type(directory: Path | str) -> str:
     if family_for_hf_model_type(str(model_type)) is None:
         raise CheckpointError(
             f"--init-from {directory}: its config.json has model_type {model_type!r}, and --init-from reads only "
-            f"{_listed(hf_model_types())} into bigbatch's own models; to train this model's weights as "
+            f"{listed(hf_model_types())} into bigbatch's own models; to train this model's weights as "
             f"they are, pass --model hf:{directory} instead of --init-from"
         )
     return str(model_type)
 
 
-def _listed(names: tuple[str, ...] | list[str]) -> str:
-    """``a, b or c``."""
-    names = list(names)
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
-
-
 def _kinds() -> str:
     """``GPT-2, Llama, Mixtral or Qwen3-MoE``: the layouts ``--init-from`` reads, as messages name them."""
     names = [family.hf_read_name or family.hf_layout_name for family in FAMILIES if family.hf_model_types]
-    return _listed([name for listed in names for name in listed.split(", ")])
+    return listed([name for family_names in names for name in family_names.split(", ")])
 
 
 def pretrained_dropout(directory: Path | str) -> dict[str, float]:

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from bigbatch.errors import ConfigError, did_you_mean
 
 
+def listed(names: tuple[str, ...] | list[str]) -> str:
+    """``a, b or c``."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
 @dataclass(frozen=True)
 class Choices:
     """The allowed values of one setting, in the order the help lists them."""
@@ -33,7 +38,7 @@ class Choices:
 
     def listed(self) -> str:
         """``a, b or c``, for help text."""
-        return ", ".join(self.values[:-1]) + f" or {self.values[-1]}" if len(self.values) > 1 else self.values[0]
+        return listed(self.values)
 
 
 RESOLVED_PRECISIONS = ("fp32", "bf16", "fp16")
