@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, run_main
 from text_corpus import text_corpus
 
 from bigbatch.cli import main
+from bigbatch.run.checkpoints.checkpoint import load_checkpoint
 
 CORPUS_BYTES = 60_000
 SRC_DIR = Path(__file__).resolve().parents[2] / "src"
@@ -127,7 +128,12 @@ def test_train_exits_zero_and_logs_plan_and_steps(trained_run: tuple[int, str, s
 def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cache_dir: Path) -> None:
     code, _, _, run_dir = trained_run
     assert code == 0
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000003.commit", "step_0000003.pt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000003", "step_0000003.commit"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_0000003").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "state.pt",
+    ]
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["model"]["preset"] == "pico"
     assert {k: config["batch"][k] for k in ("total_batch_tokens", "micro_batch", "seq_len")} == {
@@ -151,9 +157,12 @@ def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cac
 
 def test_checkpoint_loads_with_weights_only(trained_run: tuple[int, str, str, Path]) -> None:
     _, _, _, run_dir = trained_run
-    document = torch.load(run_dir / "checkpoints" / "step_0000003.pt", map_location="cpu", weights_only=True)
-    for key in ("model", "optimizer", "engine", "loader", "config", "step"):
+    document = torch.load(run_dir / "checkpoints" / "step_0000003" / "state.pt", map_location="cpu", weights_only=True)
+    for key in ("engine", "loader", "config", "step", "optimizer_param_groups"):
         assert key in document, key
+    assert "model" not in document and "optimizer" not in document  # in the shards
+    consolidated = load_checkpoint(run_dir)
+    assert set(consolidated["model"]) and set(consolidated["optimizer"]["state"]) <= set(consolidated["model"])
     assert document["step"] == 3
     assert document["tokens_seen"] == 3 * 256
     assert document["tokenizer"] == "byte"
@@ -162,7 +171,7 @@ def test_checkpoint_loads_with_weights_only(trained_run: tuple[int, str, str, Pa
     assert document["loader"]["order"] == "shuffle"
     assert document["loader"]["row"] == 3 * 2 * 4
     assert document["loader"]["epoch"] == 0
-    assert any(isinstance(v, torch.Tensor) for v in document["model"].values())
+    assert all(isinstance(v, torch.Tensor) for v in consolidated["model"].values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +188,7 @@ def test_sample_continues_the_prompt(trained_run: tuple[int, str, str, Path], ca
     assert len(first.out.rstrip("\n")) > len("ROMEO:")
     assert "Traceback" not in first.err
     # the same seed gives the same text; a checkpoint file works as well as the run directory
-    argv[2] = str(run_dir / "checkpoints" / "step_0000003.pt")
+    argv[2] = str(run_dir / "checkpoints" / "step_0000003")
     assert main(argv) == 0
     assert capsys.readouterr().out == first.out
 

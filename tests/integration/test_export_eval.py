@@ -177,7 +177,7 @@ def test_eval_refuses_a_dataset_of_another_tokenizer(run_dir: Path, tmp_path: Pa
     document["tokenizer"] = "gpt2"  # pretend the model was trained on GPT-2 tokens
     other = tmp_path / "other_run"
     ckpt.save_checkpoint(
-        {k: v for k, v in document.items() if k not in ("format", "version")}, ckpt.checkpoint_path(other, 3)
+        {k: v for k, v in document.items() if k not in ("format", "version")}, ckpt.single_file_path(other, 3)
     )
     code, stdout, stderr = run_main(["eval", str(other), "--data", document["dataset"], "--device", "cpu"])
     line = assert_one_line_error(code, stdout, stderr)

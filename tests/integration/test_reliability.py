@@ -86,7 +86,7 @@ def test_resume_never_refuses_and_overwrite_starts_over(corpus: Path, golden: Pa
         Trainer(make_config(corpus, out, resume="never"))
     Trainer(make_config(corpus, out, resume="never", overwrite=True)).train()
     assert step_losses(out) == step_losses(golden)
-    assert [p.name for p in ckpt.list_checkpoints(out)] == [f"step_{STEPS:07d}.pt"]
+    assert [p.name for p in ckpt.list_checkpoints(out)] == [f"step_{STEPS:07d}"]
 
 
 def test_resume_with_another_model_or_batch_is_refused(corpus: Path, golden: Path, tmp_path: Path) -> None:
@@ -159,7 +159,7 @@ def test_reaching_max_steps_again_says_complete_and_succeeds(
 
 def write_checkpoints(run_dir: Path, steps: list[int]) -> list[Path]:
     return [
-        ckpt.save_checkpoint({"step": s, "w": torch.full((8,), float(s))}, ckpt.checkpoint_path(run_dir, s))
+        ckpt.save_checkpoint({"step": s, "w": torch.full((8,), float(s))}, ckpt.single_file_path(run_dir, s))
         for s in steps
     ]
 
@@ -195,7 +195,7 @@ def test_a_failed_write_leaves_nothing_half_written(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        ckpt.save_checkpoint({"step": 2}, ckpt.checkpoint_path(tmp_path, 2))
+        ckpt.save_checkpoint({"step": 2}, ckpt.single_file_path(tmp_path, 2))
     assert sorted(p.name for p in first.parent.iterdir()) == before  # no temp file, no step 2
     assert ckpt.latest_valid_checkpoint(tmp_path) == first
 

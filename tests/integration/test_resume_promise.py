@@ -416,7 +416,7 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int, file_mode: i
     (tmp_path / "c.txt").write_bytes(corpus_bytes(5_000))
     old = os.umask(umask)
     try:
-        path = ckpt.save_checkpoint({"step": 1, "w": torch.zeros(4)}, ckpt.checkpoint_path(tmp_path / "run", 1))
+        path = ckpt.save_checkpoint({"step": 1, "w": torch.zeros(4)}, ckpt.single_file_path(tmp_path / "run", 1))
         export = save_hf_gpt2(
             GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16)), tmp_path / "hf"
         )

@@ -201,8 +201,8 @@ def test_resume_onto_another_world_size_derives_the_streams_at_the_resumed_step(
     Trainer(config).train()
     real_load = ckpt.load_checkpoint
 
-    def saved_by_two_ranks(path: Path) -> dict[str, Any]:
-        document = real_load(path)
+    def saved_by_two_ranks(path: Path, **options: Any) -> dict[str, Any]:
+        document = real_load(path, **options)
         return {**document, "world_size": 2, "rng": document["rng"] * 2}
 
     monkeypatch.setattr("bigbatch.run.checkpoints.state.load_checkpoint", saved_by_two_ranks)

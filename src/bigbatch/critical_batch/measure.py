@@ -50,7 +50,9 @@ from bigbatch.files.atomic import write_json_atomically
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir, require_own_dir
 from bigbatch.parallel.distributed import resolve_device
 from bigbatch.run.checkpoints.checkpoint import (
+    checkpoint_at,
     checkpoint_path,
+    checkpoint_step,
     commit_path,
     latest_valid_checkpoint,
     list_checkpoints,
@@ -80,10 +82,10 @@ def find_parent(run_dir: Path, step: int | None = None) -> Path:
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir} is not a run directory; give the directory of a bigbatch run")
     if step is not None:
-        path = checkpoint_path(run_dir, step)
-        problem = verify_checkpoint(path) if path.is_file() else "there is none"
-        if problem:
-            have = ", ".join(p.stem.split("_")[1].lstrip("0") or "0" for p in list_checkpoints(run_dir)) or "none"
+        path = checkpoint_at(run_dir, step)
+        problem = verify_checkpoint(path) if path is not None else "there is none"
+        if path is None or problem:
+            have = ", ".join(str(checkpoint_step(p)) for p in list_checkpoints(run_dir)) or "none"
             raise CheckpointError(
                 f"--step {step}: no complete checkpoint of {run_dir} at that step ({problem}); "
                 f"its checkpoints are at steps: {have}"
@@ -93,7 +95,7 @@ def find_parent(run_dir: Path, step: int | None = None) -> Path:
     if found is None:
         why = "none is complete and valid" if list_checkpoints(run_dir) else "it has no checkpoint"
         raise CheckpointError(
-            f"{run_dir} cannot be branched: {why} (expected checkpoints/step_*.pt with its .commit marker); "
+            f"{run_dir} cannot be branched: {why} (expected checkpoints/step_* with its .commit marker); "
             "train it first, or give the run's own directory"
         )
     return found
@@ -124,7 +126,7 @@ class _Parent:
 
 def _read_parent(run_dir: Path, step: int | None = None) -> _Parent:
     path = find_parent(run_dir, step)
-    document = load_checkpoint(path)
+    document = load_checkpoint(path, consolidate=False)  # the record: the branches read the tensors
     config = document.get("config") or {}
     batch = config.get("batch") or {}
     if int(batch.get("token_budget") or 0):
@@ -389,5 +391,5 @@ def _train_and_score_branch(
         target,
     )
     reused = _train_branch(config, parent, target)
-    loss, _ = evaluate(checkpoint_path(branch_dir, target))
+    loss, _ = evaluate(checkpoint_at(branch_dir, target) or checkpoint_path(branch_dir, target))
     return plan, steps, lr, loss, reused, branch_dir

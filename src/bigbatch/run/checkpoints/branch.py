@@ -57,7 +57,7 @@ def branch_run(state: TrainState, parent: Path, say: Say) -> dict[str, Any]:
     """Start ``state``'s (fresh) run from the parent checkpoint ``parent`` (a file or a run directory): every
     stateful part as the parent left it, the learning-rate schedule the branch's own. Returns the checkpoint's
     run record (step, config, ...) without its tensors."""
-    document = load_checkpoint(parent)
+    document = load_checkpoint(parent, consolidate=False)  # each rank reads its own shards
     check_branchable(document, state, parent)
     state.load_state_dict(document, state.schedule, new_data=False, say=say)  # the branch keeps its own schedule
     say(
@@ -67,4 +67,4 @@ def branch_run(state: TrainState, parent: Path, say: Say) -> dict[str, Any]:
         f"{state.tokens_seen:,}",
         f"{state.parts.plan.tokens_per_step:,}",
     )
-    return {k: v for k, v in document.items() if k not in ("model", "optimizer", "rng")}
+    return {k: v for k, v in document.items() if k not in ("model", "optimizer", "rng", "optimizer_param_groups")}

@@ -10,7 +10,6 @@ counters and GradScaler, learning-rate schedule, loader position, tokens seen, e
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +24,15 @@ from bigbatch.models.registry import family_of
 from bigbatch.observe.metrics import truncate_metrics
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build import RunParts
-from bigbatch.run.checkpoints.checkpoint import checkpoint_path, load_checkpoint, prune_checkpoints, save_checkpoint
+from bigbatch.run.checkpoints.checkpoint import (
+    FORMAT_NAME,
+    SHARDED_VERSION,
+    checkpoint_path,
+    commit_path,
+    load_checkpoint,
+    prune_checkpoints,
+)
+from bigbatch.run.checkpoints.sharded import ShardedWriter, load_sharded
 from bigbatch.run.checkpoints.resume import (
     check_compatible,
     check_settings,
@@ -34,6 +41,8 @@ from bigbatch.run.checkpoints.resume import (
     resumed_schedule,
 )
 from bigbatch.sizing.ramp import check_ramp_change
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -45,39 +54,55 @@ class Stateful(Protocol):
 
 
 class _ModelWeights:
-    """The model's parameters and buffers as whole tensors keyed by name, on the CPU (FSDP2 shards gathered), so
-    that any world size and parallel mode can resume from them."""
+    """The model's parameters and buffers keyed by name (no wrapper prefixes): saved as this rank's shards
+    (FSDP2) or whole tensors, without copies; restored from a sharded checkpoint at any world size and parallel
+    mode, or from whole tensors (a single-file checkpoint)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
 
+    def load_shards(self, folder: Path, document: dict[str, Any], dist: DistContext) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        state = get_model_state_dict(self.model)
+        load_sharded(folder, {"model": state}, dist)
+        set_model_state_dict(self.model, state)
+
 
 class _OptimizerState:
-    """AdamW's moments and step counts, keyed by parameter name like the model's (see :class:`_ModelWeights`)."""
+    """AdamW's moments and step counts keyed by parameter name like the model's (see :class:`_ModelWeights`);
+    its param groups (plain numbers) travel in the checkpoint's record."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_shards(self, folder: Path, document: dict[str, Any], dist: DistContext) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer)  # creates the moments of a fresh optimizer
+        load_sharded(folder, {"optimizer": state["state"]}, dist)
+        state["param_groups"] = document["optimizer_param_groups"]
+        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 class _Schedule:
@@ -156,8 +181,10 @@ class TrainState:
         self._tokens_seen = _Count()  # valid target tokens trained on, all ranks
         self._loader = _LoaderPosition(parts.train_loader)
         self._parts: dict[str, Stateful] = {}
-        self.register("model", _ModelWeights(parts.model))
-        self.register("optimizer", _OptimizerState(parts.model, parts.optimizer))
+        self._model = _ModelWeights(parts.model)
+        self._optimizer = _OptimizerState(parts.model, parts.optimizer)
+        self.register("model", self._model)
+        self.register("optimizer", self._optimizer)
         self.register("engine", parts.engine)
         self._schedule = _Schedule(parts.engine.schedule)  # type: ignore[arg-type]  # the engine follows it
         self.register("schedule", self._schedule)
@@ -166,6 +193,11 @@ class TrainState:
         if parts.ramp is not None:
             self.register("ramp", parts.ramp)
         self.register("rng", _Generators(parts.dist, parts.config.run.seed, parts.engine))
+        self.writer = ShardedWriter(
+            parts.dist,
+            asynchronous=parts.config.run.async_checkpoint,
+            committed=lambda folder, step: prune_checkpoints(parts.run_dir, parts.config.run.keep_checkpoints),
+        )
 
     @property
     def tokens_seen(self) -> int:
@@ -200,8 +232,9 @@ class TrainState:
         return self.parts.engine.step_count
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the run stands: each registered part's state under its name. A collective: every rank calls it
-        (FSDP shards and every rank's generators are gathered)."""
+        """Where the run stands: each registered part's state under its name (the model's and optimizer's as
+        this rank holds them: FSDP2 shards). A collective: every rank calls it (every rank's generators are
+        gathered)."""
         return {name: part.state_dict() for name, part in self._parts.items()}
 
     def load_state_dict(self, state: dict[str, Any], schedule: CosineSchedule, new_data: bool, say: Say) -> None:
@@ -212,10 +245,14 @@ class TrainState:
         one) is given ``None``."""
         self._schedule.schedule = self.parts.engine.schedule = schedule
         self._loader.new_data, self._loader.restarted = new_data, False
+        shards = Path(state["shards"]) if "shards" in state and "model" not in state else None
         for name, part in self._parts.items():
             if name == "ramp" and not state.get("ramp"):
                 continue  # a checkpoint from before the ramp: it starts where the tokens seen put it
-            part.load_state_dict(state.get(name))
+            if shards is not None and isinstance(part, _ModelWeights | _OptimizerState):
+                part.load_shards(shards, state, self.parts.dist)  # resharded to this world size
+            else:
+                part.load_state_dict(state.get(name))
         if self._loader.restarted:
             say(
                 "the new data has no position matching the checkpoint's: reading it from its start",
@@ -239,28 +276,38 @@ class TrainState:
         }
 
     def save(self, say: Say) -> Path:
-        """Rank 0 writes one checkpoint that any world size can read (every rank takes part in gathering).
-
-        A failed write (disk full, permissions) leaves the existing checkpoints as they were and raises
-        :class:`CheckpointError` on every rank."""
+        """Every rank writes its own shards of the model and optimizer, rank 0 the record and small state (see
+        :mod:`bigbatch.run.checkpoints.sharded`); with ``--async-checkpoint`` the writing goes on in the
+        background. A failed write (disk full, permissions) leaves the existing checkpoints as they were and
+        raises :class:`CheckpointError` on every rank."""
         p = self.parts
-        payload = {**self.run_record(), **self.state_dict()}
+        small = {name: part.state_dict() for name, part in self._parts.items() if name not in ("model", "optimizer")}
+        optimizer = self._optimizer.state_dict()
+        tensors = {"model": self._model.state_dict(), "optimizer": optimizer["state"]}
+        record = {
+            "format": FORMAT_NAME,
+            "version": SHARDED_VERSION,
+            **self.run_record(),
+            **small,
+            "optimizer_param_groups": optimizer["param_groups"],
+        }
         path = checkpoint_path(p.run_dir, self.step)
-        error = ""
-        if p.dist.is_main:
-            started = time.perf_counter()
-            try:
-                save_checkpoint(payload, path)
-            except OSError as exc:
-                error = f"could not save checkpoint {path}: {exc.strerror or exc}; earlier checkpoints are intact"
-            else:
-                seconds = time.perf_counter() - started
-                say("saved checkpoint %s (%.1f MB, %.2fs)", path, path.stat().st_size / 1e6, seconds)
-                prune_checkpoints(p.run_dir, p.config.run.keep_checkpoints)
-        error = p.dist.broadcast_object(error)
-        if error:
-            raise CheckpointError(error)
+        line = self.writer.save(self.step, path, commit_path(path), tensors, record if p.dist.is_main else None, say)
+        if line:
+            say("%s", line)
         return path
+
+    def finish_saves(self) -> None:
+        """Wait for an asynchronous save in flight (its failure: a :class:`CheckpointError`)."""
+        self.writer.wait()
+
+    def close(self) -> None:
+        """Wait for a save in flight and stop the writer's thread; a failure is logged, not raised (the run is
+        ending anyway, and its earlier checkpoints are intact)."""
+        try:
+            self.writer.close()
+        except CheckpointError as exc:
+            log.warning("%s", exc)
 
 
 def resume_run(state: TrainState, path: Path, say: Say) -> None:
@@ -268,7 +315,7 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
     model, tokenizer, data), settle the learning-rate schedule, then restore every part."""
     p = state.parts
     config = p.config
-    document = load_checkpoint(path)
+    document = load_checkpoint(path, consolidate=False)  # each rank reads its own shards below
     check_settings(document, config, p.run_dir)
     ramp_note = check_ramp_change(
         document.get("config", {}), config.batch.batch_ramp, config.run.allow_ramp_change, p.run_dir

@@ -52,6 +52,8 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.eval_batches",
         "run.save_every",
         "run.keep_checkpoints",
+        "run.async_checkpoint",
+        "run.max_restarts",
         "run.resume",
         "run.overwrite",
         "run.wait_for_lock",

@@ -319,6 +319,17 @@ class RunSection:
         range=NON_NEGATIVE_INT,
     )
     keep_checkpoints: int = _opt(3, "keep the newest N checkpoints; 0 keeps all", range=NON_NEGATIVE_INT)
+    async_checkpoint: bool = _opt(
+        False,
+        "write checkpoints in the background while training goes on (the tensors are first copied to host "
+        "memory; the next save waits for the previous one)",
+    )
+    max_restarts: int = _opt(
+        0,
+        "with --nproc: restart every worker up to N times when one dies or hangs past --collective-timeout; "
+        "the new group resumes from the newest checkpoint by itself; 0: a failed worker ends the run",
+        range=NON_NEGATIVE_INT,
+    )
     resume: str = _opt(
         "auto",
         "auto: continue from the newest valid checkpoint in --out if there is one; "

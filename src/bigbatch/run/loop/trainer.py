@@ -122,7 +122,11 @@ class Trainer:
         self.saves = SaveSchedule(config.run.save_every, saved_step)
 
     def close(self) -> None:
-        """Give the run directory up (:meth:`train` does when it ends): another process may train in it now."""
+        """Finish a checkpoint in flight, then give the run directory up (:meth:`train` does when it ends):
+        another process may train in it now."""
+        state = getattr(self, "state", None)  # none when building the run failed
+        if state is not None:
+            state.close()
         if self.parts.run_lock is not None:
             self.parts.run_lock.release()
 
@@ -203,6 +207,7 @@ class Trainer:
             self.progress.close()
             self.progress = None
             step_log.close()
+        self.state.finish_saves()  # the last checkpoint is committed before the run says it is done
         if seen.stopped_by:
             return self._result(seen, sample=None)
         sample = end_of_run_sample(self.parts, self.sample, self._say)
