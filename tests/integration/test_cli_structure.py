@@ -230,6 +230,7 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
         "bigbatch.cli.launcher",
         "--standalone",
         "--nproc-per-node=3",
+        "--max-restarts=0",
         "-m",
         "bigbatch",
         "verify",
@@ -238,6 +239,8 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
         "--seed",
         "1",
     ]
+    launch.relaunch_under_torchrun(2, "train", ["--max-restarts", "4"], max_restarts=4)
+    assert "--max-restarts=4" in seen[-1][: seen[-1].index("bigbatch")]  # torchrun's flag, before the command
 
 
 def test_default_tolerances_cover_the_resolved_precisions() -> None:

@@ -106,6 +106,18 @@ def parse_command_line(parser: argparse.ArgumentParser, raw: list[str]) -> argpa
     return parser.parse_args(raw)
 
 
+def broken_collective(exc: BaseException) -> str | None:
+    """What a failed collective (a peer that died or hung past --collective-timeout) says, in one line; ``None``
+    for any other error."""
+    import torch.distributed as dist
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if not isinstance(exc, dist.DistError) and "gloo" not in text and "NCCL" not in text:
+        return None
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[source.cc:129] " prefix
+    return f"a collective failed ({cause}): a peer process died or hung past --collective-timeout"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -164,4 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         if out_of_memory(exc):  # the settings asked for more than there is
             return user_error(f"out of memory: {out_of_memory(exc)}; {out_of_memory_advice(args.command)}")
+        broken = broken_collective(exc) if world > 1 else None
+        if broken:  # a peer died or hung: this rank's one line; torchrun's agent restarts or ends the job
+            print(f"bigbatch: error: rank {rank}: {broken}", file=sys.stderr)
+            return 1
         raise

@@ -22,8 +22,14 @@ from bigbatch.parallel.launch import ERROR_DIR_ENV, QUIET_CODES
 
 
 def _first_user_error(folder: Path) -> str | None:
-    files = sorted(folder.glob("rank_*"))
-    return files[0].read_text().strip() if files else None
+    """The first rank's user error of the last start that recorded one (see
+    :func:`bigbatch.parallel.launch.attempt_folder`)."""
+    attempts = sorted(folder.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    for attempt in reversed(attempts):
+        files = sorted(attempt.glob("rank_*"))
+        if files:
+            return files[0].read_text().strip()
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_before_launch(config, config.run.nproc)  # a user error is one line from here, not one per rank
         with held_for_workers(chosen_run_dir(config), config.run.wait_for_lock, say):  # for the whole job
-            return relaunch_under_torchrun(config.run.nproc, "train", args.argv)
+            return relaunch_under_torchrun(config.run.nproc, "train", args.argv, config.run.max_restarts)
     with distributed_session(config.run.device, config.run.collective_timeout) as (dist, device):
         result = Trainer(config, dist, device).train()
     return 128 + result.stopped_by if result.stopped_by else 0  # the shell's convention for a signal

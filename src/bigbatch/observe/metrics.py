@@ -127,6 +127,10 @@ class JsonlLog:
         starts from; the step records hold each step's own shares."""
         self.write("documents", step=step, **shares)
 
+    def write_restart(self, step: int, **details: Any) -> None:
+        """A restart by torchrun's elastic agent (``kind: restart``): the step the new group resumed from."""
+        self.write("restart", step=step, **details)
+
     def close(self) -> None:
         self._handle.close()
 
@@ -165,6 +169,12 @@ class MetricsFanout:
         for sink in self.sinks:
             if isinstance(sink, JsonlLog):
                 sink.write_documents(step, **shares)
+
+    def write_restart(self, step: int, **details: Any) -> None:
+        """To ``metrics.jsonl`` only, like :meth:`write_documents`."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlLog):
+                sink.write_restart(step, **details)
 
     def close(self) -> None:
         error: BaseException | None = None

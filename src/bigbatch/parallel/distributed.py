@@ -162,6 +162,11 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def restart_attempt() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto``: this process's GPU when CUDA is available (``cuda:LOCAL_RANK`` under torchrun), else the CPU."""
     if name == "auto":

@@ -24,14 +24,24 @@ ERROR_DIR_ENV = "BIGBATCH_ERROR_DIR"
 QUIET_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE}
 
 
-def record_user_error(message: str) -> bool:
-    """Under this launcher, leave ``message`` for it to print once; ``False`` when there is no launcher."""
+def attempt_folder() -> Path | None:
+    """Where the workers of this start (torchrun's restart count) record why they end; ``None``: no launcher.
+    Each restart has its own, so that a new group never reads the reasons of the one before it."""
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
+        return None
+    return Path(folder) / f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}"
+
+
+def record_user_error(message: str) -> bool:
+    """Under this launcher, leave ``message`` for it to print once; ``False`` when there is no launcher."""
+    folder = attempt_folder()
+    if folder is None:
         return False
     rank = int(os.environ.get("RANK", "0"))
     try:
-        (Path(folder) / f"rank_{rank:05d}").write_text(message)
+        folder.mkdir(exist_ok=True)
+        (folder / f"rank_{rank:05d}").write_text(message)
     except OSError:
         return False
     return True
@@ -39,23 +49,24 @@ def record_user_error(message: str) -> bool:
 
 def record_quiet_exit(code: int) -> None:
     """Under this launcher, note that this worker ends on purpose and quietly (its output pipe closed)."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if folder:
+    folder = attempt_folder()
+    if folder is not None:
         try:
-            (Path(folder) / f"quiet_{int(os.environ.get('RANK', '0')):05d}").write_text(str(code))
+            folder.mkdir(exist_ok=True)
+            (folder / f"quiet_{int(os.environ.get('RANK', '0')):05d}").write_text(str(code))
         except OSError:
             pass
 
 
 def peer_exit_code() -> int | None:
-    """When another worker of this launch has ended with a recorded reason (a user error, or quietly), the
+    """When another worker of this start has ended with a recorded reason (a user error, or quietly), the
     exit code this worker should end with instead of reporting its broken collective; else ``None``."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if not folder or not Path(folder).is_dir():
+    folder = attempt_folder()
+    if folder is None or not folder.is_dir():
         return None
-    if any(Path(folder).glob("rank_*")):
+    if any(folder.glob("rank_*")):
         return EXIT_USER_ERROR
-    quiet = sorted(Path(folder).glob("quiet_*"))
+    quiet = sorted(folder.glob("quiet_*"))
     return int(quiet[0].read_text() or 1) if quiet else None
 
 
@@ -73,11 +84,12 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) -> int:
+def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str], max_restarts: int = 0) -> int:
     """Run ``bigbatch SUBCOMMAND ARGV`` (less ``--nproc``) in ``nproc`` workers and return the exit code.
 
     The workers run under ``python -m bigbatch.cli.launcher --standalone --nproc-per-node N`` (a worker's
-    failure becomes one line) and die with this process (see :mod:`bigbatch.parallel.lifeline`)."""
+    failure becomes one line) and die with this process (see :mod:`bigbatch.parallel.lifeline`). With
+    ``max_restarts``, the agent restarts every worker up to that many times when one fails."""
     from bigbatch.parallel.lifeline import run_supervised
 
     command = [
@@ -86,6 +98,7 @@ def relaunch_under_torchrun(nproc: int, subcommand: str, argv: Sequence[str]) ->
         "bigbatch.cli.launcher",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         "-m",
         "bigbatch",
         subcommand,

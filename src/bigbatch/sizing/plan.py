@@ -84,6 +84,9 @@ def plan_batch(total_tokens: int, micro_batch: int, seq_len: int, world_size: in
     micro_batches = suggest_micro_batches(total_tokens, seq_len, world_size, near=micro_batch)
     if micro_batches:
         message += f"; or keep the total with micro_batch in {{{', '.join(map(str, micro_batches))}}}"
+    worlds = [w for w in range(1, 2 * world_size + 9) if total_tokens % (micro_batch * seq_len * w) == 0]
+    if worlds and world_size > 1:  # a resumed run keeps its total: the number of processes can change instead
+        message += f"; or keep both with {', '.join(map(str, worlds))} processes"
     raise PlanError(message)
 
 

@@ -15,7 +15,14 @@ from bigbatch.errors import ConfigError
 from bigbatch.models.decoder import LanguageModel, fsdp_units
 from bigbatch.models.registry import family_of
 from bigbatch.models.routing import router_recorder
-from bigbatch.parallel.distributed import DistContext, GradSync, Say, resolve_parallel, wrap_model
+from bigbatch.parallel.distributed import (
+    DistContext,
+    GradSync,
+    Say,
+    launched_by_torchrun,
+    resolve_parallel,
+    wrap_model,
+)
 from bigbatch.progress import plural
 from bigbatch.run.checkpoints.resume import initial_schedule
 from bigbatch.run.configuration.train_config import TrainConfig
@@ -41,6 +48,12 @@ def wrap_for_training(
             "--parallel %s has no effect in a single process: this run neither shards nor replicates the model "
             "(start several processes with --nproc N or torchrun)",
             config.run.parallel,
+            level=logging.WARNING,
+        )
+    if config.run.max_restarts and not launched_by_torchrun():
+        say(
+            "--max-restarts has no effect in a single process: torchrun's elastic agent restarts workers of "
+            "--nproc N > 1 (a single process resumes when run again)",
             level=logging.WARNING,
         )
     wrapped, grad_sync = wrap_model(

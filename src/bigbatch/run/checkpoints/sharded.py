@@ -127,7 +127,9 @@ def verify_sharded(folder: Path, marker: dict[str, Any]) -> str | None:
         if not path.is_file():
             return f"its file {name} is missing"
         if path.stat().st_size != int(entry["size"]):
-            return f"its file {name} is {path.stat().st_size} bytes, the commit marker says {entry['size']} (truncated?)"
+            return (
+                f"its file {name} is {path.stat().st_size} bytes, the commit marker says {entry['size']} (truncated?)"
+            )
         if file_digest(path)["sha256"] != entry["sha256"]:
             return f"its file {name} does not match the commit marker's checksum (damaged on disk?)"
     return None
@@ -290,8 +292,9 @@ class ShardedWriter:
             except DCP_ERRORS as exc:  # DCP gathers every rank's failure and raises it on all of them
                 raise CheckpointError(self._failed(save, exc, group=None)) from exc
             return self._commit(save, group=None)
-        with _single_process_quiet():
-            save.future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group, no_dist=no_dist)
+        with _single_process_quiet():  # stages a host copy of the tensors, then writes them in DCP's thread
+            response = dcp.async_save(tensors, storage_writer=writer, process_group=self._group, no_dist=no_dist)
+        save.future = response if isinstance(response, Future) else response.upload_completion
         self._pending = self._executor.submit(self._finish, save)
         return ""
 

@@ -32,7 +32,6 @@ from bigbatch.run.checkpoints.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
 )
-from bigbatch.run.checkpoints.sharded import ShardedWriter, load_sharded
 from bigbatch.run.checkpoints.resume import (
     check_compatible,
     check_settings,
@@ -40,6 +39,7 @@ from bigbatch.run.checkpoints.resume import (
     data_changed,
     resumed_schedule,
 )
+from bigbatch.run.checkpoints.sharded import ShardedWriter, load_sharded
 from bigbatch.sizing.ramp import check_ramp_change
 
 log = logging.getLogger(__name__)

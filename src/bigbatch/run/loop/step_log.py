@@ -7,7 +7,7 @@ import logging
 
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.engine.accumulate import StepRecord
-from bigbatch.observe.metrics import MetricsSink, format_noise_scale, format_step, mfu, open_metrics
+from bigbatch.observe.metrics import MetricsFanout, MetricsSink, format_noise_scale, format_step, mfu, open_metrics
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.build import RunParts
 
@@ -37,6 +37,22 @@ class StepLog:
                 padding_share=padding,
                 prompt_share=prompt,
             )
+
+    def restarted(self, step: int, attempt: int, resumed: bool) -> None:
+        """Say and record once that torchrun's agent restarted the workers (``attempt`` > 0) and where from."""
+        if attempt < 1:
+            return
+        run = self.parts.config.run
+        where = f"resumed at step {step}" if resumed else "started over (no checkpoint was committed)"
+        self.say(
+            "restart %d%s by torchrun's elastic agent after a worker failed: %s",
+            attempt,
+            f" of at most {run.max_restarts}" if run.max_restarts else "",
+            where,
+            level=logging.WARNING,
+        )
+        if isinstance(self.metrics, MetricsFanout):
+            self.metrics.write_restart(step, attempt=attempt, resumed=resumed, world_size=self.parts.dist.world_size)
 
     def close(self) -> None:
         if self.metrics:

@@ -20,7 +20,7 @@ from bigbatch.data.prefetch import PrefetchLoader
 from bigbatch.engine.accumulate import AccumulationEngine, StepRecord
 from bigbatch.engine.batch import StepBatch, read_step
 from bigbatch.models import LanguageModel, ModelConfig
-from bigbatch.parallel.distributed import DistContext, resolve_device
+from bigbatch.parallel.distributed import DistContext, resolve_device, restart_attempt
 from bigbatch.parallel.signals import StopRequest
 from bigbatch.progress import ProgressBar
 from bigbatch.run.build import RunParts, build_run
@@ -191,6 +191,7 @@ class Trainer:
         step_log = StepLog(self.parts, self._say)  # this session's (holding no reference to self past it)
         if self.dist.is_main:
             step_log.open(self.state.step)
+            step_log.restarted(self.state.step, restart_attempt(), resumed=self.resumed_from is not None)
         stops = StopHandling(self.dist, self.parts.device, self.state, self.saves, self.run_dir, self._say, self._clear)
         self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
         self.progress.update(self.state.step)
