@@ -308,28 +308,6 @@ def test_sigterm_finishes_the_step_saves_and_exits(corpus: Path, tmp_path: Path)
     assert again.returncode == 0 and "resumed from" in again.stdout and f"step {STEPS} | loss" in again.stdout
 
 
-@pytest.fixture(scope="module")
-def golden_two_ranks(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("golden2") / "run"
-    done = torchrun_cli(cli_args(corpus, out), fault=None)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
-@pytest.mark.slow
-def test_killed_rank_restarts_and_finishes_with_the_golden_parameters(
-    corpus: Path, golden_two_ranks: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "run"
-    # The kill fires on the first attempt only; a second spare restart absorbs a transient gloo connection
-    # failure of a restarted round on a loaded machine (seen once in CI), which is not what this test is about.
-    done = torchrun_cli(cli_args(corpus, out, "--save-every", "2"), fault="kill:step=4,micro=1,rank=1", max_restarts=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
-    for name, value in final_model(golden_two_ranks).items():
-        assert torch.equal(final_model(out)[name], value), name
-
-
 @pytest.mark.slow
 def test_restarts_exhausted_is_a_non_zero_exit(corpus: Path, tmp_path: Path) -> None:
     done = torchrun_cli(cli_args(corpus, tmp_path / "run"), fault="kill:step=2,rank=1,attempt=any", max_restarts=1)

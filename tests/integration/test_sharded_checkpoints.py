@@ -1,6 +1,7 @@
 """Sharded checkpoints (torch.distributed.checkpoint) in real processes: a save killed at any point, damaged
-checkpoints, asynchronous saves, resuming on another world size, restarts by torchrun's elastic agent, and two
-nodes on the loopback."""
+checkpoints, asynchronous saves, resuming on another world size, restarts by torchrun's elastic agent (which
+``bigbatch train --nproc N --max-restarts M`` runs, as ``torchrun --max-restarts M`` would), and two nodes on the
+loopback."""
 
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def snapshot(folder: Path) -> dict[Path, tuple[int, int]]:
 
 def kill_points() -> list[tuple[str, int, bool]]:
     draws = random.Random(32)
-    shards = [("shard", draws.randrange(0, 400_000), False) for _ in range(2)]
-    return [("state", 0, False), *shards, ("marker", 0, False), ("shard", draws.randrange(0, 400_000), True)]
+    shard, in_background = draws.randrange(0, 400_000), draws.randrange(0, 400_000)
+    return [("state", 0, False), ("shard", shard, False), ("marker", 0, False), ("shard", in_background, True)]
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ during micro-step M (default 0) of optimizer step S (1-based) on rank R
 * ``kill``: SIGKILL this process (a crash in the middle of an accumulation window);
 * ``sigterm``: send SIGTERM to this process (a polite stop request);
 * ``nan``: make this micro-batch's loss NaN (a non-finite gradient on one rank);
-* ``hang``: sleep for an hour (a dead peer, for collective timeouts).
+* ``hang``: sleep for an hour (a dead peer, for collective timeouts); SIGTERM ends it at once, as it ends a
+  process stuck inside a collective once its timeout returns control (so torchrun's agent need not wait out its
+  grace period before SIGKILL).
 
 Without the variable nothing is wrapped and nothing changes.
 """
@@ -91,6 +93,7 @@ class FaultInjection(StepHook):
         elif fault.action == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         elif fault.action == "hang":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3600)
         elif fault.action == "nan":
             return loss_sum * float("nan")
