@@ -490,8 +490,10 @@ def test_train_piped_into_head_stops_politely_without_logging_errors(workspace: 
     code = process.wait(timeout=120)
     assert code == 143, err  # stopped as on SIGTERM: 128 + 15
     assert err == "", err
-    checkpoints = list((tmp_path / "piped" / "checkpoints").glob("step_*.pt"))
-    assert len(checkpoints) == 1 and int(checkpoints[0].stem.split("_")[1]) < 500
+    from bigbatch.run.checkpoints import checkpoint
+
+    (saved,) = checkpoint.list_checkpoints(tmp_path / "piped")
+    assert checkpoint.verify_checkpoint(saved) is None and checkpoint.checkpoint_step(saved) < 500
 
 
 # ------------------------------------------------------------------------------------------------

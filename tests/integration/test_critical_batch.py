@@ -12,6 +12,7 @@ import torch
 from helpers import assert_one_line_error, corpus_bytes, run_main
 
 from bigbatch.critical_batch.rules import critical_batch_size
+from bigbatch.run.checkpoints import checkpoint as ckpt
 
 PARENT_STEPS, PARENT_TPS = 4, 128  # micro-batch 2 x seq_len 32 x K 2
 SIZES, BUDGET = [64, 128, 256], 512  # K 1, 2, 4; 8, 4 and 2 steps
@@ -90,8 +91,8 @@ def step_records(run_dir: Path) -> list[dict]:
 
 
 def final_state(branch_dir: Path) -> dict:
-    (path,) = sorted((branch_dir / "checkpoints").glob("step_*.pt"))[-1:]
-    return torch.load(path, weights_only=True)
+    """The newest checkpoint of a run or branch, its shards consolidated in this process."""
+    return ckpt.load_checkpoint(ckpt.list_checkpoints(branch_dir)[-1])
 
 
 def assert_same_tensors(a: object, b: object, where: str = "") -> None:
@@ -155,9 +156,7 @@ def test_branches_train_the_same_tokens_at_each_size_and_report_the_critical_bat
         assert record["parent_step"] == PARENT_STEPS and record["tokens_per_step"] == size
         assert final_state(branch_dir)["tokens_seen"] == PARENT_STEPS * PARENT_TPS + BUDGET
     # the parent is left as it was
-    assert [p.name for p in sorted((run_dir / "checkpoints").glob("*.pt"))] == [
-        p.name for p in sorted((parent / "checkpoints").glob("*.pt"))
-    ]
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [p.name for p in ckpt.list_checkpoints(parent)]
     assert (run_dir / "metrics.jsonl").read_text() == (parent / "metrics.jsonl").read_text()
     # the table
     assert "critical batch: " in out and f"{critical:,} tokens per step" in out
@@ -176,7 +175,7 @@ def test_a_branch_at_the_runs_own_size_is_the_run_continued_bitwise(parent: Path
     assert code == 0, out + err
     code, out, err = critical_batch(continued, [PARENT_TPS, 2 * PARENT_TPS], 2 * PARENT_TPS, "--step", "4")
     assert code == 0, out + err
-    assert f"branched from {continued / 'checkpoints' / 'step_0000004.pt'} at step 4" in out
+    assert f"branched from {continued / 'checkpoints' / 'step_0000004'} at step 4" in out
     branch_dir = continued / BASE / f"tps_{PARENT_TPS}"
     a, b = final_state(branch_dir), final_state(continued)
     assert a["step"] == b["step"] == PARENT_STEPS + 2
@@ -223,11 +222,11 @@ def test_a_stop_mid_branch_saves_it_and_the_same_command_finishes_the_measuremen
     assert code == 143, out + err
     assert "stopped by SIGTERM" in out and "Traceback" not in out + err
     assert not (run_dir / BASE / "result.json").exists() and not (run_dir / BASE / "tps_128").exists()
-    assert sorted(p.name for p in (run_dir / BASE / "tps_64" / "checkpoints").glob("*.pt")) == ["step_0000006.pt"]
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / BASE / "tps_64")] == ["step_0000006"]
     monkeypatch.delenv("BIGBATCH_FAULT")
     code, out, err = critical_batch(run_dir)
     assert code == 0, out + err
-    assert f"resumed from {run_dir / BASE / 'tps_64' / 'checkpoints' / 'step_0000006.pt'} at step 6" in out
+    assert f"resumed from {run_dir / BASE / 'tps_64' / 'checkpoints' / 'step_0000006'} at step 6" in out
     once = json.loads((measured[0] / BASE / "result.json").read_text())["branches"]
     again = json.loads((run_dir / BASE / "result.json").read_text())["branches"]
     assert [b["val_loss"] for b in again] == [b["val_loss"] for b in once]

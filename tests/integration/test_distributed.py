@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from launch import SUPPORT, torchrun
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.run.checkpoints import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 
@@ -75,12 +75,6 @@ def test_exactly_one_reduction_round_per_optimizer_step(worker_results: dict[str
     assert result["rounds_every_micro_step"] == steps * k
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_args(corpus: Path, cache: Path, out: Path) -> list[str]:
     return [
         "-m",
@@ -120,28 +114,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def final_state(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "step_0000003.pt", weights_only=True)
-
-
-def test_two_node_rendezvous_on_loopback_matches_single_node(corpus: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    torchrun(*train_args(corpus, cache, tmp_path / "single"))
-    port = free_port()
-    rdzv = ("--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bigbatch-test")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node=1"]
-    command += train_args(corpus, cache, tmp_path / "two-node")
-    nodes = [
-        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
-    single, two_node = final_state(tmp_path / "single"), final_state(tmp_path / "two-node")
-    assert single["world_size"] == two_node["world_size"] == 2
-    for name, value in single["model"].items():
-        torch.testing.assert_close(two_node["model"][name], value, rtol=1e-6, atol=1e-7)
-    assert single["loader"] == two_node["loader"]
+    """The checkpoint of step 3, its shards consolidated in this process."""
+    return ckpt.load_checkpoint(ckpt.checkpoint_path(run_dir, 3))
 
 
 def test_cli_nproc_trains_ddp_and_matches_one_process(corpus: Path, tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
 
 def wait_for_checkpoint(launcher: subprocess.Popen, run: Path, log: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
-    while not (run.is_dir() and any(run.rglob("step_*.pt"))):
+    while not (run.is_dir() and any(run.rglob("step_*.commit"))):
         assert launcher.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)

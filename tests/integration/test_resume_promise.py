@@ -139,7 +139,7 @@ def test_the_same_command_without_out_continues_the_run(corpus: Path, tmp_path: 
 
     again = run()
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resumed from runs/{run_dir.name}/checkpoints/step_0000003.pt at step 3" in again.stdout
+    assert f"resumed from runs/{run_dir.name}/checkpoints/step_0000003 at step 3" in again.stdout
     assert "step 4 | loss" in again.stdout and "step 1 | loss" not in again.stdout
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
     assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import corpus_bytes
-from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli
+from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli, step_losses
 
 from bigbatch.errors import CheckpointError
 from bigbatch.run.checkpoints import checkpoint as ckpt
@@ -85,7 +85,10 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_newest_and_re
     corpus: Path, golden: Path, tmp_path: Path, point: str, offset: int, asynchronous: bool
 ) -> None:
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
+    # Steps 1-2 run in the child, the rest here after the resume, the golden run all here: bitwise only with the
+    # same number of threads as this process (the suite runs with 2 and with 1).
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": os.pathsep.join([str(SUPPORT), *sys.path])}
     command = [sys.executable, str(SUPPORT / "kill_mid_save.py"), str(corpus), str(out), point, str(offset)]
     killed = subprocess.run([*command, *(["async"] if asynchronous else [])], env=env, capture_output=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -159,6 +162,28 @@ def test_an_index_that_would_run_code_is_refused(golden: Path, tmp_path: Path) -
         read_index(folder)
 
 
+@pytest.mark.slow
+def test_a_single_file_checkpoint_of_earlier_bigbatch_still_resumes_bitwise_and_samples(
+    golden: Path, corpus: Path, tmp_path: Path
+) -> None:
+    """Step 3 rewritten in the format earlier bigbatch wrote (one ``step_0000003.pt``: the whole model and
+    optimizer, gathered): sample reads it, and training resumes from it to the golden run's parameters."""
+    run = rewound(golden, tmp_path / "run", step=3)
+    document = ckpt.load_checkpoint(ckpt.checkpoint_path(run, 3))
+    old = {k: v for k, v in document.items() if k not in ("format", "version", "shards", "optimizer_param_groups")}
+    ckpt.remove_checkpoint(ckpt.checkpoint_path(run, 3))
+    single = ckpt.save_checkpoint(old, ckpt.single_file_path(run, 3))
+    assert ckpt.latest_valid_checkpoint(run) == single
+    sample = run_cli(["sample", "--checkpoint", str(run), "--max-new-tokens", "4", "--seed", "1"])
+    assert sample.returncode == 0, sample.stderr[-2000:]
+    trainer = Trainer(make_config(corpus, run, save_every=1, keep_checkpoints=0))
+    assert trainer.resumed_from == single
+    trainer.train()
+    assert ckpt.is_sharded(ckpt.latest_valid_checkpoint(run))  # what it writes from then on
+    for name, value in final_model(golden).items():
+        assert torch.equal(final_model(run)[name], value), name
+
+
 # ---- asynchronous saves ----------------------------------------------------------------------------------
 
 
@@ -225,21 +250,53 @@ def restarts(run: Path) -> list[dict[str, object]]:
     return [r for r in records if r["kind"] == "restart"]
 
 
+DDP_DROPOUT = ("--nproc", "2", "--parallel", "ddp", "--dropout", "0.1")
+FSDP = ("--nproc", "2", "--parallel", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def golden_ddp_dropout(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two DDP processes with dropout 0.1 (each rank draws its masks from its own generators), a checkpoint
+    every 2 steps."""
+    out = tmp_path_factory.mktemp("golden_ddp") / "run"
+    done = run_cli(cli_args(corpus, out, *DDP_DROPOUT, "--save-every", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = ckpt.load_checkpoint(out)
+    assert not torch.equal(document["rng"][0]["torch"], document["rng"][1]["torch"])  # each rank its own stream
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("fault", "timeout"), [("kill:step=5,micro=1,rank=1", "60"), ("hang:step=5,rank=0", "6")], ids=["kill", "hang"]
+    ("fault", "timeout", "settings", "golden_run"),
+    [
+        ("kill:step=5,micro=1,rank=1", "60", DDP_DROPOUT, "golden_ddp_dropout"),
+        ("hang:step=5,rank=0", "6", FSDP, "golden_fsdp"),
+    ],
+    ids=["kill-ddp-dropout", "hang-fsdp"],
 )
 def test_a_failed_worker_restarts_the_group_which_resumes_by_itself_bitwise(
-    golden_fsdp: Path, corpus: Path, tmp_path: Path, fault: str, timeout: str
+    corpus: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    fault: str,
+    timeout: str,
+    settings: tuple[str, ...],
+    golden_run: str,
 ) -> None:
+    """A worker SIGKILLed inside step 5, or one hung there past --collective-timeout, brings the group down;
+    torchrun's agent starts it again, it resumes from step 4 by itself (every rank's generators too: with
+    dropout the masks depend on them) and ends with the losses and parameters of a run that never stopped."""
+    golden = request.getfixturevalue(golden_run)
     out = tmp_path / "run"
-    args = cli_args(corpus, out, "--nproc", "2", "--parallel", "fsdp", "--save-every", "2", "--max-restarts", "2")
+    args = cli_args(corpus, out, *settings, "--save-every", "2", "--max-restarts", "2")
     done = run_cli([*args, "--collective-timeout", timeout], fault=fault)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "restart 1 of at most 2 by torchrun's elastic agent after a worker failed: resumed at step 4" in done.stdout
     assert [(r["step"], r["attempt"]) for r in restarts(out)] == [(4, 1)]
     assert "Traceback" not in done.stderr
-    for name, value in final_model(golden_fsdp).items():
+    assert step_losses(out) == step_losses(golden)  # bitwise
+    for name, value in final_model(golden).items():
         assert torch.equal(final_model(out)[name], value), name
 
 

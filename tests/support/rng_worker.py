@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from reliability_runs import make_config
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from bigbatch.engine.rng import capture_rng_state
 from bigbatch.parallel.distributed import distributed_session
@@ -26,7 +27,8 @@ def main() -> None:
             config = make_config(corpus, out / parallel, parallel=parallel, max_steps=1, eval_every=0)
             trainer = Trainer(config, dist_ctx, device)
             rng = capture_rng_state()
-            full = trainer.state.state_dict()["model"]  # collective: every rank takes part
+            whole = StateDictOptions(full_state_dict=True)  # FSDP2: every rank's shards gathered (a collective)
+            full = get_model_state_dict(trainer.model, options=whole)
             model_state = {name: value.detach().clone() for name, value in full.items()}  # may alias parameters
             masks: list[torch.Tensor] = []
 
