@@ -16,6 +16,7 @@ FROM_CONFIG = object()
 """The default of a shared flag: its config field's."""
 
 K_MEANING = "accumulation steps (K): micro-batches per device per optimizer step"
+CHECKPOINT_MEANING = "run directory, or one checkpoint of it (RUN/checkpoints/step_N, or an older step_N.pt)"
 
 OWN_DEFAULTS: dict[tuple[str, str], str] = {
     ("verify", "--micro-batch"): "the check's size, 2 x 4 x 64: seconds on a CPU (train's 16 x K x 256 for nano: a "

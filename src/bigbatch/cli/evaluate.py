@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bigbatch.cli.common import add_config_flag, add_device, add_micro_batch, add_precision, add_seq_len
+from bigbatch.cli.common import (
+    CHECKPOINT_MEANING,
+    add_config_flag,
+    add_device,
+    add_micro_batch,
+    add_precision,
+    add_seq_len,
+)
 from bigbatch.run.configuration.train_config import DataSection
 from bigbatch.settings.ranges import NON_NEGATIVE_INT
 
@@ -18,7 +25,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help=CHECKPOINT_MEANING)
     add_config_flag(
         parser,
         DataSection,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bigbatch.cli.common import CHECKPOINT_MEANING
+
 HELP = "write a run's newest valid checkpoint as a Hugging Face model (GPT-2, Llama, Mixtral, Qwen2-MoE or Qwen3-MoE)"
 DESCRIPTION = (
     "Write the model of the newest valid checkpoint (config.json + model.safetensors) and its tokenizer, loadable "
@@ -15,7 +17,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="run directory or checkpoint file")
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help=CHECKPOINT_MEANING)
     parser.add_argument(
         "--format",
         default="hf",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bigbatch.cli.common import add_device, add_seed
+from bigbatch.cli.common import CHECKPOINT_MEANING, add_device, add_seed
 from bigbatch.settings.ranges import NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE_INT
 
 HELP = "generate text from a saved run"
@@ -14,7 +14,7 @@ DESCRIPTION = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, type=Path, help="run directory or checkpoint file")
+    parser.add_argument("--checkpoint", required=True, type=Path, help=CHECKPOINT_MEANING)
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--max-new-tokens", type=POSITIVE_INT.argtype(), default=200)
     parser.add_argument(

@@ -257,6 +257,8 @@ class ShardedWriter:
     def __post_init__(self) -> None:
         if self.asynchronous:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigbatch-checkpoint")
+            if not self.dist.is_distributed:  # DCP's thread warns on every save that it assumes one process
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             if self.dist.is_distributed:
                 import torch.distributed as dist
 
