@@ -203,9 +203,14 @@ def load_checkpoint(
         document = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # unpickling errors come in many types
         raise CheckpointError(f"cannot read checkpoint {path}: it is damaged or not a bigbatch checkpoint") from exc
+    return _checked_document(document, path, FORMAT_VERSION)
+
+
+def _checked_document(document: Any, path: Path, version: int) -> dict[str, Any]:
+    """``document`` if it is a bigbatch checkpoint of ``version`` (the format its path says), else why not."""
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{path} is not a bigbatch checkpoint")
-    if document.get("version") != FORMAT_VERSION:
+    if document.get("version") != version:
         raise CheckpointError(
             f"{path} has checkpoint version {document.get('version')}; this bigbatch reads versions "
             f"{FORMAT_VERSION} and {SHARDED_VERSION}"
@@ -221,13 +226,7 @@ def _load_sharded_document(path: Path, consolidate: bool) -> dict[str, Any]:
         document = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: it is damaged or not a bigbatch checkpoint") from exc
-    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path} is not a bigbatch checkpoint")
-    if document.get("version") != SHARDED_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint version {document.get('version')}; this bigbatch reads versions "
-            f"{FORMAT_VERSION} and {SHARDED_VERSION}"
-        )
+    document = _checked_document(document, path, SHARDED_VERSION)
     document["shards"] = str(path)
     if consolidate:
         try:
