@@ -271,7 +271,7 @@ def golden_ddp_dropout(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -
     ("fault", "timeout", "settings", "golden_run"),
     [
         ("kill:step=5,micro=1,rank=1", "60", DDP_DROPOUT, "golden_ddp_dropout"),
-        ("hang:step=5,rank=0", "6", FSDP, "golden_fsdp"),
+        ("hang:step=5,rank=0", "10", FSDP, "golden_fsdp"),
     ],
     ids=["kill-ddp-dropout", "hang-fsdp"],
 )
