@@ -39,7 +39,6 @@ from bench_config import cpu_run_config, generated_corpus
 
 from bigbatch.run.checkpoints import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -194,10 +193,13 @@ def _train(corpus: Path, out: Path, world: int, *extra: str, fault: str | None =
     return done.stdout
 
 
-def _relative_l2(ours: Path, reference: Path) -> float:
+def _compared(ours: Path, reference: Path) -> tuple[float, bool]:
+    """The relative L2 distance of two runs' final parameters, and whether they are bitwise equal (each
+    checkpoint read, and consolidated, once)."""
     a, b = ckpt.load_checkpoint(ours)["model"], ckpt.load_checkpoint(reference)["model"]
     num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in b)
-    return (num / sum(float((b[k].double() ** 2).sum()) for k in b)) ** 0.5
+    distance = (num / sum(float((b[k].double() ** 2).sum()) for k in b)) ** 0.5
+    return distance, a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
 def bench_resume(work: Path) -> dict[int, Path]:
@@ -212,15 +214,7 @@ def bench_resume(work: Path) -> dict[int, Path]:
             shutil.copytree(reference, run)
             ckpt.remove_checkpoint(ckpt.checkpoint_path(run, 6))
             _train(corpus, run, target)
-            distance = _relative_l2(run, reference)
-            same = all(
-                torch.equal(x, y)
-                for x, y in zip(
-                    ckpt.load_checkpoint(run)["model"].values(),
-                    ckpt.load_checkpoint(reference)["model"].values(),
-                    strict=True,
-                )
-            )
+            distance, same = _compared(run, reference)
             print(f"  {source} -> {target}: relative L2 {distance:.1e}{' (bitwise)' if same else ''}")
     return whole
 
@@ -235,8 +229,7 @@ def bench_restart(work: Path, whole_2: Path | None) -> None:
     out = work / "restarted"
     said = _train(corpus, out, 2, "--max-restarts", "2", fault=f"kill:step={step},micro={micro},rank={rank}")
     restarted = "restart 1 of at most 2" in said
-    a, b = ckpt.load_checkpoint(out)["model"], ckpt.load_checkpoint(whole_2)["model"]
-    bitwise = all(torch.equal(a[k], b[k]) for k in b)
+    _, bitwise = _compared(out, whole_2)
     print(
         f"restart | --nproc 2 --max-restarts 2, rank {rank} SIGKILLed at step {step} micro-step {micro}: "
         f"{'restarted' if restarted else 'NOT restarted'}, final parameters {'bitwise equal' if bitwise else 'DIFFER'}"

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import corpus_bytes
-from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli, step_losses, torchrun_cli
+from reliability_runs import (
+    STEPS,
+    assert_same_final_model,
+    cli_args,
+    make_config,
+    run_cli,
+    step_losses,
+    torchrun_cli,
+)
 
 from bigbatch.cli import main
 from bigbatch.engine.rng import capture_rng_state, restore_rng_state
@@ -72,8 +80,7 @@ def test_resume_after_a_crash_is_bitwise_identical(
     assert resumed.engine.step_count == (crash_step - 1) // save_every * save_every  # the window is replayed
     resumed.train()
     assert step_losses(out) == step_losses(golden)  # bitwise: == on floats
-    for name, value in final_model(golden).items():
-        assert torch.equal(final_model(out)[name], value), name
+    assert_same_final_model(out, golden)
 
 
 def test_resume_never_refuses_and_overwrite_starts_over(corpus: Path, golden: Path, tmp_path: Path) -> None:

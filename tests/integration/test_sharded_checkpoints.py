@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import corpus_bytes
-from reliability_runs import STEPS, cli_args, final_model, make_config, run_cli, step_losses
+from reliability_runs import STEPS, assert_same_final_model, cli_args, final_model, make_config, run_cli, step_losses
 
 from bigbatch.errors import CheckpointError
 from bigbatch.run.checkpoints import checkpoint as ckpt
@@ -95,8 +95,7 @@ def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint_newest_and_re
     assert ckpt.latest_valid_checkpoint(out) == ckpt.checkpoint_path(out, 2)
     assert ckpt.verify_checkpoint(ckpt.checkpoint_path(out, 3)) is not None  # there, or partly, but never trusted
     Trainer(make_config(corpus, out, save_every=1, keep_checkpoints=0)).train()  # re-saves step 3 from scratch
-    for name, value in final_model(golden).items():
-        assert torch.equal(final_model(out)[name], value), name
+    assert_same_final_model(out, golden)
     assert ckpt.verify_checkpoint(ckpt.checkpoint_path(out, 3)) is None
 
 
@@ -145,8 +144,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(golden: Path, 
     trainer = Trainer(make_config(corpus, run, save_every=1, keep_checkpoints=0))
     assert trainer.resumed_from == ckpt.checkpoint_path(run, 2)
     trainer.train()
-    for name, value in final_model(golden).items():
-        assert torch.equal(final_model(run)[name], value), name
+    assert_same_final_model(run, golden)
 
 
 @pytest.mark.slow
@@ -180,8 +178,7 @@ def test_a_single_file_checkpoint_of_earlier_bigbatch_still_resumes_bitwise_and_
     assert trainer.resumed_from == single
     trainer.train()
     assert ckpt.is_sharded(ckpt.latest_valid_checkpoint(run))  # what it writes from then on
-    for name, value in final_model(golden).items():
-        assert torch.equal(final_model(run)[name], value), name
+    assert_same_final_model(run, golden)
 
 
 # ---- asynchronous saves ----------------------------------------------------------------------------------
@@ -296,8 +293,7 @@ def test_a_failed_worker_restarts_the_group_which_resumes_by_itself_bitwise(
     assert [(r["step"], r["attempt"]) for r in restarts(out)] == [(4, 1)]
     assert "Traceback" not in done.stderr
     assert step_losses(out) == step_losses(golden)  # bitwise
-    for name, value in final_model(golden).items():
-        assert torch.equal(final_model(out)[name], value), name
+    assert_same_final_model(out, golden)
 
 
 # ---- two nodes on the loopback ---------------------------------------------------------------------------

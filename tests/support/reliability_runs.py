@@ -44,6 +44,14 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return ckpt.load_checkpoint(run_dir)["model"]
 
 
+def assert_same_final_model(run_dir: Path, golden_dir: Path) -> None:
+    """The newest checkpoints of two runs hold bitwise equal parameters (each read, and consolidated, once)."""
+    ours, theirs = final_model(run_dir), final_model(golden_dir)
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
 def cli_args(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
         "train",
