@@ -7,20 +7,23 @@ import logging
 from pathlib import Path
 
 from bigbatch.cli.common import add_config_flag, add_device, add_micro_batch
-from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, DEFAULT_LR_RULE, LR_RULES, parse_sizes
-from bigbatch.errors import BigBatchError
-from bigbatch.run.configuration.train_config import RunSection
+from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, parse_sizes
+from bigbatch.errors import BigBatchError, ConfigError
+from bigbatch.run.configuration.train_config import OptimSection, RunSection
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE_INT
 from bigbatch.sizing.plan import parse_count
 
 HELP = "measure the critical batch: branch short runs from a run's checkpoint at several tokens per step"
 DESCRIPTION = (
     "Branch RUN's latest checkpoint at each tokens per step (exact: whole micro-batches, K derived), train each "
-    "branch for the same number of tokens with a constant learning rate (the run's at the branch point, scaled "
-    "by --lr-rule), evaluate every branch on the same validation windows, and report the largest tokens per step "
-    "whose loss stays within --tolerance of the smallest size's. Branches live in "
-    "RUN/critical-batch/step_SSSSSSS-lr_RULE/tps_N/ (ordinary run directories); running the command again "
-    "continues unfinished branches and reuses finished ones. Writes result.json and critical-batch.png there."
+    "branch for the same number of tokens with constant optimizer settings (the run's at the branch point, moved "
+    "to the branch's size by --batch-change-rule and --batch-change-betas), evaluate every branch on the same "
+    "validation windows, and report the largest tokens per step whose loss stays within --tolerance of the "
+    "smallest size's. Branches live in RUN/critical-batch/step_SSSSSSS-RULE/tps_N/ (ordinary run directories); "
+    "running the command again continues unfinished branches and reuses finished ones. Writes result.json and "
+    "critical-batch.png there. With --every N, does so at every checkpoint of RUN at a multiple of N steps and "
+    "writes the critical batch against tokens seen, beside the run's noise scale (over-run-RULE.json and .png), "
+    "which --batch-ramp from:RUN follows in a new run."
 )
 
 
@@ -67,13 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"smallest's; 0: no higher at all (default: {DEFAULT_LOSS_TOLERANCE}, i.e. "
         f"{DEFAULT_LOSS_TOLERANCE * 100:g}%%)",
     )
-    parser.add_argument(
-        "--lr-rule",
-        choices=LR_RULES,
-        default=DEFAULT_LR_RULE,
-        help="the branch's constant learning rate: the run's at the branch point times "
-        "sqrt(N / N_run) (sqrt), N / N_run (linear) or 1 (constant) (default: sqrt)",
-    )
+    for name in ("batch_change_rule", "batch_change_betas", "batch_change_weight_decay"):
+        add_config_flag(parser, OptimSection, name, note="; critical-batch: from the run's size to each branch's")
+    parser.add_argument("--lr-rule", help=argparse.SUPPRESS)  # renamed: refused in one line below
     add_micro_batch(
         parser,
         default=None,
@@ -91,26 +90,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step", type=POSITIVE_INT.argtype(), help="branch from RUN's checkpoint at this step (default: its newest)"
     )
+    parser.add_argument(
+        "--every",
+        type=POSITIVE_INT.argtype(),
+        metavar="N",
+        help="measure at every checkpoint of RUN at a multiple of N steps (two or more: train with --save-every "
+        "and --keep-checkpoints 0) and write the critical batch against tokens seen",
+    )
     add_device(parser)
     parser.add_argument("--no-plot", action="store_true", help="skip critical-batch.png")
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.critical_batch.measure import RESULT_FILE, Interrupted, measure_critical_batch
+    from bigbatch.critical_batch.measure import RESULT_FILE, Interrupted, measure_critical_batch, measure_over_run
+    from bigbatch.engine.batch_change import BatchChangeRule
 
-    try:
-        result = measure_critical_batch(
-            args.run,
-            args.tokens_per_step,
-            args.budget,
-            tolerance=args.tolerance,
-            lr_rule=args.lr_rule,
-            micro_batch=args.micro_batch,
-            eval_batches=args.eval_batches,
-            device=args.device,
-            plot=not args.no_plot,
-            step=args.step,
+    if args.lr_rule is not None:
+        raise ConfigError(
+            "--lr-rule is now --batch-change-rule (none, sqrt or linear; constant is none), which also moves beta2 "
+            "(--batch-change-betas) as train's batch changes do"
         )
+    if args.every is not None and args.step is not None:
+        raise ConfigError("--every measures at several checkpoints and --step at one; give one of them")
+    rule = BatchChangeRule.resolve(args.batch_change_rule, args.batch_change_betas, args.batch_change_weight_decay)
+    common = {
+        "tolerance": args.tolerance,
+        "rule": rule,
+        "micro_batch": args.micro_batch,
+        "eval_batches": args.eval_batches,
+        "device": args.device,
+        "plot": not args.no_plot,
+    }
+    try:
+        if args.every is not None:
+            over_run, path = measure_over_run(args.run, args.every, args.tokens_per_step, args.budget, **common)
+            print(over_run.format())
+            print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png')}"))
+            return 0
+        result = measure_critical_batch(args.run, args.tokens_per_step, args.budget, step=args.step, **common)
     except Interrupted as stop:
         logging.getLogger(__name__).warning(
             "critical-batch stopped; the branch's checkpoint is saved: run the same command to continue"

@@ -5,16 +5,16 @@ Batch Size Revisited", 2025) measure it: branch from a checkpoint at several bat
 the same number of tokens, and take the largest batch whose loss stays within a tolerance of the smallest
 batch's. This module does that on bigbatch's own training path:
 
-* **Branches.** Each tokens-per-step N is a run of its own in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/tps_N/``
+* **Branches.** Each tokens-per-step N is a run of its own in ``RUN/critical-batch/step_SSSSSSS-RULE/tps_N/``
   (a normal run directory: config, metrics, checkpoints), started from RUN's latest checkpoint by
   :mod:`bigbatch.run.checkpoints.branch` (model, optimizer, step, data position, tokens seen, generators) with the
   parent's micro-batch and ``K = N / (micro_batch x seq_len)``: every step is exact at its size. It trains
   ``budget / N`` steps, so every branch sees ``budget`` tokens, all from the same data position.
-* **Learning rate** (:func:`branch_lr`): constant over the branch, the parent's learning rate at the branch
-  point scaled by the ratio of tokens per step ``r = N / N_parent``: ``sqrt`` (default: ``lr x sqrt(r)``, the
-  square-root rule for Adam), ``linear`` (``lr x r``) or ``constant`` (``lr``). At the parent's own size every
-  rule gives the parent's learning rate, so that branch *is* the parent continued with a constant learning
-  rate (bitwise the parent's own continuation when its schedule is constant from there, e.g. after its decay).
+* **Optimizer** (:mod:`bigbatch.engine.batch_change`): constant over the branch, the parent's settings at the
+  branch point (its next step's learning rate, betas and weight decay, at its own size) moved by the batch-change
+  rule for ``r = N / N_parent``: ``sqrt`` (default: ``lr x sqrt(r)`` and ``beta2 ** r``), ``linear`` or ``none``.
+  At the parent's own size every rule gives the parent's settings, so that branch *is* the parent continued with
+  a constant learning rate (bitwise the parent's own continuation when its schedule is constant from there).
 * **Comparison.** Every branch's final checkpoint and the parent's are evaluated on the same validation windows
   (``eval_batches`` micro-batches of ``micro_batch x seq_len`` from the start of the split). The critical
   batch is the largest N such that N and every smaller size tried reach a loss at most ``(1 + tolerance)``
@@ -35,20 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.artifacts.evaluate import EvalFlags, evaluate_checkpoint
+from bigbatch.critical_batch.over_run import CriticalBatchOverRun, checkpoints_every, point_of, write_over_run
 from bigbatch.critical_batch.result import BranchResult, CriticalBatchResult, noise_scale_series, plot_result
-from bigbatch.critical_batch.rules import (
-    DEFAULT_LOSS_TOLERANCE,
-    DEFAULT_LR_RULE,
-    LR_RULES,
-    branch_lr,
-    check_budget,
-    critical_batch_size,
-    plan_sizes,
-)
+from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, check_budget, critical_batch_size, plan_sizes
+from bigbatch.engine.batch_change import BatchChangeRule, OptimSettings
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.files.atomic import write_json_atomically
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir, require_own_dir
 from bigbatch.parallel.distributed import resolve_device
+from bigbatch.run.checkpoints.branch import parent_tokens_per_step
 from bigbatch.run.checkpoints.checkpoint import (
     checkpoint_at,
     checkpoint_path,
@@ -117,8 +112,8 @@ class _Parent:
     document: dict[str, Any]  # its run record (config, step, ...) without the tensors
     step: int
     tokens_seen: int
-    tokens_per_step: int
-    lr: float  # the learning rate of its next step
+    tokens_per_step: int  # of its last step
+    settings: OptimSettings  # its next step's learning rate, betas and weight decay
     micro_batch: int
     seq_len: int
     sha256: str
@@ -142,33 +137,62 @@ def _read_parent(run_dir: Path, step: int | None = None) -> _Parent:
         document={k: v for k, v in document.items() if k not in ("model", "optimizer", "rng")},
         step=step,
         tokens_seen=int(document.get("tokens_seen", 0)),
-        tokens_per_step=int(batch["total_batch_tokens"]),
-        lr=saved_schedule(document)(step),
+        tokens_per_step=parent_tokens_per_step(document),
+        settings=parent_settings(document, step),
         micro_batch=micro_batch,
         seq_len=int(batch["seq_len"]),
         sha256=str(json.loads(commit_path(path).read_text())["sha256"]),
     )
 
 
+def parent_settings(document: dict[str, Any], step: int) -> OptimSettings:
+    """The learning rate, betas and weight decay of the parent's next step at its own size: its optimizer's (the
+    engine sets them after each step; the weight decay of the group that decays), else its schedule's and config's
+    (a checkpoint without param groups)."""
+    groups = document.get("optimizer_param_groups") or (document.get("optimizer") or {}).get("param_groups") or []
+    optim = (document.get("config") or {}).get("optim") or {}
+    if groups and all(key in groups[0] for key in ("lr", "betas")):
+        beta1, beta2 = (float(beta) for beta in groups[0]["betas"])
+        decay = max(float(group.get("weight_decay", 0.0)) for group in groups)
+        return OptimSettings(float(groups[0]["lr"]), beta1, beta2, decay)
+    return OptimSettings(
+        saved_schedule(document)(step),
+        float(optim.get("beta1", 0.9)),
+        float(optim.get("beta2", 0.95)),
+        float(optim.get("weight_decay", 0.1)),
+    )
+
+
 def branch_config(
-    parent: _Parent, branch_dir: Path, plan: BatchPlan, lr: float, steps: int, eval_batches: int, device: str
+    parent: _Parent,
+    branch_dir: Path,
+    plan: BatchPlan,
+    rule: BatchChangeRule,
+    steps: int,
+    eval_batches: int,
+    device: str,
 ) -> Any:
     """The branch's own config: the parent's, with this size's tokens per step (the micro-batch chosen for all
-    branches), a constant learning rate ``lr``, ``steps`` more steps, and its own directory; no sample, no
-    external loggers, one process."""
+    branches), the parent's settings at the branch point held constant (the batch-change ``rule`` moves them to
+    this size from the first step), ``steps`` more steps, and its own directory; no sample, no external loggers,
+    one process."""
     config = config_from_dict(parent.document.get("config") or {})
     trained_on = str(parent.document.get("dataset") or "")
     if trained_on and Path(trained_on).is_dir():  # the prepared tokens the parent read (found from any directory)
         config.data.data = trained_on
     config.batch.total_batch_tokens, config.batch.micro_batch = plan.tokens_per_step, plan.micro_batch
     config.batch.batch_ramp = ""  # every branch trains at its own fixed size, whatever the parent's ramp
-    optim = config.optim
-    optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.decay_steps = lr, 1.0, 0, 0  # constant lr
+    optim, settings = config.optim, parent.settings
+    optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.decay_steps = settings.lr, 1.0, 0, 0  # constant lr
+    optim.beta1, optim.beta2, optim.weight_decay = settings.beta1, settings.beta2, settings.weight_decay
+    optim.batch_change_rule, optim.batch_change_betas = rule.rule, rule.betas
+    optim.batch_change_weight_decay, optim.schedule = rule.weight_decay, "cosine"
+    config.batch.max_batch_tokens = 0
     run = config.run
     run.max_steps, run.out, run.device, run.eval_batches = parent.step + steps, str(branch_dir), device, eval_batches
     run.resume, run.overwrite, run.nproc, run.parallel = "auto", False, 1, "auto"
     run.tensorboard, run.wandb, run.sample_tokens = False, "", 0
-    run.extend_schedule = run.allow_data_change = run.allow_ramp_change = False
+    run.extend_schedule = run.allow_data_change = run.allow_ramp_change = run.allow_batch_change = False
     run.name = ""  # labelled by its own directory (tps_N), not by the parent's name
     return config
 
@@ -182,7 +206,7 @@ def _check_branch_record(branch_dir: Path, record: dict[str, Any]) -> None:
             saved = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             saved = {}
-        keys = ("parent_sha256", "tokens_per_step", "lr_rule", "lr")
+        keys = ("parent_sha256", "tokens_per_step", "batch_change_rule", "lr", "beta2")
         diffs = [f"{k} {saved.get(k)!r} -> {record[k]!r}" for k in keys if saved.get(k) != record[k]]
         if diffs:
             raise CheckpointError(
@@ -223,7 +247,7 @@ def measure_critical_batch(
     sizes: list[int],
     budget: int,
     tolerance: float = DEFAULT_LOSS_TOLERANCE,
-    lr_rule: str = DEFAULT_LR_RULE,
+    rule: BatchChangeRule | None = None,
     micro_batch: int | None = None,
     eval_batches: int | None = None,
     device: str = "auto",
@@ -232,10 +256,10 @@ def measure_critical_batch(
 ) -> CriticalBatchResult:
     """Branch RUN's latest checkpoint (or the one at ``step``) at each size in ``sizes`` (tokens per step), train
     each for ``budget`` tokens, evaluate all on the same validation windows and find the critical batch; write
-    ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-lr_RULE/``. Every check runs before any
+    ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-RULE/``. ``rule``: how each branch's
+    optimizer follows its size (default: sqrt with beta2's half-life in tokens). Every check runs before any
     training."""
-    if lr_rule not in LR_RULES:
-        raise ConfigError(f"--lr-rule must be one of {', '.join(LR_RULES)}, got {lr_rule!r}")
+    rule = rule or BatchChangeRule()
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ConfigError(f"--tolerance must be a fraction >= 0 (e.g. 0.01 for 1%), got {tolerance}")
     sizes = sorted(set(sizes))
@@ -262,7 +286,7 @@ def measure_critical_batch(
         return result.loss, result.tokens
 
     parent_loss, eval_tokens = evaluate(parent.checkpoint)  # also: the data has a validation split, before training
-    base = run_dir / OUT_DIR / f"step_{parent.step:07d}-lr_{lr_rule}"
+    base = run_dir / OUT_DIR / f"step_{parent.step:07d}-{rule.label()}"
     base.mkdir(parents=True, exist_ok=True)
     # One measurement writes it; critical-batch has no --wait-for-lock: another one is refused.
     with hold_directory(base, "critical-batch directory", wait=False, say=_say, wait_flag=None):
@@ -274,7 +298,7 @@ def measure_critical_batch(
             plans,
             budget,
             tolerance,
-            lr_rule,
+            rule,
             eval_batches,
             device,
             plot,
@@ -294,7 +318,7 @@ def _measure(
     plans: list[BatchPlan],
     budget: int,
     tolerance: float,
-    lr_rule: str,
+    rule: BatchChangeRule,
     eval_batches: int,
     device: str,
     plot: bool,
@@ -313,7 +337,7 @@ def _measure(
         base,
     )
     trained = [
-        _train_and_score_branch(run_dir, base, parent, plan, budget, lr_rule, eval_batches, device, evaluate)
+        _train_and_score_branch(run_dir, base, parent, plan, budget, rule, eval_batches, device, evaluate)
         for plan in plans
     ]
     critical, within = critical_batch_size(sizes, [t[3] for t in trained], tolerance)
@@ -324,10 +348,11 @@ def _measure(
         parent_step=parent.step,
         parent_tokens_seen=parent.tokens_seen,
         parent_tokens_per_step=parent.tokens_per_step,
-        parent_lr=parent.lr,
+        parent_lr=parent.settings.lr,
+        parent_beta2=parent.settings.beta2,
         parent_val_loss=parent_loss,
         budget=budget,
-        lr_rule=lr_rule,
+        batch_change_rule=rule.label(),
         tolerance=tolerance,
         micro_batch=mb,
         seq_len=seq_len,
@@ -337,8 +362,18 @@ def _measure(
         noise_scale=noise[-1][2] if noise else None,
         noise_scale_step=noise[-1][0] if noise else None,
         branches=[
-            BranchResult(plan.tokens_per_step, plan.accumulation_steps, steps, lr, loss, ok, str(branch_dir), reused)
-            for (plan, steps, lr, loss, reused, branch_dir), ok in zip(trained, within, strict=True)
+            BranchResult(
+                plan.tokens_per_step,
+                plan.accumulation_steps,
+                steps,
+                settings.lr,
+                loss,
+                ok,
+                str(branch_dir),
+                reused,
+                beta2=settings.beta2,
+            )
+            for (plan, steps, settings, loss, reused, branch_dir), ok in zip(trained, within, strict=True)
         ],
     )
     if plot:
@@ -347,8 +382,8 @@ def _measure(
     return result
 
 
-_Trained = tuple[BatchPlan, int, float, float, bool, Path]
-"""A branch trained and scored: its plan, steps, learning rate, validation loss, whether it was reused, its
+_Trained = tuple[BatchPlan, int, OptimSettings, float, bool, Path]
+"""A branch trained and scored: its plan, steps, optimizer settings, validation loss, whether it was reused, its
 directory."""
 
 
@@ -358,7 +393,7 @@ def _train_and_score_branch(
     parent: _Parent,
     plan: BatchPlan,
     budget: int,
-    lr_rule: str,
+    rule: BatchChangeRule,
     eval_batches: int,
     device: str,
     evaluate: Callable[[Path], tuple[float, int]],
@@ -366,7 +401,7 @@ def _train_and_score_branch(
     """One branch of :func:`_measure`: ``budget`` tokens at ``plan``'s tokens per step from the parent (or its
     finished checkpoint, reused), then its validation loss."""
     size, steps = plan.tokens_per_step, budget // plan.tokens_per_step
-    lr = branch_lr(lr_rule, parent.lr, parent.tokens_per_step, size)
+    settings = rule.follow(parent.settings, size / parent.tokens_per_step)
     branch_dir = base / f"tps_{size}"
     record = {
         "parent_run": str(run_dir.resolve()),
@@ -374,22 +409,53 @@ def _train_and_score_branch(
         "parent_step": parent.step,
         "parent_sha256": parent.sha256,
         "parent_tokens_per_step": parent.tokens_per_step,
-        "parent_lr": parent.lr,
+        "parent_lr": parent.settings.lr,
         "tokens_per_step": size,
-        "lr_rule": lr_rule,
-        "lr": lr,
+        "batch_change_rule": rule.label(),
+        "lr": settings.lr,
+        "beta2": settings.beta2,
     }
     _check_branch_record(branch_dir, record)
-    config = branch_config(parent, branch_dir, plan, lr, steps, eval_batches, device)
+    config = branch_config(parent, branch_dir, plan, rule, steps, eval_batches, device)
     target = parent.step + steps
     log.info(
-        "branch %s tokens per step (K %d, lr %.2e): steps %d..%d",
+        "branch %s tokens per step (K %d, lr %.2e, beta2 %.5g): steps %d..%d",
         f"{size:,}",
         plan.accumulation_steps,
-        lr,
+        settings.lr,
+        settings.beta2,
         parent.step + 1,
         target,
     )
     reused = _train_branch(config, parent, target)
     loss, _ = evaluate(checkpoint_at(branch_dir, target) or checkpoint_path(branch_dir, target))
-    return plan, steps, lr, loss, reused, branch_dir
+    return plan, steps, settings, loss, reused, branch_dir
+
+
+def measure_over_run(
+    run_dir: Path,
+    every: int,
+    sizes: list[int],
+    budget: int,
+    tolerance: float = DEFAULT_LOSS_TOLERANCE,
+    rule: BatchChangeRule | None = None,
+    micro_batch: int | None = None,
+    eval_batches: int | None = None,
+    device: str = "auto",
+    plot: bool = True,
+) -> tuple[CriticalBatchOverRun, Path]:
+    """``--every N``: :func:`measure_critical_batch` at each of RUN's checkpoints at a multiple of ``every`` steps,
+    then the critical batch against tokens seen (``over-run-RULE.json`` and its plot in ``RUN/critical-batch/``)."""
+    rule = rule or BatchChangeRule()
+    if not run_dir.is_dir():
+        find_parent(run_dir)  # its one-line error
+    steps = checkpoints_every([checkpoint_step(p) for p in list_checkpoints(run_dir)], every, run_dir)
+    points = []
+    for step in steps:
+        result = measure_critical_batch(
+            run_dir, sizes, budget, tolerance, rule, micro_batch, eval_batches, device, plot=False, step=step
+        )
+        log.info("critical-batch at step %d: %s", step, result.format().splitlines()[-2])
+        points.append(point_of(result, run_dir))
+    over_run = CriticalBatchOverRun(str(run_dir), rule.label(), sorted(set(sizes)), budget, tolerance, points)
+    return over_run, write_over_run(over_run, run_dir, plot)

@@ -23,6 +23,7 @@ class BranchResult:
     within_tolerance: bool
     run_dir: str
     reused: bool  # finished before this call: nothing trained
+    beta2: float = 0.0  # AdamW's beta2 in the branch (the batch-change rule's)
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,10 @@ class CriticalBatchResult:
     parent_tokens_seen: int
     parent_tokens_per_step: int
     parent_lr: float  # the parent's learning rate at the branch point (its next step's)
+    parent_beta2: float
     parent_val_loss: float  # at the branch point, on the same windows
     budget: int
-    lr_rule: str
+    batch_change_rule: str  # e.g. sqrt-beta2 (see BatchChangeRule.label)
     tolerance: float
     micro_batch: int
     seq_len: int
@@ -61,15 +63,18 @@ class CriticalBatchResult:
         smallest = self.branches[0].val_loss
         lines = [
             f"critical-batch | {self.run} at step {self.parent_step} ({self.parent_tokens_seen:,} tokens, "
-            f"{self.parent_tokens_per_step:,} tokens/step, lr {self.parent_lr:.2e}) | budget {self.budget:,} tokens "
-            f"| lr rule {self.lr_rule} | val loss at the branch point {self.parent_val_loss:.4f} "
+            f"{self.parent_tokens_per_step:,} tokens/step, lr {self.parent_lr:.2e}, beta2 {self.parent_beta2:.5g}) | "
+            f"budget {self.budget:,} tokens | batch-change rule {self.batch_change_rule} | val loss at the branch "
+            f"point {self.parent_val_loss:.4f} "
             f"({self.eval_batches} x {self.micro_batch} x {self.seq_len}, {self.eval_tokens:,} tokens)",
-            f"{'tokens/step':>12} {'K':>5} {'steps':>6} {'lr':>9} {'val loss':>9} {'vs smallest':>12}  within",
+            f"{'tokens/step':>12} {'K':>5} {'steps':>6} {'lr':>9} {'beta2':>8} {'val loss':>9} {'vs smallest':>12}  "
+            "within",
         ]
         for b in self.branches:
             change = (b.val_loss - smallest) / abs(smallest) if smallest else 0.0
             lines.append(
-                f"{b.tokens_per_step:>12,} {b.accumulation_steps:>5} {b.steps:>6} {b.lr:>9.2e} {b.val_loss:>9.4f} "
+                f"{b.tokens_per_step:>12,} {b.accumulation_steps:>5} {b.steps:>6} {b.lr:>9.2e} {b.beta2:>8.5g} "
+                f"{b.val_loss:>9.4f} "
                 f"{change:>+11.2%}  {'yes' if b.within_tolerance else 'no'}{' (reused)' if b.reused else ''}"
             )
         rule = (
@@ -152,7 +157,7 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
     left.set_xscale("log", base=2)
     left.set_xlabel("tokens per step")
     left.set_ylabel("validation loss")
-    left.set_title(f"branches from step {result.parent_step} (lr rule {result.lr_rule})")
+    left.set_title(f"branches from step {result.parent_step} (batch-change rule {result.batch_change_rule})")
     left.legend(fontsize=8)
     if noise:
         right.plot(

@@ -1,5 +1,6 @@
-"""The rules of a critical-batch measurement, as pure functions: the sizes tried and the token budget, each
-branch's learning rate, and which size is critical (torch-free: the command line parses with them)."""
+"""The rules of a critical-batch measurement, as pure functions: the sizes tried and the token budget, and which
+size is critical (torch-free: the command line parses with them). A branch's optimizer settings follow the
+batch-change rule (:mod:`bigbatch.engine.batch_change`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ import math
 from bigbatch.errors import ConfigError, PlanError
 from bigbatch.sizing.plan import BatchPlan, parse_count, plan_batch
 
-LR_RULES = ("sqrt", "linear", "constant")
-"""How a branch's learning rate follows its tokens per step (see :func:`branch_lr`)."""
-DEFAULT_LR_RULE = "sqrt"
 DEFAULT_LOSS_TOLERANCE = 0.01
 """A branch is "as good" when its loss is at most 1% above the smallest size's."""
 
@@ -28,19 +26,6 @@ def parse_sizes(text: str) -> list[int]:
             f"--tokens-per-step {text!r}: give at least two different sizes, comma-separated (e.g. 16Ki,32Ki,64Ki)"
         )
     return sizes
-
-
-def branch_lr(rule: str, parent_lr: float, parent_tokens_per_step: int, tokens_per_step: int) -> float:
-    """The branch's constant learning rate: the parent's at the branch point, scaled by ``N / N_parent``
-    as ``rule`` says (``sqrt``, ``linear`` or ``constant``)."""
-    ratio = tokens_per_step / parent_tokens_per_step
-    if rule == "sqrt":
-        return parent_lr * math.sqrt(ratio)
-    if rule == "linear":
-        return parent_lr * ratio
-    if rule == "constant":
-        return parent_lr
-    raise ConfigError(f"--lr-rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
 
 
 def check_budget(budget: int, sizes: list[int]) -> None:

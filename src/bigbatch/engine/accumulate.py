@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.engine.batch_change import BatchFollower
 from bigbatch.engine.hooks import StepHook, StepOutcome
 from bigbatch.engine.router_balance import RouterBalance
 from bigbatch.models.lm_output import computes_loss, logits_loss
@@ -165,6 +166,7 @@ class AccumulationEngine:
         router_z_coef: float | None = None,
         route_fn: Callable[[nn.Module, Any], object] = token_route,
         counted_fn: Callable[[Any], torch.Tensor] = counted_tokens,
+        follower: BatchFollower | None = None,
     ) -> None:
         self.model = model
         # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
@@ -194,14 +196,30 @@ class AccumulationEngine:
                 recorder, router_balance, self.dist, self.device, router_aux_coef, router_z_coef
             )
         self.route_fn, self.counted_fn = route_fn, counted_fn
+        self.follower = follower
+        self._base_weight_decays = [float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups]
         self._set_lr(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
         return autocast_for(self.precision, self.device)
 
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def _set_lr(self, lr: float) -> float:
+        """The schedule's ``lr`` for the next step; with a :class:`BatchFollower`, the settings it gives at the
+        size of the last step (its tokens per step, or the reference before any): the learning rate set."""
+        follower = self.follower
+        if follower is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            return lr
+        tokens = follower.last_tokens or follower.reference_tokens
+        settings = follower.settings(lr, tokens)
+        base_decay = follower.base.weight_decay
+        decay_factor = settings.weight_decay / base_decay if base_decay > 0 else 1.0
+        for group, weight_decay in zip(self.optimizer.param_groups, self._base_weight_decays, strict=True):
+            group["lr"] = settings.lr
+            group["betas"] = (settings.beta1, settings.beta2)
+            group["weight_decay"] = weight_decay * decay_factor
+        return settings.lr
 
     def global_valid_targets(self, micro_batches: Sequence[Any]) -> int:
         """Valid targets over all micro-batches on all ranks, known before the first backward (for callers that
@@ -260,13 +278,17 @@ class AccumulationEngine:
 
         self.router.begin(micro_batches, n_valid, self.counted_fn, route)
 
-    def step(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> StepRecord:
-        """One optimizer step; ``n_valid`` as in :meth:`accumulate`."""
+    def step(
+        self, micro_batches: Sequence[Any], n_valid: int | None = None, tokens_per_step: int | None = None
+    ) -> StepRecord:
+        """One optimizer step; ``n_valid`` as in :meth:`accumulate`. ``tokens_per_step``: the step's planned size,
+        which a :class:`BatchFollower` sets the learning rate, betas and weight decay for."""
         started = time.perf_counter()
         if not all(module.training for module in self._modules):  # e.g. after an evaluation
             self.model.train()
-        lr = self.schedule(self.step_count)
-        self._set_lr(lr)
+        if self.follower is not None and tokens_per_step:
+            self.follower.last_tokens = tokens_per_step
+        lr = self._set_lr(self.schedule(self.step_count))
         for hook in self.hooks:
             hook.before_step(self, self.step_count + 1, len(micro_batches))
         self._zero_grad()

@@ -131,6 +131,10 @@ class JsonlLog:
         """A restart by torchrun's elastic agent (``kind: restart``): the step the new group resumed from."""
         self.write("restart", step=step, **details)
 
+    def write_batch_change(self, step: int, **details: Any) -> None:
+        """A change of the tokens per step and the optimizer's settings before and after (``kind: batch_change``)."""
+        self.write("batch_change", step=step, **details)
+
     def close(self) -> None:
         self._handle.close()
 
@@ -175,6 +179,12 @@ class MetricsFanout:
         for sink in self.sinks:
             if isinstance(sink, JsonlLog):
                 sink.write_restart(step, **details)
+
+    def write_batch_change(self, step: int, **details: Any) -> None:
+        """To ``metrics.jsonl`` only, like :meth:`write_documents`."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlLog):
+                sink.write_batch_change(step, **details)
 
     def close(self) -> None:
         error: BaseException | None = None

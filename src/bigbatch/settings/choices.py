@@ -51,6 +51,10 @@ RESUME = Choices("resume", ("auto", "never"))
 SWITCH = Choices("compile", ("auto", "on", "off"))
 SHUFFLE = Choices("shuffle", ("on", "off"))
 PACK = Choices("pack", ("auto", "on", "off"))
+BATCH_CHANGE_RULE = Choices("batch_change_rule", ("auto", "none", "sqrt", "linear"))
+BATCH_CHANGE_BETAS = Choices("batch_change_betas", ("auto", "none", "beta2", "both"))
+BATCH_CHANGE_WEIGHT_DECAY = Choices("batch_change_weight_decay", ("keep", "timescale"))
+SCHEDULE = Choices("schedule", ("cosine", "seesaw"))
 ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro", "off"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values

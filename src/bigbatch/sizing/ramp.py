@@ -12,6 +12,11 @@ pure function of where the run stands: a resumed run takes the same K at the sam
 gradient was not finite (not applied) leaves it as it was. Each step is normalized by its own valid targets
 (the engine's rule), so every step is exact at its own size.
 
+``--batch-ramp from:RUN`` follows the critical batch that ``bigbatch critical-batch RUN --every N`` measured along
+another run: at ``seen`` tokens, the size measured at the latest point at or before ``seen`` (the first point's
+before it), never shrinking, capped by ``total_batch_tokens``, in whole micro-batches; the curve is saved with the
+run, so a resume follows the same one.
+
 ``--batch-ramp auto`` starts at two micro-batches per rank (the least that measures the gradient noise scale)
 and, after each step that measures it, grows the tokens per step toward the smoothed noise scale: whole
 micro-batches, never shrinking, at most doubling per change, capped by ``total_batch_tokens``; each change is
@@ -32,17 +37,21 @@ from bigbatch.settings.ranges import AUTO
 from bigbatch.sizing.plan import BatchPlan, parse_count
 
 FLAG = "--batch-ramp (batch.batch_ramp)"
+FROM = "from:"
 
 
 @dataclass(frozen=True)
 class RampSpec:
-    """A parsed ``--batch-ramp``: ``START:RAMP`` tokens, or ``auto``."""
+    """A parsed ``--batch-ramp``: ``START:RAMP`` tokens, ``auto``, or ``from:RUN`` (``source``)."""
 
     start_tokens: int = 0
     ramp_tokens: int = 0
     auto: bool = False
+    source: str = ""
 
     def __str__(self) -> str:
+        if self.source:
+            return f"{FROM}{self.source}"
         return AUTO if self.auto else f"{self.start_tokens:,}:{self.ramp_tokens:,}"
 
 
@@ -53,6 +62,10 @@ def parse_ramp(text: str) -> RampSpec | None:
         return None
     if text.lower() == AUTO:
         return RampSpec(auto=True)
+    if text.startswith(FROM):
+        if not text[len(FROM) :].strip():
+            raise ConfigError(f"{FLAG} from:RUN needs the run directory (or its over-run-RULE.json), got {text!r}")
+        return RampSpec(source=text[len(FROM) :].strip())
     parts = text.split(":")
     if len(parts) != 2 or not all(p.strip() for p in parts):
         raise ConfigError(f"{FLAG} must be START_TOKENS:RAMP_TOKENS (e.g. 32K:10M) or auto, got {text!r}")
@@ -75,7 +88,7 @@ def check_ramp_settings(batch_ramp: str, total_batch_tokens: int, token_budget: 
             f"{FLAG} sizes steps by K and --token-budget by valid targets; use one of them (a ramp grows "
             "toward total_batch_tokens)"
         )
-    if not spec.auto and spec.start_tokens > total_batch_tokens:
+    if not spec.auto and not spec.source and spec.start_tokens > total_batch_tokens:
         raise ConfigError(
             f"{FLAG}: START_TOKENS {spec.start_tokens:,} is above the tokens per step {total_batch_tokens:,} "
             "(total_batch_tokens) that the ramp grows toward; lower START_TOKENS or raise --total-batch-tokens"
@@ -107,10 +120,13 @@ class BatchRamp:
     spec: RampSpec
     plan: BatchPlan
     auto_tokens: int = field(default=0)  # auto: the tokens per step reached so far (never shrinks)
+    curve: list[tuple[int, int]] = field(default_factory=list)  # from:RUN: (tokens seen, tokens per step), rising
 
     def __post_init__(self) -> None:
         unit, p = self.unit, self.plan
-        if not self.spec.auto and self.spec.start_tokens < unit:
+        if self.spec.source and not self.curve:
+            self.curve = critical_batch_curve(self.spec.source)
+        if not self.spec.auto and not self.spec.source and self.spec.start_tokens < unit:
             per_world = f" x world {p.world_size}" if p.world_size > 1 else ""
             raise ConfigError(
                 f"{FLAG}: START_TOKENS {self.spec.start_tokens:,} is below one micro-batch per process "
@@ -133,12 +149,21 @@ class BatchRamp:
     def start_k(self) -> int:
         if self.spec.auto:
             return min(2, self.k_max)  # the least K that measures the noise scale
+        if self.spec.source:
+            return self.k(0)
         return min(self.spec.start_tokens // self.unit, self.k_max)
 
     def k(self, tokens_seen: int) -> int:
         """K (micro-batches per rank) of the next step of a run that has seen ``tokens_seen`` tokens."""
         if self.spec.auto:
             return max(1, min(self.auto_tokens // self.unit, self.k_max))
+        if self.spec.source:
+            wanted = self.curve[0][1]
+            for seen, tokens in self.curve:
+                if seen > tokens_seen:
+                    break
+                wanted = tokens
+            return max(1, min(wanted // self.unit, self.k_max))
         start, ramp, target = self.spec.start_tokens, self.spec.ramp_tokens, self.plan.tokens_per_step
         if tokens_seen >= ramp:
             return self.k_max
@@ -161,18 +186,27 @@ class BatchRamp:
         return RampGrowth(before, after)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"spec": str(self.spec), "auto_tokens": self.auto_tokens}
+        return {"spec": str(self.spec), "auto_tokens": self.auto_tokens, "curve": [list(p) for p in self.curve]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Auto: the tokens per step reached (a micro-batch or world size changed on resume keeps them, in
         whole micro-batches of the new size). A fixed ramp needs nothing: its K follows from the tokens seen."""
         if self.spec.auto and state.get("spec") == AUTO and int(state.get("auto_tokens", 0)) > 0:
             self.auto_tokens = max(int(state["auto_tokens"]), self.start_k * self.unit)
+        if self.spec.source and state.get("spec") == str(self.spec) and state.get("curve"):
+            self.curve = [(int(seen), int(tokens)) for seen, tokens in state["curve"]]  # the curve it started with
 
     # -- description --------------------------------------------------------------------------------------
 
     def describe(self) -> str:
         target = self.plan.tokens_per_step
+        if self.spec.source:
+            sizes = " -> ".join(f"{k * self.unit:,}" for k in sorted({self.k(seen) for seen, _ in self.curve}))
+            return (
+                f"from {self.spec.source}: the critical batch measured along it ({len(self.curve)} points, "
+                f"{self.curve[0][0]:,} to {self.curve[-1][0]:,} tokens seen): {sizes} tokens/step, whole "
+                f"micro-batches of {self.unit:,} tokens, never shrinking, up to K {self.k_max} ({target:,} tokens/step)"
+            )
         if self.spec.auto:
             return (
                 f"auto: from K {self.start_k} ({self.start_k * self.unit:,} tokens/step) toward the measured noise "
@@ -186,10 +220,17 @@ class BatchRamp:
         )
 
     def table(self) -> list[RampRow]:
-        """The first step at each K, for full micro-batches (packed data), until the ramp reaches the target."""
+        """The first step at each K, for full micro-batches (packed data), until the ramp reaches the target; from:RUN:
+        the tokens seen (in ``cumulative_tokens``) at which each K starts."""
         if self.spec.auto:
             return []
         rows: list[RampRow] = []
+        if self.spec.source:  # the tokens seen at which each K starts (steps depend on the data)
+            for seen, _ in self.curve:
+                k = self.k(seen)
+                if not rows or k != rows[-1].k:
+                    rows.append(RampRow(0, k, k * self.unit, seen))
+            return rows
         step, seen = 1, 0
         while True:
             k = self.k(seen)
@@ -210,6 +251,10 @@ def format_ramp_table(ramp: BatchRamp, max_rows: int = 24) -> str:
     lines = [f"batch ramp: {ramp.describe()}"]
     rows = ramp.table()
     if not rows:
+        return "\n".join(lines)
+    if ramp.spec.source:  # sized by tokens seen, which steps of documents reach at their own pace
+        lines.append(f"{'from tokens seen':>17}  {'K':>5}  {'tokens/step':>13}")
+        lines += [f"{r.cumulative_tokens:>17,}  {r.k:>5}  {r.tokens_per_step:>13,}" for r in rows]
         return "\n".join(lines)
     shown = rows
     if len(rows) > max_rows:
@@ -254,3 +299,18 @@ def _spec_or_text(text: str) -> RampSpec | str | None:
 
 def _show(spec: RampSpec | str | None) -> str:
     return "none" if spec is None else repr(str(spec))
+
+
+def critical_batch_curve(source: str) -> list[tuple[int, int]]:
+    """``(tokens seen, tokens per step)`` of a critical batch measured over a run (``critical-batch --every``),
+    each size at least the one before (the measured lower end of each bracket, never shrinking)."""
+    from pathlib import Path
+
+    from bigbatch.critical_batch.over_run import read_over_run
+
+    points = sorted(read_over_run(Path(source)).points, key=lambda p: p.tokens_seen)
+    curve, largest = [], 0
+    for point in points:
+        largest = max(largest, point.low)
+        curve.append((point.tokens_seen, largest))
+    return curve

@@ -32,16 +32,17 @@ from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build.checks import check_batch, check_config
 from bigbatch.run.build.data_phase import Loader, build_loaders, open_run_data
-from bigbatch.run.build.engine_phase import build_optimizer, resolve_router_balance, wrap_for_training
+from bigbatch.run.build.engine_phase import build_follower, build_optimizer, resolve_router_balance, wrap_for_training
 from bigbatch.run.build.model_phase import build_run_model
 from bigbatch.run.build.observers import build_observers
-from bigbatch.run.build.sizing_phase import build_ramp, plan_steps
+from bigbatch.run.build.sizing_phase import build_ramp, build_seesaw, plan_steps
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
 from bigbatch.run.configuration.identity import default_run_dir
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.run.loop.run_dir_lock import RunDirLock, lock_run_dir
 from bigbatch.sizing.plan import BatchPlan
 from bigbatch.sizing.ramp import BatchRamp
+from bigbatch.sizing.seesaw import SeesawSchedule
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class RunParts:
     val_loader: ValidationWindows | None  # the fixed windows every evaluation scores
     peak_flops: float | None  # per device, for MFU; None when unknown
     ramp: BatchRamp | None = None  # --batch-ramp: K per step grows to the plan's (see bigbatch.sizing.ramp)
+    seesaw: SeesawSchedule | None = None  # --schedule seesaw: K per step and the schedule in tokens
     noise: NoiseMeter | None = None  # the engine's noise-scale hook, for its estimate (None: not measured)
     run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (run/loop/run_dir_lock.py); the trainer releases it
     seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
@@ -78,7 +80,21 @@ class RunParts:
 
     @property
     def k_varies(self) -> bool:
-        return bool(self.policy.token_budget) or self.documents or self.ramp is not None
+        return bool(self.policy.token_budget) or self.documents or self.ramp is not None or self.seesaw is not None
+
+    @property
+    def last_step(self) -> int:
+        """The run's last optimizer step: ``max_steps``, or fewer with Seesaw (the same tokens in larger steps)."""
+        return self.seesaw.total_steps if self.seesaw is not None else self.config.run.max_steps
+
+    @property
+    def batch_change_cause(self) -> str:
+        """What changes the tokens per step during this run, for its batch-change lines."""
+        if self.seesaw is not None:
+            return "seesaw"
+        if self.ramp is not None:
+            return "batch ramp auto" if self.ramp.spec.auto else "batch ramp"
+        return "batch"
 
 
 def seed_everything(seed: int) -> None:
@@ -152,7 +168,10 @@ def _build_parts(
     train_loader, val_loader = build_loaders(config, data.dataset, plan, dist, built.pack)
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
-    optimizer, schedule = build_optimizer(config, model, resume_from, say)
+    optimizer, cosine = build_optimizer(config, model, resume_from, say)
+    seesaw = build_seesaw(config, plan, cosine)
+    schedule = seesaw or cosine
+    follower = build_follower(config, config.batch.token_budget or plan.tokens_per_step)
     observers = build_observers(config, plan, wrapped.wrapped, wrapped.parallel, dist, device, say)
     engine = AccumulationEngine(
         wrapped.train_model,
@@ -167,6 +186,7 @@ def _build_parts(
         router_balance=resolve_router_balance(config, model),
         router_aux_coef=config.model.router_aux_coef or None,
         router_z_coef=config.model.router_z_coef or None,
+        follower=follower,
     )
     # Every part is built (the model from the shared seed above; probes leave the generators as they found
     # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.
@@ -191,6 +211,7 @@ def _build_parts(
         val_loader=val_loader,
         peak_flops=observers.peak_flops,
         ramp=ramp,
+        seesaw=seesaw,
         noise=observers.noise,
         run_lock=run_lock,
         seq_len_auto=seq_len_auto,

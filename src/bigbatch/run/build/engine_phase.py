@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from bigbatch.engine.batch_change import BatchChangeRule, BatchFollower, OptimSettings
 from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.errors import ConfigError
 from bigbatch.models.decoder import LanguageModel, fsdp_units
@@ -83,6 +84,15 @@ def build_optimizer(
             level=logging.WARNING,
         )
     return optimizer, schedule
+
+
+def build_follower(config: TrainConfig, reference_tokens: int) -> BatchFollower:
+    """How the optimizer follows a change of the tokens per step (``--batch-change-rule``), from the configured
+    settings, which hold at ``reference_tokens`` (the plan's; a resumed run restores its first one)."""
+    opt = config.optim
+    rule = BatchChangeRule.resolve(opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay)
+    base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay)
+    return BatchFollower(rule, base, reference_tokens, requested=opt.batch_change_rule)
 
 
 def resolve_router_balance(config: TrainConfig, model: LanguageModel) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from bigbatch.engine.optim import CosineSchedule
 from bigbatch.errors import ConfigError
 from bigbatch.models import LanguageModel
 from bigbatch.noise.scale import unavailable_reason
@@ -13,6 +14,7 @@ from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.autobatch import candidate_micro_batches, choose_micro_batch
 from bigbatch.sizing.plan import BatchPlan, plan_batch
 from bigbatch.sizing.ramp import BatchRamp, parse_ramp
+from bigbatch.sizing.seesaw import SeesawSchedule
 
 
 def plan_steps(
@@ -76,3 +78,32 @@ def build_ramp(config: TrainConfig, plan: BatchPlan) -> BatchRamp | None:
                 f"{reason}"
             )
     return BatchRamp(spec, plan)
+
+
+SEESAW_DEFAULT_DOUBLINGS = 3
+"""--max-batch-tokens auto: 8 x total_batch_tokens, the doublings a cosine decay to 0.1 x lr halves through."""
+
+
+def build_seesaw(config: TrainConfig, plan: BatchPlan, schedule: CosineSchedule) -> SeesawSchedule | None:
+    """``--schedule seesaw``'s sizes and learning rates over this plan, or ``None`` for the plain schedule."""
+    batch = config.batch
+    if config.optim.schedule != "seesaw":
+        if batch.max_batch_tokens:
+            raise ConfigError(
+                "--max-batch-tokens caps the doublings of --schedule seesaw, and this run's schedule is "
+                f"{config.optim.schedule}; add --schedule seesaw or leave --max-batch-tokens out"
+            )
+        return None
+    if batch.batch_ramp or batch.token_budget:
+        flag = "--batch-ramp" if batch.batch_ramp else "--token-budget"
+        raise ConfigError(
+            f"--schedule seesaw sets the tokens of every step itself, and so does {flag}; use one of them"
+        )
+    unit = plan.micro_batch * plan.seq_len * plan.world_size
+    cap = batch.max_batch_tokens or plan.tokens_per_step * 2**SEESAW_DEFAULT_DOUBLINGS
+    if cap % unit:
+        raise ConfigError(
+            f"--max-batch-tokens {cap:,} is not a whole number of micro-batches of {unit:,} tokens (micro_batch "
+            f"{plan.micro_batch} x seq_len {plan.seq_len} x world {plan.world_size}); use a multiple of {unit:,}"
+        )
+    return SeesawSchedule(schedule, plan.accumulation_steps, cap // unit, config.run.max_steps)

@@ -53,18 +53,33 @@ def check_branchable(document: dict[str, Any], state: TrainState, parent: Path) 
         raise CheckpointError(f"cannot branch from {parent}: the branch's data differs from the parent's ({changed})")
 
 
+def parent_tokens_per_step(document: dict[str, Any]) -> int:
+    """The tokens per step of the parent's last step: its batch-change record's, else its config's."""
+    saved = document.get("batch_change") or {}
+    last = saved.get("last_tokens") if isinstance(saved, dict) else None
+    batch = document.get("config", {}).get("batch", {})
+    return int(last or batch.get("token_budget") or batch["total_batch_tokens"])
+
+
 def branch_run(state: TrainState, parent: Path, say: Say) -> dict[str, Any]:
     """Start ``state``'s (fresh) run from the parent checkpoint ``parent`` (a file or a run directory): every
     stateful part as the parent left it, the learning-rate schedule the branch's own. Returns the checkpoint's
     run record (step, config, ...) without its tensors."""
     document = load_checkpoint(parent, consolidate=False)  # each rank reads its own shards
     check_branchable(document, state, parent)
-    state.load_state_dict(document, state.schedule, new_data=False, say=say)  # the branch keeps its own schedule
+    # The branch keeps its own schedule; its settings hold at the parent's size, and the batch-change rule takes them
+    # to the branch's from its first step.
+    state.load_state_dict(document, state.schedule, new_data=False, say=say, skip=("batch_change",))
+    follower = state.parts.engine.follower
+    parent_tokens = parent_tokens_per_step(document)
+    if follower is not None:
+        follower.reference_tokens = follower.last_tokens = parent_tokens
     say(
-        "branched from %s at step %d (%s tokens): %s tokens per step",
+        "branched from %s at step %d (%s tokens): %s tokens per step (the parent's %s)",
         parent,
         state.step,
         f"{state.tokens_seen:,}",
         f"{state.parts.plan.tokens_per_step:,}",
+        f"{parent_tokens:,}",
     )
     return {k: v for k, v in document.items() if k not in ("model", "optimizer", "rng", "optimizer_param_groups")}

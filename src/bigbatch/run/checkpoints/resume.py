@@ -58,10 +58,15 @@ def check_family(document: dict[str, Any], family: str, what: str) -> None:
 
 
 def check_compatible(
-    document: dict[str, Any], family: str, model_config: dict[str, Any], tokenizer: str, batch: Any
+    document: dict[str, Any],
+    family: str,
+    model_config: dict[str, Any],
+    tokenizer: str,
+    batch: Any,
+    allow_batch_change: bool = False,
 ) -> None:
     """Refuse a checkpoint whose model family or shape, tokenizer, sequence length or step size differs from
-    this run's."""
+    this run's (the tokens per step may change with ``allow_batch_change``)."""
     check_family(document, family, "the checkpoint")
     saved_model = document.get("model_config", {})
     diffs = [f"{k} {saved_model.get(k)} -> {v}" for k, v in model_config.items() if saved_model.get(k) != v]
@@ -79,9 +84,13 @@ def check_compatible(
     saved_batch = document.get("config", {}).get("batch", {})
     for key in ("seq_len", "total_batch_tokens", "token_budget"):
         if key in saved_batch and saved_batch[key] != getattr(batch, key):
+            if key == "total_batch_tokens" and allow_batch_change:
+                continue
+            allow = " (or add --allow-batch-change to train at the new one from the next step)"
             raise CheckpointError(
                 f"the checkpoint's {key} is {saved_batch[key]}, this run's is {getattr(batch, key)}; a resumed run "
                 "keeps the tokens per step and the sequence length (micro_batch and world size may change)"
+                f"{allow if key == 'total_batch_tokens' else ''}"
             )
 
 

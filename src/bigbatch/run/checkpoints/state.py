@@ -185,6 +185,8 @@ class TrainState:
         self._optimizer = _OptimizerState(parts.model, parts.optimizer)
         self.register("model", self._model)
         self.register("optimizer", self._optimizer)
+        if parts.engine.follower is not None:  # before the engine, which sets the next step's settings from it
+            self.register("batch_change", parts.engine.follower)
         self.register("engine", parts.engine)
         self._schedule = _Schedule(parts.engine.schedule)  # type: ignore[arg-type]  # the engine follows it
         self.register("schedule", self._schedule)
@@ -237,17 +239,24 @@ class TrainState:
         gathered)."""
         return {name: part.state_dict() for name, part in self._parts.items()}
 
-    def load_state_dict(self, state: dict[str, Any], schedule: CosineSchedule, new_data: bool, say: Say) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], schedule: CosineSchedule, new_data: bool, say: Say, skip: tuple[str, ...] = ()
+    ) -> None:
         """Restore every part from ``state``; the next step is the one after it. ``schedule`` is the one the
         resumed run follows (see :func:`bigbatch.run.checkpoints.resume.resumed_schedule`), set before the engine
         restores its counters (which set the next step's learning rate); with ``new_data`` a loader position that
         the new data lacks restarts at its beginning instead of failing. A part the checkpoint lacks (an older
-        one) is given ``None``."""
+        one) is given ``None``; the parts named in ``skip`` keep their own state (a branch's batch-change
+        reference)."""
+        seesaw = self.parts.seesaw
+        if seesaw is not None and schedule is not seesaw:  # Seesaw follows the resumed schedule in tokens
+            seesaw.set_schedule(schedule)
+            schedule = seesaw  # type: ignore[assignment]
         self._schedule.schedule = self.parts.engine.schedule = schedule
         self._loader.new_data, self._loader.restarted = new_data, False
         shards = Path(state["shards"]) if "shards" in state and "model" not in state else None
         for name, part in self._parts.items():
-            if name == "ramp" and not state.get("ramp"):
+            if name in skip or (name == "ramp" and not state.get("ramp")):
                 continue  # a checkpoint from before the ramp: it starts where the tokens seen put it
             if shards is not None and isinstance(part, _ModelWeights | _OptimizerState):
                 part.load_shards(shards, state, self.parts.dist)  # resharded to this world size
@@ -321,7 +330,12 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
         document.get("config", {}), config.batch.batch_ramp, config.run.allow_ramp_change, p.run_dir
     )
     check_compatible(
-        document, family_of(p.model).name, p.model.config.to_dict(), p.dataset.meta.tokenizer, config.batch
+        document,
+        family_of(p.model).name,
+        p.model.config.to_dict(),
+        p.dataset.meta.tokenizer,
+        config.batch,
+        config.run.allow_batch_change,
     )
     check_tokenizer(
         document.get("fingerprints") or {},
@@ -337,17 +351,21 @@ def resume_run(state: TrainState, path: Path, say: Say) -> None:
         )
     schedule, schedule_note = resumed_schedule(document, config, int(document["engine"]["step_count"]))
     state.load_state_dict(document, schedule, new_data=bool(changed), say=say)
-    if state.step >= config.run.max_steps:
+    if state.step >= p.last_step:
         return  # complete: the trainer says so, and nothing resumes (nor changes in the run directory)
     if p.dist.is_main:
         truncate_metrics(p.run_dir, state.step)
     saved_world = int(document.get("world_size", 1))
+    saved_tokens = int(document.get("config", {}).get("batch", {}).get("total_batch_tokens", 0))
     say(
-        "resumed from %s at step %d (%s tokens)%s",
+        "resumed from %s at step %d (%s tokens)%s%s",
         path,
         state.step,
         f"{state.tokens_seen:,}",
         "" if saved_world == p.dist.world_size else f" | world size {saved_world} -> {p.dist.world_size}",
+        ""
+        if not saved_tokens or saved_tokens == config.batch.total_batch_tokens
+        else f" | --allow-batch-change: total_batch_tokens {saved_tokens:,} -> {config.batch.total_batch_tokens:,}",
     )
     if changed:
         say("--allow-data-change: the run continues on changed data (%s)", changed, level=logging.WARNING)

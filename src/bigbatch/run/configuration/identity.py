@@ -66,14 +66,16 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.extend_schedule",
         "run.allow_data_change",
         "run.allow_ramp_change",
+        "run.allow_batch_change",
     }
 )
 """``section.key`` of the settings that may differ between a run and its resumption."""
 
-RESUME_CHECKED: frozenset[str] = frozenset({"batch.batch_ramp", "data.shuffle"})
+RESUME_CHECKED: frozenset[str] = frozenset({"batch.batch_ramp", "batch.total_batch_tokens", "data.shuffle"})
 """Defining settings (in the fingerprint: another value is another default run directory) that a resume checks
 itself rather than through :func:`settings_diff`: the batch ramp, so that a flag can allow the change
-(``--allow-ramp-change``, see :func:`bigbatch.sizing.ramp.check_ramp_change`), and the window order, which the loader's
+(``--allow-ramp-change``, see :func:`bigbatch.sizing.ramp.check_ramp_change`), the tokens per step, which the
+checkpoint's compatibility check refuses unless ``--allow-batch-change``, and the window order, which the loader's
 saved state checks (a run resumes only in the order it was saved in; a run from before ``--shuffle`` read in
 order)."""
 

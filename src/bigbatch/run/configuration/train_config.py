@@ -17,6 +17,9 @@ from typing import Any
 from bigbatch.errors import ConfigError, install_hint
 from bigbatch.models.registry import model_location, model_names_help
 from bigbatch.settings.choices import (
+    BATCH_CHANGE_BETAS,
+    BATCH_CHANGE_RULE,
+    BATCH_CHANGE_WEIGHT_DECAY,
     DATA_MODE,
     LAST_WINDOW,
     LONG_DOCUMENTS,
@@ -25,6 +28,7 @@ from bigbatch.settings.choices import (
     PRECISION,
     RESUME,
     ROUTER_BALANCE,
+    SCHEDULE,
     SHUFFLE,
     SWITCH,
     Choices,
@@ -227,7 +231,15 @@ class BatchSection:
         "",
         "batch-size ramp-up START_TOKENS:RAMP_TOKENS (e.g. 32K:10M): tokens per step grow linearly in tokens seen "
         "from START to total_batch_tokens over the first RAMP_TOKENS, in whole micro-batches; auto: grow toward "
-        "the measured gradient noise scale; empty: no ramp",
+        "the measured gradient noise scale; from:RUN: follow the critical batch that bigbatch critical-batch --every "
+        "measured along RUN; empty: no ramp",
+    )
+    max_batch_tokens: int = _opt(
+        0,
+        "--schedule seesaw: the most tokens per step the doublings reach (K grows; micro-batch memory stays); past "
+        "it the learning rate decays as the schedule says; auto: 8 x total_batch_tokens (the three doublings a "
+        "cosine decay to min_lr_ratio 0.1 asks for)",
+        range=POSITIVE_INT_OR_AUTO,
     )
 
 
@@ -254,6 +266,32 @@ class OptimSection:
         1.0,
         "clip the global gradient norm to this after accumulation; 0 disables",
         range=NON_NEGATIVE,
+    )
+    schedule: str = _opt(
+        "cosine",
+        "cosine (warmup, then cosine decay to min_lr_ratio x lr) or seesaw (the same schedule in tokens, but wherever "
+        "it would halve the learning rate the batch doubles instead and --batch-change-rule moves the learning rate: "
+        "sqrt gives 1/sqrt(2) per halving; the tokens of max_steps steps in fewer steps)",
+        choices=SCHEDULE,
+    )
+    batch_change_rule: str = _opt(
+        "auto",
+        "when the tokens per step change (--batch-ramp, --schedule seesaw, a critical-batch branch, a resume with "
+        "another --total-batch-tokens), scale the learning rate by r = new/reference tokens per step: none, sqrt "
+        "(x sqrt(r)) or linear (x r); the reference is the run's first total_batch_tokens; auto: sqrt",
+        choices=BATCH_CHANGE_RULE,
+    )
+    batch_change_betas: str = _opt(
+        "auto",
+        "at a batch change, keep the half-life in tokens of AdamW's moving averages: beta2 (beta2 ** r), both "
+        "(beta1 and beta2) or none; auto: beta2, or none with --batch-change-rule none",
+        choices=BATCH_CHANGE_BETAS,
+    )
+    batch_change_weight_decay: str = _opt(
+        "keep",
+        "at a batch change: keep the weight decay, or timescale (scale it by r / lr factor, keeping "
+        "B / (lr x weight decay) fixed)",
+        choices=BATCH_CHANGE_WEIGHT_DECAY,
     )
 
 
@@ -371,6 +409,11 @@ class RunSection:
         False, "on resume: continue on data whose tokens differ from the checkpoint's (same tokenizer only)"
     )
     allow_ramp_change: bool = _opt(False, "on resume: apply a --batch-ramp other than the run's from the next step")
+    allow_batch_change: bool = _opt(
+        False,
+        "on resume: train at a --total-batch-tokens other than the run's from the next step (the data goes on where "
+        "it stood; --batch-change-rule scales the optimizer from the run's first tokens per step)",
+    )
 
 
 SECTIONS: dict[str, type] = {

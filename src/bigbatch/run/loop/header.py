@@ -32,6 +32,19 @@ def header_lines(parts: RunParts) -> list[str]:
     ]
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
+    unit = parts.plan.micro_batch * parts.plan.seq_len * parts.plan.world_size
+    if parts.seesaw is not None:
+        lines.append(f"seesaw | {parts.seesaw.describe(unit)}")
+    follower = parts.engine.follower
+    planned = parts.policy.token_budget or parts.plan.tokens_per_step
+    if follower is not None and (
+        parts.ramp is not None or parts.seesaw is not None or follower.reference_tokens != planned
+    ):
+        lines.append(
+            f"batch change | {follower.rule.describe()} | B0 = {follower.reference_tokens:,} tokens/step, where lr "
+            f"{follower.base.lr:.3g}, betas ({follower.base.beta1:g}, {follower.base.beta2:g}) and weight decay "
+            f"{follower.base.weight_decay:g} hold"
+        )
     if parts.engine.router is not None:
         lines.append(f"router | {parts.engine.router.describe()}")
     if isinstance(parts.train_loader, DocumentLoader):

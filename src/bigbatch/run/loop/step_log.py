@@ -7,6 +7,7 @@ import logging
 
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.engine.accumulate import StepRecord
+from bigbatch.engine.batch_change import BatchChange
 from bigbatch.observe.metrics import MetricsFanout, MetricsSink, format_noise_scale, format_step, mfu, open_metrics
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.build import RunParts
@@ -53,6 +54,12 @@ class StepLog:
         )
         if isinstance(self.metrics, MetricsFanout):
             self.metrics.write_restart(step, attempt=attempt, resumed=resumed, world_size=self.parts.dist.world_size)
+
+    def batch_change(self, change: BatchChange) -> None:
+        """A change of the tokens per step: its line and its ``kind: batch_change`` record."""
+        self.say("%s", change.line())
+        if isinstance(self.metrics, MetricsFanout):
+            self.metrics.write_batch_change(**change.record())
 
     def close(self) -> None:
         if self.metrics:

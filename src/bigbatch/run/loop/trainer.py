@@ -106,10 +106,13 @@ class Trainer:
         )
         self.state.loader = self.loader
         self.resumed_from = self.parts.resume_from
+        self.change_cause = "start"  # what a change of the tokens per step at the session's first step comes from
         if self.resumed_from is not None:
             resume_run(self.state, self.resumed_from, self._say)
+            self.change_cause = "resume"
         elif branch_from is not None:  # a fresh branch: start where the parent's checkpoint stood
             branch_run(self.state, branch_from, self._say)
+            self.change_cause = "branch"
         elif config.run.allow_ramp_change:
             self._say(
                 "--allow-ramp-change has no effect: there is no run to resume in %s (the default run directory "
@@ -117,9 +120,36 @@ class Trainer:
                 self.run_dir,
                 level=logging.WARNING,
             )
-        self.completed = self.resumed_from is not None and self.state.step >= config.run.max_steps
+        self._check_batch_change_rule(branch_from is not None)
+        self.completed = self.resumed_from is not None and self.state.step >= self.parts.last_step
         saved_step = self.state.step if self.resumed_from is not None else 0  # the newest checkpoint's step
         self.saves = SaveSchedule(config.run.save_every, saved_step)
+
+    def _check_batch_change_rule(self, branched: bool) -> None:
+        """A batch-change setting asked for by name on a run whose tokens per step never change: say that it
+        changes nothing (rather than let the user believe it did)."""
+        opt, follower, parts = self.config.optim, self.engine.follower, self.parts
+        given = [
+            f"--{flag} {value}"
+            for flag, value, default in (
+                ("batch-change-rule", opt.batch_change_rule, "auto"),
+                ("batch-change-betas", opt.batch_change_betas, "auto"),
+                ("batch-change-weight-decay", opt.batch_change_weight_decay, "keep"),
+            )
+            if value != default
+        ]
+        if not given or follower is None or parts.ramp is not None or parts.seesaw is not None:
+            return
+        planned = parts.policy.token_budget or parts.plan.tokens_per_step
+        if branched or follower.reference_tokens != planned or (follower.last_tokens or planned) != planned:
+            return
+        self._say(
+            "%s changes nothing in this run: its tokens per step (%s) never change; a batch change comes from "
+            "--batch-ramp, --schedule seesaw, a critical-batch branch or a resume with --allow-batch-change",
+            " and ".join(given),
+            f"{planned:,}",
+            level=logging.WARNING,
+        )
 
     def close(self) -> None:
         """Finish a checkpoint in flight, then give the run directory up (:meth:`train` does when it ends):
@@ -158,12 +188,27 @@ class Trainer:
         micro-batches taken so far (the wrapped loader itself is ``.loader``)."""
         return self.loader
 
-    def next_step(self) -> StepBatch:
-        """This rank's micro-batches for the next step and the step's global valid-target count (K from the
-        batch ramp, when there is one, at the tokens seen so far)."""
-        policy = self.parts.policy
+    def next_k(self) -> int:
+        """K of the next step: the batch ramp's at the tokens seen so far, Seesaw's at this step, else the plan's."""
         if self.parts.ramp is not None:
-            policy = replace(policy, k=self.parts.ramp.k(self.state.tokens_seen))
+            return self.parts.ramp.k(self.state.tokens_seen)
+        if self.parts.seesaw is not None:
+            return self.parts.seesaw.k(self.state.step)
+        return self.parts.policy.k
+
+    def next_tokens_per_step(self) -> int:
+        """The next step's planned size in tokens (a token budget's, or K micro-batches on every rank; Seesaw's
+        shortened last step counts at its size's)."""
+        if self.parts.policy.token_budget:
+            return self.parts.policy.token_budget
+        plan, seesaw = self.parts.plan, self.parts.seesaw
+        k = seesaw.size_k(self.state.step) if seesaw is not None else self.next_k()
+        return k * plan.micro_batch * plan.seq_len * plan.world_size
+
+    def next_step(self) -> StepBatch:
+        """This rank's micro-batches for the next step and the step's global valid-target count (K from
+        :meth:`next_k`)."""
+        policy = replace(self.parts.policy, k=self.next_k())
         return read_step(self.loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
@@ -177,8 +222,8 @@ class Trainer:
         run = self.config.run
         if self.completed:
             self._say(
-                "the run in %s is complete: it reached step %d (max_steps %d); nothing to do (raise --max-steps, "
-                "with --extend-schedule to stretch the learning-rate decay, to train on)",
+                "the run in %s is complete: it reached step %d (its last, of max_steps %d); nothing to do (raise "
+                "--max-steps, with --extend-schedule to stretch the learning-rate decay, to train on)",
                 self.run_dir,
                 self.state.step,
                 run.max_steps,
@@ -188,17 +233,23 @@ class Trainer:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
         for line in header_lines(self.parts):
             self._say("%s", line)
+        seesaw, plan = self.parts.seesaw, self.parts.plan
+        note = seesaw.stop_note(plan.micro_batch * plan.seq_len * plan.world_size) if seesaw is not None else None
+        if note:
+            self._say("%s", note, level=logging.WARNING)
         step_log = StepLog(self.parts, self._say)  # this session's (holding no reference to self past it)
         if self.dist.is_main:
             step_log.open(self.state.step)
             step_log.restarted(self.state.step, restart_attempt(), resumed=self.resumed_from is not None)
         stops = StopHandling(self.dist, self.parts.device, self.state, self.saves, self.run_dir, self._say, self._clear)
-        self.progress = ProgressBar(run.max_steps, enabled=None if self.dist.is_main else False, stream=sys.stderr)
+        self.progress = ProgressBar(
+            self.parts.last_step, enabled=None if self.dist.is_main else False, stream=sys.stderr
+        )
         self.progress.update(self.state.step)
         seen = LoopTally()
         try:
             with StopRequest(stops.announce) as stop:
-                while self.state.step < run.max_steps and not seen.stopped_by:
+                while self.state.step < self.parts.last_step and not seen.stopped_by:
                     self._train_one_step(seen, stop, stops, step_log)
         except KeyboardInterrupt:
             stops.say_aborted()
@@ -218,6 +269,7 @@ class Trainer:
     def _train_one_step(self, seen: LoopTally, stop: StopRequest, stops: StopHandling, step_log: StepLog) -> None:
         """One optimizer step (or one skipped), then its log line, evaluation, checkpoint and stop check."""
         run = self.config.run
+        tokens_per_step = self.next_tokens_per_step()
         step = self.next_step()
         if step.n_valid == 0:
             self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
@@ -225,7 +277,8 @@ class Trainer:
             stops.check(seen, stop, saved=False)
             return
         seen.empty_steps.reset()
-        record = self._run_step(step, seen, stops)
+        self._follow_batch_change(tokens_per_step, step_log)
+        record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
         if record.skipped:  # a non-finite gradient: no update was applied
             step_log.say_skipped(record)
@@ -235,7 +288,7 @@ class Trainer:
         seen.consecutive_skips = 0
         self.state.tokens_seen += record.tokens
         seen.applied(record)
-        last = record.step == run.max_steps
+        last = record.step == self.parts.last_step
         at_eval = self.parts.val_loader is not None and (record.step % run.eval_every == 0 or last)
         step_log.say_step(record, step_mfu, at_eval, last, stop.signum)
         if at_eval:
@@ -251,11 +304,23 @@ class Trainer:
         self.progress.update(record.step, record.tokens_per_s, extra="stopping after this step" if stop.signum else "")
         stops.check(seen, stop, saved)
 
-    def _run_step(self, step: StepBatch, seen: LoopTally, stops: StopHandling) -> StepRecord:
+    def _follow_batch_change(self, tokens_per_step: int, step_log: StepLog) -> None:
+        """Say and record a change of the tokens per step before the step that makes it (the engine applies the
+        batch-change rule's settings to it)."""
+        follower = self.engine.follower
+        if follower is None:
+            return
+        lr = self.engine.schedule(self.engine.step_count)
+        change = follower.change(self.state.step + 1, self.state.tokens_seen, lr, tokens_per_step, self.change_cause)
+        self.change_cause = self.parts.batch_change_cause
+        if change is not None:
+            step_log.batch_change(change)
+
+    def _run_step(self, step: StepBatch, seen: LoopTally, stops: StopHandling, tokens_per_step: int) -> StepRecord:
         """The engine's step on the step's micro-batches (pinned for CUDA by the loader); a documents step's
         record carries where its positions went."""
         stops.in_step = True
-        record = self.engine.step(step.micro_batches, step.n_valid)
+        record = self.engine.step(step.micro_batches, step.n_valid, tokens_per_step)
         if step.positions:
             record = replace(record, padding_share=step.padding_share, prompt_share=step.prompt_share)
             seen.count_positions(step)
