@@ -63,20 +63,28 @@ def train_and_capture(config: TrainConfig) -> tuple[Trainer, torch.nn.Module, li
 
 
 def assert_big_batch_updates(
-    trainer: Trainer, reference: torch.nn.Module, steps: list[list[Any]], logged: list[dict[str, Any]]
+    trainer: Trainer,
+    reference: torch.nn.Module,
+    steps: list[list[Any]],
+    logged: list[dict[str, Any]],
+    betas: list[tuple[float, float]] | None = None,
 ) -> None:
     """See :func:`exactness.assert_big_batch_updates` (on this corpus fp32 lands 7e-5 from a float64 replay for a
     LayerNorm bias after 7 steps: the bar follows it)."""
-    big_batch_updates(trainer.model, reference, steps, logged, check_norm=False)
+    big_batch_updates(trainer.model, reference, steps, logged, check_norm=False, betas=betas)
 
 
+@pytest.mark.parametrize("rule", ["auto", "none"])
 def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
-    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, rule: str
 ) -> None:
-    """K and tokens per step follow the ramp at the tokens seen; each step's update is the big batch's; the
-    learning rate is the per-step schedule, as without a ramp."""
+    """K and tokens per step follow the ramp at the tokens seen; each step's update is the big batch's at its own
+    size. The learning rate is the per-step schedule times sqrt(B / B0) and beta2 is 0.95 ** (B / B0) with the
+    default batch-change rule (B0 = the 256 tokens the ramp grows to); the schedule alone with ``none``."""
     caplog.set_level("INFO")
-    trainer, initial, steps, logged = train_and_capture(make_config(corpus, tmp_path / "run", steps=7))
+    config = make_config(corpus, tmp_path / "run", steps=7)
+    config.optim.batch_change_rule = rule
+    trainer, initial, steps, logged = train_and_capture(config)
     ramp = BatchRamp(RampSpec(128, 512), trainer.plan)
     seen, expected_k = 0, []
     for _ in range(7):
@@ -87,10 +95,23 @@ def test_a_ramped_run_follows_the_ramp_and_every_step_is_exact_at_its_own_size(
     assert [r["tokens"] for r in logged] == [k * UNIT for k in expected_k]
     assert trainer.state.tokens_seen == seen
     schedule = CosineSchedule(2e-3, 2e-4, 2, 7)
-    assert [r["lr"] for r in logged] == pytest.approx([schedule(s) for s in range(7)], rel=1e-12)
+    ratios = [k / 4 for k in expected_k]
+    factors = [r**0.5 if rule == "auto" else 1.0 for r in ratios]
+    assert [r["lr"] for r in logged] == pytest.approx([schedule(s) * f for s, f in enumerate(factors)], rel=1e-12)
     assert "step 3 | loss" in caplog.text and "| K 3 | tokens 192" in caplog.text
     assert "batch ramp | 128 -> 256 tokens/step over the first 512 tokens seen (K 2 -> 4" in caplog.text
-    assert_big_batch_updates(trainer, initial, steps, logged)
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    changes = [c for c in map(json.loads, lines) if c["kind"] == "batch_change"]
+    assert [(c["step"], c["tokens_per_step_before"], c["tokens_per_step_after"]) for c in changes] == [
+        (1, 256, 128),  # the first step is half the size the settings are given for
+        (3, 128, 192),
+        (5, 192, 256),
+    ]
+    expected_beta2 = [0.95**r for r in (0.5, 0.75, 1.0)] if rule == "auto" else [0.95] * 3
+    assert [c["beta2_after"] for c in changes] == pytest.approx(expected_beta2, rel=1e-12)
+    assert caplog.text.count("batch change at step") == 3
+    betas = [(0.9, 0.95**r if rule == "auto" else 0.95) for r in ratios]
+    assert_big_batch_updates(trainer, initial, steps, logged, betas=betas)
 
 
 def test_a_ramp_over_ragged_documents_counts_valid_targets_and_stays_exact(tmp_path: Path) -> None:
@@ -113,7 +134,9 @@ def test_a_ramp_over_ragged_documents_counts_valid_targets_and_stays_exact(tmp_p
         seen += record["tokens"]
     assert [r["micro_batches"] for r in logged] == sorted(r["micro_batches"] for r in logged)
     assert logged[0]["micro_batches"] == 2 and logged[-1]["micro_batches"] > 2
-    assert_big_batch_updates(trainer, initial, steps, logged)
+    # beta2 keeps its half-life in tokens at each step's planned size (K micro-batches of positions)
+    betas = [(0.9, 0.95 ** (r["micro_batches"] / 4)) for r in logged]
+    assert_big_batch_updates(trainer, initial, steps, logged, betas=betas)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from bigbatch.run.checkpoints import checkpoint as ckpt
 
 PARENT_STEPS, PARENT_TPS = 4, 128  # micro-batch 2 x seq_len 32 x K 2
 SIZES, BUDGET = [64, 128, 256], 512  # K 1, 2, 4; 8, 4 and 2 steps
-BASE = f"critical-batch/step_{PARENT_STEPS:07d}-lr_sqrt"
+BASE = f"critical-batch/step_{PARENT_STEPS:07d}-sqrt-beta2"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,8 @@ def test_branches_train_the_same_tokens_at_each_size_and_report_the_critical_bat
     parent_lr = result["parent_lr"]
     assert parent_lr == pytest.approx(2e-3)
     assert [b["lr"] for b in branches] == pytest.approx([parent_lr * 0.5**0.5, parent_lr, parent_lr * 2**0.5])
+    # beta2 keeps its half-life in tokens: 0.95 ** (N / N_parent)
+    assert [b["beta2"] for b in branches] == pytest.approx([0.95**0.5, 0.95, 0.95**2], rel=1e-12)
     losses = [b["val_loss"] for b in branches]
     critical, within = critical_batch_size(SIZES, losses, 0.01)
     assert result["critical_tokens_per_step"] == critical and [b["within_tolerance"] for b in branches] == within

@@ -64,9 +64,9 @@ def capture_training(trainer: Any) -> tuple[torch.nn.Module, list[list[Any]], li
     steps: list[list[Any]] = []
     inner = trainer.engine.step
 
-    def spy(micro_batches: Any, n_valid: int | None = None) -> Any:
+    def spy(micro_batches: Any, *args: Any) -> Any:
         steps.append([mb.to("cpu") for mb in micro_batches])
-        return inner(micro_batches, n_valid)
+        return inner(micro_batches, *args)
 
     trainer.engine.step = spy
     trainer.train()
@@ -80,10 +80,12 @@ def assert_big_batch_updates(
     steps: list[list[Any]],
     logged: list[dict[str, Any]],
     check_norm: bool = True,
+    betas: list[tuple[float, float]] | None = None,
 ) -> None:
     """Replay every step as ONE forward and backward over all its sequences (loss = sum of per-token losses / that
-    step's valid targets), clipped to 1, one AdamW step at the logged learning rate: ``trained``'s parameters. The
-    replay runs in float64 as well: how far fp32 itself lands from exact sets the bar where that is above ``TOL``."""
+    step's valid targets), clipped to 1, one AdamW step at the logged learning rate (and, when given, step ``s``'s
+    ``betas[s]``: a batch change moves them): ``trained``'s parameters. The replay runs in float64 as well: how far
+    fp32 itself lands from exact sets the bar where that is above ``TOL``."""
     from helpers import mean_loss
 
     from bigbatch.engine.optim import build_adamw
@@ -105,5 +107,7 @@ def assert_big_batch_updates(
                 assert norm.item() == pytest.approx(logged[s]["grad_norm"], rel=1e-4)
             for group in optimizer.param_groups:
                 group["lr"] = logged[s]["lr"]
+                if betas is not None:
+                    group["betas"] = betas[s]
             optimizer.step()
     assert_parameters_match(trained, initial, exact)  # type: ignore[arg-type]

@@ -100,8 +100,8 @@ def run_bigbatch(
         )
         return StepBatch(batches, n_valid, step.positions, step.padding)
 
-    def recording_step(micro_batches: list, n_valid: int | None = None) -> Any:
-        record = engine_step(micro_batches, n_valid)
+    def recording_step(micro_batches: list, *args: Any) -> Any:
+        record = engine_step(micro_batches, *args)
         calls[-1]["record"] = {
             "step": record.step,
             "loss": record.loss,

@@ -1,15 +1,15 @@
-"""The pure parts of ``bigbatch critical-batch``: sizes, budget, learning-rate rule, the critical batch."""
+"""The pure parts of ``bigbatch critical-batch``: sizes, budget, the critical batch (the branches' batch-change rule
+is tests/unit/test_batch_change.py's)."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from bigbatch.critical_batch.result import BranchResult, CriticalBatchResult, noise_scale_series
-from bigbatch.critical_batch.rules import branch_lr, check_budget, critical_batch_size, parse_sizes, plan_sizes
+from bigbatch.critical_batch.rules import check_budget, critical_batch_size, parse_sizes, plan_sizes
 from bigbatch.errors import BigBatchError, ConfigError, PlanError
 
 
@@ -20,17 +20,6 @@ def test_sizes_parse_with_suffixes_sorted_and_deduplicated() -> None:
         parse_sizes("64Ki,65536")
     with pytest.raises(ConfigError, match="--tokens-per-step: 'x' is not a count"):
         parse_sizes("64Ki,x")
-
-
-def test_lr_rules_scale_with_the_ratio_and_keep_the_parents_lr_at_its_own_size() -> None:
-    for rule in ("sqrt", "linear", "constant"):
-        assert branch_lr(rule, 3e-4, 16384, 16384) == 3e-4  # exactly: the own-size branch is the run continued
-    assert branch_lr("sqrt", 1e-3, 16384, 65536) == pytest.approx(2e-3)
-    assert branch_lr("linear", 1e-3, 16384, 65536) == pytest.approx(4e-3)
-    assert branch_lr("constant", 1e-3, 16384, 65536) == 1e-3
-    assert branch_lr("sqrt", 1e-3, 16384, 8192) == pytest.approx(1e-3 / math.sqrt(2))
-    with pytest.raises(ConfigError, match="--lr-rule"):
-        branch_lr("cubic", 1e-3, 1, 2)
 
 
 def test_the_budget_is_a_whole_number_of_steps_at_every_size() -> None:
@@ -88,7 +77,7 @@ def result_of(losses: list[float], tolerance: float = 0.01) -> CriticalBatchResu
     sizes = [4096 << i for i in range(len(losses))]
     critical, within = critical_batch_size(sizes, losses, tolerance)
     branches = [
-        BranchResult(size, size // 4096, 65536 // size, 1e-3, loss, ok, f"runs/x/tps_{size}", False)
+        BranchResult(size, size // 4096, 65536 // size, 1e-3, loss, ok, f"runs/x/tps_{size}", False, beta2=0.95)
         for size, loss, ok in zip(sizes, losses, within, strict=True)
     ]
     return CriticalBatchResult(
@@ -98,9 +87,10 @@ def result_of(losses: list[float], tolerance: float = 0.01) -> CriticalBatchResu
         parent_tokens_seen=655360,
         parent_tokens_per_step=16384,
         parent_lr=1e-3,
+        parent_beta2=0.95,
         parent_val_loss=2.9,
         budget=65536,
-        lr_rule="sqrt",
+        batch_change_rule="sqrt-beta2",
         tolerance=tolerance,
         micro_batch=16,
         seq_len=256,
@@ -122,15 +112,17 @@ def test_the_answer_says_when_it_lies_beyond_the_sizes_tried() -> None:
     below = result_of([2.0, 2.5, 2.6])
     assert below.bound == "at most" and "critical batch: 4,096 tokens per step or less" in below.format()
     table = below.format().splitlines()
-    assert table[2].split() == ["4,096", "1", "16", "1.00e-03", "2.0000", "+0.00%", "yes"]
-    assert table[3].split() == ["8,192", "2", "8", "1.00e-03", "2.5000", "+25.00%", "no"]
+    assert table[2].split() == ["4,096", "1", "16", "1.00e-03", "0.95", "2.0000", "+0.00%", "yes"]
+    assert table[3].split() == ["8,192", "2", "8", "1.00e-03", "0.95", "2.5000", "+25.00%", "no"]
     assert "holds no estimate" in table[-1]
     assert json.loads(json.dumps(below.to_dict()))["branches"][1]["within_tolerance"] is False
 
 
 def test_a_branch_of_a_ramped_run_trains_at_its_own_fixed_size(tmp_path: Path) -> None:
-    """The parent's batch ramp would resize the branch's steps: a branch drops it (and never allows a change)."""
+    """The parent's batch ramp would resize the branch's steps: a branch drops it (and never allows a change); it
+    holds the parent's settings at the branch point, which its batch-change rule moves to its size."""
     from bigbatch.critical_batch.measure import _Parent, branch_config
+    from bigbatch.engine.batch_change import BatchChangeRule, OptimSettings
     from bigbatch.run.configuration.train_config import TrainConfig
     from bigbatch.sizing.plan import BatchPlan
 
@@ -142,14 +134,22 @@ def test_a_branch_of_a_ramped_run_trains_at_its_own_fixed_size(tmp_path: Path) -
         step=40,
         tokens_seen=1,
         tokens_per_step=16384,
-        lr=1e-3,
+        settings=OptimSettings(1e-3, 0.9, 0.97, 0.05),
         micro_batch=16,
         seq_len=256,
         sha256="0" * 64,
     )
     plan = BatchPlan(micro_batch=16, seq_len=256, accumulation_steps=2)
-    config = branch_config(parent, tmp_path / "tps_8192", plan, lr=1e-3, steps=4, eval_batches=2, device="cpu")
+    rule = BatchChangeRule("linear", "both", "timescale")
+    config = branch_config(parent, tmp_path / "tps_8192", plan, rule, steps=4, eval_batches=2, device="cpu")
     assert config.batch.batch_ramp == ""
+    opt = config.optim
+    assert (opt.lr, opt.beta1, opt.beta2, opt.weight_decay, opt.min_lr_ratio) == (1e-3, 0.9, 0.97, 0.05, 1.0)
+    assert (opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay) == (
+        "linear",
+        "both",
+        "timescale",
+    )
     assert config.batch.total_batch_tokens == 8192
     assert config.run.allow_ramp_change is False
     assert config.run.max_steps == 44

@@ -321,7 +321,7 @@ def plan_from_run(
         )
     if plan.accumulation_steps == 1 and plan.world_size == 1:
         notes.append("with K = 1 in one process a run cannot measure the noise scale (it needs two batch sizes)")
-    from bigbatch.critical_batch.tradeoff import tradeoff_lines
+    from bigbatch.sizing.tradeoff import tradeoff_lines
 
     lines += tradeoff_lines(Path(measured.run_dir), measured.tokens)
     return solved, lines + [f"note: {n}" for n in notes]

@@ -306,7 +306,7 @@ def critical_batch_curve(source: str) -> list[tuple[int, int]]:
     each size at least the one before (the measured lower end of each bracket, never shrinking)."""
     from pathlib import Path
 
-    from bigbatch.critical_batch.over_run import read_over_run
+    from bigbatch.sizing.critical_curve import read_over_run
 
     points = sorted(read_over_run(Path(source)).points, key=lambda p: p.tokens_seen)
     curve, largest = [], 0

@@ -221,12 +221,15 @@ class Trainer:
     def _train(self) -> TrainResult:
         run = self.config.run
         if self.completed:
+            last = f"max_steps {run.max_steps}"
+            if self.parts.seesaw is not None:
+                last = f"its last: the tokens of max_steps {run.max_steps} in larger steps, --schedule seesaw"
             self._say(
-                "the run in %s is complete: it reached step %d (its last, of max_steps %d); nothing to do (raise "
-                "--max-steps, with --extend-schedule to stretch the learning-rate decay, to train on)",
+                "the run in %s is complete: it reached step %d (%s); nothing to do (raise --max-steps, with "
+                "--extend-schedule to stretch the learning-rate decay, to train on)",
                 self.run_dir,
                 self.state.step,
-                run.max_steps,
+                last,
             )
             return self._result(LoopTally(), sample=None)  # a requeueing scheduler needs exit 0
         if self.dist.is_main:
