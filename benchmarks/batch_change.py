@@ -1,37 +1,40 @@
 """Changing the tokens per step during a run: Seesaw, the batch-change rule, the critical batch and the ramps that
 follow it, on CPU (pico, tiny Shakespeare or its generated stand-in, one thread by default).
 
-    python benchmarks/batch_change.py                 # all three, 5 paired seeds (about 8 minutes on 2 cores)
+    python benchmarks/batch_change.py                 # all three, 5 paired seeds (3 for the ramps)
     python benchmarks/batch_change.py --only seesaw   # seesaw | change | critical
     python benchmarks/batch_change.py --quick         # fewer seeds and steps: a smoke check (under 3 minutes)
 
 Every comparison trains its arms at the same seed (same initial weights, same window order), so the differences
 are paired; each table gives the per-seed numbers, then the mean, the standard deviation over seeds and the range.
 
-* seesaw: ``--schedule seesaw`` against the plain warmup + cosine schedule (min_lr_ratio 0.1, 10 warmup steps) at
-  the same ``max_steps`` (300 steps of 2,048 tokens, 8 x 64 micro-batches): both train the same tokens, Seesaw in
-  fewer optimizer steps (the batch doubles, up to 8x, wherever cosine would halve the learning rate). The
-  validation loss of each arm is evaluated once, at the end, on the whole validation split. Goal: Seesaw's
-  validation loss within the seed-to-seed spread of cosine's (|mean paired difference| <= the standard deviation
-  of cosine's loss over seeds), in <= 0.7x the optimizer steps.
+* seesaw: ``--schedule seesaw`` against the plain warmup + cosine schedule (min_lr_ratio 0.1, 5 warmup steps) at
+  the same ``max_steps`` (300 steps of 2,048 tokens, 8 x 64 micro-batches, lr 2e-3): both train the same tokens,
+  Seesaw in fewer optimizer steps (the batch doubles, up to 8x, wherever cosine would halve the learning rate,
+  which moves by 1/sqrt(2) instead). Each arm's validation loss is evaluated once, at the end, on the whole
+  validation split. Goal: Seesaw's validation loss within the seed-to-seed spread of cosine's (|mean paired
+  difference| <= the standard deviation of cosine's loss over seeds), in <= 0.7x the optimizer steps.
 * change: a 4x batch change in the middle of a run. 100 steps at 1,024 tokens per step (the run's reference
   size), then the run is resumed in its own directory with ``total_batch_tokens`` 4,096 and
   ``allow_batch_change`` for 100 more steps (the cosine decay spans all 200: ``decay_steps`` 200). Arms:
-  ``--batch-change-rule sqrt`` (betas auto: beta2 ** 4 as well, the learning rate x 2) against ``none`` (the
+  ``--batch-change-rule sqrt`` (betas auto: beta2 ** 4 as well, and the learning rate x 2) against ``none`` (the
   optimizer's settings kept). Reported: the mean training loss of the first 5 and 20 steps after the change
-  (``metrics.jsonl``), and the validation loss at the end. Goal: sqrt no worse than none (a lower loss right
-  after the change and at the end). Both arms' first halves are the same computation: the script checks that
-  their losses at the change agree bitwise.
+  (``metrics.jsonl``), and the validation loss at the end (whole split). Goal: sqrt no worse than none, right after
+  the change and at the end. Both arms' first halves are the same computation: the script checks that their
+  losses at the change agree bitwise.
 * critical: one run of 240 steps of 4,096 tokens (4 x 64 micro-batches, K 16; noise scale every 5 steps) with a
-  checkpoint every 60 steps, all kept; :func:`~bigbatch.critical_batch.measure.measure_over_run` branches each
-  checkpoint at 512 .. 8,192 tokens per step for 64Ki tokens each and prints the critical batch against tokens
-  seen with the noise scale the run logged beside it. Then three new runs from scratch, at the same seeds, 240
-  steps each (the same learning-rate schedule by step): the fixed batch (4,096 tokens per step),
-  ``--batch-ramp auto`` and ``--batch-ramp from:RUN`` (that measured curve); validation every 10 steps on the same
-  windows. Reported: the tokens each needs to reach the fixed batch's final validation loss (the first evaluation
-  at or below it; "not reached" if none is), and its ratio to the fixed batch's. A ramp trains fewer tokens than
-  the fixed batch in the same steps, so a ratio below 1 is tokens saved at the same loss; "not reached" says the
-  ramp's steps were too small to catch up within the run.
+  checkpoint every 15 steps, of which those at steps 15, 30, 60, 120 and 240 are kept (about evenly spaced in log
+  tokens: the critical batch moves most early); :func:`~bigbatch.critical_batch.measure.measure_over_run` branches
+  each at 512 .. 8,192 tokens per step for 64Ki tokens each and prints the critical batch against tokens seen with
+  the noise scale the run logged beside it. Then new runs from scratch, at the first 3 seeds: the fixed batch
+  (4,096 tokens per step, 240 steps), and ``--batch-ramp auto`` and ``--batch-ramp from:RUN`` (that measured curve)
+  twice each: at the same 240 steps (bigbatch's ramp keeps the run's steps and schedule, so it trains fewer tokens)
+  and at the fixed batch's tokens (``max_steps`` raised until the ramp trains as many, to 10% over, its cosine
+  decay spanning its own steps: exact for from:RUN, whose sizes follow from the tokens seen; for auto, whose sizes
+  depend on the run, up to 3 tries, then resumed at the minimum learning rate if still short). About 48
+  validations per run on the same 64 micro-batches. Reported: the tokens each needs to reach the fixed batch's
+  final validation loss (the first evaluation at or below it; "not reached" if none is), and the ratio to the
+  fixed batch's (below 1: fewer tokens for the same loss; each ramp takes more optimizer steps for them).
 """
 
 from __future__ import annotations
@@ -379,7 +382,7 @@ def token_matched(b: Bench, name: str, ramp: str, guess: int, tokens: int, seed:
         out = b.work / f"ramp_{name.replace(':', '_')}_tokens_{seed}_{attempt}"
         every = max(1, n_steps // evals_per_run)
         result, _ = train(ramp_run(b, out, ramp, n_steps, seed, every))
-        if tokens <= result.tokens_seen <= 1.1 * tokens:
+        if tokens <= result.tokens_seen <= 1.1 * tokens or attempt == 2:
             break
         at = tokens_at_steps(out)
         if result.tokens_seen > tokens:
@@ -387,7 +390,9 @@ def token_matched(b: Bench, name: str, ramp: str, guess: int, tokens: int, seed:
         else:
             n_steps += -(-(tokens - result.tokens_seen) // records(out, "step")[-1]["tokens"])
     decay_end, note = n_steps, ""
-    while result.tokens_seen < tokens:
+    for _ in range(5):
+        if result.tokens_seen >= tokens:
+            break
         n_steps += -(-(tokens - result.tokens_seen) // records(out, "step")[-1]["tokens"])
         with quiet():  # past the end of its decay: said, on purpose
             result, _ = train(ramp_run(b, out, ramp, n_steps, seed, every))

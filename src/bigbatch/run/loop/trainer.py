@@ -53,12 +53,14 @@ class TrainResult:
 
 
 def prefetch_depth(parts: RunParts) -> int:
-    """Micro-batches to read ahead: one step's (K; with a token budget, as many as a step of full micro-batches
-    needs, plus one)."""
+    """Micro-batches to read ahead: one step's (K, Seesaw's largest; with a token budget, as many as a step of full
+    micro-batches needs, plus one)."""
     budget = parts.policy.token_budget
     if budget:
         per_micro_batch = parts.plan.micro_batch * parts.plan.seq_len * parts.dist.world_size
         return -(-budget // per_micro_batch) + 1
+    if parts.seesaw is not None:  # its largest steps
+        return max(phase.k for phase in parts.seesaw.phases)
     return max(1, parts.policy.k)
 
 
