@@ -328,3 +328,43 @@ def test_the_branch_mode_refuses_a_parent_of_another_model_sequence_length_or_da
         Trainer(config, branch_from=checkpoint)
     assert expected in str(caught.value)
     assert not (tmp_path / "branch").exists()
+
+
+@pytest.mark.slow
+def test_the_critical_batch_over_a_run_and_a_ramp_that_follows_it(tmp_path: Path) -> None:
+    """``--every 2`` measures at the run's checkpoints at steps 2 and 4 (kept: --keep-checkpoints 0), writes the
+    curve with the noise scale beside it; a new run with ``--batch-ramp from:RUN`` takes the measured sizes as a
+    function of its tokens seen; too few checkpoints is one line."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(corpus_bytes(30_000))
+    run_dir = tmp_path / "parent"
+    code, out, err = run_main([*train_args(corpus, run_dir, 4), "--save-every", "2", "--keep-checkpoints", "0"])
+    assert code == 0, out + err
+    code, out, err = critical_batch(run_dir, [64, 128], 256, "--every", "2", "--eval-batches", "1")
+    assert code == 0, out + err
+    curve = json.loads((run_dir / "critical-batch" / "over-run-sqrt-beta2.json").read_text())
+    assert [p["step"] for p in curve["points"]] == [2, 4]
+    assert [p["tokens_seen"] for p in curve["points"]] == [2 * PARENT_TPS, 4 * PARENT_TPS]
+    for point, step in zip(curve["points"], [2, 4], strict=True):
+        result = json.loads((run_dir / "critical-batch" / f"step_{step:07d}-sqrt-beta2" / "result.json").read_text())
+        assert point["critical_tokens_per_step"] == point["low"] == result["critical_tokens_per_step"]
+        assert point["high"] == (0 if result["bound"] == "at least" else 128)
+    assert (run_dir / "critical-batch" / "over-run-sqrt-beta2.png").stat().st_size > 0
+    assert "critical batch over the run" in out and "noise scale" in out
+    assert f"{2 * PARENT_TPS:,}" in out and f"{4 * PARENT_TPS:,}" in out
+
+    follower = tmp_path / "follower"
+    code, out, err = run_main([*train_args(corpus, follower, 4), "--batch-ramp", f"from:{run_dir}"])
+    assert code == 0, out + err
+    sizes = [max(64, p["low"]) for p in curve["points"]]  # at most the run's 128 tokens per step
+    expected, seen = [], 0
+    for _ in range(4):
+        wanted = max([sizes[0]] + [s for p, s in zip(curve["points"], sizes, strict=True) if p["tokens_seen"] <= seen])
+        expected.append(min(128, wanted) // 64)
+        seen += expected[-1] * 64
+    assert [r["micro_batches"] for r in step_records(follower)] == expected
+    assert f"batch ramp | from {run_dir}" in out
+
+    code, out, err = critical_batch(run_dir, [64, 128], 256, "--every", "3")
+    line = assert_one_line_error(code, out, err)
+    assert "--every 3" in line and "--keep-checkpoints 0" in line
