@@ -1,7 +1,7 @@
 """Changing the tokens per step during a run: Seesaw, the batch-change rule, the critical batch and the ramps that
 follow it, on CPU (pico, tiny Shakespeare or its generated stand-in, one thread by default).
 
-    python benchmarks/batch_change.py                 # all three, 5 paired seeds (3 for the ramps)
+    python benchmarks/batch_change.py                 # all three, 5 paired seeds (2 for the ramps), about 8.5 minutes
     python benchmarks/batch_change.py --only seesaw   # seesaw | change | critical
     python benchmarks/batch_change.py --quick         # fewer seeds and steps: a smoke check (under 3 minutes)
 
@@ -9,9 +9,10 @@ Every comparison trains its arms at the same seed (same initial weights, same wi
 are paired; each table gives the per-seed numbers, then the mean, the standard deviation over seeds and the range.
 
 * seesaw: ``--schedule seesaw`` against the plain warmup + cosine schedule (min_lr_ratio 0.1, 5 warmup steps) at
-  the same ``max_steps`` (300 steps of 2,048 tokens, 8 x 64 micro-batches, lr 2e-3): both train the same tokens,
-  Seesaw in fewer optimizer steps (the batch doubles, up to 8x, wherever cosine would halve the learning rate,
-  which moves by 1/sqrt(2) instead). Each arm's validation loss is evaluated once, at the end, on the whole
+  the same ``max_steps`` (600 steps of 1,024 tokens, 8 x 64 micro-batches, lr 2e-3: its doublings to 8,192 stay
+  near the critical batch that "critical" measures): both train the same tokens, Seesaw in fewer optimizer steps
+  (the batch doubles, up to 8x, wherever cosine would halve the learning rate, which moves by 1/sqrt(2) instead
+  with the rule sqrt, as published, or stays with linear: both arms are run). Each arm's validation loss is evaluated once, at the end, on the whole
   validation split. Goal: Seesaw's validation loss within the seed-to-seed spread of cosine's (|mean paired
   difference| <= the standard deviation of cosine's loss over seeds), in <= 0.7x the optimizer steps.
 * change: a 4x batch change in the middle of a run. 100 steps at 1,024 tokens per step (the run's reference
@@ -26,13 +27,13 @@ are paired; each table gives the per-seed numbers, then the mean, the standard d
   checkpoint every 15 steps, of which those at steps 15, 30, 60, 120 and 240 are kept (about evenly spaced in log
   tokens: the critical batch moves most early); :func:`~bigbatch.critical_batch.measure.measure_over_run` branches
   each at 512 .. 8,192 tokens per step for 64Ki tokens each and prints the critical batch against tokens seen with
-  the noise scale the run logged beside it. Then new runs from scratch, at the first 3 seeds: the fixed batch
+  the noise scale the run logged beside it. Then new runs from scratch, at the first 2 seeds: the fixed batch
   (4,096 tokens per step, 240 steps), and ``--batch-ramp auto`` and ``--batch-ramp from:RUN`` (that measured curve)
   twice each: at the same 240 steps (bigbatch's ramp keeps the run's steps and schedule, so it trains fewer tokens)
   and at the fixed batch's tokens (``max_steps`` raised until the ramp trains as many, to 10% over, its cosine
   decay spanning its own steps: exact for from:RUN, whose sizes follow from the tokens seen; for auto, whose sizes
-  depend on the run, up to 3 tries, then resumed at the minimum learning rate if still short). About 48
-  validations per run on the same 64 micro-batches. Reported: the tokens each needs to reach the fixed batch's
+  depend on the run, up to 3 tries from twice the fixed batch's steps, then resumed at the minimum learning rate
+  if still short). About 48 validations per run on the same 64 micro-batches. Reported: the tokens each needs to reach the fixed batch's
   final validation loss (the first evaluation at or below it; "not reached" if none is), and the ratio to the
   fixed batch's (below 1: fewer tokens for the same loss; each ramp takes more optimizer steps for them).
 """
@@ -45,6 +46,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -75,7 +77,8 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 class Sizes:
     """The steps and sizes of the three measurements (the default run's, or --quick's)."""
 
-    seesaw_steps: int = 300
+    seesaw_steps: int = 600
+    seesaw_tokens: int = 1024  # per step at the start: the doublings (to 8x) stay near the measured critical batch
     change_steps: int = 200  # the change is at half of them
     critical_steps: int = 240
     critical_save_every: int = 15
@@ -83,12 +86,12 @@ class Sizes:
     critical_eval_every: int = 5
     critical_sizes: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     critical_budget: int = 65_536
-    critical_seeds: int = 3  # at most this many of --seeds for the three runs of the ramps
+    critical_seeds: int = 2  # at most this many of --seeds for the three runs of the ramps
     after: tuple[int, ...] = (5, 20)  # steps after the change whose training loss is averaged
 
 
 QUICK = Sizes(
-    seesaw_steps=100,
+    seesaw_steps=200,
     change_steps=80,
     critical_steps=80,
     critical_save_every=10,
@@ -198,45 +201,56 @@ def paired(diffs: list[float]) -> str:
 # ---- seesaw ------------------------------------------------------------------------------------------------
 
 
+SEESAW_ARMS = (("cosine", "auto"), ("seesaw", "sqrt"), ("seesaw", "linear"))
+"""(schedule, batch-change rule): cosine, Seesaw as published (the learning rate x 1/sqrt(2) per doubling), and
+Seesaw with the linear rule (the learning rate kept across a doubling)."""
+
+
 def bench_seesaw(b: Bench) -> None:
-    steps, total, mb = b.sizes.seesaw_steps, 2048, 8
+    steps, total, mb = b.sizes.seesaw_steps, b.sizes.seesaw_tokens, 8
     print(
         f"seesaw | {MODEL}, {steps} steps of {total:,} tokens ({mb} x {SEQ_LEN} x K {total // (mb * SEQ_LEN)}), lr 2e-3, "
-        f"warmup {WARMUP}, min_lr_ratio 0.1; --schedule seesaw (max batch auto: 8x, rule sqrt) vs cosine, same seed; val "
-        "loss at the end (whole split)"
+        f"warmup {WARMUP}, min_lr_ratio 0.1; --schedule seesaw (max batch auto: 8x) with the rule sqrt and with linear "
+        "vs cosine, same seed; val loss at the end (whole split)"
     )
-    print(f"  {'seed':>4} {'cosine val':>11} {'seesaw val':>11} {'diff':>8} {'steps':>12} {'ratio':>6} {'tokens':>10}")
-    rows = []
+    print(
+        f"  {'seed':>4} {'cosine val':>11} {'sqrt val':>9} {'diff':>8} {'linear val':>11} {'diff':>8} {'steps':>12} "
+        f"{'ratio':>6} {'tokens':>10}"
+    )
+    vals: dict[str, list[float]] = {rule: [] for _, rule in SEESAW_ARMS}
+    ratios = []
     for seed in b.seeds:
         arms = {}
-        for schedule in ("cosine", "seesaw"):
-            config = b.config(b.work / f"seesaw_{schedule}_{seed}", mb, total, steps, seed, eval_every=steps)
-            config.optim.schedule = schedule
-            arms[schedule], _ = train(config)
-        cos, see = arms["cosine"], arms["seesaw"]
-        if cos.val_loss is None or see.val_loss is None:
-            raise SystemExit(f"seesaw seed {seed}: no validation loss ({cos.val_loss}, {see.val_loss})")
-        same_tokens = "" if cos.tokens_seen == see.tokens_seen else f" TOKENS DIFFER ({see.tokens_seen:,})"
-        rows.append((cos.val_loss, see.val_loss, see.steps / cos.steps))
+        for schedule, rule in SEESAW_ARMS:
+            config = b.config(b.work / f"seesaw_{schedule}_{rule}_{seed}", mb, total, steps, seed, eval_every=steps)
+            config.optim.schedule, config.optim.batch_change_rule = schedule, rule
+            arms[rule], _ = train(config)
+        cos, see, lin = arms["auto"], arms["sqrt"], arms["linear"]
+        if None in (cos.val_loss, see.val_loss, lin.val_loss):
+            raise SystemExit(f"seesaw seed {seed}: no validation loss")
+        for rule, result in arms.items():
+            vals[rule].append(float(result.val_loss))  # type: ignore[arg-type]
+        same_tokens = "" if cos.tokens_seen == see.tokens_seen == lin.tokens_seen else " TOKENS DIFFER"
+        ratios.append(see.steps / cos.steps)
         print(
-            f"  {seed:>4} {cos.val_loss:>11.4f} {see.val_loss:>11.4f} {see.val_loss - cos.val_loss:>+8.4f} "
-            f"{f'{cos.steps} -> {see.steps}':>12} {see.steps / cos.steps:>5.3f}x {cos.tokens_seen:>10,}{same_tokens}"
+            f"  {seed:>4} {vals['auto'][-1]:>11.4f} {vals['sqrt'][-1]:>9.4f} {vals['sqrt'][-1] - vals['auto'][-1]:>+8.4f} "
+            f"{vals['linear'][-1]:>11.4f} {vals['linear'][-1] - vals['auto'][-1]:>+8.4f} "
+            f"{f'{cos.steps} -> {see.steps}':>12} {ratios[-1]:>5.3f}x {cos.tokens_seen:>10,}{same_tokens}"
         )
-    cos_vals, see_vals, ratios = ([r[i] for r in rows] for i in range(3))
-    diffs = [s - c for c, s in zip(cos_vals, see_vals, strict=True)]
-    print(f"  cosine val loss: {spread(cos_vals)}")
-    print(f"  seesaw val loss: {spread(see_vals)}")
-    print(f"  seesaw - cosine: {paired(diffs)}")
+    print(f"  cosine val loss:        {spread(vals['auto'])}")
+    seed_sd = statistics.stdev(vals["auto"]) if len(vals["auto"]) > 1 else float("nan")
+    verdicts = []
+    for rule in ("sqrt", "linear"):
+        diffs = [s - c for c, s in zip(vals["auto"], vals[rule], strict=True)]
+        print(f"  seesaw {rule:<6} val loss:  {spread(vals[rule])}")
+        print(f"  seesaw {rule:<6} - cosine: {paired(diffs)}")
+        within = "n/a (1 seed)" if math.isnan(seed_sd) else ("yes" if abs(statistics.fmean(diffs)) <= seed_sd else "NO")
+        verdicts.append(f"{rule} {statistics.fmean(diffs):+.4f} (within: {within})")
     print(f"  optimizer steps, seesaw / cosine: {spread(ratios, '.3f')}")
-    seed_sd = statistics.stdev(cos_vals) if len(cos_vals) > 1 else float("nan")
-    within = abs(statistics.fmean(diffs)) <= seed_sd
-    verdict = "n/a (1 seed)" if math.isnan(seed_sd) else ("yes" if within else "NO")
-    line = (
-        f"seesaw: val loss {statistics.fmean(diffs):+.4f} vs cosine (seed-to-seed sd {seed_sd:.4f}; within: "
-        f"{verdict}), {statistics.fmean(ratios):.3f}x the optimizer steps (goal <= 0.7x: "
-        f"{'yes' if max(ratios) <= 0.7 else 'NO'})"
+    b.summary.append(
+        f"seesaw: val loss vs cosine {', '.join(verdicts)} against the seed-to-seed sd {seed_sd:.4f}; "
+        f"{statistics.fmean(ratios):.3f}x the optimizer steps (goal <= 0.7x: {'yes' if max(ratios) <= 0.7 else 'NO'})"
     )
-    b.summary.append(line)
 
 
 # ---- a 4x batch change in the middle of a run --------------------------------------------------------------
@@ -308,10 +322,11 @@ def bench_change(b: Bench) -> None:
     )
     first = b.sizes.after[0]
     early = statistics.fmean(s - x for x, s in zip(losses["none"][first], losses["sqrt"][first], strict=True))
+    final = statistics.fmean(diffs)
     b.summary.append(
         f"change x4: sqrt - none, train loss over the {first} steps after the change {early:+.4f}, final val loss "
-        f"{statistics.fmean(diffs):+.4f} (sqrt {statistics.fmean(vals['sqrt']):.4f}, none "
-        f"{statistics.fmean(vals['none']):.4f})"
+        f"{final:+.4f} (sqrt {statistics.fmean(vals['sqrt']):.4f}, none {statistics.fmean(vals['none']):.4f}; "
+        f"goal, sqrt no worse: {'yes' if early <= 0 and final <= 0 else 'NO'})"
     )
 
 
@@ -375,8 +390,9 @@ def read_arm(name: str, match: str, out: Path, result: TrainResult, note: str = 
 def token_matched(b: Bench, name: str, ramp: str, guess: int, tokens: int, seed: int, evals_per_run: int) -> Arm:
     """A ramp run whose ``max_steps`` is raised until it trains ``tokens`` (to 10% over): its cosine decay spans
     its own steps. From ``guess`` steps; a run that overshoots is trained again with the steps at which it had
-    seen ``tokens`` (an auto ramp's sizes depend on its schedule, so this is tried 3 times at most); one that
-    falls short is resumed past the end of its decay (the minimum learning rate) until it has seen them."""
+    seen ``tokens``, one that falls short with more steps at its last size (an auto ramp's sizes depend on its
+    schedule, so this is tried 3 times at most); one still short is resumed past the end of its decay (the minimum
+    learning rate) until it has seen them."""
     n_steps = guess
     for attempt in range(3):
         out = b.work / f"ramp_{name.replace(':', '_')}_tokens_{seed}_{attempt}"
@@ -390,10 +406,10 @@ def token_matched(b: Bench, name: str, ramp: str, guess: int, tokens: int, seed:
         else:
             n_steps += -(-(tokens - result.tokens_seen) // records(out, "step")[-1]["tokens"])
     decay_end, note = n_steps, ""
-    for _ in range(5):
+    for _ in range(10):  # steps of the largest size, so that an auto ramp growing meanwhile does not overshoot
         if result.tokens_seen >= tokens:
             break
-        n_steps += -(-(tokens - result.tokens_seen) // records(out, "step")[-1]["tokens"])
+        n_steps += -(-(tokens - result.tokens_seen) // CRITICAL_TOTAL)
         with quiet():  # past the end of its decay: said, on purpose
             result, _ = train(ramp_run(b, out, ramp, n_steps, seed, every))
     if n_steps > decay_end:
@@ -454,9 +470,12 @@ def bench_critical(b: Bench) -> None:
             out = b.work / f"ramp_{name.replace(':', '_')}_steps_{seed}"
             result, _ = train(ramp_run(b, out, ramp, steps, seed, s.critical_eval_every))
             arms.append(read_arm(name, "steps", out, result))
-        # the same tokens: from:RUN's steps follow from its curve (exact); auto starts from the same guess
-        guess = steps_for_tokens(follow, fixed.tokens)
-        for name, ramp in (("auto", "auto"), ("from:RUN", f"from:{parent}")):
+        # the same tokens: from:RUN's steps follow from its curve (exact); auto's are searched for from twice the
+        # fixed batch's steps (its sizes depend on its own schedule)
+        for name, ramp, guess in (
+            ("auto", "auto", 2 * steps),
+            ("from:RUN", f"from:{parent}", steps_for_tokens(follow, fixed.tokens)),
+        ):
             arms.append(token_matched(b, name, ramp, guess, fixed.tokens, seed, evals_per_run))
         for arm in arms:
             got = arm.reached(target)
@@ -498,6 +517,7 @@ def main() -> None:
     parser.add_argument("--corpus", help="raw text to train on (default: tiny Shakespeare, else its stand-in)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each row as it is measured
     torch.set_num_threads(args.threads)
     logging.getLogger("bigbatch").setLevel(logging.WARNING)
     sizes = QUICK if args.quick else Sizes()

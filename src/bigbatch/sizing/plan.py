@@ -26,6 +26,11 @@ class BatchPlan:
         return self.micro_batch * self.seq_len * self.accumulation_steps * self.world_size
 
     @property
+    def tokens_per_k(self) -> int:
+        """Tokens one more micro-batch on every process adds to a step (K -> K + 1)."""
+        return self.micro_batch * self.seq_len * self.world_size
+
+    @property
     def sequences_per_step(self) -> int:
         return self.micro_batch * self.accumulation_steps * self.world_size
 

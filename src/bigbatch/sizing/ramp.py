@@ -139,7 +139,7 @@ class BatchRamp:
     @property
     def unit(self) -> int:
         """Tokens that one more micro-batch per rank adds to a step."""
-        return self.plan.micro_batch * self.plan.seq_len * self.plan.world_size
+        return self.plan.tokens_per_k
 
     @property
     def k_max(self) -> int:

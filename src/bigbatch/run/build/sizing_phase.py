@@ -99,7 +99,7 @@ def build_seesaw(config: TrainConfig, plan: BatchPlan, schedule: CosineSchedule)
         raise ConfigError(
             f"--schedule seesaw sets the tokens of every step itself, and so does {flag}; use one of them"
         )
-    unit = plan.micro_batch * plan.seq_len * plan.world_size
+    unit = plan.tokens_per_k
     cap = batch.max_batch_tokens or plan.tokens_per_step * 2**SEESAW_DEFAULT_DOUBLINGS
     if cap % unit:
         raise ConfigError(

@@ -32,7 +32,7 @@ def header_lines(parts: RunParts) -> list[str]:
     ]
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
-    unit = parts.plan.micro_batch * parts.plan.seq_len * parts.plan.world_size
+    unit = parts.plan.tokens_per_k
     if parts.seesaw is not None:
         lines.append(f"seesaw | {parts.seesaw.describe(unit)}")
     follower = parts.engine.follower

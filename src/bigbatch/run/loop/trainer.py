@@ -31,6 +31,13 @@ from bigbatch.run.loop.evaluation import end_of_run_sample, evaluate_during_trai
 from bigbatch.run.loop.header import header_lines
 from bigbatch.run.loop.run_dir_files import start_run_dir
 from bigbatch.run.loop.step_log import StepLog, grow_auto_ramp
+from bigbatch.run.loop.step_sizes import (
+    check_batch_change_rule,
+    follow_batch_change,
+    next_k,
+    planned_tokens,
+    seesaw_stop_note,
+)
 from bigbatch.run.loop.stopping import SaveSchedule, StopHandling, check_diverging
 from bigbatch.run.loop.summary import say_summary
 from bigbatch.run.loop.tally import LoopTally
@@ -122,36 +129,10 @@ class Trainer:
                 self.run_dir,
                 level=logging.WARNING,
             )
-        self._check_batch_change_rule(branch_from is not None)
+        check_batch_change_rule(self.parts, branch_from is not None, self._say)
         self.completed = self.resumed_from is not None and self.state.step >= self.parts.last_step
         saved_step = self.state.step if self.resumed_from is not None else 0  # the newest checkpoint's step
         self.saves = SaveSchedule(config.run.save_every, saved_step)
-
-    def _check_batch_change_rule(self, branched: bool) -> None:
-        """A batch-change setting asked for by name on a run whose tokens per step never change: say that it
-        changes nothing (rather than let the user believe it did)."""
-        opt, follower, parts = self.config.optim, self.engine.follower, self.parts
-        given = [
-            f"--{flag} {value}"
-            for flag, value, default in (
-                ("batch-change-rule", opt.batch_change_rule, "auto"),
-                ("batch-change-betas", opt.batch_change_betas, "auto"),
-                ("batch-change-weight-decay", opt.batch_change_weight_decay, "keep"),
-            )
-            if value != default
-        ]
-        if not given or follower is None or parts.ramp is not None or parts.seesaw is not None:
-            return
-        planned = parts.policy.token_budget or parts.plan.tokens_per_step
-        if branched or follower.reference_tokens != planned or (follower.last_tokens or planned) != planned:
-            return
-        self._say(
-            "%s changes nothing in this run: its tokens per step (%s) never change; a batch change comes from "
-            "--batch-ramp, --schedule seesaw, a critical-batch branch or a resume with --allow-batch-change",
-            " and ".join(given),
-            f"{planned:,}",
-            level=logging.WARNING,
-        )
 
     def close(self) -> None:
         """Finish a checkpoint in flight, then give the run directory up (:meth:`train` does when it ends):
@@ -190,27 +171,10 @@ class Trainer:
         micro-batches taken so far (the wrapped loader itself is ``.loader``)."""
         return self.loader
 
-    def next_k(self) -> int:
-        """K of the next step: the batch ramp's at the tokens seen so far, Seesaw's at this step, else the plan's."""
-        if self.parts.ramp is not None:
-            return self.parts.ramp.k(self.state.tokens_seen)
-        if self.parts.seesaw is not None:
-            return self.parts.seesaw.k(self.state.step)
-        return self.parts.policy.k
-
-    def next_tokens_per_step(self) -> int:
-        """The next step's planned size in tokens (a token budget's, or K micro-batches on every rank; Seesaw's
-        shortened last step counts at its size's)."""
-        if self.parts.policy.token_budget:
-            return self.parts.policy.token_budget
-        plan, seesaw = self.parts.plan, self.parts.seesaw
-        k = seesaw.size_k(self.state.step) if seesaw is not None else self.next_k()
-        return k * plan.micro_batch * plan.seq_len * plan.world_size
-
     def next_step(self) -> StepBatch:
-        """This rank's micro-batches for the next step and the step's global valid-target count (K from
-        :meth:`next_k`)."""
-        policy = replace(self.parts.policy, k=self.next_k())
+        """This rank's micro-batches for the next step and the step's global valid-target count (K from the batch
+        ramp at the tokens seen so far, from Seesaw at this step, or the plan's)."""
+        policy = replace(self.parts.policy, k=next_k(self.parts, self.state.step, self.state.tokens_seen))
         return read_step(self.loader, policy, self.dist, self.parts.device)
 
     def train(self) -> TrainResult:
@@ -238,8 +202,7 @@ class Trainer:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
         for line in header_lines(self.parts):
             self._say("%s", line)
-        seesaw, plan = self.parts.seesaw, self.parts.plan
-        note = seesaw.stop_note(plan.micro_batch * plan.seq_len * plan.world_size) if seesaw is not None else None
+        note = seesaw_stop_note(self.parts)
         if note:
             self._say("%s", note, level=logging.WARNING)
         step_log = StepLog(self.parts, self._say)  # this session's (holding no reference to self past it)
@@ -274,7 +237,7 @@ class Trainer:
     def _train_one_step(self, seen: LoopTally, stop: StopRequest, stops: StopHandling, step_log: StepLog) -> None:
         """One optimizer step (or one skipped), then its log line, evaluation, checkpoint and stop check."""
         run = self.config.run
-        tokens_per_step = self.next_tokens_per_step()
+        tokens_per_step = planned_tokens(self.parts, self.state.step, self.state.tokens_seen)
         step = self.next_step()
         if step.n_valid == 0:
             self._say("skipping a step whose micro-batches hold no valid targets", level=logging.WARNING)
@@ -282,7 +245,10 @@ class Trainer:
             stops.check(seen, stop, saved=False)
             return
         seen.empty_steps.reset()
-        self._follow_batch_change(tokens_per_step, step_log)
+        follow_batch_change(
+            self.parts, self.state.step, self.state.tokens_seen, tokens_per_step, self.change_cause, step_log
+        )
+        self.change_cause = self.parts.batch_change_cause
         record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
         if record.skipped:  # a non-finite gradient: no update was applied
@@ -308,18 +274,6 @@ class Trainer:
         assert self.progress is not None
         self.progress.update(record.step, record.tokens_per_s, extra="stopping after this step" if stop.signum else "")
         stops.check(seen, stop, saved)
-
-    def _follow_batch_change(self, tokens_per_step: int, step_log: StepLog) -> None:
-        """Say and record a change of the tokens per step before the step that makes it (the engine applies the
-        batch-change rule's settings to it)."""
-        follower = self.engine.follower
-        if follower is None:
-            return
-        lr = self.engine.schedule(self.engine.step_count)
-        change = follower.change(self.state.step + 1, self.state.tokens_seen, lr, tokens_per_step, self.change_cause)
-        self.change_cause = self.parts.batch_change_cause
-        if change is not None:
-            step_log.batch_change(change)
 
     def _run_step(self, step: StepBatch, seen: LoopTally, stops: StopHandling, tokens_per_step: int) -> StepRecord:
         """The engine's step on the step's micro-batches (pinned for CUDA by the loader); a documents step's
