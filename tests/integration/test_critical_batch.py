@@ -368,3 +368,18 @@ def test_the_critical_batch_over_a_run_and_a_ramp_that_follows_it(tmp_path: Path
     code, out, err = critical_batch(run_dir, [64, 128], 256, "--every", "3")
     line = assert_one_line_error(code, out, err)
     assert "--every 3" in line and "--keep-checkpoints 0" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--lr-rule", "sqrt"), "--lr-rule is now --batch-change-rule"),
+        (("--every", "2", "--step", "2"), "--every measures at several checkpoints and --step at one"),
+        (("--batch-change-rule", "constant"), "invalid choice: 'constant'"),
+    ],
+)
+def test_renamed_and_contradictory_flags_are_one_line_errors(
+    tmp_path: Path, extra: tuple[str, ...], message: str
+) -> None:
+    code, out, err = critical_batch(tmp_path / "run", SIZES, BUDGET, *extra)
+    assert message in assert_one_line_error(code, out, err)
