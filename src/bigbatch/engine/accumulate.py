@@ -198,12 +198,12 @@ class AccumulationEngine:
         self.route_fn, self.counted_fn = route_fn, counted_fn
         self.follower = follower
         self._base_weight_decays = [float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups]
-        self._set_lr(self.schedule(self.step_count))
+        self._set_step_settings(self.schedule(self.step_count))
 
     def autocast(self) -> AbstractContextManager[Any]:
         return autocast_for(self.precision, self.device)
 
-    def _set_lr(self, lr: float) -> float:
+    def _set_step_settings(self, lr: float) -> float:
         """The schedule's ``lr`` for the next step; with a :class:`BatchFollower`, the settings it gives at the
         size of the last step (its tokens per step, or the reference before any): the learning rate set."""
         follower = self.follower
@@ -288,7 +288,7 @@ class AccumulationEngine:
             self.model.train()
         if self.follower is not None and tokens_per_step:
             self.follower.last_tokens = tokens_per_step
-        lr = self._set_lr(self.schedule(self.step_count))
+        lr = self._set_step_settings(self.schedule(self.step_count))
         for hook in self.hooks:
             hook.before_step(self, self.step_count + 1, len(micro_batches))
         self._zero_grad()
@@ -332,7 +332,7 @@ class AccumulationEngine:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.step_count += 1
-        self._set_lr(self.schedule(self.step_count))
+        self._set_step_settings(self.schedule(self.step_count))
 
     def _skip(self) -> None:
         """A non-finite gradient: no update; fp16 lowers its loss scale."""
@@ -362,4 +362,4 @@ class AccumulationEngine:
         for hook in self.hooks:
             if hook.name and state.get(hook.name):
                 hook.load_state_dict(state[hook.name])
-        self._set_lr(self.schedule(self.step_count))
+        self._set_step_settings(self.schedule(self.step_count))

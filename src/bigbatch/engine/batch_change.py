@@ -194,13 +194,8 @@ class BatchFollower:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "reference_tokens": self.reference_tokens,
-            "last_tokens": self.last_tokens,
-            "rule": self.rule.rule,
-            "betas": self.rule.betas,
-            "weight_decay": self.rule.weight_decay,
-        }
+        """The reference and the last size (the rule itself is the run's settings, saved in its config)."""
+        return {"reference_tokens": self.reference_tokens, "last_tokens": self.last_tokens}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """The run's reference and last size. A checkpoint from before the rule trained every size with the same

@@ -97,7 +97,7 @@ class _Runner:
         )
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
         engine.schedule = constant_schedule(lr)
-        engine._set_lr(lr)
+        engine._set_step_settings(lr)
         torch.manual_seed(self.seed)
         recorder = CallRecorder(replica)
         replica.zero_grad(set_to_none=True)
