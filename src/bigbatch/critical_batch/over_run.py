@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bigbatch.critical_batch.result import CriticalBatchResult, noise_scale_series
+from bigbatch.critical_batch.result import CriticalBatchResult, noise_scale_series, plot_logged_noise
 from bigbatch.errors import CheckpointError
 from bigbatch.files.atomic import write_atomically, write_json_atomically
 from bigbatch.sizing.critical_curve import CriticalBatchOverRun, CriticalPoint, over_run_path
@@ -77,14 +77,7 @@ def plot_over_run(result: CriticalBatchOverRun, noise: list[tuple[int, int, floa
         if not p.high:
             axis.annotate("", (p.tokens_seen, top), (p.tokens_seen, p.low), arrowprops={"arrowstyle": "->"})
     if noise:
-        axis.plot(
-            [t for _, t, _ in noise],
-            [max(v, 1.0) for _, _, v in noise],
-            ".-",
-            color="C1",
-            alpha=0.7,
-            label="noise scale (B_simple) logged by the run",
-        )
+        plot_logged_noise(axis, noise, alpha=0.7)
     axis.set_xscale("symlog", linthresh=max(1, min(seen) or 1))
     axis.set_yscale("log", base=2)
     axis.set_xlabel("tokens seen")

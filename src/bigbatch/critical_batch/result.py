@@ -114,6 +114,18 @@ def noise_scale_series(run_dir: Path, up_to_step: int | None = None) -> list[tup
     return [(p.step, p.tokens, p.smoothed) for p in usable if up_to_step is None or p.step <= up_to_step]
 
 
+def plot_logged_noise(axis: Any, noise: list[tuple[int, int, float]], alpha: float = 1.0) -> None:
+    """The noise scale a run logged (:func:`noise_scale_series`) against tokens seen, on ``axis``."""
+    axis.plot(
+        [t for _, t, _ in noise],
+        [max(v, 1.0) for _, _, v in noise],
+        ".-",
+        color="C1",
+        alpha=alpha,
+        label="noise scale (B_simple) logged by the run",
+    )
+
+
 def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]], path: Path) -> Path:
     """Two panels: the branches' loss after the budget against tokens per step (tolerance band, critical batch,
     the noise scale at the branch point, the parent's own size), and the parent's logged noise scale against
@@ -160,13 +172,7 @@ def plot_result(result: CriticalBatchResult, noise: list[tuple[int, int, float]]
     left.set_title(f"branches from step {result.parent_step} (batch-change rule {result.batch_change_rule})")
     left.legend(fontsize=8)
     if noise:
-        right.plot(
-            [t for _, t, _ in noise],
-            [max(v, 1.0) for _, _, v in noise],
-            ".-",
-            color="C1",
-            label="noise scale (B_simple) logged by the run",
-        )
+        plot_logged_noise(right, noise)
         right.set_yscale("log")
     else:
         right.text(

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from bigbatch.errors import BigBatchError, CheckpointError, ConfigError
 from bigbatch.settings.ranges import AUTO
+from bigbatch.sizing.critical_curve import read_over_run
 from bigbatch.sizing.plan import BatchPlan, parse_count
 
 FLAG = "--batch-ramp (batch.batch_ramp)"
@@ -304,10 +306,6 @@ def _show(spec: RampSpec | str | None) -> str:
 def critical_batch_curve(source: str) -> list[tuple[int, int]]:
     """``(tokens seen, tokens per step)`` of a critical batch measured over a run (``critical-batch --every``),
     each size at least the one before (the measured lower end of each bracket, never shrinking)."""
-    from pathlib import Path
-
-    from bigbatch.sizing.critical_curve import read_over_run
-
     points = sorted(read_over_run(Path(source)).points, key=lambda p: p.tokens_seen)
     curve, largest = [], 0
     for point in points:

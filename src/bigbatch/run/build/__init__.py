@@ -83,6 +83,12 @@ class RunParts:
         return bool(self.policy.token_budget) or self.documents or self.ramp is not None or self.seesaw is not None
 
     @property
+    def planned_tokens_per_step(self) -> int:
+        """The tokens per step the run is planned at: its token budget, or K micro-batches on every rank (a ramp or
+        Seesaw moves a step away from it)."""
+        return self.policy.token_budget or self.plan.tokens_per_step
+
+    @property
     def last_step(self) -> int:
         """The run's last optimizer step: ``max_steps``, or fewer with Seesaw (the same tokens in larger steps)."""
         return self.seesaw.total_steps if self.seesaw is not None else self.config.run.max_steps

@@ -36,9 +36,8 @@ def header_lines(parts: RunParts) -> list[str]:
     if parts.seesaw is not None:
         lines.append(f"seesaw | {parts.seesaw.describe(unit)}")
     follower = parts.engine.follower
-    planned = parts.policy.token_budget or parts.plan.tokens_per_step
     if follower is not None and (
-        parts.ramp is not None or parts.seesaw is not None or follower.reference_tokens != planned
+        parts.ramp is not None or parts.seesaw is not None or follower.reference_tokens != parts.planned_tokens_per_step
     ):
         lines.append(
             f"batch change | {follower.rule.describe()} | B0 = {follower.reference_tokens:,} tokens/step, where lr "

@@ -58,7 +58,7 @@ def check_batch_change_rule(parts: RunParts, branched: bool, say: Say) -> None:
     ]
     if not given or follower is None or parts.ramp is not None or parts.seesaw is not None:
         return
-    planned = parts.policy.token_budget or parts.plan.tokens_per_step
+    planned = parts.planned_tokens_per_step
     if branched or follower.reference_tokens != planned or (follower.last_tokens or planned) != planned:
         return
     say(
