@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.chat import ChatSettings
 from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.fingerprint import dataset_fingerprints
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
@@ -189,8 +190,17 @@ def _prepared_data(
     bpe_json = None
     if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
         bpe_json = checkpoint_tokenizer(document, checkpoint).to_str()  # type: ignore[attr-defined]
+    chat = ChatSettings(
+        loss_on=str(data_cfg.get("loss_on", "assistant")), no_assistant=str(data_cfg.get("no_assistant", "refuse"))
+    )
     directory = ensure_prepared(
-        data, tokenizer, val_fraction, cache_dir, mode=str(data_cfg.get("data_mode", "packed")), bpe_json=bpe_json
+        data,
+        tokenizer,
+        val_fraction,
+        cache_dir,
+        mode=str(data_cfg.get("data_mode", "packed")),
+        bpe_json=bpe_json,
+        chat=chat,
     )
     dataset = open_dataset(directory)
     if dataset.meta.tokenizer != tokenizer:

@@ -9,7 +9,7 @@ from bigbatch.cli.common import add_config_flag
 from bigbatch.progress import plural
 from bigbatch.run.configuration.train_config import DataSection
 from bigbatch.settings.choices import DATA_MODE, TOKENIZER_NAMES
-from bigbatch.settings.ranges import AUTO, POSITIVE_INT, POSITIVE_INT_OR_AUTO
+from bigbatch.settings.ranges import AUTO, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
 HELP = "tokenize text into token shards"
 DESCRIPTION = None
@@ -46,13 +46,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode",
         default="packed",
         choices=DATA_MODE,
-        help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked",
+        help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked "
+        "(conversations need documents)",
+    )
+    add_config_flag(parser, DataSection, "loss_on")
+    add_config_flag(parser, DataSection, "no_assistant")
+    parser.add_argument(
+        "--show",
+        type=NON_NEGATIVE_INT.argtype(),
+        default=0,
+        metavar="N",
+        help="chat data: print the first N conversations as rendered by the template, trained tokens between "
+        "\u27e6 and \u27e7 (default: 0)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from bigbatch.data.prepare import prepare_dataset, prepared_notes
+    from bigbatch.data.chat import ChatSettings
+    from bigbatch.data.prepare import prepare_dataset, prepared_notes, shown_conversations
 
+    chat = ChatSettings(loss_on=args.loss_on, no_assistant=args.no_assistant)
     meta = prepare_dataset(
         args.source,
         args.out,
@@ -61,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         mode=args.mode,
         workers=None if args.workers == AUTO else args.workers,
+        chat=chat,
     )
     print(
         f"{args.out}: {plural(meta.documents, 'document')}, train {meta.tokens['train']:,} tokens, "
@@ -68,4 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in prepared_notes(meta):
         print(f"{args.out}: {note}")
+    if args.show:
+        for text in shown_conversations(args.source, args.tokenizer, chat, args.show):
+            print(text)
     return 0

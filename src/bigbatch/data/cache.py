@@ -10,13 +10,20 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.chat import ChatSettings, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
 from bigbatch.data.fingerprint import tokenizer_cache_key
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.prepare import prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.data.split import SPLIT_RULE
-from bigbatch.data.tokenizers import is_bpe, tokenizer_json_fingerprint, tokenizer_label
+from bigbatch.data.tokenizers import (
+    file_tokenizer_path,
+    is_bpe,
+    is_file_tokenizer,
+    tokenizer_json_fingerprint,
+    tokenizer_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,18 @@ def _source_fingerprint(source: str, tokenizer_name: str, val_fraction: float, m
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _chat_key(tokenizer_name: str, chat: ChatSettings) -> str:
+    """What decides how conversations become tokens, beside the tokenizer: the chat template of a ``file:``
+    tokenizer's directory and the chat settings; empty for a tokenizer without a template (so the keys of text
+    prepared with it stay as they were)."""
+    if not is_file_tokenizer(tokenizer_name):
+        return ""
+    directory = file_tokenizer_path(tokenizer_name).parent
+    if not has_chat_template(directory):
+        return ""
+    return f"{template_fingerprint(directory)}:{chat.key()}"
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get("BIGBATCH_CACHE")
     if env:
@@ -54,6 +73,7 @@ def ensure_prepared(
     cache_dir: Path | str | None = None,
     mode: str = "packed",
     bpe_json: str | None = None,
+    chat: ChatSettings | None = None,
 ) -> Path:
     """A prepared dataset directory for ``data``.
 
@@ -74,6 +94,9 @@ def ensure_prepared(
     key = _source_fingerprint(data, tokenizer_cache_key(tokenizer_name), val_fraction, mode)
     if bpe_json and is_bpe(tokenizer_name):
         key = hashlib.sha256(f"{key}:{tokenizer_json_fingerprint(bpe_json)}".encode()).hexdigest()[:16]
+    chat_key = _chat_key(tokenizer_name, chat or ChatSettings())
+    if chat_key:
+        key = hashlib.sha256(f"{key}:{chat_key}".encode()).hexdigest()[:16]
     if is_hf_source(data):
         label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
     else:
@@ -90,5 +113,6 @@ def ensure_prepared(
         mode=mode,
         bpe_json=bpe_json if is_bpe(tokenizer_name) else None,
         wait_for_lock=True,
+        chat=chat,
     )
     return target

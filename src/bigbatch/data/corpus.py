@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bigbatch.data.chat import Conversation, conversation_from_record, is_conversation_record
 from bigbatch.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,17 @@ _BINARY_PROBE_BYTES = 8192
 
 @dataclass(frozen=True)
 class Document:
-    """One document. ``prompt`` is a prefix that is read but not trained on (its targets are masked)."""
+    """One document. ``prompt`` is a prefix that is read but not trained on (its targets are masked). A chat row is
+    its ``conversation`` instead (rendered and masked by :mod:`bigbatch.data.chat`; ``data`` is empty)."""
 
     name: str
     data: bytes
     prompt: bytes = b""
+    conversation: Conversation | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.data or self.prompt or self.conversation)
 
 
 def builtin_corpus_files() -> list[Path]:
@@ -93,8 +100,9 @@ def read_documents(files: list[Path]) -> Iterator[Document]:
     """Each readable text file as one document; binary files (NUL bytes) are skipped (see :func:`text_files`,
     which says so).
 
-    A ``.jsonl`` file holds one document per line: ``{"text": ...}``, or
-    ``{"prompt": ..., "completion": ...}`` where the prompt's targets are masked.
+    A ``.jsonl`` file holds one document per line: ``{"text": ...}``,
+    ``{"prompt": ..., "completion": ...}`` where the prompt's targets are masked, or a conversation
+    ``{"messages": [...], "tools": [...]}`` (:mod:`bigbatch.data.chat`).
     """
     for path in files:
         try:
@@ -119,13 +127,15 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
         except json.JSONDecodeError as exc:
             raise DataError(f"{where} is not valid JSON ({exc.msg}); each line must be one JSON object") from exc
         if not isinstance(record, dict):
-            raise DataError(f"{where} must be a JSON object with 'text' or 'prompt' and 'completion'")
-        if "text" in record and isinstance(record["text"], str):
+            raise DataError(f"{where} must be a JSON object with 'text', 'prompt' and 'completion', or 'messages'")
+        if is_conversation_record(record):
+            yield Document(name=where, data=b"", conversation=conversation_from_record(record, where))
+        elif "text" in record and isinstance(record["text"], str):
             yield Document(name=where, data=_utf8(record["text"]))
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             yield Document(name=where, data=_utf8(record["completion"]), prompt=_utf8(record["prompt"]))
         else:
-            raise DataError(f"{where} needs a string 'text', or string 'prompt' and 'completion' fields")
+            raise DataError(f"{where} needs a string 'text', string 'prompt' and 'completion' fields, or 'messages'")
 
 
 def _utf8(text: str) -> bytes:
@@ -157,5 +167,8 @@ def hf_documents(source: str) -> Iterator[Document]:
     the Hub, streamed, or local files and directories), in order."""
     from bigbatch.data.hf_source import hf_text_records
 
-    for name, text in hf_text_records(source):
-        yield Document(name=name, data=text.encode("utf-8", errors="surrogatepass"))
+    for name, value in hf_text_records(source):
+        if isinstance(value, dict):  # a conversation (the source reads 'messages')
+            yield Document(name=name, data=b"", conversation=conversation_from_record(value, name))
+        else:
+            yield Document(name=name, data=value.encode("utf-8", errors="surrogatepass"))

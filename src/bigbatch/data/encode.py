@@ -16,6 +16,7 @@ import numpy as np
 from bigbatch.data.corpus import Document
 from bigbatch.data.text import InvalidUTF8, split_text
 from bigbatch.data.tokenizers import BPETokenizer, Tokenizer, get_tokenizer
+from bigbatch.errors import DataError
 
 TASK_BYTES = 1 << 18  # text per worker task
 PARALLEL_MIN_BYTES = 1_000_000 if sys.platform.startswith("linux") else 16_000_000
@@ -61,6 +62,12 @@ def encoded_documents(
 
     def pieces() -> Iterator[bytes]:
         for doc in documents():
+            if doc.conversation is not None:
+                raise DataError(
+                    f"{doc.name} is a conversation among text rows, or one without a chat template: conversations "
+                    "need --mode documents and the model's tokenizer with its chat template (--tokenizer file:DIR), "
+                    "and every row as 'messages'"
+                )
             prompt = split_text(doc.prompt) if doc.prompt else []
             data = split_text(doc.data) if doc.data else []
             if invalid is not None:  # piece by piece (cut between ASCII characters): memory stays flat

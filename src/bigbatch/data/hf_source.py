@@ -28,6 +28,8 @@ from bigbatch.errors import DataError, require_package
 PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
 DEFAULT_COLUMN = "text"
+CHAT_COLUMN = "messages"
+"""A dataset whose records hold ``messages`` (and no ``text``) is read as conversations, whole records."""
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """Packaged ``datasets`` builders that read local files."""
 SAVED_MARKERS = ("dataset_dict.json", "state.json")
@@ -145,7 +147,7 @@ def _columns(records: Any) -> list[str]:
     return list(names) if names else []
 
 
-def hf_text_records(source: str) -> Iterator[tuple[str, str]]:
+def hf_text_records(source: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
     """``(name, text)`` for each record of the ``hf:`` source, in the dataset's order (a missing value is left
     out; an empty text is kept, for prepare to skip as it skips empty files)."""
     src = parse(source)
@@ -174,7 +176,7 @@ def hf_text_records(source: str) -> Iterator[tuple[str, str]]:
         raise DataError(f"{src.source}: datasets could not read it ({type(exc).__name__}: {detail})") from exc
 
 
-def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str]]:
+def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str | dict[str, Any]]]:
     """The text of each record of ``src``, named ``SOURCE#NUMBER``."""
     records = _open(src, datasets)
     columns = _columns(records)
@@ -183,7 +185,15 @@ def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str]]:
             f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
             f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}"
         )
+    conversations = src.column == CHAT_COLUMN or (
+        src.column == DEFAULT_COLUMN and CHAT_COLUMN in columns and DEFAULT_COLUMN not in columns
+    )
     for number, record in enumerate(records, start=1):
+        if conversations:  # the whole record: the template may read its tools too
+            if not isinstance(record, dict) or not isinstance(record.get(CHAT_COLUMN), list):
+                raise DataError(f"record {number} of {src.source} has no list {CHAT_COLUMN!r} field")
+            yield f"{src.source}#{number}", dict(record)
+            continue
         text = record.get(src.column) if isinstance(record, dict) else None
         if not isinstance(text, str):
             if text is None and isinstance(record, dict) and src.column in record:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigbatch.data.chat import ChatEncoder, ChatSettings, audit_lines, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
 from bigbatch.data.corpus_progress import CorpusProgress
 from bigbatch.data.encode import encoded_documents, worker_count
@@ -37,7 +38,17 @@ from bigbatch.data.resumable import (
 from bigbatch.data.shards import META_FILE, DatasetMeta, is_prepared_dataset, token_dtype
 from bigbatch.data.split import SPLIT_RULE, SPLIT_SEED, document_splits, packed_splits
 from bigbatch.data.text import InvalidUTF8, split_text
-from bigbatch.data.tokenizers import BPE_FILE, BPETokenizer, Tokenizer, bpe_vocab_size, get_tokenizer, is_bpe, train_bpe
+from bigbatch.data.tokenizers import (
+    BPE_FILE,
+    BPETokenizer,
+    FileTokenizer,
+    Tokenizer,
+    bpe_vocab_size,
+    file_tokenizer_path,
+    get_tokenizer,
+    is_bpe,
+    train_bpe,
+)
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
 from bigbatch.errors import ConfigError, DataError, require_creatable_dir
 from bigbatch.files.lock import FileLock, Holder, LockBusy, acquire
@@ -48,6 +59,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 _STREAM_FILE = ".tokens.tmp"
+_MASK_FILE = ".mask.tmp"  # documents mode: a byte per token of the stream, 1 = trained on as a target
+
+Encoded = tuple[np.ndarray, "np.ndarray | None", int, int]
+"""One document tokenized: (ids, trained mask or None for a prompt length's, masked positions, bytes of text)."""
 
 
 @dataclass
@@ -55,7 +70,7 @@ class _Tokenized:
     """What tokenizing the corpus into the stream file found, per document and in all."""
 
     lengths: list[int] = field(default_factory=list)  # tokens per document
-    prompt_lengths: list[int] = field(default_factory=list)  # prompt tokens per document
+    prompt_lengths: list[int] = field(default_factory=list)  # masked (untrained) tokens per document: its prompt's
     n_bytes: int = 0  # text read
     seconds: float = 0.0
 
@@ -70,6 +85,7 @@ def prepare_dataset(
     workers: int | None = None,
     bpe_json: str | None = None,
     wait_for_lock: bool = False,
+    chat: ChatSettings | None = None,
 ) -> DatasetMeta:
     """Tokenize ``source`` into ``out_dir``.
 
@@ -88,6 +104,10 @@ def prepare_dataset(
     keeps it in ``out_dir/tokenizer.json``; with ``bpe_json`` (a ``tokenizer.json`` document, e.g. a run's own)
     that tokenizer is used and kept instead of training one.
 
+    Rows holding ``messages`` are conversations (:mod:`~bigbatch.data.chat`): they need ``documents`` mode and a
+    ``file:PATH`` tokenizer whose directory has the model's chat template; ``chat`` says which tokens are trained
+    (default: every assistant turn) and ``meta.json`` keeps the audit.
+
     ``workers``: processes that tokenize; ``None`` picks one per CPU core when the corpus is large enough
     to gain from it and the tokenizer is not ``byte``, 1 tokenizes in this process. The shards are the same
     either way.
@@ -105,7 +125,8 @@ def prepare_dataset(
         if wait_for_lock and is_prepared_dataset(out):  # the process waited for prepared it
             return DatasetMeta.from_file(out / META_FILE)
         _refuse_existing(out)
-        return _prepare(source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json)
+        settings = chat or ChatSettings()
+        return _prepare(source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json, settings)
 
 
 def _refuse_existing(out: Path) -> None:
@@ -139,6 +160,7 @@ def _prepare(
     mode: str,
     workers: int | None,
     bpe_json: str | None,
+    chat_settings: ChatSettings,
 ) -> DatasetMeta:
     """:func:`prepare_dataset` once ``out`` is held and known to be new."""
     tokenizer: Tokenizer | None = None
@@ -149,16 +171,13 @@ def _prepare(
     else:
         tokenizer = get_tokenizer(tokenizer_name)
     hf = is_hf_source(source)
-    files = [] if hf else text_files(resolve_source(source))
-
-    def documents() -> Iterator[Document]:
-        return hf_documents(source) if hf else read_documents(files)
-
-    local = _hf_local_files(source) if hf else files
+    documents, local = _source_documents(source)
     total_bytes = sum(path.stat().st_size for path in local) if local else None  # unknown for a stream
     started = time.perf_counter()
-    # An hf: source (a stream, maybe remote and long) is prepared resumably (bigbatch/data/resumable.py).
-    directory = resumable_directory(out, _resume_key(source, tokenizer_name, bpe_json)) if hf else _staged(out)
+    chat = _source_chat(documents, hf, tokenizer, tokenizer_name, mode, chat_settings)
+    # An hf: source of text (a stream, maybe remote and long) is prepared resumably (bigbatch/data/resumable.py).
+    resumable = hf and chat is None
+    directory = resumable_directory(out, _resume_key(source, tokenizer_name, bpe_json)) if resumable else _staged(out)
     with directory as (staging, checkpoint):
         if tokenizer is None:
             if checkpoint and checkpoint.position.tokenizer_ready and (staging / BPE_FILE).is_file():
@@ -174,21 +193,48 @@ def _prepare(
         invalid = InvalidUTF8()
         checked = invalid if tokenizer.name != "byte" else None  # the byte tokenizer keeps any bytes as they are
         stream_path = staging / _STREAM_FILE
-        found = _tokenize(documents, tokenizer, dtype, n_workers, checked, stream_path, total_bytes, checkpoint)
+        mask_path = staging / _MASK_FILE if mode == "documents" and not resumable else None
+
+        def encode(docs: Callable[[], Iterable[Document]]) -> Iterator[Encoded]:
+            if chat is not None:
+                return _encoded_conversations(docs, chat, dtype)
+            return (
+                (ids, None, p, size) for ids, p, size in encoded_documents(docs, tokenizer, dtype, n_workers, checked)
+            )
+
+        found = _tokenize(documents, encode, stream_path, mask_path, total_bytes, checked, checkpoint)
         if not found.lengths:
-            raise DataError(f"the corpus {source} holds no text; give non-empty text files instead")
+            what = "no conversation with an assistant token" if chat is not None else "no text"
+            raise DataError(f"the corpus {source} holds {what}; give non-empty text files instead")
         masked = mode == "documents" and any(found.prompt_lengths)
         shard_names, token_counts = _write_shards(
-            staging, stream_path, dtype, mode, masked, found, val_fraction, shard_tokens
+            staging, stream_path, mask_path if masked else None, dtype, mode, found, val_fraction, shard_tokens
         )
         stream_path.unlink()
+        if mask_path is not None:
+            mask_path.unlink()
         (staging / LENGTHS_FILE).unlink(missing_ok=True)
         replaced = invalid.replacements if checked is not None else None
         meta = _dataset_meta(
             staging, source, tokenizer, dtype, mode, masked, shard_names, token_counts, found, replaced
         )
+        if chat is not None:
+            meta.extra["chat"] = {
+                **chat.audit.to_dict(),
+                "loss_on": chat_settings.loss_on,
+                "no_assistant": chat_settings.no_assistant,
+                "template": template_fingerprint(chat.template.directory),
+            }
         write_meta(staging, meta)
-    elapsed = time.perf_counter() - started
+    _log_prepared(out, meta, found, tokenizer.name, mode, time.perf_counter() - started, n_workers)
+    if invalid.replacements:
+        log.warning("%s: %s", out, invalid.describe(tokenizer.name))
+    return meta
+
+
+def _log_prepared(
+    out: Path, meta: DatasetMeta, found: _Tokenized, tokenizer: str, mode: str, elapsed: float, n_workers: int
+) -> None:
     n_bytes = found.n_bytes
     log.info(
         "prepared %s: %s, %.1f MB of text -> %s train + %s val tokens (%s, %s) in %.1fs (%.1f MB/s; "
@@ -198,7 +244,7 @@ def _prepare(
         n_bytes / 1e6,
         f"{meta.tokens['train']:,}",
         f"{meta.tokens['val']:,}",
-        tokenizer.name,
+        tokenizer,
         mode,
         elapsed,
         n_bytes / 1e6 / max(elapsed, 1e-9),
@@ -206,9 +252,35 @@ def _prepare(
         n_workers,
         "process" if n_workers == 1 else "processes",
     )
-    if invalid.replacements:
-        log.warning("%s: %s", out, invalid.describe(tokenizer.name))
-    return meta
+
+
+def _source_documents(source: str) -> tuple[Callable[[], Iterator[Document]], list[Path]]:
+    """A fresh iterator over the source's documents on each call, and its local files (for sizes)."""
+    hf = is_hf_source(source)
+    files = [] if hf else text_files(resolve_source(source))
+
+    def documents() -> Iterator[Document]:
+        return hf_documents(source) if hf else read_documents(files)
+
+    return documents, _hf_local_files(source) if hf else files
+
+
+def _source_chat(
+    documents: Callable[[], Iterable[Document]],
+    hf: bool,
+    tokenizer: Tokenizer | None,
+    tokenizer_name: str,
+    mode: str,
+    settings: ChatSettings,
+) -> ChatEncoder | None:
+    """The encoder of a source of conversations, or None for text. Whether it is conversations is read from its
+    first row: always for local files (cheap), for an hf: source (a stream, perhaps remote) only where a chat
+    template could render it."""
+    if hf and not (
+        isinstance(tokenizer, FileTokenizer) and has_chat_template(file_tokenizer_path(tokenizer_name).parent)
+    ):
+        return None
+    return _chat_encoder(documents, tokenizer, tokenizer_name, mode, settings)
 
 
 @contextmanager
@@ -244,17 +316,16 @@ def _check_settings(val_fraction: float, shard_tokens: int, mode: str, workers: 
 
 def _tokenize(
     documents: Callable[[], Iterable[Document]],
-    tokenizer: Tokenizer,
-    dtype: np.dtype,
-    workers: int,
-    invalid: InvalidUTF8 | None,
+    encode: Callable[[Callable[[], Iterable[Document]]], Iterator[Encoded]],
     stream_path: Path,
+    mask_path: Path | None,
     total_bytes: int | None,
+    invalid: InvalidUTF8 | None,
     checkpoint: Checkpoint | None = None,
 ) -> _Tokenized:
-    """Every document's tokens appended to the file ``stream_path``, with progress; their lengths kept. With a
-    ``checkpoint`` the position is saved as it goes, and a saved one is resumed (the documents it holds are
-    read past, not tokenized again)."""
+    """Every document's tokens appended to the file ``stream_path`` (and its trained mask to ``mask_path``), with
+    progress; their lengths kept. With a ``checkpoint`` the position is saved as it goes, and a saved one is
+    resumed (the documents it holds are read past, not tokenized again; a resumable source has no mask file)."""
     found = _Tokenized()
     started = time.perf_counter()
     progress = CorpusProgress("tokenized", started, total_bytes=total_bytes)
@@ -269,15 +340,21 @@ def _tokenize(
     with ExitStack() as stack:
         stack.enter_context(progress)
         stream_file = stack.enter_context(open(stream_path, mode))
+        mask_file = stack.enter_context(open(mask_path, mode)) if mask_path is not None else None
         lengths_file = stack.enter_context(open(stream_path.parent / LENGTHS_FILE, mode)) if checkpoint else None
-        for ids, prompt_length, size in encoded_documents(documents, tokenizer, dtype, workers, invalid):
+        for ids, mask, masked_length, size in encode(documents):
             stream_file.write(ids.tobytes())
+            if mask_file is not None:
+                if mask is None:  # a prompt's tokens first
+                    mask = np.ones(len(ids), dtype=np.uint8)
+                    mask[:masked_length] = 0
+                mask_file.write(mask.astype(np.uint8).tobytes())
             found.lengths.append(len(ids))
-            found.prompt_lengths.append(prompt_length)
+            found.prompt_lengths.append(masked_length)
             found.n_bytes += size
             progress.update(len(found.lengths), found.n_bytes)
             if checkpoint is not None and lengths_file is not None:
-                write_lengths(lengths_file, len(ids), prompt_length)
+                write_lengths(lengths_file, len(ids), masked_length)
                 if checkpoint.due():
                     checkpoint.sync(
                         stream_file,
@@ -291,12 +368,58 @@ def _tokenize(
     return found
 
 
+def _chat_encoder(
+    documents: Callable[[], Iterable[Document]],
+    tokenizer: Tokenizer | None,
+    tokenizer_name: str,
+    mode: str,
+    settings: ChatSettings,
+) -> ChatEncoder | None:
+    """The encoder of a source of conversations (its first document tells), or None for text. Conversations need
+    documents mode and the model's own tokenizer, beside which its chat template lives."""
+    first = next((doc for doc in documents() if not doc.empty), None)
+    if first is None or first.conversation is None:
+        return None
+    if mode != "documents":
+        raise ConfigError(
+            f"{first.name} is a conversation: conversations are prepared one per document (packed into rows when "
+            "training), with their assistant tokens masked in; add --mode documents (train: --data-mode documents)"
+        )
+    if not isinstance(tokenizer, FileTokenizer):
+        raise ConfigError(
+            f"{first.name} is a conversation, rendered with the model's own chat template: give the model's "
+            f"tokenizer, --tokenizer file:DIR (the directory with tokenizer.json and its chat template), not "
+            f"{tokenizer_name}"
+        )
+    return ChatEncoder(tokenizer.to_str(), file_tokenizer_path(tokenizer_name).parent, settings)
+
+
+def _encoded_conversations(
+    documents: Callable[[], Iterable[Document]], encoder: ChatEncoder, dtype: np.dtype
+) -> Iterator[Encoded]:
+    """Each conversation rendered, tokenized and masked, in order; a dropped one (no assistant token) is left out
+    and counted in the encoder's audit."""
+    for doc in documents():
+        if doc.empty:
+            continue
+        if doc.conversation is None:
+            raise DataError(
+                f"{doc.name} is text in a dataset of conversations; give every row as 'messages', or prepare the "
+                "text apart"
+            )
+        encoded = encoder.encode(doc.conversation)
+        if encoded is None:
+            continue
+        masked = int(len(encoded.mask) - encoded.mask.sum())
+        yield encoded.ids.astype(dtype), encoded.mask, masked, doc.conversation.size()
+
+
 def _write_shards(
     staging: Path,
     stream_path: Path,
+    mask_path: Path | None,
     dtype: np.dtype,
     mode: str,
-    masked: bool,
     found: _Tokenized,
     val_fraction: float,
     shard_tokens: int,
@@ -307,8 +430,11 @@ def _write_shards(
         if mode == "packed":
             return write_packed(staging, stream, packed_splits(found.lengths, val_fraction), shard_tokens)
         splits = document_splits(len(found.lengths), val_fraction)
-        prompt_lengths = found.prompt_lengths if masked else None
-        return write_documents(staging, stream, found.lengths, prompt_lengths, splits, shard_tokens)
+        masks = np.memmap(mask_path, dtype=np.uint8, mode="r") if mask_path is not None else None
+        try:
+            return write_documents(staging, stream, found.lengths, masks, splits, shard_tokens)
+        finally:
+            del masks
     finally:
         del stream
 
@@ -361,6 +487,9 @@ def prepared_notes(meta: DatasetMeta) -> list[str]:
     replaced = int(meta.extra.get("utf8_replacements", 0) or 0)  # type: ignore[call-overload]
     if "utf8_replacements" in meta.extra:
         notes.append(f"{plural(replaced, 'invalid UTF-8 sequence')} replaced by U+FFFD ({meta.tokenizer} tokenizer)")
+    chat = meta.extra.get("chat")
+    if isinstance(chat, dict):
+        notes.extend(audit_lines(chat, str(chat.get("loss_on", "assistant"))))
     if meta.mode == "documents":
         untrained = int(meta.extra.get("documents_without_targets", 0) or 0)  # type: ignore[call-overload]
         if untrained:
@@ -405,3 +534,16 @@ def _train_bpe(name: str, documents: Callable[[], Iterable[Document]], source: s
         seen["bytes"] / 1e6 / max(elapsed, 1e-9),
     )
     return tokenizer
+
+
+def shown_conversations(source: str, tokenizer_name: str, settings: ChatSettings, n: int) -> Iterator[str]:
+    """The first ``n`` conversations of ``source`` rendered and tokenized as :func:`prepare_dataset` does, the
+    trained tokens marked (``bigbatch prepare --show N``); nothing for a source of text."""
+    from bigbatch.data.chat import shown_conversations as shown
+
+    documents, _ = _source_documents(source)
+    tokenizer = None if is_bpe(tokenizer_name) else get_tokenizer(tokenizer_name)
+    encoder = _chat_encoder(documents, tokenizer, tokenizer_name, "documents", settings)
+    if encoder is None:
+        return iter(())
+    return shown(encoder, (doc.conversation for doc in documents() if doc.conversation is not None), n)

@@ -150,7 +150,7 @@ def skip_done(documents: Callable[[], Iterable[Any]], done: int) -> Callable[[],
     def rest() -> Iterator[Any]:
         left = done
         for doc in documents():
-            if left and (doc.data or doc.prompt):
+            if left and not doc.empty:
                 left -= 1
                 continue
             if not left:

@@ -130,6 +130,7 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
     own = isinstance(tokenizer, FileTokenizer)  # a model's own: its file as it is, and its end-of-text token
     if isinstance(tokenizer, FileTokenizer):
         special = {"eos_token": tokenizer.eot_text} if tokenizer.eot_text else {}
+        special = {**_model_tokens(tokenizer.name), **special}
     else:
         eot = EOT_TEXT if tokenizer.eot_token is not None else None
         special = {"bos_token": eot, "eos_token": eot, "unk_token": eot} if eot else {}
@@ -139,6 +140,7 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
         **({} if own else {"add_prefix_space": False}),  # a setting transformers would apply to its pre-tokenizer
         "clean_up_tokenization_spaces": False,
         **special,
+        **_chat_template(tokenizer.name),
     }
     files = {
         BPE_FILE: text,
@@ -156,6 +158,35 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
         files["merges.txt"] = "#version: 0.2\n" + "".join(m + "\n" for m in merges)
     for name, content in files.items():
         (directory / name).write_text(content, encoding="utf-8")
+
+
+def _source_config(name: str) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` beside a ``file:PATH`` tokenizer's file while it is there, else nothing."""
+    if not is_file_tokenizer(name):
+        return {}
+    try:
+        config = json.loads((file_tokenizer_path(name).parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _model_tokens(name: str) -> dict[str, Any]:
+    """The model directory's beginning and padding tokens (its chat template may write them)."""
+    config = _source_config(name)
+    return {key: config[key] for key in ("bos_token", "pad_token") if isinstance(config.get(key), (str, dict))}
+
+
+def _chat_template(name: str) -> dict[str, Any]:
+    """The model directory's chat template, so that the run's copy and every export render conversations as the
+    training data was rendered (``chat_template.jinja`` or ``tokenizer_config.json``'s)."""
+    if not is_file_tokenizer(name):
+        return {}
+    jinja = file_tokenizer_path(name).parent / "chat_template.jinja"
+    if jinja.is_file():
+        return {"chat_template": jinja.read_text(encoding="utf-8")}
+    template = _source_config(name).get("chat_template")
+    return {"chat_template": template} if template else {}
 
 
 def _fingerprint(name: str, text: str) -> str:

@@ -82,13 +82,13 @@ def write_documents(
     staging: Path,
     stream: np.ndarray,
     lengths: list[int],
-    prompt_lengths: list[int] | None,
+    masks: np.ndarray | None,
     splits: DocumentSets,
     shard_tokens: int,
 ) -> tuple[ShardNames, TokenCounts]:
     """The documents of the token ``stream`` (``lengths`` tokens each) cut into ``splits`` (document indices, in
     order), each written as shards of whole documents that close once they hold ``shard_tokens`` or more tokens;
-    with offsets, and with a mask of the prompts when ``prompt_lengths`` is given."""
+    with offsets, and with the trained-token mask when ``masks`` (aligned with ``stream``: 1 = trained) is given."""
     starts = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
     names: ShardNames = {"train": [], "val": []}
     counts: TokenCounts = {"train": 0, "val": 0}
@@ -99,10 +99,10 @@ def write_documents(
         for j, i in enumerate(docs):
             size += lengths[i]
             if size >= shard_tokens:
-                _save_document_shard(staging, split, docs[shard_first : j + 1], stream, starts, prompt_lengths, names)
+                _save_document_shard(staging, split, docs[shard_first : j + 1], stream, starts, masks, names)
                 shard_first, size = j + 1, 0
         if shard_first < len(docs):
-            _save_document_shard(staging, split, docs[shard_first:], stream, starts, prompt_lengths, names)
+            _save_document_shard(staging, split, docs[shard_first:], stream, starts, masks, names)
         counts[split] = int(sum(int(starts[i + 1] - starts[i]) for i in docs))
     return names, counts
 
@@ -113,7 +113,7 @@ def _save_document_shard(
     docs: list[int],
     stream: np.ndarray,
     starts: np.ndarray,
-    prompt_lengths: list[int] | None,
+    masks: np.ndarray | None,
     names: ShardNames,
 ) -> None:
     """Documents ``docs`` (indices, in order) of the token stream as one shard (with offsets, and the mask when
@@ -122,16 +122,14 @@ def _save_document_shard(
     sizes = np.asarray([starts[i + 1] - starts[i] for i in docs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)  # (n_docs + 1,)
     contiguous = docs == list(range(docs[0], docs[-1] + 1))
-    tokens = (
-        stream[starts[docs[0]] : starts[docs[-1] + 1]]
-        if contiguous
-        else np.concatenate([stream[starts[i] : starts[i + 1]] for i in docs])
-    )
-    np.save(staging / name, np.ascontiguousarray(tokens))
+
+    def gathered(values: np.ndarray) -> np.ndarray:
+        if contiguous:
+            return np.ascontiguousarray(values[starts[docs[0]] : starts[docs[-1] + 1]])
+        return np.concatenate([values[starts[i] : starts[i + 1]] for i in docs])
+
+    np.save(staging / name, gathered(stream))
     np.save(staging / document_offsets_name(name), offsets)
-    if prompt_lengths is not None:
-        mask = np.ones(int(offsets[-1]), dtype=np.uint8)  # 1 = trained on as a target
-        for start, i in zip(offsets[:-1], docs, strict=False):
-            mask[start : start + prompt_lengths[i]] = 0
-        np.save(staging / document_mask_name(name), mask)
+    if masks is not None:
+        np.save(staging / document_mask_name(name), gathered(masks).astype(np.uint8))  # 1 = trained on as a target
     names[split].append(name)

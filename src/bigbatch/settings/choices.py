@@ -56,6 +56,8 @@ BATCH_CHANGE_BETAS = Choices("batch_change_betas", ("auto", "none", "beta2", "bo
 BATCH_CHANGE_WEIGHT_DECAY = Choices("batch_change_weight_decay", ("keep", "timescale"))
 SCHEDULE = Choices("schedule", ("cosine", "seesaw"))
 ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro", "off"))
+LOSS_ON = Choices("loss_on", ("assistant", "last-assistant", "all"))
+NO_ASSISTANT = Choices("no_assistant", ("refuse", "drop"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.data.cache import ensure_prepared
+from bigbatch.data.chat import ChatSettings
 from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
@@ -52,7 +53,12 @@ def prepare_data(config: TrainConfig) -> Path:
     """The run's prepared dataset: raw text prepared into the cache once, or a dataset directory as it is."""
     data = config.data
     return ensure_prepared(
-        data.data, data_tokenizer(config), data.val_fraction, data.cache_dir or None, mode=data.data_mode
+        data.data,
+        data_tokenizer(config),
+        data.val_fraction,
+        data.cache_dir or None,
+        mode=data.data_mode,
+        chat=ChatSettings(loss_on=data.loss_on, no_assistant=data.no_assistant),
     )
 
 

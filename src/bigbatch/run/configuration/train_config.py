@@ -23,6 +23,8 @@ from bigbatch.settings.choices import (
     DATA_MODE,
     LAST_WINDOW,
     LONG_DOCUMENTS,
+    LOSS_ON,
+    NO_ASSISTANT,
     PACK,
     PARALLEL,
     PRECISION,
@@ -167,6 +169,19 @@ class DataSection:
         "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
         ".jsonl prompt/completion records mask the prompt)",
         choices=DATA_MODE,
+    )
+    loss_on: str = _opt(
+        "assistant",
+        "chat data (.jsonl rows of 'messages', rendered with the model's chat template): train on every assistant "
+        "turn's tokens (assistant, end-of-turn token included), only the last turn's (last-assistant) or every "
+        "token (all)",
+        choices=LOSS_ON,
+    )
+    no_assistant: str = _opt(
+        "refuse",
+        "chat data: a conversation with no assistant token to train on is refused in one line (refuse) or left out "
+        "and counted (drop)",
+        choices=NO_ASSISTANT,
     )
     long_documents: str = _opt(
         "split",

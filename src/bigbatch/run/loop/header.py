@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bigbatch import __version__
+from bigbatch.data.chat import audit_lines
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.models.registry import family_of
 from bigbatch.progress import plural
@@ -46,6 +47,9 @@ def header_lines(parts: RunParts) -> list[str]:
         )
     if parts.engine.router is not None:
         lines.append(f"router | {parts.engine.router.describe()}")
+    chat = meta.extra.get("chat")
+    if isinstance(chat, dict):  # conversations: the audit prepare made of them
+        lines.extend(f"chat | {line.removeprefix('chat: ')}" for line in audit_lines(chat, str(chat.get("loss_on"))))
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"documents | {describe_positions(parts.train_loader)}")
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
