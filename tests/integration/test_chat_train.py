@@ -1,0 +1,127 @@
+"""Fine-tuning a chat model on conversations, end to end: ``bigbatch prepare`` of ``messages`` rows and its audit,
+and ``bigbatch train --model hf:DIR`` on them, exact whatever the micro-batch (packed and one per row), with the
+model's chat template carried into the run's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from chat_models import chat_model_dir, conversations
+from exactness import rel_diff
+from helpers import assert_one_line_error, run_main
+from reliability_runs import final_model, step_losses
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    model = chat_model_dir(root / "model", "qwen2.5", with_model=True)
+    rows = conversations() * 4  # uneven assistant lengths, many turns
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return model, data
+
+
+def _train(model: Path, data: Path, out: Path, micro_batch: int, *extra: str) -> tuple[int, str, str]:
+    return run_main(
+        [
+            "train",
+            "--model",
+            f"hf:{model}",
+            "--data",
+            str(data),
+            "--data-mode",
+            "documents",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            str(micro_batch),
+            "--total-batch-tokens",
+            "512",
+            "--max-steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--sample-tokens",
+            "0",
+            "--noise-scale-every",
+            "0",
+            "--lr",
+            "1e-2",
+            "--warmup-steps",
+            "0",
+            "--cache-dir",
+            str(out.parent / "cache"),
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+def test_prepare_prints_the_audit_and_shows_the_trained_spans(tmp_path: Path, chat_setup: tuple[Path, Path]) -> None:
+    model, data = chat_setup
+    code, out, err = run_main(
+        [
+            "prepare",
+            str(data),
+            "--out",
+            str(tmp_path / "d"),
+            "--tokenizer",
+            f"file:{model}",
+            "--mode",
+            "documents",
+            "--show",
+            "1",
+        ]
+    )
+    assert code == 0, err
+    assert "trained assistant turn" in out and "end on a trained end-of-turn token (every one)" in out
+    assert "\u27e6" in out and "<|im_end|>\u27e7" in out
+
+
+def test_prepare_of_a_bad_row_is_one_line(tmp_path: Path, chat_setup: tuple[Path, Path]) -> None:
+    model, _ = chat_setup
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
+    line = assert_one_line_error(
+        *run_main(
+            ["prepare", str(data), "--out", str(tmp_path / "d"), "--tokenizer", f"file:{model}", "--mode", "documents"]
+        )
+    )
+    assert "bad.jsonl:1: message 1 has role 'narrator'" in line
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", ["on", "off"])
+def test_chat_training_is_exact_whatever_the_micro_batch(
+    tmp_path: Path, chat_setup: tuple[Path, Path], pack: str
+) -> None:
+    """8 rows x K 1 and 1 row x K 8 train on the same conversations each step, with very uneven assistant tokens
+    per row: the same parameters (relative L2 <= 1e-5)."""
+    model, data = chat_setup
+    for micro_batch in (8, 1):
+        code, out, err = _train(model, data, tmp_path / f"mb{micro_batch}", micro_batch, "--pack", pack)
+        assert code == 0, out + err
+    big, small = final_model(tmp_path / "mb8"), final_model(tmp_path / "mb1")
+    assert big.keys() == small.keys()
+    for name, value in big.items():
+        if name.endswith("k_proj.bias"):  # an exact gradient of zero: rounding only (see exactness.py), held absolute
+            assert (small[name] - value).abs().max().item() <= 1e-5, name
+            continue
+        assert rel_diff(small[name].float(), value.float()) <= 1e-5, name
+    losses = [step_losses(tmp_path / f"mb{mb}") for mb in (8, 1)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert losses[0][0] != losses[0][-1]  # it trained: the compared parameters moved
+
+
+def test_the_run_keeps_the_chat_template(tmp_path: Path, chat_setup: tuple[Path, Path]) -> None:
+    model, data = chat_setup
+    code, out, err = _train(model, data, tmp_path / "run", 8)
+    assert code == 0, out + err
+    saved = json.loads((tmp_path / "run" / "tokenizer" / "tokenizer_config.json").read_text())
+    original = json.loads((model / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == original["chat_template"]
