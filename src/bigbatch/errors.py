@@ -57,7 +57,7 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
 
 
 EXTRAS: dict[str, str] = {
-    "hf": "datasets and transformers",
+    "hf": "datasets, transformers and peft",
     "tensorboard": "tensorboard",
     "wandb": "wandb",
 }

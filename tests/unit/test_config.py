@@ -195,13 +195,13 @@ def test_every_auto_field_says_auto_in_its_type_errors_from_toml_and_flags() -> 
 def test_install_hints_are_one_phrase_per_extra() -> None:
     from bigbatch.errors import EXTRAS, BigBatchError, install_hint, require_package
 
-    assert install_hint("hf") == "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets and transformers)"
+    assert install_hint("hf") == "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets, transformers and peft)"
     assert set(EXTRAS) == {"hf", "tensorboard", "wandb"}
     with pytest.raises(BigBatchError) as caught:
         require_package("no_such_module_for_bigbatch", "--model hf:DIR", "hf", package="transformers")
     assert str(caught.value) == (
         "--model hf:DIR needs the transformers package, which is not installed: pip install -e '.[hf]' "
-        "(bigbatch's [hf] extra: datasets and transformers)"
+        "(bigbatch's [hf] extra: datasets, transformers and peft)"
     )
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     for extra in EXTRAS:

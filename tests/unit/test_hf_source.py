@@ -60,7 +60,7 @@ def test_missing_datasets_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         prepare_dataset("hf:org/name", tmp_path / "out")
     assert str(caught.value) == (
         "the hf: data source needs the datasets package, which is not installed: "
-        "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets and transformers)"
+        "pip install -e '.[hf]' (bigbatch's [hf] extra: datasets, transformers and peft)"
     )
     assert not (tmp_path / "out").exists()
 

@@ -4,11 +4,17 @@ mixture-of-experts layout, by the run's model family; an ``hf:DIR`` model in its
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from bigbatch.data.tokenizer_files import export_tokenizer
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import BigBatchError, require_package
 from bigbatch.files.atomic import apply_umask
+from bigbatch.models.hf.model import has_weights, quiet_progress
+from bigbatch.models.lora import LoraSettings, adapter_state, has_lora, merge_lora
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
+from bigbatch.models.registry import model_location
 from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 
 
@@ -22,22 +28,116 @@ def give_umask_modes(out: Path, created: bool) -> None:
             apply_umask(path, directory=path.is_dir())
 
 
-def export_hf(run: Path, out: Path) -> str:
+def export_hf(run: Path, out: Path, adapter: bool = False) -> str:
     """Write the model (and its tokenizer) of ``run``'s newest valid checkpoint to the new or empty directory
-    ``out``; return the line that says what was written and how to load it."""
+    ``out`` (a LoRA run's adapters merged into it), or with ``adapter`` only a LoRA run's adapters as peft saves
+    them; return the line that says what was written, how to load it, and how far the reloaded export's logits are
+    from the training-time model's on a held batch."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
         raise BigBatchError(f"{out} already exists and is not empty; choose a new output directory")
     path = resolve_checkpoint(run)
     document = load_checkpoint(path)
-    model = model_from_checkpoint(document)
+    model = model_from_checkpoint(document).eval()
+    lora = has_lora(model)
+    if adapter:
+        base = _adapter_base(run, model, document, lora)
+    held = _held_tokens(model.config.vocab_size)
+    with torch.no_grad():
+        reference = model(held).float()  # (2, 16, V): the model as trained, adapters unmerged
     created = not out.exists()
+    if adapter:
+        return _export_adapter(model, base, out, created, document, path, held, reference)
+    if lora:
+        merge_lora(model)
     save_pretrained(model, out)
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
     give_umask_modes(out, created)
+    reloaded = _reloaded_logits(out, held, None)
     cfg = model.config
+    merged = " with its LoRA adapters merged" if lora else ""
     return (
-        f"exported step {document.get('step', '?')} of {path} to {out} (Hugging Face {hf_layout(model)} layout: "
-        f"config.json + model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
+        f"exported step {document.get('step', '?')} of {path} to {out}{merged} (Hugging Face {hf_layout(model)} "
+        f"layout: config.json + model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
         f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
-        f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained"
+        f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained; reloaded, its logits "
+        f"are within {_max_difference(reloaded, reference):.2e} of the trained model's on a held batch"
+    )
+
+
+def _held_tokens(vocab_size: int) -> torch.Tensor:
+    """A fixed batch of token ids (2, 16) every vocabulary holds: what the reload check compares on."""
+    return ((torch.arange(32) * 7919 + 11) % vocab_size).reshape(2, 16)
+
+
+def _max_difference(reloaded: torch.Tensor, reference: torch.Tensor) -> float:
+    vocab = min(reloaded.shape[-1], reference.shape[-1])  # a padded head's extra columns are never a token
+    return float((reloaded[..., :vocab] - reference[..., :vocab]).abs().max())
+
+
+def _reloaded_logits(directory: Path, held: torch.Tensor, adapter: Path | None) -> torch.Tensor:
+    """The logits of the export read back as a user would: transformers (and peft for an adapter over
+    ``directory``, the base model)."""
+    transformers = require_package("transformers", "checking the export", "hf")
+    with quiet_progress():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    if adapter is not None:
+        peft = require_package("peft", "checking the adapter export", "hf")
+        model = peft.PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        return model.eval()(input_ids=held).logits.float()
+
+
+def _adapter_base(run: Path, model: torch.nn.Module, document: dict[str, Any], lora: bool) -> Path:
+    """The base model directory a run's adapters apply to (its ``hf:DIR``), refused in one line where there is
+    none."""
+    if not lora:
+        raise BigBatchError(f"--adapter: {run} trained the whole model (no --lora-rank); export it without --adapter")
+    name = str(document.get("config", {}).get("model", {}).get("preset", ""))
+    directory = model_location(name)
+    if not directory or getattr(model, "hf_model", None) is None:
+        raise BigBatchError(
+            f"--adapter writes peft adapters over a Hugging Face model directory, and {run} trained {name}'s own "
+            "layout; export the merged model (without --adapter), or fine-tune with --model hf:DIR"
+        )
+    if not has_weights(directory):
+        raise BigBatchError(
+            f"--adapter: {directory} holds no weights (the run started from a seeded initialisation), so there is no "
+            "base for adapters; export the merged model without --adapter"
+        )
+    return Path(directory)
+
+
+def _export_adapter(
+    model: torch.nn.Module,
+    base: Path,
+    out: Path,
+    created: bool,
+    document: dict[str, Any],
+    path: Path,
+    held: torch.Tensor,
+    reference: torch.Tensor,
+) -> str:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` over ``base``, written by peft itself: the base model
+    with the same adapters injected, their weights set to the run's."""
+    transformers = require_package("transformers", "--adapter", "hf")
+    peft = require_package("peft", "--adapter", "hf")
+    settings = LoraSettings.from_config(document.get("config", {}).get("model", {}))
+    state = adapter_state(model)
+    targets = sorted({key.removeprefix("base_model.model.").split(".lora_")[0] for key in state})
+    with quiet_progress():
+        host = transformers.AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True)
+    wrapped = peft.get_peft_model(host, settings.peft_config(targets))
+    result = peft.set_peft_model_state_dict(wrapped, state)
+    if getattr(result, "unexpected_keys", None):
+        raise BigBatchError(f"--adapter: the adapters do not fit {base} ({result.unexpected_keys[0]}, ...)")
+    wrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
+    wrapped.save_pretrained(str(out))
+    give_umask_modes(out, created)
+    reloaded = _reloaded_logits(base, held, out)
+    return (
+        f"exported the LoRA adapters (rank {settings.rank}, {len(targets)} linear maps) of step "
+        f"{document.get('step', '?')} of {path} to {out} (adapter_config.json + adapter_model.safetensors over "
+        f"{base}); load them with peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(base)!r}), "
+        f"{str(out)!r}); reloaded, the logits are within {_max_difference(reloaded, reference):.2e} of the trained "
+        "model's on a held batch"
     )

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "router_balance",
         note="; verify: exact must be EQUIVALENT, running and micro are named as the coupling with their distance",
     )
+    add_config_flag(
+        parser,
+        ModelSection,
+        "lora_rank",
+        note="; verify: adapters with both matrices drawn, the only gradients compared",
+    )
     parser.add_argument(
         "--ragged",
         action=argparse.BooleanOptionalAction,
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         router_balance=args.router_balance,
+        lora_rank=args.lora_rank,
     )
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         distributed, is_main = verify_across_ranks(settings)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from bigbatch.engine.batch import IGNORE_INDEX
 from bigbatch.errors import BigBatchError, ConfigError
 from bigbatch.models import build_model, model_preset
+from bigbatch.models.lora import LoraSettings, add_lora
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import distributed_session, resolve_device
 from bigbatch.verify import (
@@ -153,6 +154,7 @@ class VerifySettings:
     seed: int = 0
     device: str = "cpu"
     router_balance: str = "auto"  # a mixture of experts' balancing loss (auto: exact); refused for a dense model
+    lora_rank: int = 0  # LoRA adapters (A and B drawn at random) on the model; only they are compared
 
     @property
     def balance(self) -> str:
@@ -166,6 +168,8 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
         s.factory, s.model, s.vocab_size, s.dropout, s.seed, s.k * s.micro_batch, s.seq_len, s.ragged, s.packed
     )
     assert case.batch is not None  # build_case gives every case a batch
+    if s.lora_rank:
+        add_lora(case.model, LoraSettings(rank=s.lora_rank), random_init=True)
     check_router_balance(case, s)
     try:
         report = check_equivalence(
@@ -204,6 +208,8 @@ def verify_across_ranks(settings: VerifySettings) -> tuple[DistributedReport, bo
             s.packed,
         )
         assert case.batch is not None  # build_case gives every case a batch
+        if s.lora_rank:
+            add_lora(case.model, LoraSettings(rank=s.lora_rank), random_init=True)
         check_router_balance(case, s)
         report = check_distributed_equivalence(
             case.model,

@@ -88,7 +88,7 @@ def has_weights(directory: Path | str) -> bool:
 
 
 @contextmanager
-def _quiet_progress() -> Iterator[None]:
+def quiet_progress() -> Iterator[None]:
     """No transformers progress bars on bigbatch's console while weights are read or written."""
     from transformers.utils import logging as hf_logging
 
@@ -110,7 +110,7 @@ def build_hf_model(config: HFConfig, weights: bool = False, dropout: float | Non
     hf_config = config.transformers_config(dropout)
     auto = transformers.AutoModelForCausalLM
     if weights and has_weights(config.directory):
-        with _quiet_progress():
+        with quiet_progress():
             model = auto.from_pretrained(config.directory, config=hf_config, local_files_only=True, dtype=torch.float32)
     else:
         model = auto.from_config(hf_config, dtype=torch.float32)
@@ -121,7 +121,7 @@ def build_hf_model(config: HFConfig, weights: bool = False, dropout: float | Non
 
 def save_hf_model(model: HFCausalLM, directory: Path | str) -> Path:
     """The wrapped model's own ``save_pretrained`` (config.json + safetensors)."""
-    with _quiet_progress():
+    with quiet_progress():
         model.hf_model.save_pretrained(str(directory))  # type: ignore[operator]
     return Path(directory)
 

@@ -15,6 +15,7 @@ from bigbatch.errors import ConfigError
 from bigbatch.models.coupling import cross_sample_modules
 from bigbatch.models.decoder import LanguageModel
 from bigbatch.models.family import ModelShape
+from bigbatch.models.lora import LoraSettings, add_lora
 from bigbatch.models.pretrained import load_pretrained, pretrained_dropout
 from bigbatch.models.registry import family_for_model_name, family_of, model_preset
 from bigbatch.parallel.distributed import Say
@@ -31,7 +32,18 @@ class RunModel:
 
 def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device, say: Say) -> RunModel:
     """The model for this data, refused when it cannot be trained exactly; its loss mode and packing decided."""
-    model = model_from_config(config, dataset.vocab_size, dataset.meta.tokenizer).to(device)
+    model = model_from_config(config, dataset.vocab_size, dataset.meta.tokenizer)
+    lora = lora_settings(config)
+    if lora.enabled:
+        say("lora | rank %d, alpha %g | %s", lora.rank, lora.alpha or lora.rank, add_lora(model, lora).describe())
+        if lora.dropout:
+            say(
+                "--lora-dropout %g: micro-batch and full-batch gradients differ (each micro-batch draws its own "
+                "masks); --lora-dropout 0 keeps them identical",
+                lora.dropout,
+                level=logging.WARNING,
+            )
+    model = model.to(device)
     model.activation_checkpointing = config.model.activation_checkpointing
     check_exactness(model, config.model.preset, say)
     say_dropout(config, model, say)
@@ -39,6 +51,11 @@ def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device,
     pack = packs_documents(config, dataset, model, say)
     dataset.check_token_ids(model.config.vocab_size)
     return RunModel(model, pack)
+
+
+def lora_settings(config: TrainConfig) -> LoraSettings:
+    section = config.model
+    return LoraSettings(section.lora_rank, section.lora_alpha, section.lora_dropout, section.lora_targets)
 
 
 def model_from_config(config: TrainConfig, vocab_size: int, tokenizer: str = "") -> LanguageModel:

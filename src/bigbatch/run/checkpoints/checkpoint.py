@@ -30,6 +30,7 @@ import torch
 from bigbatch.errors import BigBatchError, CheckpointError
 from bigbatch.files.atomic import write_atomically
 from bigbatch.models.decoder import LanguageModel
+from bigbatch.models.lora import LoraSettings, add_lora
 from bigbatch.models.registry import FAMILIES, build_model, family_names, model_config_from_dict
 from bigbatch.run.checkpoints.sharded import DCP_ERRORS, STATE_FILE, read_tensors, root_cause, verify_sharded
 
@@ -258,6 +259,9 @@ def model_from_checkpoint(document: dict[str, Any]) -> LanguageModel:
     family = model_family(document)
     try:
         model = build_model(model_config_from_dict(family, document["model_config"]))
+        lora = LoraSettings.from_config(document.get("config", {}).get("model", {}))
+        if lora.enabled:  # the adapters the run trained, to load their weights into
+            add_lora(model, lora)
         model.load_state_dict(document["model"])
     except (KeyError, TypeError, RuntimeError, BigBatchError) as exc:
         raise CheckpointError(f"the checkpoint's {family} model does not match its stored shape: {exc}") from exc

@@ -135,6 +135,27 @@ class ModelSection:
         "weight of the router z-loss (mean squared log-sum-exp of the router logits); auto: the model's (0: none)",
         range=POSITIVE_OR_AUTO,
     )
+    lora_rank: int = _opt(
+        0,
+        "train LoRA adapters of this rank (through peft) instead of the model: every base weight frozen, only the "
+        "adapters in the optimizer and its state; 0: train the whole model",
+        range=NON_NEGATIVE_INT,
+    )
+    lora_alpha: float = _opt(
+        0.0,
+        "LoRA scale numerator (the update is alpha / rank x B A); auto: the rank (a scale of 1)",
+        range=POSITIVE_OR_AUTO,
+    )
+    lora_dropout: float = _opt(
+        0.0,
+        "dropout on the LoRA adapters' inputs; 0 keeps micro-batch and full-batch gradients identical",
+        range=PROBABILITY,
+    )
+    lora_targets: str = _opt(
+        "auto",
+        "the linear maps that get adapters: auto (every linear map in the model's blocks: attention and MLP "
+        "projections, a mixture of experts' router left out) or comma-separated module names, e.g. q_proj,v_proj",
+    )
     init_from: str = _opt(
         "",
         "start from a local Hugging Face GPT-2, Llama, Mixtral or Qwen3-MoE directory (config.json + "
@@ -496,6 +517,11 @@ class TrainConfig:
                 "raise decay_steps or set it to auto (= max_steps)"
             )
         check_ramp_settings(self.batch.batch_ramp, self.batch.total_batch_tokens, self.batch.token_budget)
+        lora_given = self.model.lora_alpha or self.model.lora_dropout or self.model.lora_targets != "auto"
+        if lora_given and not self.model.lora_rank:
+            raise ConfigError(
+                "--lora-alpha, --lora-dropout and --lora-targets shape LoRA adapters; give --lora-rank R to train them"
+            )
 
 
 def _toml_value(value: Any) -> str:
