@@ -11,7 +11,7 @@ import torch
 from bigbatch.data.tokenizer_files import export_tokenizer
 from bigbatch.errors import BigBatchError, require_package
 from bigbatch.files.atomic import apply_umask
-from bigbatch.models.hf.model import has_weights, quiet_progress
+from bigbatch.models.hf_files import has_weights, quiet_progress
 from bigbatch.models.lora import LoraSettings, adapter_state, has_lora, merge_lora
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
 from bigbatch.models.registry import model_location

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="chat data: print the first N conversations as rendered by the template, trained tokens between "
-        "\u27e6 and \u27e7 (default: 0)",
+        "\u27e6 and \u27e7; 0 prints none (default: 0)",
     )
 
 

@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +150,21 @@ def load_fitting_weights(
         ]
         raise CheckpointError(f"the weights in {directory} do not fit its config.json: {'; '.join(parts)}")
     model.load_state_dict({key: value.float() for key, value in state.items()}, strict=False, assign=True)
+
+
+def has_weights(directory: Path | str) -> bool:
+    return any((Path(directory) / name).is_file() for name in WEIGHT_FILES)
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No transformers progress bars on bigbatch's console while weights are read or written."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

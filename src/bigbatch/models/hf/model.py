@@ -9,8 +9,7 @@ bigbatch starts without it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.models.coupling import set_dropout
 from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf.config import ROUTER_MODEL_TYPES, HFConfig, require_transformers
-from bigbatch.models.hf_files import WEIGHT_FILES, read_config
+from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
 from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
 
@@ -81,24 +80,6 @@ def router_spec(config: HFConfig) -> RouterSpec | None:
         per_assignment=False,
         aux_coef=float(coef) if isinstance(coef, (int, float)) else 0.001,
     )
-
-
-def has_weights(directory: Path | str) -> bool:
-    return any((Path(directory) / name).is_file() for name in WEIGHT_FILES)
-
-
-@contextmanager
-def quiet_progress() -> Iterator[None]:
-    """No transformers progress bars on bigbatch's console while weights are read or written."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def build_hf_model(config: HFConfig, weights: bool = False, dropout: float | None = None) -> HFCausalLM:
