@@ -16,8 +16,10 @@ hundred characters.
 3. **Memory.** AdamW's state after one step for LoRA rank 16 against full fine-tuning of the same ``hf:`` model
    (Qwen2s of 4 layers, 256 and 1,024 wide): bytes and their ratio.
 
-The comparison with TRL's SFTTrainer itself (losses, tokens/s) is not run here: it needs ``trl`` installed beside
-the project's pins; see docs/benchmarks.md#chat-fine-tuning.
+4. **TRL**, where ``trl`` can be imported (it is not among the project's pins: ``pip install --no-deps --target DIR
+   trl==1.16.0`` and ``PYTHONPATH=DIR``): its SFTTrainer with ``assistant_only_loss`` on the marked template, its
+   labels against bigbatch's mask, the first loss at K = 1, and each tool's K = 8 update (SGD, no clipping)
+   against its own big-batch update.
 """
 
 from __future__ import annotations
@@ -191,6 +193,129 @@ def memory() -> None:
         )
 
 
+def trl_comparison(root: Path) -> None:
+    """TRL's SFTTrainer (``assistant_only_loss``) beside bigbatch on the marked template (the one TRL can mask): its
+    labels against bigbatch's mask, the first loss at K = 1, and with SGD (so the update is the gradient, which
+    AdamW's first step would hide) each tool's K = 8 update against its own one-big-batch update."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("trl: not installed; pip install --no-deps --target DIR trl==1.16.0 and PYTHONPATH=DIR to compare")
+        return
+    import copy
+
+    import torch.nn.functional as F
+    import transformers
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from bigbatch.engine.accumulate import AccumulationEngine
+    from bigbatch.engine.batch import MicroBatch
+    from bigbatch.engine.optim import constant_schedule
+
+    directory = chat_model_dir(root / "trl-model", "smollm", with_model=True)
+    encoder = ChatEncoder((directory / "tokenizer.json").read_text(), directory, ChatSettings())
+    rows, ours = [], []
+    for i, row in enumerate(conversations()):
+        encoded = None if row.get("tools") else encoder.encode(conversation_from_record(row, f"row {i}"))
+        if encoded is not None and len(encoded.ids) <= 128:  # the tiny model's context: neither tool truncates
+            rows.append({"messages": row["messages"]})
+            ours.append(encoded)
+    rows, ours = rows[:8], ours[:8]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    lr = 0.5
+
+    def trainer(model: torch.nn.Module, batch: int, accumulation: int) -> SFTTrainer:
+        args = SFTConfig(
+            output_dir=str(root / "trl-out"),
+            assistant_only_loss=True,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=lr,
+            lr_scheduler_type="constant",
+            optim="sgd",
+            max_grad_norm=0.0,
+            weight_decay=0.0,
+            report_to=[],
+            max_length=128,
+            save_strategy="no",
+            use_cpu=True,
+            logging_steps=1,
+        )
+        return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+
+    def moved(model: torch.nn.Module) -> torch.Tensor:
+        pairs = zip(model.parameters(), base.parameters(), strict=True)
+        return torch.cat([(p.detach() - q.detach()).flatten() for p, q in pairs])
+
+    def trl_update(batch: int, accumulation: int) -> tuple[torch.Tensor, float]:
+        model = copy.deepcopy(base)
+        run = trainer(model, batch, accumulation)
+        run.train()
+        return moved(model), float(run.state.log_history[0]["loss"])
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, idx: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            return self.model(input_ids=idx).logits
+
+    def micro_batch(group: list) -> MicroBatch:
+        width = max(len(e.ids) for e in group) - 1
+        inputs = torch.zeros(len(group), width, dtype=torch.long)
+        targets = torch.full((len(group), width), -100)
+        for i, e in enumerate(group):
+            ids, mask = torch.tensor(e.ids), torch.tensor(e.mask).bool()
+            target = ids[1:].clone()
+            target[~mask[1:]] = -100
+            inputs[i, : len(ids) - 1], targets[i, : len(ids) - 1] = ids[:-1], target
+        return MicroBatch(inputs=inputs, targets=targets)
+
+    def bigbatch_update(k: int) -> torch.Tensor:
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        engine = AccumulationEngine(Logits(model), optimizer, constant_schedule(lr), grad_clip=0.0)
+        per = len(ours) // k
+        engine.step([micro_batch(ours[i * per : (i + 1) * per]) for i in range(k)])
+        return moved(model)
+
+    prepared = trainer(copy.deepcopy(base), 8, 1).train_dataset
+    by_ids = {tuple(e.ids.tolist()): e for e in ours}
+    same_ids = same_mask = 0
+    for example in prepared:
+        match = by_ids.get(tuple(example["input_ids"]))
+        if match is not None:
+            same_ids += 1
+            same_mask += [int(x != -100) for x in example["labels"]][1:] == match.mask.tolist()[1:]
+    with torch.no_grad():
+        total, count = 0.0, 0
+        for e in ours:
+            logits = base(input_ids=torch.tensor(e.ids).unsqueeze(0)).logits[0, :-1]
+            keep = torch.tensor(e.mask[1:]).bool()
+            total += F.cross_entropy(logits[keep], torch.tensor(e.ids[1:])[keep], reduction="sum").item()
+            count += int(keep.sum())
+    big_trl, trl_loss = trl_update(8, 1)
+    k8_trl, _ = trl_update(1, 8)
+    big_ours, k8_ours = bigbatch_update(1), bigbatch_update(8)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    print(f"TRL {trl.__version__} SFTTrainer (assistant_only_loss) on the smollm template, {len(rows)} conversations")
+    print(f"  tokens identical in {same_ids} of {len(rows)}; trained-token mask identical in {same_mask}")
+    print(
+        f"  first loss at K 1: bigbatch {total / count:.7f} | TRL {trl_loss:.7f} | difference {abs(total / count - trl_loss):.1e}"
+    )
+    print(
+        f"  SGD update at K 8 against the tool's own big batch: bigbatch {rel(k8_ours, big_ours):.2e} | TRL "
+        f"{rel(k8_trl, big_trl):.2e}; the two big-batch updates differ by {rel(big_trl, big_ours):.2e}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
@@ -200,6 +325,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         templates(root)
+        trl_comparison(root)
         memory()
         exactness(root, args.steps, not args.skip_processes)
 

@@ -218,3 +218,17 @@ def test_bigbatch_errors_are_one_line(qwen: Path) -> None:
     with pytest.raises(BigBatchError) as raised:
         _encoder(qwen).encode(conversation_from_record({"messages": [{"role": "user", "content": "x"}]}, "r"))
     assert "\n" not in str(raised.value)
+
+
+def test_the_audit_names_a_turn_that_trains_no_stop_token(tmp_path: Path) -> None:
+    """The plain template writes no end-of-turn token: the audit says so and names a conversation."""
+    from bigbatch.data.chat import audit_lines
+
+    plain = chat_model_dir(tmp_path / "plain", "plain")
+    data = _write_rows(tmp_path / "chat.jsonl", [TWO_TURNS])
+    meta = prepare_dataset(str(data), tmp_path / "out", f"file:{plain}", val_fraction=0.0, mode="documents")
+    chat = meta.extra["chat"]
+    assert isinstance(chat, dict) and chat["turns_with_stop"] == 0 and chat["assistant_turns"] == 2
+    (_, stops) = audit_lines(chat, "assistant")
+    assert "0 of 2 trained turns end on a trained end-of-turn token (2 do not, e.g. " in stops
+    assert "chat.jsonl:1: the model may not learn to stop" in stops

@@ -234,6 +234,7 @@ class ChatAudit:
             "turns_with_stop": self.turns_with_stop,
             "tokens": self.tokens,
             "trained": self.trained,
+            "first_without_stop": self.first_without_stop,
         }
 
 
@@ -248,7 +249,10 @@ def audit_lines(values: dict[str, Any], loss_on: str) -> list[str]:
         f"tokens trained ({share:.1%}; --loss-on {loss_on})"
     ]
     if loss_on != "all":
-        verdict = "every one" if stops == turns else f"{turns - stops:,} do not: the model may not learn to stop"
+        example = f", e.g. {values['first_without_stop']}" if values.get("first_without_stop") else ""
+        verdict = (
+            "every one" if stops == turns else f"{turns - stops:,} do not{example}: the model may not learn to stop"
+        )
         lines.append(
             f"chat: {stops:,} of {plural(turns, 'trained turn')} end on a trained end-of-turn token ({verdict})"
         )
@@ -270,11 +274,11 @@ class ChatEncoder:
     special token's text is refused: it would be read as a control token."""
 
     def __init__(self, tokenizer_json: str, directory: Path, settings: ChatSettings) -> None:
-        from bigbatch.data.tokenizers import _hf_tokenizers
+        import tokenizers  # a pinned dependency (the file tokenizer's own library)
 
         self.template = ChatTemplate(directory)
         self.settings = settings
-        self._tokenizer = _hf_tokenizers().Tokenizer.from_str(tokenizer_json)
+        self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
         self._tokenizer.encode_special_tokens = False  # the template's control tokens are tokens, not text
         self._special_ids = {
             int(i)
