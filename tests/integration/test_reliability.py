@@ -323,7 +323,7 @@ def test_restarts_exhausted_is_a_non_zero_exit(corpus: Path, tmp_path: Path) -> 
 @pytest.mark.slow
 def test_nan_on_one_rank_makes_both_skip(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    done = torchrun_cli(cli_args(corpus, out), fault="nan:step=2,rank=1")
+    done = torchrun_cli(cli_args(corpus, out, "--bad-step", "skip-step"), fault="nan:step=2,rank=1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "SKIPPED (non-finite gradient)" in done.stdout
     document = ckpt.load_checkpoint(out)

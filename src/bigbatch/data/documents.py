@@ -222,6 +222,7 @@ class DocumentLoader:
         inputs = torch.full((B, T), self.pad_token, dtype=torch.int64)
         targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
         filled = 0
+        origin: list[tuple[int, int]] = []
         for row, sequence in enumerate(np.asarray(sequences, dtype=np.int64).tolist()):
             if sequence < 0:
                 continue
@@ -229,6 +230,7 @@ class DocumentLoader:
             shard = self.shards[self._shard_of[doc]]
             start = int(self._start[doc]) + (sequence - int(self._first_window[doc])) * T
             stop = min(int(self._end[doc]), start + T + 1)
+            origin.append((int(self._shard_of[doc]), start))
             tokens = torch.from_numpy(np.asarray(shard.tokens[start:stop], dtype=np.int64))
             n = len(tokens) - 1  # positions with a target
             if n <= 0:
@@ -240,7 +242,7 @@ class DocumentLoader:
                 trained = torch.from_numpy(np.asarray(shard.mask[start + 1 : stop], dtype=np.bool_))
                 row_targets[~trained] = IGNORE_INDEX
             targets[row, :n] = row_targets
-        return MicroBatch(inputs, targets, padding=B * T - filled)
+        return MicroBatch(inputs, targets, padding=B * T - filled, origin=tuple(origin), epoch=self.epoch)
 
     def _read_rows(self, rows: np.ndarray | list[int]) -> MicroBatch:
         """A micro-batch of ``B`` packed rows whose row ``b`` is row ``rows[b]`` of the current epoch's plan; rows
@@ -277,8 +279,14 @@ class DocumentLoader:
             if shard.mask is not None:
                 following[~np.asarray(shard.mask[at + 1], dtype=np.bool_)] = IGNORE_INDEX
             targets[out_row[here], out_col[here]] = following
+        origin = tuple(zip(self._shard_of[doc].tolist(), start.tolist(), strict=True))
         return MicroBatch(
-            torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions), B * T - total
+            torch.from_numpy(inputs),
+            torch.from_numpy(targets),
+            torch.from_numpy(positions),
+            B * T - total,
+            origin=origin,
+            epoch=self.epoch,
         )
 
     def _geometry(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -89,8 +89,10 @@ class TokenStreamLoader:
         chunk = torch.from_numpy(np.asarray(shard[start : start + self.window + 1], dtype=np.int64))
         inputs = chunk[:-1].view(self.micro_batch, self.seq_len)  # (B, T)
         targets = chunk[1:].view(self.micro_batch, self.seq_len)  # (B, T)
+        origin = ((self.shard_index, start),)
+        epoch = self.epoch
         self._advance(len(shard))
-        return MicroBatch(inputs, targets)
+        return MicroBatch(inputs, targets, origin=origin, epoch=epoch)
 
     def _advance(self, shard_len: int) -> None:
         self.offset += self.global_window
@@ -190,9 +192,12 @@ class ShuffledTokenStreamLoader(TokenStreamLoader):
             here = epochs == epoch
             picked[here] = self.orders.at(int(epoch), positions[here])
             shifts[here] = epoch_shift(self.seq_len, self.seed, int(epoch))
+        epoch = self.epoch
         self.row += self.micro_batch * self.world_size
         self.epoch = self.row // n
-        return self.windows.read(picked, shifts=shifts)
+        batch = self.windows.read(picked, shifts=shifts)
+        batch.epoch = epoch
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The row counter (identical on every rank) and what it means: the seed and the number of windows."""

@@ -67,15 +67,17 @@ class TokenStreamWindows:
         targets = torch.full((len(index), T), IGNORE_INDEX, dtype=torch.int64)
         shard_of = np.searchsorted(self.first, index, side="right") - 1
         real = index >= 0
+        origin: dict[int, tuple[int, int]] = {}
         for shard in np.unique(shard_of[real]).tolist():  # one gather per shard, not a slice per row
             rows = np.flatnonzero(real & (shard_of == shard))
             data = self.shards[shard]
             starts = (index[rows] - int(self.first[shard])) * T
             starts += np.where(starts + moved[rows] + T + 1 <= len(data), moved[rows], 0)
+            origin.update(zip(rows.tolist(), ((shard, start) for start in starts.tolist()), strict=True))
             chunk = torch.from_numpy(np.asarray(data[starts[:, None] + np.arange(T + 1)], dtype=np.int64))  # (n, T+1)
             inputs[rows] = chunk[:, :-1]
             targets[rows] = chunk[:, 1:]
-        return MicroBatch(inputs, targets)
+        return MicroBatch(inputs, targets, origin=tuple(origin[row] for row in sorted(origin)))
 
 
 def epoch_order(count: int, seed: int, epoch: int) -> np.ndarray:

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from bigbatch.engine.bad_steps import BadStep, BadStepSettings
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
 from bigbatch.engine.batch_change import BatchFollower
 from bigbatch.engine.hooks import StepHook, StepOutcome
 from bigbatch.engine.router_balance import RouterBalance
+from bigbatch.engine.step_guard import MicroWatch, StepGuard
 from bigbatch.models.lm_output import computes_loss, logits_loss
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, GradSync, LocalGradSync
@@ -116,6 +118,7 @@ class StepRecord:
     # Documents: the shares of the step's positions that are padding and masked prompt tokens (the trainer's).
     padding_share: float | None = None
     prompt_share: float | None = None
+    bad: BadStep | None = None  # a bad step found by the guard, and what was done (engine/step_guard.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,6 +170,8 @@ class AccumulationEngine:
         route_fn: Callable[[nn.Module, Any], object] = token_route,
         counted_fn: Callable[[Any], torch.Tensor] = counted_tokens,
         follower: BatchFollower | None = None,
+        bad_steps: BadStepSettings | None = None,
+        parallel: str = "none",
     ) -> None:
         self.model = model
         # Fixed for the engine's life (the optimizer holds these same objects): walking the module tree for them
@@ -197,6 +202,8 @@ class AccumulationEngine:
             )
         self.route_fn, self.counted_fn = route_fn, counted_fn
         self.follower = follower
+        # None: a non-finite gradient skips the step, nothing is traced (the engine used on its own)
+        self.guard = StepGuard(bad_steps, parallel) if bad_steps is not None else None
         self._base_weight_decays = [float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups]
         self._set_step_settings(self.schedule(self.step_count))
 
@@ -226,14 +233,16 @@ class AccumulationEngine:
         do not bring ``n_valid``, e.g. a :class:`~bigbatch.engine.batch.StepBatch`'s)."""
         return global_valid_targets(micro_batches, self.dist, self.device, self.count_fn)
 
-    def accumulate(self, micro_batches: Sequence[Any], n_valid: int | None = None) -> tuple[torch.Tensor, int]:
+    def accumulate(
+        self, micro_batches: Sequence[Any], n_valid: int | None = None, watch: MicroWatch | None = None
+    ) -> tuple[torch.Tensor, int]:
         """Forward and backward over the micro-batches, adding into ``.grad``.
 
         Returns the summed loss of this rank (a detached fp32 tensor on the
         device) and the global valid-target count ``N``. A caller that already
         knows ``N`` (packed data: every target is valid) passes it and saves the
         all-reduce. Gradients are not zeroed here; with fp16 they carry the
-        GradScaler's scale.
+        GradScaler's scale. ``watch`` (the guarded step's) sees each micro-batch on its way.
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
@@ -247,27 +256,51 @@ class AccumulationEngine:
         if self.router is not None:
             self._begin_routing(micro_batches, n_valid)
         for i, micro_batch in enumerate(micro_batches):
+            if watch is not None:
+                watch.before(i, micro_batch)
             micro_batch = micro_batch.to(self.device, non_blocking=True)
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
-            with sync:  # covers forward and backward: DDP decides at forward time
-                router_term = None
-                with self.autocast():
-                    if self.router is None:
-                        loss_sum = self.loss_fn(self.model, micro_batch)
-                    else:
-                        with self.router.recording() as layers:
-                            loss_sum = self.loss_fn(self.model, micro_batch)
-                        router_term = self.router.term(layers, self.counted_fn(micro_batch))
-                for hook in self.hooks:
-                    loss_sum = hook.after_forward(self, i, loss_sum)
-                objective = loss_sum * scale
-                if router_term is not None:  # already a share of the step's: DDP's average is undone as for the loss
-                    objective = objective + router_term * self.dist.world_size
-                self.scaler.scale(objective).backward()
+            captured = watch.capture(i, i == last, self._params) if watch is not None else nullcontext()
+            with sync, captured:  # covers forward and backward: DDP decides at forward time
+                loss_sum, objective = self._forward(self.model, micro_batch, i, scale)
+                if watch is not None:
+                    watch.loss(loss_sum)
+                objective.backward()
             loss_total += loss_sum.detach().float()
+            if watch is not None:
+                watch.after_backward(i, i == last, self._params)
             for hook in self.hooks:
                 hook.after_backward(self, i, micro_batch)
         return loss_total, n_valid
+
+    def _forward(
+        self, model: nn.Module, micro_batch: Any, index: int, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``index``'s summed loss and the objective it back-propagates: ``loss_sum x scale``, plus its
+        share of the step's router loss, times the fp16 loss scale."""
+        for hook in self.hooks:
+            hook.before_forward(self, index, micro_batch)
+        router_term = None
+        with self.autocast():
+            if self.router is None:
+                loss_sum = self.loss_fn(model, micro_batch)
+            else:
+                with self.router.recording() as layers:
+                    loss_sum = self.loss_fn(model, micro_batch)
+                router_term = self.router.term(layers, self.counted_fn(micro_batch))
+        for hook in self.hooks:
+            loss_sum = hook.after_forward(self, index, loss_sum)
+        objective = loss_sum * scale
+        if router_term is not None:  # already a share of the step's: DDP's average is undone as for the loss
+            objective = objective + router_term * self.dist.world_size
+        return loss_sum, self.scaler.scale(objective)
+
+    def objective(self, model: nn.Module, micro_batch: Any, index: int, n_valid: int) -> torch.Tensor:
+        """Micro-batch ``index``'s objective computed again (a replay), as its accumulation pass computed it, through
+        ``model``; the step's router totals are left as they were."""
+        kept = self.router.totals_kept() if self.router is not None else nullcontext()
+        with kept:
+            return self._forward(model, micro_batch, index, self.dist.world_size / n_valid)[1]
 
     def _begin_routing(self, micro_batches: Sequence[Any], n_valid: int) -> None:
         assert self.router is not None
@@ -291,10 +324,17 @@ class AccumulationEngine:
         lr = self._set_step_settings(self.schedule(self.step_count))
         for hook in self.hooks:
             hook.before_step(self, self.step_count + 1, len(micro_batches))
-        self._zero_grad()
-        loss_total, n_valid = self.accumulate(micro_batches, n_valid)
-        grad_norm = self._clip()
-        skipped = not math.isfinite(grad_norm)
+        bad = None
+        if self.guard is None:
+            self._zero_grad()
+            loss_total, n_valid = self.accumulate(micro_batches, n_valid)
+            grad_norm = self._clip()
+            skipped = not math.isfinite(grad_norm)
+            loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
+        else:
+            guarded = self.guard.run(self, list(micro_batches), n_valid)
+            n_valid, grad_norm, bad = guarded.n_valid, guarded.grad_norm, guarded.bad
+            skipped, loss = not guarded.apply, guarded.loss_sum / guarded.n_valid
         if skipped:
             self._skip()
         else:
@@ -305,7 +345,6 @@ class AccumulationEngine:
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
         if self.router is not None:
             measurements["router"] = self.router.finish()
-        loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         return StepRecord(
             step=self.step_count,
             loss=loss,
@@ -316,6 +355,7 @@ class AccumulationEngine:
             dt=time.perf_counter() - started,
             skipped=skipped,
             measurements=measurements,
+            bad=bad,
         )
 
     def _clip(self) -> float:
@@ -352,6 +392,7 @@ class AccumulationEngine:
             "skipped_steps": self.skipped_steps,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             **{hook.name: hook.state_dict() for hook in self.hooks if hook.name},
+            **({"guard": self.guard.state_dict()} if self.guard is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,4 +403,6 @@ class AccumulationEngine:
         for hook in self.hooks:
             if hook.name and state.get(hook.name):
                 hook.load_state_dict(state[hook.name])
+        if self.guard is not None and state.get("guard"):
+            self.guard.load_state_dict(state["guard"])
         self._set_step_settings(self.schedule(self.step_count))

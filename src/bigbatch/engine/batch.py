@@ -55,12 +55,16 @@ class MicroBatch:
     document begins wherever the position is 0) and learned or rotary positions restart with it. The padding at a
     row's end is a segment of its own, also counted from 0, whose targets are all ``-100``. ``None``: one sequence
     per row, positions ``0..T-1``. ``padding`` counts the positions of this micro-batch that hold no document
-    token (only metrics read it)."""
+    token (only metrics read it). ``origin`` says where its tokens come from, for a bad step's attribution and
+    its exclusion: ``(shard, token offset)`` of each document (a token stream: of each window) it holds, in the
+    loader's ``epoch``."""
 
     inputs: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64
     positions: torch.Tensor | None = None  # (B, T) int64
     padding: int = 0
+    origin: tuple[tuple[int, int], ...] = ()
+    epoch: int = 0
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)
@@ -69,11 +73,20 @@ class MicroBatch:
             self.targets.to(device, non_blocking=non_blocking),
             positions,
             self.padding,
+            self.origin,
+            self.epoch,
         )
 
     def pin_memory(self) -> MicroBatch:
         positions = None if self.positions is None else self.positions.pin_memory()
-        return MicroBatch(self.inputs.pin_memory(), self.targets.pin_memory(), positions, self.padding)
+        return MicroBatch(
+            self.inputs.pin_memory(), self.targets.pin_memory(), positions, self.padding, self.origin, self.epoch
+        )
+
+    @property
+    def origin_key(self) -> str:
+        """The micro-batch's identity in the data (its epoch and documents): what an exclusion names."""
+        return f"{self.epoch}:" + ",".join(f"{shard}@{offset}" for shard, offset in self.origin)
 
 
 def count_valid_targets(batch: MicroBatch) -> int:

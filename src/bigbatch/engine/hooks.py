@@ -5,6 +5,7 @@ on their way (the gradient noise scale), or a fault injected for the reliability
 points of that loop through a :class:`StepHook`, in the order the engine was given the hooks:
 
 * :meth:`StepHook.before_step`: before the gradients are zeroed, with the step's number and its K;
+* :meth:`StepHook.before_forward`: each micro-batch (on the device), before its forward (and before a replay's);
 * :meth:`StepHook.after_forward`: each micro-batch's summed loss, before its backward (a hook may return a
   different loss to back-propagate: fault injection poisons one);
 * :meth:`StepHook.after_backward`: each micro-batch, after its backward (its gradient has been added);
@@ -44,6 +45,9 @@ class StepHook:
 
     def before_step(self, engine: AccumulationEngine, step: int, k: int) -> None:
         """Before step number ``step`` (1-based) of ``k`` micro-batches on this rank."""
+
+    def before_forward(self, engine: AccumulationEngine, index: int, micro_batch: Any) -> None:
+        """Before the forward of micro-batch ``index`` (0-based), the first time and in any re-run of it."""
 
     def after_forward(self, engine: AccumulationEngine, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
         """The summed loss of micro-batch ``index`` (0-based), before its backward; returns the loss to use."""

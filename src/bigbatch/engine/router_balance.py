@@ -24,8 +24,8 @@ step's routed tokens it is exact in every mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +164,15 @@ class RouterBalance:
                 counts = layer_counts if counts is None else counts + layer_counts
         assert counts is not None
         self._step_counts = self.dist.all_reduce_sum(counts)
+
+    @contextmanager
+    def totals_kept(self) -> Iterator[None]:
+        """A re-run of a micro-batch (a replay) adds nothing to the step's measured totals."""
+        kept = (self._trained_counts, self._balance, self._z)
+        try:
+            yield
+        finally:
+            self._trained_counts, self._balance, self._z = kept
 
     def term(self, routed: Sequence[RoutedTokens], counted: torch.Tensor) -> torch.Tensor:
         """The 0-d fp32 router loss a micro-batch back-propagates, from its layers' ``routed`` tokens of which

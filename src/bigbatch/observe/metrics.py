@@ -89,7 +89,7 @@ def format_step(
     if noise_scale is not None:
         line += f" | noise scale {format_noise_scale(noise_scale)} tok" if noise_scale > 0 else f" | {NO_NOISE_SCALE}"
     if record.skipped:
-        line += " | SKIPPED (non-finite gradient)"
+        line += " | SKIPPED (bad step)" if record.bad is not None else " | SKIPPED (non-finite gradient)"
     return line
 
 
@@ -134,6 +134,10 @@ class JsonlLog:
     def write_batch_change(self, step: int, **details: Any) -> None:
         """A change of the tokens per step and the optimizer's settings before and after (``kind: batch_change``)."""
         self.write("batch_change", step=step, **details)
+
+    def write_event(self, kind: str, step: int, **details: Any) -> None:
+        """A decision of the run (``kind: bad_step``, ``kind: rewind``): kept through any resume's truncation."""
+        self.write(kind, step=step, **details)
 
     def close(self) -> None:
         self._handle.close()
@@ -185,6 +189,19 @@ class MetricsFanout:
         for sink in self.sinks:
             if isinstance(sink, JsonlLog):
                 sink.write_batch_change(step, **details)
+
+    def write_event(self, kind: str, step: int, **details: Any) -> None:
+        """To ``metrics.jsonl`` only, like :meth:`write_documents`."""
+        for sink in self.sinks:
+            if isinstance(sink, JsonlLog):
+                sink.write_event(kind, step, **details)
+
+    def reopen_jsonl(self) -> None:
+        """Append to ``metrics.jsonl`` as it is now on disk (after a resume rewrote it)."""
+        for index, sink in enumerate(self.sinks):
+            if isinstance(sink, JsonlLog):
+                sink.close()
+                self.sinks[index] = JsonlLog(sink.path)
 
     def close(self) -> None:
         error: BaseException | None = None
@@ -242,6 +259,10 @@ def read_records(run_dir: Path | str) -> list[dict[str, Any]]:
     return records
 
 
+DECISIONS = ("bad_step", "rewind")
+"""Record kinds a resume never drops from ``metrics.jsonl``: what the run decided, and when."""
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop records after ``step`` (written before a crash, about to be replayed) from the metrics log."""
     path = run_dir / METRICS_FILE
@@ -255,8 +276,9 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
         except json.JSONDecodeError:
             continue  # a line cut by the crash
         recorded = int(record.get("step", 0))
-        # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint.
-        if recorded < step or (recorded == step and not record.get("skipped")):
+        # A skipped step keeps the step count, so one recorded at ``step`` came after the checkpoint; the run's
+        # decisions stay whatever their step.
+        if record.get("kind") in DECISIONS or recorded < step or (recorded == step and not record.get("skipped")):
             kept.append(line)
     if len(kept) == len(lines):
         return  # nothing to drop: the file stays untouched

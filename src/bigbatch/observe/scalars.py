@@ -36,6 +36,9 @@ def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     made them."""
     values = asdict(record)
     del values["measurements"]  # flattened below
+    del values["bad"]  # a bad step has a record of its own (kind: bad_step); the step says what was done
+    if record.bad is not None:
+        values["bad_step"] = record.bad.action
     for share in ("padding_share", "prompt_share"):  # documents only
         if values[share] is None:
             del values[share]

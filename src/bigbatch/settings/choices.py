@@ -58,6 +58,7 @@ SCHEDULE = Choices("schedule", ("cosine", "seesaw"))
 ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro", "off"))
 LOSS_ON = Choices("loss_on", ("assistant", "last-assistant", "all"))
 NO_ASSISTANT = Choices("no_assistant", ("refuse", "drop"))
+BAD_STEP = Choices("bad_step", ("skip-micro", "skip-step", "rewind", "stop"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

@@ -18,6 +18,7 @@ from typing import Any
 from bigbatch.errors import ConfigError
 
 AUTO = "auto"
+OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Range:
     low_open: bool = False
     high_open: bool = False
     auto: bool = False  # the word ``auto`` is accepted as well (and returned as "auto")
+    off: bool = False  # the word ``off`` is accepted as well, and stored as 0 (a field's default: nothing runs)
 
     def describe(self) -> str:
         noun = "an integer" if self.kind is int else "a number"
@@ -42,6 +44,8 @@ class Range:
             text = f"{noun} {'<' if self.high_open else '<='} {_num(self.high)}"
         else:
             text = noun if self.kind is int else "a finite number"
+        if self.off:
+            text = f"{text} or off"
         return f"{text} or auto" if self.auto else text
 
     def contains(self, value: Any) -> bool:
@@ -61,6 +65,8 @@ class Range:
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` if it lies in the range, else :class:`ConfigError` naming ``name``."""
+        if self.off and value in (0, OFF):
+            return 0
         if not self.contains(value):
             raise ConfigError(f"{name} must be {self.describe()}, got {value!r}")
         return value
@@ -69,6 +75,8 @@ class Range:
         """A command-line string as ``kind`` (or "auto"); ``ValueError`` with the reason when it does not fit."""
         if self.auto and text.strip() == AUTO:
             return AUTO
+        if self.off and text.strip() == OFF:
+            return 0
         try:
             value = self.kind(text)
         except ValueError:
@@ -105,4 +113,5 @@ POSITIVE_OR_AUTO = Range(float, 0, low_open=True, auto=True)
 NON_NEGATIVE = Range(float, 0)
 FRACTION = Range(float, 0, 1)  # [0, 1]
 PROBABILITY = Range(float, 0, 1, high_open=True)  # [0, 1): dropout, held-out share, AdamW betas
+POSITIVE_INT_OR_OFF = Range(int, 1, off=True)
 MEMORY_K = Range(int, 2)  # bigbatch memory compares the peak of K micro-steps with one

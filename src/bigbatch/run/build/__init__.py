@@ -32,7 +32,13 @@ from bigbatch.noise.meter import NoiseMeter
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build.checks import check_batch, check_config
 from bigbatch.run.build.data_phase import Loader, build_loaders, open_run_data
-from bigbatch.run.build.engine_phase import build_follower, build_optimizer, resolve_router_balance, wrap_for_training
+from bigbatch.run.build.engine_phase import (
+    bad_step_settings,
+    build_follower,
+    build_optimizer,
+    resolve_router_balance,
+    wrap_for_training,
+)
 from bigbatch.run.build.model_phase import build_run_model
 from bigbatch.run.build.observers import build_observers
 from bigbatch.run.build.sizing_phase import build_ramp, build_seesaw, plan_steps
@@ -193,6 +199,8 @@ def _build_parts(
         router_aux_coef=config.model.router_aux_coef or None,
         router_z_coef=config.model.router_z_coef or None,
         follower=follower,
+        bad_steps=bad_step_settings(config, device),
+        parallel=wrapped.parallel,
     )
     # Every part is built (the model from the shared seed above; probes leave the generators as they found
     # them): from here on each rank draws its own stream, e.g. its own dropout masks for its own samples.

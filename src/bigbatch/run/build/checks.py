@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bigbatch.data.dataset import open_dataset
-from bigbatch.errors import require_creatable_dir
+from bigbatch.errors import ConfigError, require_creatable_dir
 from bigbatch.files.outputs import require_own_run_dir
 from bigbatch.observe.metrics import check_optional_loggers
 from bigbatch.parallel.distributed import DistContext, resolve_device
@@ -29,10 +29,34 @@ def check_config(config: TrainConfig) -> TrainConfig:
     be made; returns the config with ``seq_len`` auto resolved to the model's block size (from here on, the
     number)."""
     config.validate()
+    check_guard(config)
     check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))
     if config.data.cache_dir:
         require_creatable_dir(Path(config.data.cache_dir), "cache directory")
     return resolve_seq_len(config)
+
+
+def check_guard(config: TrainConfig) -> None:
+    """``--replay-every`` needs each rank's own gradient contribution and the same kernels twice: refused in one
+    line with FSDP2 (gradients are reduce-scattered inside backward), ``--compile on`` (the re-run is eager) and
+    ``--router-balance running`` (its loss reduces across ranks in each micro-batch)."""
+    if not config.guard.replay_every:
+        return
+    refused = [
+        (config.run.parallel == "fsdp", "--parallel fsdp: FSDP2 shards each gradient inside backward; use ddp"),
+        (
+            config.run.compile == "on",
+            "--compile on: the re-run is eager and would differ in its last bits; leave "
+            "--compile auto (off with --replay-every)",
+        ),
+        (
+            config.model.router_balance == "running",
+            "--router-balance running: its loss reduces across ranks in every micro-batch; use exact",
+        ),
+    ]
+    for refused_here, why in refused:
+        if refused_here:
+            raise ConfigError(f"--replay-every {config.guard.replay_every} does not work with {why}")
 
 
 def check_batch(config: TrainConfig, world_size: int) -> None:

@@ -4,12 +4,14 @@ its learning-rate schedule; :func:`~bigbatch.run.build.build_run` hands them and
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from bigbatch.engine.bad_steps import BadStepSettings
 from bigbatch.engine.batch_change import BatchChangeRule, BatchFollower, OptimSettings
 from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.errors import ConfigError
@@ -60,7 +62,9 @@ def wrap_for_training(
     wrapped, grad_sync = wrap_model(
         model, parallel, dist, device, config.run.sync_every_micro_step, precision, units=fsdp_units(model)
     )
-    compile_model = config.run.compile == "on" or (config.run.compile == "auto" and device.type == "cuda")
+    # --replay-every re-runs a micro-batch eagerly: auto leaves the model eager so the two compute the same bits
+    auto_compiles = device.type == "cuda" and not config.guard.replay_every
+    compile_model = config.run.compile == "on" or (config.run.compile == "auto" and auto_compiles)
     train_model: nn.Module = wrapped
     if compile_model:  # as the family compiles (an hf: architecture that does not compile trains eagerly)
         train_model = family_of(model).compile(wrapped)
@@ -93,6 +97,24 @@ def build_follower(config: TrainConfig, reference_tokens: int) -> BatchFollower:
     rule = BatchChangeRule.resolve(opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay)
     base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay)
     return BatchFollower(rule, base, reference_tokens, requested=opt.batch_change_rule)
+
+
+def bad_step_settings(config: TrainConfig, device: torch.device) -> BadStepSettings:
+    """The engine's watch over its steps, from ``[guard]``. A replay compares bits, so on CUDA it turns on
+    deterministic algorithms (cuBLAS needs its workspace setting before its first use)."""
+    guard = config.guard
+    if guard.replay_every and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    return BadStepSettings(
+        mode=guard.bad_step,
+        replay_every=guard.replay_every,
+        spike_window=guard.spike_window,
+        loss_spike=guard.loss_spike,
+        grad_spike=guard.grad_spike,
+        spike_min_steps=min(20, guard.spike_window),
+        seed=config.run.seed,
+    )
 
 
 def resolve_router_balance(config: TrainConfig, model: LanguageModel) -> str:

@@ -46,7 +46,7 @@ def build_observers(
         hooks.append(noise)
     fault = fault_from_env()
     if fault:
-        hooks.append(FaultInjection(fault, dist.rank))
+        hooks.append(FaultInjection(fault, dist.rank, wrapped))
     peak_flops = config.run.peak_flops or (
         device_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     )

@@ -67,6 +67,12 @@ MAY_CHANGE: frozenset[str] = frozenset(
         "run.allow_data_change",
         "run.allow_ramp_change",
         "run.allow_batch_change",
+        "guard.bad_step",
+        "guard.max_rewinds",
+        "guard.replay_every",
+        "guard.spike_window",
+        "guard.loss_spike",
+        "guard.grad_spike",
     }
 )
 """``section.key`` of the settings that may differ between a run and its resumption."""

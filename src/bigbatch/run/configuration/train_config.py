@@ -16,6 +16,8 @@ from typing import Any
 
 from bigbatch.errors import ConfigError, install_hint
 from bigbatch.models.registry import model_location, model_names_help
+from bigbatch.run.configuration.fields import config_field as _opt
+from bigbatch.run.configuration.guard_section import GuardSection
 from bigbatch.settings.choices import (
     BATCH_CHANGE_BETAS,
     BATCH_CHANGE_RULE,
@@ -52,40 +54,6 @@ from bigbatch.sizing.ramp import check_ramp_settings
 INIT_FROM_AUTO_SEQ_LEN_CAP = 8192
 """seq_len auto with ``--init-from`` is the directory's context length, at most this: Llama 3.2 declares 131,072
 positions, and sequences that long rarely fit a training step (``--seq-len`` asks for more)."""
-
-
-def _opt(
-    default: Any,
-    help: str,
-    flag: str | None = None,
-    range: Range | None = None,
-    choices: Choices | None = None,
-    legacy_zero: bool = False,
-    switch: bool = False,
-) -> Any:
-    """A config field with its CLI help (and a flag name when it differs from the field name); a numeric
-    field declares its allowed :class:`~bigbatch.settings.ranges.Range`, a closed choice its
-    :class:`~bigbatch.settings.choices.Choices`: both are checked for flags, TOML files and Python alike.
-    Every field is declared here, so its metadata has one shape.
-
-    A range that takes ``auto`` makes an auto field: ``auto`` is stored as 0 and resolved where it is used.
-    ``legacy_zero``: config files from before the word ``auto`` wrote 0 for it; a file's 0 still reads as auto
-    (the flag refuses 0). ``switch``: a choice of ``auto``/``on``/``off`` words whose flag also works bare
-    (``--compile`` is ``on``) and negated (``--no-compile``), and which a TOML file may give as a boolean."""
-    metadata: dict[str, Any] = {"help": help}
-    if flag:
-        metadata["flag"] = flag
-    if range is not None:
-        metadata["range"] = range
-        if range.auto:
-            metadata["auto"] = True
-    if legacy_zero:
-        metadata["legacy_zero"] = True
-    if switch:
-        metadata["switch"] = True
-    if choices is not None:
-        metadata["choices"] = choices
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -458,6 +426,7 @@ SECTIONS: dict[str, type] = {
     "batch": BatchSection,
     "optim": OptimSection,
     "run": RunSection,
+    "guard": GuardSection,
 }
 
 
@@ -468,6 +437,7 @@ class TrainConfig:
     batch: BatchSection = field(default_factory=BatchSection)
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)

@@ -7,7 +7,13 @@ during micro-step M (default 0) of optimizer step S (1-based) on rank R
 
 * ``kill``: SIGKILL this process (a crash in the middle of an accumulation window);
 * ``sigterm``: send SIGTERM to this process (a polite stop request);
-* ``nan``: make this micro-batch's loss NaN (a non-finite gradient on one rank);
+* ``nan``: make this micro-batch's loss NaN once (a transient fault: a re-run computes it finite);
+* ``nan-input``: make this micro-batch's input embeddings NaN wherever it is computed again (bad data: a re-run
+  reproduces it; the micro-batch is known by where its tokens come from);
+* ``inf-grad``: put an Inf in one parameter's gradient contribution of this micro-batch, once;
+* ``bitflip``: flip one bit of one element of a parameter's gradient contribution (a device computing a wrong
+  value without an error): without ``micro``, in every backward from step S on, re-runs included, at a different
+  element each time (a faulty device); with ``micro``, once;
 * ``hang``: sleep for an hour (a dead peer, for collective timeouts); SIGTERM ends it at once, as it ends a
   process stuck inside a collective once its timeout returns control (so torchrun's agent need not wait out its
   grace period before SIGKILL).
@@ -24,18 +30,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from bigbatch.engine.hooks import StepHook
 
 ENV_VAR = "BIGBATCH_FAULT"
-ACTIONS = ("kill", "sigterm", "nan", "hang")
+ACTIONS = ("kill", "sigterm", "nan", "nan-input", "inf-grad", "bitflip", "hang")
+FLIPPED_BIT = 20  # a high mantissa bit of float32: the value moves by about 1/8 and stays finite
 
 
 @dataclass(frozen=True)
 class Fault:
     action: str
     step: int
-    micro: int = 0
+    micro: int | None = 0  # None: every micro-batch (bitflip without micro)
     rank: int | None = None
     attempt: int | None = 0  # None: every attempt
 
@@ -51,7 +59,7 @@ def parse_fault(text: str) -> Fault:
     return Fault(
         action=action,
         step=int(fields["step"]),
-        micro=int(fields.get("micro", 0)),
+        micro=int(fields["micro"]) if "micro" in fields else (None if action == "bitflip" else 0),
         rank=int(fields["rank"]) if "rank" in fields else None,
         attempt=None if fields.get("attempt") == "any" else int(fields.get("attempt", 0)),
     )
@@ -63,29 +71,82 @@ def fault_from_env() -> Fault | None:
 
 
 class FaultInjection(StepHook):
-    """Fires ``fault`` once, at its step and micro-step on this rank (and restart attempt): a step hook, so
-    evaluation passes never count as micro-steps."""
+    """Fires ``fault`` at its step and micro-step on this rank (and restart attempt): a step hook, so evaluation
+    passes never count as micro-steps. ``model`` is where the input and gradient faults attach (its first embedding
+    and its first trained parameter)."""
 
-    def __init__(self, fault: Fault, rank: int) -> None:
+    def __init__(self, fault: Fault, rank: int, model: nn.Module | None = None) -> None:
         self.fault = fault
         self.rank = rank
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._step = 0
+        self._index = -1
         self._fired = False  # once per process: a step skipped for the NaN it injected is not poisoned again
+        self._poisoned: set[str] = set()  # nan-input: the micro-batches whose data is bad
+        self._poison_now = False
+        self._grad_armed = False
+        self._flips = 0
+        if model is not None and fault.action == "nan-input":
+            embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+            if embedding is not None:
+                embedding.register_forward_hook(self._poison_output)
+        if model is not None and fault.action in ("inf-grad", "bitflip"):
+            param = next((p for p in model.parameters() if p.requires_grad), None)
+            if param is not None:
+                param.register_hook(self._corrupt_grad)
 
     def before_step(self, engine: Any, step: int, k: int) -> None:
         self._step = step
 
-    def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
+    def _due(self, index: int) -> bool:
         fault = self.fault
-        hit = (
-            not self._fired
-            and self._step == fault.step
-            and index == fault.micro
+        return (
+            self._step == fault.step
+            and fault.micro in (None, index)
             and fault.rank in (None, self.rank)
             and fault.attempt in (None, self.attempt)
         )
-        if not hit:
+
+    def before_forward(self, engine: Any, index: int, micro_batch: Any) -> None:
+        action = self.fault.action
+        key = getattr(micro_batch, "origin_key", "")
+        if action == "nan-input":
+            if not self._fired and self._due(index):
+                self._fired = True
+                self._poisoned.add(key)
+            self._poison_now = key in self._poisoned
+        elif action == "inf-grad":
+            self._grad_armed = not self._fired and self._due(index)
+        elif action == "bitflip":
+            persistent = self.fault.micro is None and self._step >= self.fault.step
+            self._grad_armed = (
+                self.fault.rank in (None, self.rank) and persistent or (not self._fired and self._due(index))
+            )
+
+    def _poison_output(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        return output * float("nan") if self._poison_now else None
+
+    def _corrupt_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if not self._grad_armed:
+            return None
+        if self.fault.micro is not None:
+            self._grad_armed = False
+            self._fired = True
+        grad = grad.clone()
+        flat = grad.view(-1)
+        element = self._flips % flat.numel()
+        self._flips += 1
+        if self.fault.action == "inf-grad":
+            flat[element] = float("inf")
+        else:
+            bits = flat[element : element + 1].view(torch.int32)
+            bits ^= 1 << FLIPPED_BIT
+        return grad
+
+    def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        fault = self.fault
+        self._poison_now = False  # an evaluation's forward is never poisoned
+        if fault.action not in ("kill", "sigterm", "hang", "nan") or self._fired or not self._due(index):
             return loss_sum
         self._fired = True
         if fault.action == "kill":

@@ -47,6 +47,7 @@ def header_lines(parts: RunParts) -> list[str]:
         )
     if parts.engine.router is not None:
         lines.append(f"router | {parts.engine.router.describe()}")
+    lines.append(f"bad steps | {describe_guard(parts)}")
     chat = meta.extra.get("chat")
     if isinstance(chat, dict):  # conversations: the audit prepare made of them
         lines.extend(f"chat | {line.removeprefix('chat: ')}" for line in audit_lines(chat, str(chat.get("loss_on"))))
@@ -124,3 +125,19 @@ def describe_order(parts: RunParts) -> str:
         unit = "sequences" if parts.documents else f"windows of {parts.plan.seq_len} tokens"
         return f"shuffled: a permutation of the {unit} per epoch, seed {parts.config.run.seed} (--shuffle on)"
     return "the data's order (--shuffle off)"
+
+
+def describe_guard(parts: RunParts) -> str:
+    """``skip-micro | spikes: loss 6, gradient norm 12 robust sd over 100 steps | replay every 10 steps``."""
+    guard = parts.config.guard
+    spikes = ", ".join(
+        f"{name} {threshold:g}"
+        for name, threshold in (("loss", guard.loss_spike), ("gradient norm", guard.grad_spike))
+        if threshold > 0
+    )
+    text = f"{guard.bad_step}" + (
+        f" (at most {plural(guard.max_rewinds, 'rewind')})" if guard.bad_step == "rewind" else ""
+    )
+    text += f" | spikes: {spikes} robust sd over {guard.spike_window} steps" if spikes else " | spikes: off"
+    every = guard.replay_every
+    return text + (f" | replay every {'step' if every == 1 else f'{every} steps'}" if every else " | replay off")

@@ -41,8 +41,10 @@ def describe_throughput(throughput: Throughput | None, mfu: Mfu) -> str:
     return text + (f" | mfu {value:.1%} (at that tok/s)" if value is not None else "")
 
 
-def say_summary(parts: RunParts, state: TrainState, seen: LoopTally, mfu: Mfu, say: Say) -> None:
-    """The end-of-run lines, after at least one step."""
+def say_summary(
+    parts: RunParts, state: TrainState, seen: LoopTally, mfu: Mfu, say: Say, bad_steps: str | None = None
+) -> None:
+    """The end-of-run lines, after at least one step (``bad_steps``: what the run did with bad steps)."""
     assert seen.record is not None
     say(
         "done | %s | %s%s | final loss %.4f%s",
@@ -64,6 +66,8 @@ def say_summary(parts: RunParts, state: TrainState, seen: LoopTally, mfu: Mfu, s
     if router is not None:
         say("%s", describe_expert_load(router))
     say_noise_scale(parts, state, seen.record, say)
+    if bad_steps:
+        say("%s", bad_steps)
 
 
 def describe_expert_load(router: RouterMeasurement) -> str:

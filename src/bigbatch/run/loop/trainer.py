@@ -27,6 +27,7 @@ from bigbatch.run.build import RunParts, build_run
 from bigbatch.run.checkpoints.branch import branch_run
 from bigbatch.run.checkpoints.state import TrainState, resume_run
 from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.loop.bad_step_handling import BadStepHandling
 from bigbatch.run.loop.evaluation import end_of_run_sample, evaluate_during_training, evaluate_windows, sample_run
 from bigbatch.run.loop.header import header_lines
 from bigbatch.run.loop.run_dir_files import start_run_dir
@@ -206,9 +207,11 @@ class Trainer:
         if note:
             self._say("%s", note, level=logging.WARNING)
         step_log = StepLog(self.parts, self._say)  # this session's (holding no reference to self past it)
+        self.bad_steps = BadStepHandling(self.parts, self._say)
         if self.dist.is_main:
             step_log.open(self.state.step)
             step_log.restarted(self.state.step, restart_attempt(), resumed=self.resumed_from is not None)
+        self.bad_steps.start(self.state, self.saves)
         stops = StopHandling(self.dist, self.parts.device, self.state, self.saves, self.run_dir, self._say, self._clear)
         self.progress = ProgressBar(
             self.parts.last_step, enabled=None if self.dist.is_main else False, stream=sys.stderr
@@ -231,7 +234,7 @@ class Trainer:
         if seen.stopped_by:
             return self._result(seen, sample=None)
         sample = end_of_run_sample(self.parts, self.sample, self._say)
-        say_summary(self.parts, self.state, seen, step_log.mfu, self._say)
+        say_summary(self.parts, self.state, seen, step_log.mfu, self._say, self.bad_steps.summary())
         return self._result(seen, sample)
 
     def _train_one_step(self, seen: LoopTally, stop: StopRequest, stops: StopHandling, step_log: StepLog) -> None:
@@ -251,6 +254,8 @@ class Trainer:
         self.change_cause = self.parts.batch_change_cause
         record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
+        if self.bad_steps.handle(record, step_log, self.state, self.saves):
+            return  # rewound: the loop goes on from the checkpoint's step
         if record.skipped:  # a non-finite gradient: no update was applied
             step_log.say_skipped(record)
             check_diverging(seen, record, run.max_consecutive_skips)

@@ -1,0 +1,119 @@
+"""Bad steps in real runs (CPU): a fault traced to its micro-batch and documents, each --bad-step mode, and the
+engine's skip-micro equal bit for bit to a step that never held the micro-batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from reliability_runs import cli_args, run_cli
+from text_corpus import text_corpus
+from tiny import random_batch
+
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.bad_steps import BadStepSettings, SpikeDetector
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.hooks import StepHook
+from bigbatch.engine.optim import build_adamw, constant_schedule
+from bigbatch.models import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_bytes(text_corpus(60_000))
+    return path
+
+
+class NanLossOnce(StepHook):
+    def __init__(self, step: int, micro: int) -> None:
+        self.step, self.micro, self.fired = step, micro, False
+
+    def after_forward(self, engine: AccumulationEngine, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        if not self.fired and engine.step_count + 1 == self.step and index == self.micro:
+            self.fired = True
+            return loss_sum * float("nan")
+        return loss_sum
+
+
+def _train(guard: BadStepSettings | None, hooks: list[StepHook], drop: tuple[int, int] | None = None) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1))
+    engine = AccumulationEngine(model, build_adamw(model, 1e-3), constant_schedule(1e-3), hooks=hooks, bad_steps=guard)
+    for step in range(3):
+        x, y = random_batch(8, 16, vocab=64, seed=step)
+        batches = [
+            MicroBatch(a, b, origin=((0, i * 100),))
+            for i, (a, b) in enumerate(zip(x.chunk(4), y.chunk(4), strict=True))
+        ]
+        if drop is not None and step == drop[0]:
+            batches = [b for i, b in enumerate(batches) if i != drop[1]]
+        engine.step(batches)
+    return model
+
+
+def _same(a: GPT, b: GPT) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_the_guard_changes_no_bit_and_skip_micro_is_the_step_without_that_micro_batch() -> None:
+    plain = _train(None, [])
+    assert _same(plain, _train(BadStepSettings(), []))
+    assert _same(plain, _train(BadStepSettings(replay_every=1), []))  # replays find nothing and change nothing
+    skipped = _train(BadStepSettings(), [NanLossOnce(step=2, micro=1)])
+    assert _same(skipped, _train(BadStepSettings(), [], drop=(1, 1)))
+    assert not _same(skipped, plain)
+
+
+def test_the_spike_window_flags_an_outlier_and_survives_its_state() -> None:
+    detector = SpikeDetector(window=50, loss_threshold=6.0, grad_threshold=12.0, min_steps=20)
+    for i in range(40):
+        detector.observe(3.0 + 0.01 * (i % 5), 1.0 + 0.02 * (i % 3))
+    assert detector.check(3.02, 1.01) is None
+    restored = SpikeDetector(window=50, min_steps=20)
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    flagged = restored.check(9.0, 1.0)
+    assert flagged is not None and flagged[0] == "loss spike"
+
+
+def _records(out: Path, kind: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.mark.parametrize(
+    ("mode", "fault", "verdict"),
+    [("skip-micro", "nan-input:step=2,micro=1", "data"), ("skip-step", "nan:step=2,micro=1", "transient")],
+)
+def test_a_fault_is_traced_to_its_micro_batch_and_documents(
+    corpus: Path, tmp_path: Path, mode: str, fault: str, verdict: str
+) -> None:
+    out = tmp_path / "run"
+    done = run_cli(cli_args(corpus, out, "--bad-step", mode), fault=fault)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (bad,) = _records(out, "bad_step")
+    (suspect,) = bad["suspects"]
+    assert bad["step"] == 2 and suspect["micro_batch"] == 1 and suspect["rank"] == 0
+    assert suspect["verdict"] == verdict and suspect["documents"].startswith("shard 0 @ ")
+    assert "bad step 2: non-finite loss on rank 0, micro-batch 1" in done.stdout
+    steps = _records(out, "step")
+    assert steps[-1]["step"] == 6
+    assert sum(s["tokens"] for s in steps if not s["skipped"]) == (6 * 256 - 64 if mode == "skip-micro" else 6 * 256)
+
+
+def test_stop_ends_the_run_in_one_line_and_rewind_replays_without_the_micro_batch(corpus: Path, tmp_path: Path) -> None:
+    stopped = run_cli(cli_args(corpus, tmp_path / "stop", "--bad-step", "stop"), fault="inf-grad:step=2,micro=3")
+    assert stopped.returncode != 0 and "Traceback" not in stopped.stderr
+    assert stopped.stderr.strip().count("\n") == 0 and "(--bad-step stop)" in stopped.stderr
+    out = tmp_path / "rewind"
+    rewound = run_cli(
+        cli_args(corpus, out, "--bad-step", "rewind", "--save-every", "2"), fault="nan-input:step=4,micro=2"
+    )
+    assert rewound.returncode == 0, rewound.stderr[-2000:]
+    assert "rewind 1 of at most 3: back to step 2" in rewound.stdout
+    saved = json.loads((out / "bad-steps.json").read_text())
+    assert saved["rewinds"] == 1 and len(saved["excluded"]) == 1
+    assert len(_records(out, "bad_step")) == 1 and len(_records(out, "rewind")) == 1
+    assert [s["step"] for s in _records(out, "step")] == [1, 2, 3, 4, 5, 6]  # the replaced steps were truncated
