@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
-from reliability_runs import cli_args, run_cli
+from reliability_runs import assert_same_final_model, cli_args, run_cli, torchrun_cli
 from text_corpus import text_corpus
 from tiny import random_batch
 
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.bad_steps import BadStepSettings, SpikeDetector
+from bigbatch.engine.bad_steps import GRAD_SPIKE, LOSS_SPIKE, BadStepSettings, SpikeDetector
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.hooks import StepHook
 from bigbatch.engine.optim import build_adamw, constant_schedule
@@ -78,6 +79,16 @@ def test_the_spike_window_flags_an_outlier_and_survives_its_state() -> None:
     assert flagged is not None and flagged[0] == "loss spike"
 
 
+def test_a_spike_is_large_against_the_median_even_in_a_quiet_window() -> None:
+    """A window without spread measures in at least 5% (loss) and 25% (gradient norm) of its median: at the
+    defaults a spike is 1.4x the median loss or 4x the median gradient norm, not an ordinary wiggle."""
+    detector = SpikeDetector(min_steps=20)
+    for _ in range(30):
+        detector.observe(3.0, 1.0)
+    assert detector.check(3.0 * 1.39, 1.0) is None and detector.check(3.0, 3.99) is None
+    assert detector.check(3.0 * 1.41, 1.0) == (LOSS_SPIKE, ANY) and detector.check(3.0, 4.01) == (GRAD_SPIKE, ANY)
+
+
 def _records(out: Path, kind: str) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -117,3 +128,79 @@ def test_stop_ends_the_run_in_one_line_and_rewind_replays_without_the_micro_batc
     assert saved["rewinds"] == 1 and len(saved["excluded"]) == 1
     assert len(_records(out, "bad_step")) == 1 and len(_records(out, "rewind")) == 1
     assert [s["step"] for s in _records(out, "step")] == [1, 2, 3, 4, 5, 6]  # the replaced steps were truncated
+
+
+def _bad(out: Path) -> list[dict]:
+    return [s for r in _records(out, "bad_step") for s in r["suspects"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["skip-micro", "skip-step", "rewind", "stop"])
+def test_each_mode_with_two_processes_names_the_rank_and_keeps_the_step_exact(
+    corpus: Path, tmp_path: Path, mode: str
+) -> None:
+    """Bad data on rank 1 (K 2 per rank): both ranks agree on what to do and the record names rank 1."""
+    out = tmp_path / mode
+    done = torchrun_cli(
+        cli_args(corpus, out, "--bad-step", mode, "--save-every", "2"), "nan-input:step=4,rank=1,micro=1"
+    )
+    if mode == "stop":
+        assert done.returncode != 0 and "(--bad-step stop)" in done.stderr
+        assert "bad step 4: non-finite loss on rank 1, micro-batch 1" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    (suspect,) = _bad(out)
+    assert (suspect["rank"], suspect["micro_batch"], suspect["verdict"]) == (1, 1, "data")
+    steps = [s for s in _records(out, "step") if not s["skipped"]]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+    lost = {"skip-micro": 64, "skip-step": 256, "rewind": 64}[mode]  # one micro-batch of 2 x 32, or the whole step
+    assert sum(s["tokens"] for s in steps) == 7 * 256 - lost if mode == "skip-step" else 6 * 256 - lost
+
+
+@pytest.mark.slow
+def test_rewind_replays_to_the_parameters_of_skip_micro_with_two_processes(corpus: Path, tmp_path: Path) -> None:
+    """Going back to step 2 and reading the data again without the micro-batch is the same update as leaving it
+    out of step 4 at once: bitwise, because both are the exact update of the remaining tokens."""
+    fault = "nan-input:step=4,rank=1,micro=1"
+    for mode in ("skip-micro", "rewind"):
+        done = torchrun_cli(cli_args(corpus, tmp_path / mode, "--bad-step", mode, "--save-every", "2"), fault)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_final_model(tmp_path / "rewind", tmp_path / "skip-micro")
+
+
+@pytest.mark.slow
+def test_a_bit_flipped_on_one_rank_is_caught_by_replay_and_named(corpus: Path, tmp_path: Path) -> None:
+    """A device that flips a bit in every backward from step 3 on: each step's replay names rank 1, every step is
+    skipped, and the run stops in one line rather than training on."""
+    out = tmp_path / "replay"
+    args = cli_args(corpus, out, "--bad-step", "skip-step", "--replay-every", "1")
+    done = torchrun_cli(args, "bitflip:step=3,rank=1")
+    assert done.returncode != 0 and "consecutive steps" in done.stderr, done.stderr[-3000:]
+    suspects = _bad(out)
+    assert suspects and all(s["cause"] == "replay mismatch" and s["rank"] == 1 for s in suspects), suspects
+    assert min(r["step"] for r in _records(out, "bad_step")) == 3  # caught at the first step it happened
+
+
+@pytest.mark.slow
+def test_a_kill_after_a_bad_step_resumes_exactly_and_the_window_judges_the_first_step_after_it(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A bad step at 3, SIGKILL during step 23's accumulation, a resume from step 22 whose first step spikes: the
+    spike is seen (the detector's window of 22 steps came back with the checkpoint), the first bad step's record
+    survives the resume, and the run ends bitwise where one never killed ends."""
+    steps = ["--max-steps", "24", "--eval-every", "0", "--save-every", "1"]
+    bad_data = "nan-input:step=3,micro=1"
+    spike = "spike-input:step=23,micro=2"
+    golden = tmp_path / "golden"
+    assert run_cli(cli_args(corpus, golden, *steps), fault=f"{bad_data};{spike}").returncode == 0
+    out = tmp_path / "killed"
+    killed = run_cli(cli_args(corpus, out, *steps), fault=f"{bad_data};kill:step=23,micro=1")
+    assert killed.returncode != 0
+    resumed = run_cli(cli_args(corpus, out, *steps), fault=spike)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "bad step 23: loss spike on rank 0, micro-batch 2" in resumed.stdout
+    assert "of 22 steps" in resumed.stdout
+    assert (
+        [r["step"] for r in _records(out, "bad_step")] == [3, 23] == [r["step"] for r in _records(golden, "bad_step")]
+    )
+    assert_same_final_model(out, golden)

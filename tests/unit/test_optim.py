@@ -51,3 +51,28 @@ def test_adamw_hyperparameters(tiny_model: GPT) -> None:
     assert isinstance(opt, torch.optim.AdamW)
     assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-8 and group["lr"] == 3e-4
     assert group.get("fused") is True  # CPU parameters take the fused kernel too (one pass per tensor)
+
+
+def test_saving_an_optimizer_that_has_not_stepped_changes_no_later_step() -> None:
+    """torch.distributed.checkpoint makes the moments of a fresh optimizer by a zero-gradient step, which AdamW
+    counts: saved before the first step (a rewind's step 0, a stop before step 1), the first real step must stay
+    the first, live and after a reload."""
+    from bigbatch.run.checkpoints.state import _OptimizerState
+
+    def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+
+    def first_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        model(torch.ones(2, 4)).square().sum().backward()
+        optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    expected = first_step(*model_and_optimizer())
+    model, optimizer = model_and_optimizer()
+    saved = _OptimizerState(model, optimizer).state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(first_step(model, optimizer), expected, strict=True))
+    model, optimizer = model_and_optimizer()
+    _OptimizerState(model, optimizer).load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(first_step(model, optimizer), expected, strict=True))

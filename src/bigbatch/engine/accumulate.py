@@ -302,6 +302,13 @@ class AccumulationEngine:
         with kept:
             return self._forward(model, micro_batch, index, self.dist.world_size / n_valid)[1]
 
+    def loss_sum(self, model: nn.Module, micro_batch: Any, index: int) -> torch.Tensor:
+        """Micro-batch ``index``'s summed loss computed again without a graph, as its accumulation pass computed it
+        (hooks included); the step's router totals are left as they were."""
+        kept = self.router.totals_kept() if self.router is not None else nullcontext()
+        with kept, torch.no_grad():
+            return self._forward(model, micro_batch, index, 1.0)[0]
+
     def _begin_routing(self, micro_batches: Sequence[Any], n_valid: int) -> None:
         assert self.router is not None
 

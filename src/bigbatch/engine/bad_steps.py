@@ -31,6 +31,13 @@ GRAD_SPIKE = "gradient-norm spike"
 CAUSES = (LOSS_NOT_FINITE, GRAD_NOT_FINITE, REPLAY_MISMATCH, LOSS_SPIKE, GRAD_SPIKE)
 
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in standard deviations
+# The least robust standard deviation a spike is measured in, as a share of the window's median. Step losses and
+# gradient norms of small batches are heavy-tailed (a MAD-based sd underestimates their tails), so a threshold in
+# robust sd alone flags ordinary steps of a long run; with these floors a spike is also a large step relative to
+# the median (defaults: a loss 1.4x the median, a gradient norm 4x), which ordinary steps were never measured to
+# reach (docs/benchmarks.md#bad-steps).
+LOSS_SPREAD_FLOOR = 0.05
+GRAD_SPREAD_FLOOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class BadStepSettings:
     mode: str = "skip-micro"  # stop | skip-step | skip-micro | rewind
     replay_every: int = 0  # re-run one drawn micro-batch every N steps and compare its gradient bitwise; 0: never
     spike_window: int = 100  # applied steps the spike detector compares with
-    loss_spike: float = 6.0  # robust z-score above the window's median that makes the step loss a spike; 0: off
+    loss_spike: float = 8.0  # robust z-score above the window's median that makes the step loss a spike; 0: off
     grad_spike: float = 12.0  # the same for the gradient norm; 0: off
     spike_min_steps: int = 20  # steps in the window before a spike can be flagged
     seed: int = 0  # the replay's draw of a micro-batch (never the training generators)
@@ -117,11 +124,12 @@ def describe_origin(origin: tuple[tuple[int, int], ...], limit: int = 4) -> str:
 @dataclass
 class SpikeDetector:
     """The step loss and gradient norm of the recent applied steps; a value above the window's median by more than
-    ``threshold`` robust standard deviations (1.4826 x the median absolute deviation) is a spike. Its window is
-    part of the engine's state, so it judges the first step after a resume as it would have without one."""
+    ``threshold`` robust standard deviations (1.4826 x the median absolute deviation, at least a set share of the
+    median) is a spike. Its window is part of the engine's state, so it judges the first step after a resume as it
+    would have without one."""
 
     window: int = 100
-    loss_threshold: float = 6.0
+    loss_threshold: float = 8.0
     grad_threshold: float = 12.0
     min_steps: int = 20
     losses: deque[float] = field(default_factory=deque)
@@ -131,13 +139,13 @@ class SpikeDetector:
         """``(cause, detail)`` when this step's loss or gradient norm is a spike, else ``None``."""
         if len(self.losses) < self.min_steps:
             return None
-        for cause, value, history, threshold in (
-            (LOSS_SPIKE, loss, self.losses, self.loss_threshold),
-            (GRAD_SPIKE, grad_norm, self.grad_norms, self.grad_threshold),
+        for cause, value, history, threshold, floor in (
+            (LOSS_SPIKE, loss, self.losses, self.loss_threshold, LOSS_SPREAD_FLOOR),
+            (GRAD_SPIKE, grad_norm, self.grad_norms, self.grad_threshold, GRAD_SPREAD_FLOOR),
         ):
             if threshold <= 0:
                 continue
-            limit = spike_limit(list(history), threshold)
+            limit = spike_limit(list(history), threshold, floor)
             if value > limit:
                 return cause, f"{value:.4g} above {limit:.4g}: median + {threshold:g} robust sd of {len(history)} steps"
         return None
@@ -162,13 +170,13 @@ class SpikeDetector:
                 history.popleft()
 
 
-def spike_limit(history: list[float], threshold: float) -> float:
-    """``median + threshold x 1.4826 x MAD`` of ``history``; a window without spread (MAD 0) takes a spread of
-    1e-3 of the median, so a constant history does not flag every rounding step."""
+def spike_limit(history: list[float], threshold: float, floor: float) -> float:
+    """``median + threshold x sd`` of ``history``, where the robust sd is ``1.4826 x MAD`` but at least ``floor``
+    of the median, so a quiet window does not make every ordinary wiggle a spike."""
     ordered = sorted(history)
     median = _median(ordered)
     mad = _median(sorted(abs(x - median) for x in ordered))
-    spread = max(MAD_TO_SIGMA * mad, 1e-3 * abs(median), 1e-12)
+    spread = max(MAD_TO_SIGMA * mad, floor * abs(median), 1e-12)
     return median + threshold * spread
 
 

@@ -344,8 +344,7 @@ class StepGuard:
         after = capture_rng_state()
         try:
             restore_rng_state(watch.rngs[index])
-            with torch.no_grad(), engine.autocast():
-                return float(engine.loss_fn(module, watch.batches[index].to(engine.device)).float().item())
+            return float(engine.loss_sum(module, watch.batches[index].to(engine.device), index).float().item())
         finally:
             restore_rng_state(after)
 

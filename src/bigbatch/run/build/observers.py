@@ -16,7 +16,7 @@ from bigbatch.observe.metrics import device_peak_flops
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.run.build.sizing_phase import noise_unmeasurable
 from bigbatch.run.configuration.train_config import TrainConfig
-from bigbatch.run.loop.faults import FaultInjection, fault_from_env
+from bigbatch.run.loop.faults import FaultInjection, faults_from_env
 from bigbatch.sizing.plan import BatchPlan
 
 
@@ -44,9 +44,7 @@ def build_observers(
     noise = noise_meter(config, plan, wrapped, parallel, say)
     if noise is not None:
         hooks.append(noise)
-    fault = fault_from_env()
-    if fault:
-        hooks.append(FaultInjection(fault, dist.rank, wrapped))
+    hooks.extend(FaultInjection(fault, dist.rank, wrapped) for fault in faults_from_env())
     peak_flops = config.run.peak_flops or (
         device_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     )

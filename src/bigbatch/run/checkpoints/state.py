@@ -89,7 +89,17 @@ class _OptimizerState:
     def state_dict(self) -> Any:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        fresh = not self.optimizer.state
+        state: Any = get_optimizer_state_dict(self.model, self.optimizer)
+        if fresh:
+            # The moments of an optimizer that has not stepped come from a step with zero gradients and lr 0, which
+            # counts as a step: the live optimizer forgets it (its first step stays the first) and the saved state
+            # holds zero moments at step 0, which AdamW's first step treats as a fresh state.
+            self.optimizer.state.clear()
+            for entry in state["state"].values():
+                if "step" in entry:
+                    entry["step"] = torch.zeros_like(entry["step"])
+        return state
 
     def load_state_dict(self, state: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

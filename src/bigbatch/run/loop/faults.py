@@ -3,13 +3,15 @@
 ``BIGBATCH_FAULT="ACTION:step=S[,micro=M][,rank=R][,attempt=A]"`` triggers ACTION
 during micro-step M (default 0) of optimizer step S (1-based) on rank R
 (default: every rank), on restart attempt A of torchrun (default 0, the first;
-``any`` for every attempt):
+``any`` for every attempt); several faults are separated by ``;``:
 
 * ``kill``: SIGKILL this process (a crash in the middle of an accumulation window);
 * ``sigterm``: send SIGTERM to this process (a polite stop request);
 * ``nan``: make this micro-batch's loss NaN once (a transient fault: a re-run computes it finite);
 * ``nan-input``: make this micro-batch's input embeddings NaN wherever it is computed again (bad data: a re-run
   reproduces it; the micro-batch is known by where its tokens come from);
+* ``spike-input``: scale this micro-batch's summed loss (and so its gradient) by 30 wherever it is computed
+  again (data that makes a spike, reproducibly);
 * ``inf-grad``: put an Inf in one parameter's gradient contribution of this micro-batch, once;
 * ``bitflip``: flip one bit of one element of a parameter's gradient contribution (a device computing a wrong
   value without an error): without ``micro``, in every backward from step S on, re-runs included, at a different
@@ -35,7 +37,9 @@ import torch.nn as nn
 from bigbatch.engine.hooks import StepHook
 
 ENV_VAR = "BIGBATCH_FAULT"
-ACTIONS = ("kill", "sigterm", "nan", "nan-input", "inf-grad", "bitflip", "hang")
+ACTIONS = ("kill", "sigterm", "nan", "nan-input", "spike-input", "inf-grad", "bitflip", "hang")
+INPUT_FAULTS = ("nan-input", "spike-input")
+SPIKE_SCALE = 30.0
 FLIPPED_BIT = 20  # a high mantissa bit of float32: the value moves by about 1/8 and stays finite
 
 
@@ -65,9 +69,9 @@ def parse_fault(text: str) -> Fault:
     )
 
 
-def fault_from_env() -> Fault | None:
-    text = os.environ.get(ENV_VAR)
-    return parse_fault(text) if text else None
+def faults_from_env() -> list[Fault]:
+    text = os.environ.get(ENV_VAR, "")
+    return [parse_fault(spec.strip()) for spec in text.split(";") if spec.strip()]
 
 
 class FaultInjection(StepHook):
@@ -110,7 +114,7 @@ class FaultInjection(StepHook):
     def before_forward(self, engine: Any, index: int, micro_batch: Any) -> None:
         action = self.fault.action
         key = getattr(micro_batch, "origin_key", "")
-        if action == "nan-input":
+        if action in INPUT_FAULTS:
             if not self._fired and self._due(index):
                 self._fired = True
                 self._poisoned.add(key)
@@ -145,7 +149,10 @@ class FaultInjection(StepHook):
 
     def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
         fault = self.fault
+        spiked = fault.action == "spike-input" and self._poison_now
         self._poison_now = False  # an evaluation's forward is never poisoned
+        if spiked:
+            return loss_sum * SPIKE_SCALE
         if fault.action not in ("kill", "sigterm", "hang", "nan") or self._fired or not self._due(index):
             return loss_sum
         self._fired = True
