@@ -14,7 +14,7 @@ from text_corpus import text_corpus
 from tiny import random_batch
 
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.bad_steps import GRAD_SPIKE, LOSS_SPIKE, BadStepSettings, SpikeDetector
+from bigbatch.engine.bad_steps import GRAD_SPIKE, LEFT_OUT, LOSS_SPIKE, BadStepSettings, SpikeDetector
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.hooks import StepHook
 from bigbatch.engine.optim import build_adamw, constant_schedule
@@ -39,11 +39,18 @@ class NanLossOnce(StepHook):
         return loss_sum
 
 
-def _train(guard: BadStepSettings | None, hooks: list[StepHook], drop: tuple[int, int] | None = None) -> GPT:
+def _train(
+    guard: BadStepSettings | None,
+    hooks: list[StepHook],
+    drop: tuple[int, int] | None = None,
+    steps: tuple[int, ...] = (0, 1, 2),
+    engine_out: list[AccumulationEngine] | None = None,
+) -> GPT:
+    """Three steps of four micro-batches (``steps``: which of the data's steps it reads), dropout on."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1))
     engine = AccumulationEngine(model, build_adamw(model, 1e-3), constant_schedule(1e-3), hooks=hooks, bad_steps=guard)
-    for step in range(3):
+    for step in steps:
         x, y = random_batch(8, 16, vocab=64, seed=step)
         batches = [
             MicroBatch(a, b, origin=((0, i * 100),))
@@ -52,6 +59,8 @@ def _train(guard: BadStepSettings | None, hooks: list[StepHook], drop: tuple[int
         if drop is not None and step == drop[0]:
             batches = [b for i, b in enumerate(batches) if i != drop[1]]
         engine.step(batches)
+    if engine_out is not None:
+        engine_out.append(engine)
     return model
 
 
@@ -66,6 +75,23 @@ def test_the_guard_changes_no_bit_and_skip_micro_is_the_step_without_that_micro_
     skipped = _train(BadStepSettings(), [NanLossOnce(step=2, micro=1)])
     assert _same(skipped, _train(BadStepSettings(), [], drop=(1, 1)))
     assert not _same(skipped, plain)
+
+
+def test_skip_step_is_a_run_whose_data_never_held_the_step() -> None:
+    """An Inf in step 2's gradient under skip-step: parameters, Adam moments, step count and the dropout generator
+    are as if the data had gone from step 1 to step 3 (bitwise), and the moments are finite."""
+    engines: list[AccumulationEngine] = []
+    skipped = _train(
+        BadStepSettings(mode="skip-step"), [NanLossOnce(step=2, micro=1)], steps=(0, 1, 2, 3), engine_out=engines
+    )
+    without = _train(None, [], steps=(0, 2, 3), engine_out=engines)
+    assert _same(skipped, without)
+    ours, theirs = (e.optimizer.state_dict()["state"] for e in engines)
+    for index, moments in theirs.items():
+        for name, value in moments.items():
+            assert torch.equal(ours[index][name], value), (index, name)
+            assert torch.isfinite(ours[index][name]).all()
+    assert engines[0].step_count == engines[1].step_count == 3 and engines[0].skipped_steps == 1
 
 
 def test_the_spike_window_flags_an_outlier_and_survives_its_state() -> None:
@@ -128,6 +154,20 @@ def test_stop_ends_the_run_in_one_line_and_rewind_replays_without_the_micro_batc
     assert saved["rewinds"] == 1 and len(saved["excluded"]) == 1
     assert len(_records(out, "bad_step")) == 1 and len(_records(out, "rewind")) == 1
     assert [s["step"] for s in _records(out, "step")] == [1, 2, 3, 4, 5, 6]  # the replaced steps were truncated
+
+
+def test_with_one_micro_batch_a_step_rewind_skip_step_and_skip_micro_end_alike(corpus: Path, tmp_path: Path) -> None:
+    """K 1: skip-micro has nothing left (the step is skipped), rewind's replay finds every micro-batch of the step
+    left out (skipped before it runs); skip-step skips it. Each leaves the generators as they were: one model."""
+    k1 = ("--total-batch-tokens", "64", "--eval-every", "0")
+    for mode in ("skip-step", "skip-micro", "rewind"):
+        done = run_cli(cli_args(corpus, tmp_path / mode, "--bad-step", mode, *k1), fault="nan-input:step=4,micro=0")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert sum(not s["skipped"] for s in _records(tmp_path / mode, "step")) == 6
+    assert "bad step 4: every micro-batch left out by a rewind: skipped step" in done.stdout
+    assert [r["cause"] for r in _records(tmp_path / "rewind", "bad_step")] == ["non-finite loss", LEFT_OUT]
+    assert_same_final_model(tmp_path / "skip-micro", tmp_path / "skip-step")
+    assert_same_final_model(tmp_path / "rewind", tmp_path / "skip-step")
 
 
 def _bad(out: Path) -> list[dict]:

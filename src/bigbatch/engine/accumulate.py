@@ -341,7 +341,8 @@ class AccumulationEngine:
         else:
             guarded = self.guard.run(self, list(micro_batches), n_valid)
             n_valid, grad_norm, bad = guarded.n_valid, guarded.grad_norm, guarded.bad
-            skipped, loss = not guarded.apply, guarded.loss_sum / guarded.n_valid
+            skipped = not guarded.apply
+            loss = guarded.loss_sum / guarded.n_valid if guarded.n_valid else math.nan  # 0: nothing of it ran
         if skipped:
             self._skip()
         else:
@@ -350,7 +351,7 @@ class AccumulationEngine:
             step=self.step_count + int(skipped), grad_norm=grad_norm, n_valid=n_valid, skipped=skipped
         )
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
-        if self.router is not None:
+        if self.router is not None and n_valid:
             measurements["router"] = self.router.finish()
         return StepRecord(
             step=self.step_count,

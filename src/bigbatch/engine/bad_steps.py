@@ -9,7 +9,8 @@ acts as ``--bad-step`` says:
 * ``skip-micro`` (the default): the suspect micro-batches are dropped and the step is computed again from the same
   generators without them, normalized by the valid tokens that remain: the exact update of the step without those
   tokens. A rank left with none trains a micro-batch of no target instead (its gradient is exactly zero).
-* ``skip-step``: no update; parameters, optimizer moments, step counters and schedule stay as they were.
+* ``skip-step``: no update; parameters, optimizer moments, step counters, schedule and the generators stay as
+  they were, so the run goes on as one whose data never held the step's micro-batches.
 * ``stop`` and ``rewind``: no update either; the trainer then ends the run, or goes back to the newest committed
   checkpoint and replays without the suspect micro-batches (their :attr:`Suspect.key`).
 
@@ -29,6 +30,7 @@ REPLAY_MISMATCH = "replay mismatch"
 LOSS_SPIKE = "loss spike"
 GRAD_SPIKE = "gradient-norm spike"
 CAUSES = (LOSS_NOT_FINITE, GRAD_NOT_FINITE, REPLAY_MISMATCH, LOSS_SPIKE, GRAD_SPIKE)
+LEFT_OUT = "every micro-batch left out by a rewind"  # a step the exclusions emptied: not a fault of its own
 
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal sample, in standard deviations
 # The least robust standard deviation a spike is measured in, as a share of the window's median. Step losses and
@@ -97,7 +99,9 @@ class BadStep:
             f"{s.verdict or 'not replayed'}" + (f" [{s.detail}]" if s.detail else "")
             for s in self.suspects
         )
-        found = f"{self.cause} on {where}" if where else f"{self.cause} (no micro-batch found)"
+        found = f"{self.cause} on {where}" if where else self.cause
+        if not where and self.cause != LEFT_OUT:
+            found += " (no micro-batch found)"
         extra = f" ({self.detail})" if self.detail else ""
         return f"bad step {self.step}: {found}{extra}: {self.action}"
 

@@ -24,6 +24,7 @@ import torch
 from bigbatch.engine.bad_steps import (
     CAUSES,
     GRAD_NOT_FINITE,
+    LEFT_OUT,
     LOSS_NOT_FINITE,
     BadStep,
     BadStepSettings,
@@ -184,7 +185,10 @@ class StepGuard:
             kept = [i for i, b in enumerate(batches) if getattr(b, "origin_key", None) not in self.excluded]
             self.dropped += engine.dist.sum_int(len(batches) - len(kept), engine.device)
             index_of, batches = (kept, [batches[i] for i in kept]) if kept else ([-1], [filler(batches[0])])
-            n_valid = None  # every rank recounts (the exclusions are the same everywhere)
+            n_valid = engine.global_valid_targets(batches)  # every rank recounts (the exclusions are everywhere)
+            if n_valid == 0:  # nothing of the step is left: it is skipped before it runs, as if never read
+                bad = BadStep(step, LEFT_OUT, (), ACTIONS["skip-step"], math.nan, math.nan)
+                return GuardedStep(math.nan, 0, math.nan, apply=False, bad=bad)
         start_rng = capture_rng_state()
         drawn = self._draw(engine, step, len(batches))
         found: list[BadStep] = []
@@ -217,12 +221,14 @@ class StepGuard:
                 mode, detail = "skip-step", "no micro-batch to drop: the whole step is skipped"
             bad = BadStep(step, cause, tuple(suspects), ACTIONS[mode], loss, grad_norm, detail)
             if mode != "skip-micro":
+                restore_rng_state(start_rng)  # a skipped step leaves the generators as it found them too
                 return GuardedStep(loss_sum, n_valid, grad_norm, apply=False, bad=self._merge(found, bad))
             mine = {index_of.index(s.micro) for s in suspects if s.rank == engine.dist.rank and s.micro in index_of}
             kept = [i for i in range(len(batches)) if i not in mine]
             remaining = engine.dist.sum_int(sum(watch.counts[i] for i in kept), engine.device)
             if remaining == 0:  # nothing left to train on: the step is skipped
                 bad = replace(bad, action=ACTIONS["skip-step"], detail="no valid target left without them")
+                restore_rng_state(start_rng)
                 return GuardedStep(loss_sum, n_valid, grad_norm, apply=False, bad=self._merge(found, bad))
             found.append(bad)
             self.dropped += len(suspects)  # every rank knows them all
@@ -239,6 +245,7 @@ class StepGuard:
             for hook in engine.hooks:
                 hook.before_step(engine, step, len(batches))
         bad = replace(found[-1], action=ACTIONS["skip-step"], detail="bad micro-batches on every try")
+        restore_rng_state(start_rng)
         return GuardedStep(loss_sum, counted, grad_norm, apply=False, bad=self._merge(found, bad))
 
     @staticmethod
@@ -356,34 +363,35 @@ class StepGuard:
         return random.Random(f"{self.settings.seed}:{step}:{engine.dist.rank}").randrange(k)
 
     def _replay(self, engine: AccumulationEngine, watch: MicroWatch, n_valid: int) -> list[Suspect]:
-        """The drawn micro-batch again on this rank and, with several processes, on the next rank (which gets the
-        micro-batch and its generators' state); the digests compared on every rank."""
+        """The drawn micro-batch computed again and its digest compared with the first run's. One process: on this
+        rank. Several: each rank re-runs the previous rank's (which sends the micro-batch and its generators'
+        state), one extra micro-batch per rank; only when a digest differs does every rank re-run its own too, to
+        tell the rank that computed wrongly (see :func:`compare`)."""
         drawn = watch.drawn
         assert drawn is not None
         self.replays += 1
         module = unwrap(engine.model)
 
-        def objective(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-            return engine.objective(m, batch, drawn.index, n_valid)
+        def rerun(micro: DrawnMicroBatch) -> str:
+            def objective(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+                return engine.objective(m, batch, micro.index, n_valid)
 
-        again = recompute(module, engine._params, drawn, objective, engine.device)
+            return recompute(module, engine._params, micro, objective, engine.device)
+
         dist = engine.dist
-        peer = again
-        if dist.world_size > 1:
-            others = dist.all_gather_object((drawn.index, drawn.batch, drawn.rng))
-            index, batch, rng = others[(dist.rank - 1) % dist.world_size]
-            theirs = DrawnMicroBatch(index, batch, rng)
-
-            def their_objective(m: torch.nn.Module, b: Any) -> torch.Tensor:
-                return engine.objective(m, b, index, n_valid)
-
-            peer = recompute(module, engine._params, theirs, their_objective, engine.device)
-        gathered = dist.all_gather_object((drawn.index, drawn.first, again, peer))
-        rows = [
-            (micro, first, again_, gathered[(r + 1) % dist.world_size][3])
-            for r, (micro, first, again_, _) in enumerate(gathered)
-        ]
-        return compare(rows, dist.world_size)
+        if dist.world_size == 1:
+            again = rerun(drawn)
+            return compare([(drawn.index, drawn.first, again, again)], 1)
+        world, rank = dist.world_size, dist.rank
+        others = dist.all_gather_object((drawn.index, drawn.batch, drawn.rng))
+        previous = DrawnMicroBatch(*others[(rank - 1) % world])
+        firsts = dist.all_gather_object((drawn.index, drawn.first, rerun(previous)))
+        by_next = [firsts[(r + 1) % world][2] for r in range(world)]  # rank r's micro-batch as rank r + 1 computed it
+        if all(first == peer for (_, first, _), peer in zip(firsts, by_next, strict=True)):
+            return []
+        agains = dist.all_gather_object(rerun(drawn))
+        rows = [(micro, first, agains[r], by_next[r]) for r, (micro, first, _) in enumerate(firsts)]
+        return compare(rows, world)
 
     def state_dict(self) -> dict[str, Any]:
         return {"spikes": self.spikes.state_dict(), "replays": self.replays, "dropped": self.dropped}

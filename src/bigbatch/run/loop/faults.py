@@ -20,11 +20,14 @@ during micro-step M (default 0) of optimizer step S (1-based) on rank R
   process stuck inside a collective once its timeout returns control (so torchrun's agent need not wait out its
   grace period before SIGKILL).
 
-Without the variable nothing is wrapped and nothing changes.
+Each fault says once, in a warning, where it fired (step, rank, micro-batch and the micro-batch's documents):
+what the reliability benchmark checks a bad step's attribution against. Without the variable nothing is wrapped
+and nothing changes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -35,6 +38,8 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.hooks import StepHook
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "BIGBATCH_FAULT"
 ACTIONS = ("kill", "sigterm", "nan", "nan-input", "spike-input", "inf-grad", "bitflip", "hang")
@@ -90,6 +95,8 @@ class FaultInjection(StepHook):
         self._poison_now = False
         self._grad_armed = False
         self._flips = 0
+        self._key = ""  # the documents of the micro-batch in the forward now
+        self._announced = False
         if model is not None and fault.action == "nan-input":
             embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
             if embedding is not None:
@@ -111,13 +118,26 @@ class FaultInjection(StepHook):
             and fault.attempt in (None, self.attempt)
         )
 
+    def _announce(self, index: int) -> None:
+        if not self._announced:
+            self._announced = True
+            log.warning(
+                "fault %s fired: step %d, rank %d, micro-batch %d, documents %s",
+                self.fault.action,
+                self._step,
+                self.rank,
+                index,
+                self._key or "unknown",
+            )
+
     def before_forward(self, engine: Any, index: int, micro_batch: Any) -> None:
         action = self.fault.action
-        key = getattr(micro_batch, "origin_key", "")
+        key = self._key = getattr(micro_batch, "origin_key", "")
         if action in INPUT_FAULTS:
             if not self._fired and self._due(index):
                 self._fired = True
                 self._poisoned.add(key)
+                self._announce(index)
             self._poison_now = key in self._poisoned
         elif action == "inf-grad":
             self._grad_armed = not self._fired and self._due(index)
@@ -126,6 +146,8 @@ class FaultInjection(StepHook):
             self._grad_armed = (
                 self.fault.rank in (None, self.rank) and persistent or (not self._fired and self._due(index))
             )
+        if self._grad_armed:
+            self._announce(index)
 
     def _poison_output(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
         return output * float("nan") if self._poison_now else None
@@ -156,6 +178,7 @@ class FaultInjection(StepHook):
         if fault.action not in ("kill", "sigterm", "hang", "nan") or self._fired or not self._due(index):
             return loss_sum
         self._fired = True
+        self._announce(index)
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "sigterm":
