@@ -5,8 +5,9 @@ function of the parameters, the micro-batch, the loss scale and the generators' 
 contribution can be captured as it is computed (tensor hooks on the parameters see it before it is added to
 ``.grad`` and before any cross-rank reduction), computed again from the same inputs (on a peer rank with several
 processes, and on its own rank when that differs or there is one process), and compared through a SHA-256 digest
-of their bytes: a wrong value that raised no error (a bit flipped by a device) shows as a different digest. The comparison is bitwise, so it holds only where kernels are
-deterministic (CPU; CUDA with deterministic algorithms, which the run turns on with ``--replay-every``).
+of their bytes: a wrong value that raised no error (a bit flipped by a device) shows as a different digest. The
+comparison is bitwise, so it holds only where kernels are deterministic (CPU; CUDA with deterministic algorithms,
+which the run turns on with ``--replay-every``).
 """
 
 from __future__ import annotations
