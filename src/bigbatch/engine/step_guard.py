@@ -182,9 +182,9 @@ class StepGuard:
         batches = list(micro_batches)
         index_of = list(range(len(batches)))  # each micro-batch's index in the step as read
         if self.excluded:
-            kept = [i for i, b in enumerate(batches) if getattr(b, "origin_key", None) not in self.excluded]
-            self.dropped += engine.dist.sum_int(len(batches) - len(kept), engine.device)
-            index_of, batches = (kept, [batches[i] for i in kept]) if kept else ([-1], [filler(batches[0])])
+            left_out = {i for i, b in enumerate(batches) if getattr(b, "origin_key", None) in self.excluded}
+            self.dropped += engine.dist.sum_int(len(left_out), engine.device)
+            index_of, batches = self._without(batches, index_of, left_out)
             n_valid = engine.global_valid_targets(batches)  # every rank recounts (the exclusions are everywhere)
             if n_valid == 0:  # nothing of the step is left: it is skipped before it runs, as if never read
                 bad = BadStep(step, LEFT_OUT, (), ACTIONS["skip-step"], math.nan, math.nan)
@@ -232,14 +232,7 @@ class StepGuard:
                 return GuardedStep(loss_sum, n_valid, grad_norm, apply=False, bad=self._merge(found, bad))
             found.append(bad)
             self.dropped += len(suspects)  # every rank knows them all
-            index_of, batches = (
-                ([index_of[i] for i in kept], [batches[i] for i in kept])
-                if kept
-                else (
-                    [-1],
-                    [filler(batches[0])],
-                )
-            )
+            index_of, batches = self._without(batches, index_of, mine)
             n_valid, drawn = remaining, None
             restore_rng_state(start_rng)  # the step again, drawing what it drew without the dropped micro-batches
             for hook in engine.hooks:
@@ -247,6 +240,20 @@ class StepGuard:
         bad = replace(found[-1], action=ACTIONS["skip-step"], detail="bad micro-batches on every try")
         restore_rng_state(start_rng)
         return GuardedStep(loss_sum, counted, grad_norm, apply=False, bad=self._merge(found, bad))
+
+    def _without(self, batches: list[Any], index_of: list[int], dropped: set[int]) -> tuple[list[int], list[Any]]:
+        """The micro-batches (and their indices as read) without those at ``dropped``: gone, or under FSDP2, where
+        every rank must run as many forwards as the others (each gathers the parameters), each replaced by one
+        without targets (its gradient is exactly zero). A rank left with none trains one such."""
+        if self.parallel == "fsdp":
+            return (
+                [-1 if i in dropped else at for i, at in enumerate(index_of)],
+                [filler(b) if i in dropped else b for i, b in enumerate(batches)],
+            )
+        kept = [i for i in range(len(batches)) if i not in dropped]
+        if not kept:
+            return [-1], [filler(batches[0])]
+        return [index_of[i] for i in kept], [batches[i] for i in kept]
 
     @staticmethod
     def _merge(found: list[BadStep], last: BadStep) -> BadStep:
