@@ -194,13 +194,7 @@ def skip_step(bench: Bench) -> None:
             nproc=nproc,
             fault=f"inf-grad:step=4,micro=0,rank={nproc - 1}",
         )
-        if layout.startswith("FSDP2"):  # its gradient is sharded before any per-micro-batch check can see it
-            found = [s for r in records(inf, "bad_step") for s in r["suspects"]]
-            print(
-                f"  ({layout}: the Inf traced to {'a micro-batch' if found else 'the step only, not its micro-batch'})"
-            )
-        else:
-            bench.attribute(f"skip-step, {layout}", done, inf)
+        bench.attribute(f"skip-step, {layout}", done, inf)
         every = ";".join(f"nan-input:step=4,micro={m}" for m in range(k))
         all_bad, _ = bench.train(f"step-{tag}-allbad", *extra, nproc=nproc, fault=every)
         keys = sorted({s["key"] for r in records(all_bad, "bad_step") for s in r["suspects"]})

@@ -14,7 +14,7 @@ from text_corpus import text_corpus
 from tiny import random_batch
 
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.bad_steps import GRAD_SPIKE, LEFT_OUT, LOSS_SPIKE, BadStepSettings, SpikeDetector
+from bigbatch.engine.bad_steps import GRAD_NOT_FINITE, GRAD_SPIKE, LEFT_OUT, LOSS_SPIKE, BadStepSettings, SpikeDetector
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.hooks import StepHook
 from bigbatch.engine.optim import build_adamw, constant_schedule
@@ -115,6 +115,23 @@ def test_a_spike_is_large_against_the_median_even_in_a_quiet_window() -> None:
     assert detector.check(3.0 * 1.41, 1.0) == (LOSS_SPIKE, ANY) and detector.check(3.0, 4.01) == (GRAD_SPIKE, ANY)
 
 
+def test_spikes_on_step_after_step_are_a_new_level_and_restart_the_window() -> None:
+    """Three flagged steps in a row (each on other data) are spikes; the fourth says the run has moved: it is taken
+    as it is, the window starts again, and the count of flagged steps survives a checkpoint."""
+    detector = SpikeDetector(min_steps=20)
+    for i in range(30):
+        detector.observe(3.0, 1.0 + 0.01 * (i % 3))
+    assert detector.check(3.0, 1.0) is None
+    for _ in range(2):
+        assert detector.check(3.0, 8.0) == (GRAD_SPIKE, ANY)
+    restored = SpikeDetector(min_steps=20)
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    assert restored.check(3.0, 8.0) == (GRAD_SPIKE, ANY) and not restored.restarted
+    assert restored.check(3.0, 8.0) is None
+    assert "gradient-norm spike for 4 steps in a row" in restored.restarted and not restored.grad_norms
+    assert restored.check(3.0, 80.0) is None  # a new window judges nothing until it holds min_steps
+
+
 def _records(out: Path, kind: str) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -211,6 +228,24 @@ def test_rewind_replays_to_the_parameters_of_skip_micro_with_two_processes(
         done = torchrun_cli(args, fault)
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same_final_model(tmp_path / "rewind", tmp_path / "skip-micro")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("parallel", "micro"), [("ddp", 1), ("fsdp", 0)])
+def test_an_inf_gradient_with_two_processes_is_traced_to_its_micro_batch(
+    corpus: Path, tmp_path: Path, parallel: str, micro: int
+) -> None:
+    """DDP's last micro-batch is reduced inside its backward, and FSDP2 never holds a micro-batch's gradient in
+    ``.grad``: both are checked on the way in, so the Inf is named and only its micro-batch is dropped."""
+    out = tmp_path / parallel
+    args = cli_args(corpus, out, "--parallel", parallel)
+    done = torchrun_cli(args, f"inf-grad:step=4,rank=1,micro={micro}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (suspect,) = _bad(out)
+    assert (suspect["rank"], suspect["micro_batch"], suspect["cause"]) == (1, micro, GRAD_NOT_FINITE)
+    assert f"fault inf-grad fired: step 4, rank 1, micro-batch {micro}, documents {suspect['key']}" in done.stdout
+    steps = [s for s in _records(out, "step") if not s["skipped"]]
+    assert sum(s["tokens"] for s in steps) == 6 * 256 - 64
 
 
 @pytest.mark.slow

@@ -130,17 +130,41 @@ class SpikeDetector:
     """The step loss and gradient norm of the recent applied steps; a value above the window's median by more than
     ``threshold`` robust standard deviations (1.4826 x the median absolute deviation, at least a set share of the
     median) is a spike. Its window is part of the engine's state, so it judges the first step after a resume as it
-    would have without one."""
+    would have without one.
+
+    A spike is a step unlike its neighbours. When ``patience`` steps in a row are flagged, each on other data, it is
+    the run that has changed (a new level of loss or gradient norm), not one batch: the next flagged value is taken
+    as it is and the window starts again (:attr:`restarted` says why, once)."""
 
     window: int = 100
     loss_threshold: float = 8.0
     grad_threshold: float = 12.0
     min_steps: int = 20
+    patience: int = 3
     losses: deque[float] = field(default_factory=deque)
     grad_norms: deque[float] = field(default_factory=deque)
+    flagged_in_a_row: int = 0
+    restarted: str = ""
 
     def check(self, loss: float, grad_norm: float) -> tuple[str, str] | None:
         """``(cause, detail)`` when this step's loss or gradient norm is a spike, else ``None``."""
+        spike = self._over(loss, grad_norm)
+        if spike is None:
+            self.flagged_in_a_row = 0
+            return None
+        self.flagged_in_a_row += 1
+        if self.flagged_in_a_row <= self.patience:
+            return spike
+        self.restarted = (
+            f"{spike[0]} for {self.flagged_in_a_row} steps in a row ({spike[1]}): taken as the run's new level, "
+            "not a spike; the spike window starts again"
+        )
+        self.losses.clear()
+        self.grad_norms.clear()
+        self.flagged_in_a_row = 0
+        return None
+
+    def _over(self, loss: float, grad_norm: float) -> tuple[str, str] | None:
         if len(self.losses) < self.min_steps:
             return None
         for cause, value, history, threshold, floor in (
@@ -164,11 +188,12 @@ class SpikeDetector:
                 history.popleft()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms)}
+        return {"losses": list(self.losses), "grad_norms": list(self.grad_norms), "in_a_row": self.flagged_in_a_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = deque(float(x) for x in state.get("losses", []))
         self.grad_norms = deque(float(x) for x in state.get("grad_norms", []))
+        self.flagged_in_a_row = int(state.get("in_a_row", 0))
         for history in (self.losses, self.grad_norms):
             while len(history) > self.window:
                 history.popleft()

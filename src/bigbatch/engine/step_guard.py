@@ -13,6 +13,7 @@ transient fault. Under ``skip-micro`` the step is computed again from the same g
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from contextlib import AbstractContextManager, nullcontext
@@ -40,6 +41,8 @@ from bigbatch.parallel.distributed import unwrap
 if TYPE_CHECKING:
     from bigbatch.engine.accumulate import AccumulationEngine
 
+log = logging.getLogger(__name__)
+
 ACTIONS = {
     "stop": "stopped",
     "skip-step": "skipped step",
@@ -51,8 +54,11 @@ ACTIONS = {
 class MicroWatch:
     """What one accumulation pass learns of each micro-batch (read once, after the pass)."""
 
-    def __init__(self, check_grads: bool, world_size: int, drawn: int | None) -> None:
+    def __init__(
+        self, check_grads: bool, world_size: int, drawn: int | None, sharded: list[torch.nn.Module] | None = None
+    ) -> None:
         self.check_grads, self.world_size, self.drawn_index = check_grads, world_size, drawn
+        self.sharded = sharded  # FSDP2, the model's modules: a rank never holds a micro-batch's gradient in .grad
         self.counts: list[int] = []
         self.batches: list[Any] = []  # on the host, as read
         self.rngs: list[dict[str, Any]] = []
@@ -72,10 +78,13 @@ class MicroWatch:
 
     def capture(self, index: int, last: bool, params: list[torch.nn.Parameter]) -> AbstractContextManager[Any]:
         """Around a micro-batch's forward and backward: the drawn one's contribution as computed; under DDP the last
-        one's checked on its way in (its backward reduces the gradient across ranks)."""
+        one's checked on its way in (its backward reduces the gradient across ranks), under FSDP2 every one's (on
+        the gathered parameters its forward uses)."""
         if index == self.drawn_index:
             self._capture = ContributionCapture(params)
             return self._capture
+        if self.check_grads and self.sharded is not None:
+            return _FiniteCheck(params, index, self.grad_ok, self.sharded)
         if last and self.world_size > 1 and self.check_grads:
             return _FiniteCheck(params, index, self.grad_ok)
         return nullcontext()
@@ -118,18 +127,38 @@ class MicroWatch:
 
 
 class _FiniteCheck:
-    """While entered, whether every parameter's incoming gradient is finite (one flag for the micro-batch)."""
+    """While entered, whether every parameter's incoming gradient is finite (one flag for the micro-batch).
 
-    def __init__(self, params: list[torch.nn.Parameter], index: int, into: list[tuple[int, torch.Tensor]]) -> None:
+    With ``modules`` (FSDP2) the hooks go on the parameters each module's forward uses, the gathered ones: a hook
+    on a sharded parameter never sees a micro-batch's gradient."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        index: int,
+        into: list[tuple[int, torch.Tensor]],
+        modules: list[torch.nn.Module] | None = None,
+    ) -> None:
         self.params, self.index, self.into = [p for p in params if p.requires_grad], index, into
+        self.modules = modules
         self.flags: list[torch.Tensor] = []
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+
+    def _check(self, grad: torch.Tensor) -> None:
+        self.flags.append(torch.isfinite(grad).all())
+
+    def _hook_used(self, module: torch.nn.Module, args: Any) -> None:
+        for tensor in module._parameters.values():
+            if tensor is not None and tensor.requires_grad and id(tensor) not in self._hooked:
+                self._hooked.add(id(tensor))  # once, though activation checkpointing runs the forward again
+                self._handles.append(tensor.register_hook(self._check))
 
     def __enter__(self) -> _FiniteCheck:
-        def check(grad: torch.Tensor) -> None:
-            self.flags.append(torch.isfinite(grad).all())
-
-        self._handles = [param.register_hook(check) for param in self.params]
+        if self.modules is None:
+            self._handles = [param.register_hook(self._check) for param in self.params]
+        else:
+            self._handles = [m.register_forward_pre_hook(self._hook_used) for m in self.modules]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -191,9 +220,10 @@ class StepGuard:
                 return GuardedStep(math.nan, 0, math.nan, apply=False, bad=bad)
         start_rng = capture_rng_state()
         drawn = self._draw(engine, step, len(batches))
+        sharded = list(engine.model.modules()) if self.parallel == "fsdp" else None
         found: list[BadStep] = []
         for _ in range(len(micro_batches) + 1):  # each try drops at least one
-            watch = MicroWatch(engine.scaler.is_enabled() is False, engine.dist.world_size, drawn)
+            watch = MicroWatch(engine.scaler.is_enabled() is False, engine.dist.world_size, drawn, sharded)
             engine._zero_grad()
             loss_total, n_valid = engine.accumulate(batches, n_valid, watch)
             counted = n_valid
@@ -206,10 +236,14 @@ class StepGuard:
                 if engine.scaler.is_enabled():  # fp16: the loss scale overflowed; GradScaler lowers it
                     return GuardedStep(loss_sum, n_valid, grad_norm, apply=False, bad=found[-1] if found else None)
                 suspects = self._search(engine, watch, n_valid)
-            if not suspects and math.isfinite(grad_norm) and not replayed:
+            if not suspects and math.isfinite(grad_norm) and not replayed and not found:
+                # only the step as read: without a dropped micro-batch its norm is over fewer tokens, larger
                 spike = self.spikes.check(loss, grad_norm)
                 if spike is not None:
                     suspects, detail = self._spike_suspect(engine, watch, spike[0]), spike[1]
+                elif self.spikes.restarted:
+                    log.warning("step %d: %s", step, self.spikes.restarted)
+                    self.spikes.restarted = ""
             suspects += replayed
             if not suspects and math.isfinite(grad_norm):
                 self.spikes.observe(loss, grad_norm)

@@ -74,6 +74,15 @@ def parse_fault(text: str) -> Fault:
     )
 
 
+def _owner_of_first_trained(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The module holding the first trained parameter, and that parameter's name in it."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                return module, name
+    return None
+
+
 def faults_from_env() -> list[Fault]:
     text = os.environ.get(ENV_VAR, "")
     return [parse_fault(spec.strip()) for spec in text.split(";") if spec.strip()]
@@ -101,10 +110,13 @@ class FaultInjection(StepHook):
             embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
             if embedding is not None:
                 embedding.register_forward_hook(self._poison_output)
+        self._hooked: torch.Tensor | None = None
+        self._hook_handle: Any = None
         if model is not None and fault.action in ("inf-grad", "bitflip"):
-            param = next((p for p in model.parameters() if p.requires_grad), None)
-            if param is not None:
-                param.register_hook(self._corrupt_grad)
+            owner = _owner_of_first_trained(model)
+            if owner is not None:
+                module, name = owner
+                module.register_forward_pre_hook(lambda m, args: self._hook_weight(getattr(m, name)))
 
     def before_step(self, engine: Any, step: int, k: int) -> None:
         self._step = step
@@ -148,6 +160,14 @@ class FaultInjection(StepHook):
             )
         if self._grad_armed:
             self._announce(index)
+
+    def _hook_weight(self, weight: torch.Tensor) -> None:
+        """The gradient hook on the tensor this forward uses: the parameter itself, or under FSDP2 the unsharded
+        one it gathered (a hook on the sharded parameter never sees a micro-batch's gradient)."""
+        if weight is not self._hooked:
+            if self._hook_handle is not None:
+                self._hook_handle.remove()
+            self._hooked, self._hook_handle = weight, weight.register_hook(self._corrupt_grad)
 
     def _poison_output(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
         return output * float("nan") if self._poison_now else None

@@ -37,13 +37,20 @@ class SaveSchedule:
 
 
 def check_diverging(seen: LoopTally, record: StepRecord, max_consecutive_skips: int) -> None:
-    """Count a skipped step (a non-finite gradient); too many in a row stop the run with an error."""
+    """Count a skipped step (a non-finite gradient, or a bad step); too many in a row stop the run with an error."""
     seen.consecutive_skips += 1
-    if seen.consecutive_skips >= max_consecutive_skips:
+    if seen.consecutive_skips < max_consecutive_skips:
+        return
+    skips = plural(seen.consecutive_skips, "consecutive step")
+    if record.bad is not None:
         raise TrainingError(
-            f"{plural(seen.consecutive_skips, 'consecutive step')} had a non-finite gradient (loss "
-            f"{record.loss}); the run is diverging: lower --lr, check the data, or use bf16 rather than fp16"
+            f"{skips} were skipped as bad steps (the last: {record.bad.cause}); the run is diverging or its data is "
+            "bad throughout: see the bad_step records in metrics.jsonl, lower --lr, or check the data"
         )
+    raise TrainingError(
+        f"{skips} had a non-finite gradient (loss {record.loss}); the run is diverging: lower --lr, check the "
+        "data, or use bf16 rather than fp16"
+    )
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""Every mixture-of-experts causal LM the installed transformers ships, as a tiny random model built offline: the
+model types found by behaviour (a config that counts experts), each config shrunk to 2 layers, 32 wide, 4 experts
+(top-2) over the byte vocabulary, whatever the family names its keys. A type that cannot be built this way on the
+CPU is reported with the reason, not skipped in silence."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+SHRUNK: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 24,
+    "expert_intermediate_size": 16,
+    "ffn_hidden_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,  # multi-head latent attention (DeepSeek's) wants as many as the query heads
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 0,
+    "decoder_sparse_step": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 8,
+    "sliding_window": 16,
+    "output_router_logits": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+}
+"""Each key set where a family's config has it (hybrid and attention-variant keys are left at their defaults
+unless they only size the model)."""
+
+
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "zaya": {"num_experts_per_tok": 1},  # routes to one expert only
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16},
+}
+
+
+def moe_model_types() -> list[str]:
+    """The causal-LM model types whose default config counts experts (a number of experts above 1)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            values = CONFIG_MAPPING[model_type]().to_dict()
+        except Exception:  # noqa: BLE001 - a config that needs arguments is no text-only causal LM to build here
+            continue
+        if any(isinstance(values.get(key), int) and values[key] > 1 for key in EXPERT_KEYS):
+            found.append(model_type)
+    return found
+
+
+def tiny_config(model_type: str) -> Any:
+    """The shrunk transformers config of ``model_type`` (per-layer lists cut to the layers kept)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    values = {key: value for key, value in SHRUNK.items() if key in defaults}
+    layers = values.get("num_hidden_layers", 2)
+    for key, value in defaults.items():
+        if isinstance(value, list) and len(value) == defaults.get("num_hidden_layers"):
+            values[key] = value[:layers]
+    for key in ("mlp_only_layers",):
+        if key in defaults:
+            values[key] = []
+    if "router_aux_loss_coef" in defaults:
+        values["router_aux_loss_coef"] = 0.02
+    values.update(OVERRIDES.get(model_type, {}))
+    return CONFIG_MAPPING[model_type](**values)
+
+
+def build_tiny(model_type: str, seed: int = 0) -> Any:
+    """A tiny random ``model_type`` causal LM in eval mode (fp32, CPU)."""
+    import torch
+    import transformers
+
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
