@@ -49,8 +49,8 @@ class BadStepSettings:
     mode: str = "skip-micro"  # stop | skip-step | skip-micro | rewind
     replay_every: int = 0  # re-run one drawn micro-batch every N steps and compare its gradient bitwise; 0: never
     spike_window: int = 100  # applied steps the spike detector compares with
-    loss_spike: float = 8.0  # robust z-score above the window's median that makes the step loss a spike; 0: off
-    grad_spike: float = 12.0  # the same for the gradient norm; 0: off
+    loss_spike: float = 12.0  # robust z-score above the window's median that makes the step loss a spike; 0: off
+    grad_spike: float = 40.0  # the same for the gradient norm; 0: off
     spike_min_steps: int = 20  # steps in the window before a spike can be flagged
     seed: int = 0  # the replay's draw of a micro-batch (never the training generators)
 
@@ -137,8 +137,8 @@ class SpikeDetector:
     as it is and the window starts again (:attr:`restarted` says why, once)."""
 
     window: int = 100
-    loss_threshold: float = 8.0
-    grad_threshold: float = 12.0
+    loss_threshold: float = 12.0
+    grad_threshold: float = 40.0
     min_steps: int = 20
     patience: int = 3
     losses: deque[float] = field(default_factory=deque)

@@ -36,13 +36,13 @@ class GuardSection:
         100, "recent applied steps the spike detector compares a step's loss and gradient norm with", range=SPIKE_WINDOW
     )
     loss_spike: float = config_field(
-        8.0,
+        12.0,
         "a step loss above the window's median by more than this many robust standard deviations (1.4826 x the "
         "median absolute deviation, at least 0.05 x the median) is a bad step; 0: off",
         range=NON_NEGATIVE,
     )
     grad_spike: float = config_field(
-        12.0,
+        40.0,
         "the same for the gradient norm before clipping (its robust sd at least 0.25 x the median); 0: off",
         range=NON_NEGATIVE,
     )
