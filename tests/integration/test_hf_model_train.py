@@ -270,13 +270,40 @@ def test_a_mixture_of_experts_trains_with_the_steps_balancing_loss(workspace: Pa
     assert step["router_balance_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
 
 
-def test_a_mixture_of_experts_with_a_router_bigbatch_does_not_know_is_one_line(workspace: Path, tmp_path: Path) -> None:
-    save_hf("granitemoe", tmp_path / "granite", weights=False)
-    code, out, err = run_main(train_argv(workspace, tmp_path / "run", "--model", f"hf:{tmp_path / 'granite'}"))
-    line = assert_one_line_error(code, out, err)
-    assert "is a mixture of experts whose router bigbatch does not know (model_type granitemoe)" in line
-    assert "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE" in line
+def test_a_mixture_of_experts_is_supported_by_what_its_router_does_not_by_its_name(
+    workspace: Path, tmp_path: Path
+) -> None:
+    """GraniteMoE, never named in bigbatch: its aux_loss is bigbatch's balancing loss of its router logits, so it
+    trains with the step's balance, its K = 1 router loss transformers' own."""
+    from hf_moe_zoo import build_tiny
+
+    build_tiny("granitemoe").save_pretrained(tmp_path / "granite")
+    argv = train_argv(workspace, tmp_path / "run", "--model", f"hf:{tmp_path / 'granite'}", "--max-steps", "1")
+    code, stdout, stderr = run_main([*argv, "--eval-every", "0", "--shuffle", "off", "--micro-batch", "8"])
+    assert code == 0, stdout + stderr
+    assert "router | top-2 of 4 experts | balance exact (over the whole step, from a routing pass) x 0.02" in stdout
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "granite"), local_files_only=True)
+    x, _ = first_batch(workspace)
+    with torch.no_grad():
+        aux = float(reference.eval()(x, output_router_logits=True, use_cache=False).aux_loss)
+    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["router_balance_loss"] == pytest.approx(aux, rel=1e-5)
+
+
+def test_a_router_without_a_balancing_loss_is_one_line_unless_balance_is_off(workspace: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 balances by a per-expert bias outside the gradient and transformers computes no aux_loss: refused
+    in one line that names the bias and the way out, nothing written; --router-balance off trains it."""
+    from hf_moe_zoo import build_tiny
+
+    build_tiny("deepseek_v3").save_pretrained(tmp_path / "ds")
+    argv = train_argv(workspace, tmp_path / "run", "--model", f"hf:{tmp_path / 'ds'}", "--max-steps", "1")
+    line = assert_one_line_error(*run_main(argv))
+    assert "is a mixture of experts (model_type deepseek_v3) whose balancing loss bigbatch cannot accumulate" in line
+    assert "no aux_loss" in line and "e_score_correction_bias" in line and "--router-balance off" in line
     assert not (tmp_path / "run").exists()
+    code, stdout, stderr = run_main([*argv, "--router-balance", "off", "--eval-every", "0"])
+    assert code == 0, stdout + stderr
+    assert "trained with no load-balancing loss (--router-balance off)" in stdout
 
 
 def test_router_settings_on_a_dense_model_are_one_line(workspace: Path, tmp_path: Path) -> None:

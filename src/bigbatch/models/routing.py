@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+SCORINGS = ("softmax", "topk-softmax")
+"""How a router's probabilities ``P`` come from its logits: ``softmax`` over every expert (then top-k picks the
+experts), or ``topk-softmax``: the top-k logits picked first, their softmax the probabilities (0 elsewhere)."""
+
 POOLINGS = ("layer", "pooled")
 """How a model pools its MoE layers into one balancing loss: ``layer`` (each layer's own ``f`` and ``P``, the
 losses averaged over layers: bigbatch's family) or ``pooled`` (every layer's tokens counted together, one ``f`` and
@@ -33,7 +37,8 @@ class RouterSpec:
     """How a model's balancing loss is defined: ``n_expert`` routed experts, ``top_k`` per token, over
     ``n_moe_layer`` layers pooled as ``pooling``; ``per_assignment``: ``f_e`` is the share of the ``top_k x tokens``
     assignments (1 at balance) rather than of the tokens (``top_k`` at balance, transformers'); the coefficients
-    the model's config gives (``aux_coef`` for the balancing loss, ``z_coef`` for the router z-loss)."""
+    the model's config gives (``aux_coef`` for the balancing loss, ``z_coef`` for the router z-loss); ``scoring``
+    (:data:`SCORINGS`) how the probabilities come from the logits."""
 
     n_expert: int
     top_k: int
@@ -42,10 +47,13 @@ class RouterSpec:
     per_assignment: bool
     aux_coef: float
     z_coef: float = 0.0
+    scoring: str = "softmax"
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
             raise ValueError(f"router pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"router scoring must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
 
     def balance_weights(self, counts: torch.Tensor, tokens: float | torch.Tensor) -> torch.Tensor:
         """The weights ``W`` (layers, E) such that the balancing loss of a set of ``tokens`` tokens whose routed
@@ -98,12 +106,16 @@ class RoutedTokens:
         return RouterStats(counts, prob_sums, z_sum, weight.sum())
 
 
-def route_tokens(logits: torch.Tensor, top_k: int) -> RoutedTokens:
-    """From a layer's router ``logits`` (N, E): softmax, then top-k (ties go to the lower expert, as
-    ``torch.topk`` breaks them)."""
+def route_tokens(logits: torch.Tensor, top_k: int, scoring: str = "softmax") -> RoutedTokens:
+    """From a layer's router ``logits`` (N, E), scored as ``scoring`` says (:data:`SCORINGS`): each token's top-k
+    experts (ties go to the lower expert, as ``torch.topk`` breaks them) and probabilities."""
     logits32 = logits.float()
-    probs = torch.softmax(logits32, dim=-1)  # (N, E)
-    experts = torch.topk(probs, top_k, dim=-1).indices  # (N, k)
+    if scoring == "topk-softmax":
+        top, experts = torch.topk(logits32, top_k, dim=-1)  # (N, k) each
+        probs = torch.zeros_like(logits32).scatter(-1, experts, torch.softmax(top, dim=-1))  # (N, E)
+    else:
+        probs = torch.softmax(logits32, dim=-1)  # (N, E)
+        experts = torch.topk(probs, top_k, dim=-1).indices  # (N, k)
     return RoutedTokens(probs, experts, torch.logsumexp(logits32, dim=-1))
 
 

@@ -12,12 +12,8 @@ from bigbatch.errors import ConfigError, require_package
 HF_PREFIX = "hf:"
 """``--model hf:DIR``: a local Hugging Face model directory instead of a preset."""
 
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""config.json keys that count a mixture of experts' experts (Mixtral, Qwen2-MoE / OLMoE, DeepSeek)."""
-
-ROUTER_MODEL_TYPES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
-"""The ``model_type`` s whose router bigbatch reads (softmax, then top-k of ``num_experts_per_tok``, the router
-logits transformers returns with ``output_router_logits``), and so whose load-balancing loss it computes."""
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys that count a mixture of experts' experts (Mixtral, Qwen2-MoE / OLMoE, DeepSeek, Ernie / Aria)."""
 
 CAPACITY_KEYS = ("capacity_factor", "expert_capacity", "moe_capacity_factor", "router_capacity_factor")
 """Routing with an expert capacity drops tokens by what else is in the batch: not per sample."""
@@ -185,14 +181,6 @@ def training_notes(config: HFConfig) -> tuple[str | None, str | None]:
             f"hf:{config.directory} routes tokens to experts with a capacity ({capacity[0]} "
             f"{config.hf_config[capacity[0]]}): which tokens an expert drops depends on the rest of the batch, so "
             "micro-batches cannot add up to the big batch; bigbatch refuses it",
-            None,
-        )
-    if config.experts and config.model_type not in ROUTER_MODEL_TYPES:
-        known = ", ".join(ROUTER_MODEL_TYPES.values())
-        return (
-            f"hf:{config.directory} is a mixture of experts whose router bigbatch does not know (model_type "
-            f"{config.model_type}): its load-balancing loss over the step could not be computed, and without it the "
-            f"router collapses; bigbatch computes it for {known} routers",
             None,
         )
     return None, None

@@ -19,10 +19,11 @@ import torch.nn as nn
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.models.coupling import set_dropout
 from bigbatch.models.decoder import DecoderLM
-from bigbatch.models.hf.config import ROUTER_MODEL_TYPES, HFConfig, require_transformers
+from bigbatch.models.hf.config import HFConfig, require_transformers
 from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
-from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
+from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
+from bigbatch.models.routing import RouterRecorder, route_tokens
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +63,6 @@ def read_hf_config(directory: Path | str) -> HFConfig:
             "bigbatch trains next-token prediction"
         )
     return HFConfig(directory=str(path), hf_config=values)
-
-
-def router_spec(config: HFConfig) -> RouterSpec | None:
-    """How transformers defines the balancing loss of a mixture of experts whose router bigbatch reads
-    (:data:`~bigbatch.models.hf.config.ROUTER_MODEL_TYPES`): every MoE layer's tokens pooled, ``f`` the share of the
-    tokens (``top_k`` at balance), its ``router_aux_loss_coef``; None for a dense model or another router."""
-    values = config.hf_config
-    if not config.experts or config.model_type not in ROUTER_MODEL_TYPES:
-        return None
-    coef = values.get("router_aux_loss_coef", 0.001)
-    return RouterSpec(
-        n_expert=config.experts,
-        top_k=int(values.get("num_experts_per_tok", 2)),
-        n_moe_layer=config.n_layer,
-        pooling="pooled",
-        per_assignment=False,
-        aux_coef=float(coef) if isinstance(coef, (int, float)) else 0.001,
-    )
 
 
 def build_hf_model(config: HFConfig, weights: bool = False, dropout: float | None = None) -> HFCausalLM:
@@ -127,12 +110,37 @@ class HFCausalLM(DecoderLM):
         self._forward_kwargs: dict[str, Any] = {"use_cache": False}
         if hasattr(model.config, "output_router_logits"):
             self._forward_kwargs["output_router_logits"] = False
-        spec = router_spec(config)
+        self.router_probe: RouterProbe | None = probe_router(model, config.vocab_size, config.experts or 0)
+        spec = self.router_probe.spec if self.router_probe is not None else None
         self.router_recorder = RouterRecorder(spec) if spec is not None else None
         self.head_detachable, self.packs_documents = self._probe()
-        self.chunked_loss = self.head_detachable
         if spec is not None:
             self._forward_kwargs["output_router_logits"] = True
+            if self.head_detachable and not self._trunk_routes(spec.n_moe_layer):
+                self.head_detachable = False  # the loss's path must report the routing: the whole model's
+        self.chunked_loss = self.head_detachable
+
+    @property
+    def router_refusal(self) -> str:
+        """Why bigbatch cannot balance this mixture of experts over the step (one line), or ``""``."""
+        probe = self.router_probe
+        return router_refusal(probe, self.config) if probe is not None and probe.spec is None else ""
+
+    @torch.no_grad()
+    def _trunk_routes(self, layers: int) -> bool:
+        """Whether the trunk (the chunked loss's path) returns the router logits of every MoE layer."""
+        parts = self._trunk_and_head()
+        if parts is None:
+            return False
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            output = parts[0](input_ids=self._probe_tokens(), **self._forward_kwargs)
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            return False
+        finally:
+            self.hf_model.train(was_training)
+        return len(getattr(output, "router_logits", None) or ()) == layers
 
     def _report_routing(self, output: Any) -> None:
         """Each MoE layer's routing of this forward, from the router logits (tokens, E) transformers returned."""
@@ -140,7 +148,7 @@ class HFCausalLM(DecoderLM):
         if recorder is None:
             return
         for logits in getattr(output, "router_logits", None) or ():
-            recorder.add(route_tokens(logits, recorder.spec.top_k))
+            recorder.add(route_tokens(logits, recorder.spec.top_k, recorder.spec.scoring))
 
     def _trunk_and_head(self) -> tuple[nn.Module, nn.Linear] | None:
         model: Any = self.hf_model

@@ -121,6 +121,8 @@ def resolve_router_balance(config: TrainConfig, model: LanguageModel) -> str:
     """The engine's router-balance mode: ``auto`` is ``exact``. A router setting given for a dense model is refused
     in one line (it would change nothing)."""
     section = config.model
+    if getattr(model, "router_refusal", ""):  # an hf: mixture of experts trained without balancing (checked before)
+        return "off"
     if router_recorder(model) is None:
         given = [
             flag

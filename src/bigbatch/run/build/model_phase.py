@@ -33,6 +33,7 @@ class RunModel:
 def build_run_model(config: TrainConfig, dataset: Dataset, device: torch.device, say: Say) -> RunModel:
     """The model for this data, refused when it cannot be trained exactly; its loss mode and packing decided."""
     model = model_from_config(config, dataset.vocab_size, dataset.meta.tokenizer)
+    check_router(config, model, say)
     lora = lora_settings(config)
     if lora.enabled:
         say("lora | rank %d, alpha %g | %s", lora.rank, lora.alpha or lora.rank, add_lora(model, lora).describe())
@@ -105,6 +106,26 @@ def fixed_run_shape(config: TrainConfig, vocab_size: int) -> ModelShape:
         raise ConfigError(refusal)
     check_seq_len(config, shape.block_size, name, from_directory=True)
     return shape
+
+
+def check_router(config: TrainConfig, model: LanguageModel, say: Say) -> None:
+    """An ``hf:`` mixture of experts whose balancing loss bigbatch cannot accumulate over the step (its router probe
+    found no definition equal to the model's own ``aux_loss``) is refused in one line, unless ``--router-balance
+    off`` asks to train it with none; a routing bias outside the gradient is said to be held as loaded."""
+    name = config.model.preset
+    refusal = getattr(model, "router_refusal", "")
+    if refusal and config.model.router_balance != "off":
+        raise ConfigError(refusal)
+    if refusal:
+        say("%s: trained with no load-balancing loss (--router-balance off), as transformers trains it", name)
+    probe = getattr(model, "router_probe", None)
+    if probe is not None and probe.bias:
+        say(
+            "%s: its per-expert routing bias %s is held as loaded: bigbatch does not update it (nor does transformers)",
+            name,
+            probe.bias,
+            level=logging.WARNING,
+        )
 
 
 def check_exactness(model: LanguageModel, name: str, say: Say) -> None:

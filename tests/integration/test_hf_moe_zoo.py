@@ -1,0 +1,86 @@
+"""Every mixture of experts the installed transformers ships, built tiny and random offline: trained exactly by
+bigbatch or refused in one line, decided by what the model does (its router probe), never by its name.
+
+Supported: at one micro-batch bigbatch's balancing loss is the model's own ``aux_loss``, and 4 micro-batches give
+the gradient of one (cross-entropy and balancing loss over the whole step). Refused: one line naming the model
+type, what differed and ``--router-balance off``, which trains it exactly with no balancing loss."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from hf_moe_zoo import NOT_BUILT, build_tiny, moe_model_types
+
+from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.optim import constant_schedule
+from bigbatch.errors import ConfigError
+from bigbatch.models.coupling import set_dropout
+from bigbatch.models.hf.config import training_notes
+from bigbatch.models.hf.model import HFCausalLM, read_hf_config
+
+pytest.importorskip("transformers")
+
+TYPES = moe_model_types()
+
+
+def _gradient(model: HFCausalLM, inputs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    replica = copy.deepcopy(model)
+    engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1.0), constant_schedule(1.0))
+    engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)])
+    return torch.cat([p.grad.flatten() for p in replica.parameters() if p.grad is not None])
+
+
+def _wrapped(model_type: str, directory: Path) -> HFCausalLM | str:
+    """The tiny model as bigbatch wraps it, or the one line that refuses its config.json."""
+    hf = build_tiny(model_type)
+    set_dropout(hf, 0.0)
+    hf.config.save_pretrained(directory)
+    try:
+        config = read_hf_config(directory)
+    except ConfigError as exc:
+        return str(exc)
+    refusal, _ = training_notes(config)
+    return refusal or HFCausalLM(config, hf.train())
+
+
+def test_the_zoo_holds_every_family_the_issue_names() -> None:
+    assert len(TYPES) >= 40
+    for model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v3", "gpt_oss", "jamba"):
+        assert model_type in TYPES, model_type
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", TYPES)
+def test_each_transformers_mixture_of_experts_trains_exactly_or_is_refused_in_one_line(
+    model_type: str, tmp_path: Path
+) -> None:
+    if model_type in NOT_BUILT:
+        with pytest.raises(Exception):  # noqa: B017 - what fails is transformers' own; the zoo says why
+            build_tiny(model_type)
+        return
+    model = _wrapped(model_type, tmp_path)
+    if isinstance(model, str):  # config.json alone refuses it
+        assert "\n" not in model and str(tmp_path) in model
+        return
+    probe = model.router_probe
+    assert probe is not None, "a mixture of experts probed as dense"
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(2))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if probe.spec is None:
+        line = model.router_refusal
+        assert "\n" not in line and f"model_type {model_type}" in line and "--router-balance off" in line, line
+        assert model.router_recorder is None  # trained with no balancing loss, as --router-balance off asks
+    else:
+        with torch.no_grad():
+            aux = float(model.hf_model.eval()(input_ids=inputs, output_router_logits=True, use_cache=False).aux_loss)
+        model.hf_model.train()
+        engine = AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=1e-9), constant_schedule(1e-9))
+        record = engine.step([MicroBatch(inputs, targets)])
+        assert record.measurements["router"].balance_loss == pytest.approx(aux, rel=1e-5)
+    full = _gradient(model, inputs, targets, 1)
+    accumulated = _gradient(model, inputs, targets, 4)
+    assert ((accumulated - full).norm() / full.norm()).item() <= 1e-5
