@@ -20,9 +20,9 @@ from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.models.coupling import set_dropout
 from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf.config import HFConfig, require_transformers
+from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
 from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss
-from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
 from bigbatch.models.routing import RouterRecorder, route_tokens
 
 log = logging.getLogger(__name__)
