@@ -295,7 +295,9 @@ def test_consecutive_non_finite_steps_abort_with_a_clear_error(corpus: Path, tmp
     trainer = Trainer(make_config(corpus, tmp_path / "run", max_consecutive_skips=3))
     inner = trainer.engine.loss_fn
     trainer.engine.loss_fn = lambda model, batch: inner(model, batch) * float("nan")
-    with pytest.raises(TrainingError, match="3 consecutive steps had a non-finite gradient"):
+    with pytest.raises(
+        TrainingError, match=r"3 consecutive steps were skipped as bad steps \(the last: non-finite loss\)"
+    ):
         trainer.train()
     assert trainer.engine.skipped_steps == 3 and trainer.engine.step_count == 0
 

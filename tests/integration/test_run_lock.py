@@ -129,7 +129,12 @@ def polite_stop(run: Run, out: Path) -> None:
     said = text.index("bigbatch: SIGINT: stopping after step ")
     assert "press Ctrl-C again to abort without saving" in text[said:]
     assert text.index("saved checkpoint", said) > said  # announced before the save, not after it
-    assert "| stopping: saving a checkpoint" in text
+    announced = re.search(r"stopping after step (\d+) ", text[said:])
+    stopped = re.search(r"stopped by SIGINT after step (\d+);", text)
+    assert announced and stopped and announced.group(1) == stopped.group(1), text  # the step announced is kept
+    lines = [line for line in text.splitlines() if "| stopping: saving a checkpoint" in line]
+    # the step's line says it, unless the signal came after that line was written (between steps)
+    assert all(line.startswith(f"step {stopped.group(1)} |") for line in lines), lines
     assert list_checkpoints(out)
 
 

@@ -105,7 +105,7 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
 class StepRecord:
     """What one optimizer step did. ``loss`` is the token-weighted mean over the whole global step."""
 
-    step: int  # optimizer steps applied so far, this one included
+    step: int  # optimizer steps applied so far, this one included (a skipped step: the number it tried to be)
     loss: float
     grad_norm: float  # global norm before clipping
     lr: float
@@ -347,14 +347,13 @@ class AccumulationEngine:
             self._skip()
         else:
             self._apply()
-        outcome = StepOutcome(
-            step=self.step_count + int(skipped), grad_norm=grad_norm, n_valid=n_valid, skipped=skipped
-        )
+        attempted = self.step_count + int(skipped)  # a skipped step's number is the one it tried to be
+        outcome = StepOutcome(step=attempted, grad_norm=grad_norm, n_valid=n_valid, skipped=skipped)
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
         if self.router is not None and n_valid:
             measurements["router"] = self.router.finish()
         return StepRecord(
-            step=self.step_count,
+            step=attempted,
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,

@@ -27,7 +27,7 @@ class RunMetrics:
 
     @property
     def trained(self) -> list[dict[str, Any]]:
-        """Steps that applied an update (a skipped step keeps the previous step number and has no update)."""
+        """Steps that applied an update (a skipped step has the number it tried, which the next applied one takes)."""
         return [r for r in self.steps if not r.get("skipped")]
 
     def cumulative_tokens(self) -> dict[int, int]:

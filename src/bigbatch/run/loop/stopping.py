@@ -65,12 +65,13 @@ class StopHandling:
     run_dir: Path
     say: Say
     clear_progress: Callable[[], None]  # the progress bar's line, before writing to the console
-    in_step: bool = False  # inside an engine step: what a stop request waits for
+    in_step: bool = True  # the step the loop is on is not applied yet: a stop request waits for it
 
     def check(self, seen: LoopTally, stop: StopRequest, saved: bool) -> None:
         """Stop at this step boundary if any rank received SIGTERM/SIGINT (all ranks agree), after a save."""
         seen.stopped_by = self.dist.max_int(stop.signum, self.device)
         if not seen.stopped_by:
+            self.in_step = True  # the next step is under way from here
             return
         if not saved:
             self.saves.save(self.state, self.state.step, self.say)

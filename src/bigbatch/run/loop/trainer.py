@@ -24,22 +24,15 @@ from bigbatch.parallel.distributed import DistContext, resolve_device, restart_a
 from bigbatch.parallel.signals import StopRequest
 from bigbatch.progress import ProgressBar
 from bigbatch.run.build import RunParts, build_run
-from bigbatch.run.checkpoints.branch import branch_run
-from bigbatch.run.checkpoints.state import TrainState, resume_run
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.run.loop.bad_step_handling import BadStepHandling
 from bigbatch.run.loop.evaluation import end_of_run_sample, evaluate_during_training, evaluate_windows, sample_run
 from bigbatch.run.loop.header import header_lines
 from bigbatch.run.loop.run_dir_files import start_run_dir
+from bigbatch.run.loop.start import say_complete, start_point
 from bigbatch.run.loop.step_log import StepLog, grow_auto_ramp
-from bigbatch.run.loop.step_sizes import (
-    check_batch_change_rule,
-    follow_batch_change,
-    next_k,
-    planned_tokens,
-    seesaw_stop_note,
-)
-from bigbatch.run.loop.stopping import SaveSchedule, StopHandling, check_diverging
+from bigbatch.run.loop.step_sizes import follow_batch_change, next_k, planned_tokens, seesaw_stop_note
+from bigbatch.run.loop.stopping import StopHandling, check_diverging
 from bigbatch.run.loop.summary import say_summary
 from bigbatch.run.loop.tally import LoopTally
 from bigbatch.run.loop.validation_loss import ValidationResult
@@ -58,18 +51,6 @@ class TrainResult:
     tokens_per_s: float  # valid target tokens / seconds of the session's steps after its first (see LoopTally)
     sample: str | None
     stopped_by: int = 0  # the signal that stopped the run early, or 0
-
-
-def prefetch_depth(parts: RunParts) -> int:
-    """Micro-batches to read ahead: one step's (K, Seesaw's largest; with a token budget, as many as a step of full
-    micro-batches needs, plus one)."""
-    budget = parts.policy.token_budget
-    if budget:
-        per_micro_batch = parts.plan.micro_batch * parts.plan.seq_len * parts.dist.world_size
-        return -(-budget // per_micro_batch) + 1
-    if parts.seesaw is not None:  # its largest steps
-        return max(phase.k for phase in parts.seesaw.phases)
-    return max(1, parts.policy.k)
 
 
 class Trainer:
@@ -106,34 +87,9 @@ class Trainer:
 
     def _restore(self, branch_from: Path | None, prefetch: bool) -> None:
         """The state to start from: the run's own checkpoint, a branch's parent, or a fresh start."""
-        config = self.config
-        self.state = TrainState(self.parts)
-        # The next step's micro-batches are read (and pinned for CUDA) by a background thread while this one
-        # computes; checkpoints save the position after the micro-batches trained on (``prefetch=False``:
-        # read in the loop).
-        self.loader = PrefetchLoader(
-            self.parts.train_loader, prefetch_depth(self.parts) if prefetch else 0, self.parts.device.type == "cuda"
-        )
-        self.state.loader = self.loader
-        self.resumed_from = self.parts.resume_from
-        self.change_cause = "start"  # what a change of the tokens per step at the session's first step comes from
-        if self.resumed_from is not None:
-            resume_run(self.state, self.resumed_from, self._say)
-            self.change_cause = "resume"
-        elif branch_from is not None:  # a fresh branch: start where the parent's checkpoint stood
-            branch_run(self.state, branch_from, self._say)
-            self.change_cause = "branch"
-        elif config.run.allow_ramp_change:
-            self._say(
-                "--allow-ramp-change has no effect: there is no run to resume in %s (the default run directory "
-                "depends on the ramp: give --out the directory of the run to change)",
-                self.run_dir,
-                level=logging.WARNING,
-            )
-        check_batch_change_rule(self.parts, branch_from is not None, self._say)
-        self.completed = self.resumed_from is not None and self.state.step >= self.parts.last_step
-        saved_step = self.state.step if self.resumed_from is not None else 0  # the newest checkpoint's step
-        self.saves = SaveSchedule(config.run.save_every, saved_step)
+        start = start_point(self.parts, branch_from, prefetch, self._say)
+        self.state, self.loader, self.saves = start.state, start.loader, start.saves
+        self.resumed_from, self.change_cause, self.completed = start.resumed_from, start.change_cause, start.completed
 
     def close(self) -> None:
         """Finish a checkpoint in flight, then give the run directory up (:meth:`train` does when it ends):
@@ -186,18 +142,8 @@ class Trainer:
             self.close()
 
     def _train(self) -> TrainResult:
-        run = self.config.run
         if self.completed:
-            last = f"max_steps {run.max_steps}"
-            if self.parts.seesaw is not None:
-                last = f"its last: the tokens of max_steps {run.max_steps} in larger steps, --schedule seesaw"
-            self._say(
-                "the run in %s is complete: it reached step %d (%s); nothing to do (raise --max-steps, with "
-                "--extend-schedule to stretch the learning-rate decay, to train on)",
-                self.run_dir,
-                self.state.step,
-                last,
-            )
+            say_complete(self.parts, self.state.step, self._say)
             return self._result(LoopTally(), sample=None)  # a requeueing scheduler needs exit 0
         if self.dist.is_main:
             start_run_dir(self.parts, fresh=self.resumed_from is None, say=self._say)
@@ -255,6 +201,7 @@ class Trainer:
         record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
         if self.bad_steps.handle(record, step_log, self.state, self.saves):
+            stops.in_step = True
             return  # rewound: the loop goes on from the checkpoint's step
         if record.skipped:  # a non-finite gradient: no update was applied
             step_log.say_skipped(record)
@@ -283,13 +230,12 @@ class Trainer:
     def _run_step(self, step: StepBatch, seen: LoopTally, stops: StopHandling, tokens_per_step: int) -> StepRecord:
         """The engine's step on the step's micro-batches (pinned for CUDA by the loader); a documents step's
         record carries where its positions went."""
-        stops.in_step = True
         record = self.engine.step(step.micro_batches, step.n_valid, tokens_per_step)
+        stops.in_step = False  # applied (or skipped): a stop request now comes after this step
         if step.positions:
             record = replace(record, padding_share=step.padding_share, prompt_share=step.prompt_share)
             seen.count_positions(step)
         seen.record = record
-        stops.in_step = False
         return record
 
     def evaluate(self, stop: StopRequest | None = None) -> float | None:

@@ -1,0 +1,68 @@
+"""The ``[optim]`` section: the optimizer, its schedule and what follows a change of the tokens per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bigbatch.run.configuration.fields import config_field as _opt
+from bigbatch.settings.choices import BATCH_CHANGE_BETAS, BATCH_CHANGE_RULE, BATCH_CHANGE_WEIGHT_DECAY, SCHEDULE
+from bigbatch.settings.ranges import (
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    POSITIVE_INT_OR_AUTO,
+    PROBABILITY,
+)
+
+
+@dataclass
+class OptimSection:
+    lr: float = _opt(2e-3, "peak learning rate (after warmup)", range=POSITIVE)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr; 0 decays to zero", range=FRACTION)
+    warmup_steps: int = _opt(20, "linear warmup steps; 0: none", range=NON_NEGATIVE_INT)
+    decay_steps: int = _opt(
+        0,
+        "step at which cosine decay reaches the minimum; auto: max_steps",
+        range=POSITIVE_INT_OR_AUTO,
+        legacy_zero=True,
+    )
+    weight_decay: float = _opt(
+        0.1,
+        "AdamW weight decay on matrices and embeddings; 0 disables",
+        range=NON_NEGATIVE,
+    )
+    beta1: float = _opt(0.9, "AdamW beta1; 0: no moving average of the gradient", range=PROBABILITY)
+    beta2: float = _opt(0.95, "AdamW beta2; 0: no moving average of its square", range=PROBABILITY)
+    eps: float = _opt(1e-8, "AdamW epsilon", range=POSITIVE)
+    grad_clip: float = _opt(
+        1.0,
+        "clip the global gradient norm to this after accumulation; 0 disables",
+        range=NON_NEGATIVE,
+    )
+    schedule: str = _opt(
+        "cosine",
+        "cosine (warmup, then cosine decay to min_lr_ratio x lr) or seesaw (the same schedule in tokens, but wherever "
+        "it would halve the learning rate the batch doubles instead and --batch-change-rule moves the learning rate: "
+        "sqrt gives 1/sqrt(2) per halving; the tokens of max_steps steps in fewer steps)",
+        choices=SCHEDULE,
+    )
+    batch_change_rule: str = _opt(
+        "auto",
+        "when the tokens per step change (--batch-ramp, --schedule seesaw, a critical-batch branch, a resume with "
+        "another --total-batch-tokens), scale the learning rate by r = new/reference tokens per step: none, sqrt "
+        "(x sqrt(r)) or linear (x r); the reference is the run's first total_batch_tokens; auto: sqrt",
+        choices=BATCH_CHANGE_RULE,
+    )
+    batch_change_betas: str = _opt(
+        "auto",
+        "at a batch change, keep the half-life in tokens of AdamW's moving averages: beta2 (beta2 ** r), both "
+        "(beta1 and beta2) or none; auto: beta2, or none with --batch-change-rule none",
+        choices=BATCH_CHANGE_BETAS,
+    )
+    batch_change_weight_decay: str = _opt(
+        "keep",
+        "at a batch change: keep the weight decay, or timescale (scale it by r / lr factor, keeping "
+        "B / (lr x weight decay) fixed)",
+        choices=BATCH_CHANGE_WEIGHT_DECAY,
+    )
