@@ -12,15 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_moe_zoo import NOT_BUILT, build_tiny, moe_model_types
+from hf_moe_zoo import NOT_BUILT, build_tiny, moe_model_types, wrap_tiny
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import constant_schedule
-from bigbatch.errors import ConfigError
-from bigbatch.models.coupling import set_dropout
-from bigbatch.models.hf.config import training_notes
-from bigbatch.models.hf.model import HFCausalLM, read_hf_config
+from bigbatch.models.hf.model import HFCausalLM
 
 pytest.importorskip("transformers")
 
@@ -32,19 +29,6 @@ def _gradient(model: HFCausalLM, inputs: torch.Tensor, targets: torch.Tensor, k:
     engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1.0), constant_schedule(1.0))
     engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)])
     return torch.cat([p.grad.flatten() for p in replica.parameters() if p.grad is not None])
-
-
-def _wrapped(model_type: str, directory: Path) -> HFCausalLM | str:
-    """The tiny model as bigbatch wraps it, or the one line that refuses its config.json."""
-    hf = build_tiny(model_type)
-    set_dropout(hf, 0.0)
-    hf.config.save_pretrained(directory)
-    try:
-        config = read_hf_config(directory)
-    except ConfigError as exc:
-        return str(exc)
-    refusal, _ = training_notes(config)
-    return refusal or HFCausalLM(config, hf.train())
 
 
 def test_the_zoo_holds_every_family_the_issue_names() -> None:
@@ -62,7 +46,7 @@ def test_each_transformers_mixture_of_experts_trains_exactly_or_is_refused_in_on
         with pytest.raises(Exception):  # noqa: B017 - what fails is transformers' own; the zoo says why
             build_tiny(model_type)
         return
-    model = _wrapped(model_type, tmp_path)
+    model = wrap_tiny(model_type, tmp_path)
     if isinstance(model, str):  # config.json alone refuses it
         assert "\n" not in model and str(tmp_path) in model
         return

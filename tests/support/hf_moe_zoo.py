@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from typing import Any
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -18,8 +19,10 @@ SHRUNK: dict[str, Any] = {
     "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 24,
     "expert_intermediate_size": 16,
+    "expert_ffn_hidden_size": 16,
     "ffn_hidden_size": 48,
     "num_hidden_layers": 2,
+    "num_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,  # multi-head latent attention (DeepSeek's) wants as many as the query heads
     "head_dim": 8,
@@ -60,6 +63,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
     "kimi_linear": {"num_experts_per_token": 2},
+    "longcat_flash": {"zero_expert_num": 2},  # identity experts beside the routed ones
 }
 
 
@@ -118,3 +122,22 @@ NOT_BUILT: dict[str, str] = {
     "mimo_v2_flash": "its shrunk attention fails in a plain forward (a tensor of 0 heads)",
 }
 """Model types this zoo cannot build tiny on the CPU, with the reason."""
+
+
+def wrap_tiny(model_type: str, directory: Path) -> Any:
+    """The tiny ``model_type`` as ``bigbatch train --model hf:DIR`` wraps it (an ``HFCausalLM``, dropout off, in
+    train mode; its config.json written to ``directory``), or the one line that refuses its config.json."""
+    from bigbatch.errors import ConfigError
+    from bigbatch.models.coupling import set_dropout
+    from bigbatch.models.hf.config import training_notes
+    from bigbatch.models.hf.model import HFCausalLM, read_hf_config
+
+    hf = build_tiny(model_type)
+    set_dropout(hf, 0.0)
+    hf.config.save_pretrained(directory)
+    try:
+        config = read_hf_config(directory)
+    except ConfigError as exc:
+        return str(exc)
+    refusal, _ = training_notes(config)
+    return refusal or HFCausalLM(config, hf.train())
