@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-from hf_moe_zoo import NOT_BUILT, moe_model_types, wrap_tiny  # noqa: E402
+from hf_moe_zoo import NOT_BUILT, accumulated_gradient, moe_model_types, wrap_tiny  # noqa: E402
 
 from bigbatch.engine.accumulate import AccumulationEngine  # noqa: E402
 from bigbatch.engine.batch import MicroBatch  # noqa: E402
@@ -90,15 +90,6 @@ def train(model: HFCausalLM, tokens: torch.Tensor, k: int) -> torch.Tensor:
     return flat(replica)
 
 
-def gradient(model: HFCausalLM, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """The step's accumulated gradient of ``tokens`` in ``k`` micro-batches (float64, flattened)."""
-    replica = copy.deepcopy(model)
-    engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1e-12), constant_schedule(1e-12))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)])
-    return torch.cat([p.grad.flatten().double() for p in replica.parameters() if p.grad is not None])
-
-
 def aux_loss_gap(model: HFCausalLM, tokens: torch.Tensor) -> float:
     """bigbatch's balancing loss at K 1 against transformers' ``aux_loss`` on the same batch, relative."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -125,7 +116,9 @@ def measure(model_type: str) -> Outcome:
     else:
         held = f"; routing bias {probe.bias} held as loaded" if probe.bias else ""
         outcome = Outcome(model_type, "exact", describe(probe.spec) + held, aux_rel=aux_loss_gap(model, tokens[0]))
-    one_grad, many_grad = gradient(model, tokens[0], 1), gradient(model, tokens[0], ROWS)
+    inputs, targets = tokens[0, :, :-1], tokens[0, :, 1:]
+    one_grad = accumulated_gradient(model, inputs, targets, 1).double()
+    many_grad = accumulated_gradient(model, inputs, targets, ROWS).double()
     outcome.grad_rel = float((many_grad - one_grad).norm() / one_grad.norm())
     start = flat(model)
     one, many = train(model, tokens, 1), train(model, tokens, ROWS)

@@ -23,7 +23,8 @@ from bigbatch.cli import build_parser
 from bigbatch.errors import ConfigError
 from bigbatch.run.configuration.config_sources import apply_mapping
 from bigbatch.run.configuration.identity import default_run_dir
-from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig, resolve_seq_len
+from bigbatch.run.configuration.seq_len import resolve_seq_len
+from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig
 from bigbatch.settings.ranges import NON_NEGATIVE_INT, POSITIVE_INT
 
 NOT_NUMBERS = (None, str, Path)  # a flag with another type= parses a number (int, float, a Range, a count)

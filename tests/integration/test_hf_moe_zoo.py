@@ -7,28 +7,19 @@ type, what differed and ``--router-balance off``, which trains it exactly with n
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from hf_moe_zoo import NOT_BUILT, build_tiny, moe_model_types, wrap_tiny
+from hf_moe_zoo import NOT_BUILT, accumulated_gradient, build_tiny, moe_model_types, wrap_tiny
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import constant_schedule
-from bigbatch.models.hf.model import HFCausalLM
 
 pytest.importorskip("transformers")
 
 TYPES = moe_model_types()
-
-
-def _gradient(model: HFCausalLM, inputs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
-    replica = copy.deepcopy(model)
-    engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1.0), constant_schedule(1.0))
-    engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)])
-    return torch.cat([p.grad.flatten() for p in replica.parameters() if p.grad is not None])
 
 
 def test_the_zoo_holds_every_family_the_issue_names() -> None:
@@ -65,6 +56,6 @@ def test_each_transformers_mixture_of_experts_trains_exactly_or_is_refused_in_on
         engine = AccumulationEngine(model, torch.optim.SGD(model.parameters(), lr=1e-9), constant_schedule(1e-9))
         record = engine.step([MicroBatch(inputs, targets)])
         assert record.measurements["router"].balance_loss == pytest.approx(aux, rel=1e-5)
-    full = _gradient(model, inputs, targets, 1)
-    accumulated = _gradient(model, inputs, targets, 4)
+    full = accumulated_gradient(model, inputs, targets, 1)
+    accumulated = accumulated_gradient(model, inputs, targets, 4)
     assert ((accumulated - full).norm() / full.norm()).item() <= 1e-5

@@ -124,6 +124,23 @@ NOT_BUILT: dict[str, str] = {
 """Model types this zoo cannot build tiny on the CPU, with the reason."""
 
 
+def accumulated_gradient(model: Any, inputs: Any, targets: Any, k: int) -> Any:
+    """The gradient of a copy of ``model`` (an ``HFCausalLM``) accumulated over ``inputs``/``targets`` split into
+    ``k`` micro-batches, flattened over the parameters that get one."""
+    import copy
+
+    import torch
+
+    from bigbatch.engine.accumulate import AccumulationEngine
+    from bigbatch.engine.batch import MicroBatch
+    from bigbatch.engine.optim import constant_schedule
+
+    replica = copy.deepcopy(model)
+    engine = AccumulationEngine(replica, torch.optim.SGD(replica.parameters(), lr=1.0), constant_schedule(1.0))
+    engine.accumulate([MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)])
+    return torch.cat([p.grad.flatten() for p in replica.parameters() if p.grad is not None])
+
+
 def wrap_tiny(model_type: str, directory: Path) -> Any:
     """The tiny ``model_type`` as ``bigbatch train --model hf:DIR`` wraps it (an ``HFCausalLM``, dropout off, in
     train mode; its config.json written to ``directory``), or the one line that refuses its config.json."""

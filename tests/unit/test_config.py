@@ -97,7 +97,7 @@ def test_every_ready_config_loads_validates_and_divides() -> None:
 
     from bigbatch.models import model_preset
     from bigbatch.run.configuration.config_sources import load_toml
-    from bigbatch.run.configuration.train_config import resolve_seq_len
+    from bigbatch.run.configuration.seq_len import resolve_seq_len
     from bigbatch.sizing.plan import plan_batch
 
     folder = Path(__file__).resolve().parents[2] / "configs"

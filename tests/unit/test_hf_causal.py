@@ -183,7 +183,7 @@ def test_the_default_run_directory_is_named_after_the_model_directory(tmp_path: 
 
 
 def test_seq_len_auto_of_an_hf_directory_is_its_context_capped(tmp_path: Path) -> None:
-    from bigbatch.run.configuration.train_config import resolve_seq_len
+    from bigbatch.run.configuration.seq_len import resolve_seq_len
 
     for positions, expected in ((64, 64), (131_072, 8192)):
         save_hf("llama", tmp_path / str(positions), weights=False, max_position_embeddings=positions)

@@ -25,7 +25,8 @@ from bigbatch.models.pretrained import hf_model_type, read_pretrained_config
 from bigbatch.run.checkpoints import checkpoint as ckpt
 from bigbatch.run.checkpoints.resume import check_compatible
 from bigbatch.run.configuration.config_sources import apply_mapping
-from bigbatch.run.configuration.train_config import TrainConfig, resolve_seq_len
+from bigbatch.run.configuration.seq_len import resolve_seq_len
+from bigbatch.run.configuration.train_config import TrainConfig
 
 
 def test_presets_build_their_own_family() -> None:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.engine.accumulate import resolve_precision
     from bigbatch.files.outputs import require_new_file
     from bigbatch.parallel.distributed import resolve_device
-    from bigbatch.run.configuration.train_config import model_auto_seq_len
+    from bigbatch.run.configuration.seq_len import model_auto_seq_len
     from bigbatch.sizing.memory import plot_memory, sweep_memory
 
     if args.plot:

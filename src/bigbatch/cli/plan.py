@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         args.micro_batch = config_default(BatchSection, "micro_batch")
     seq_len = args.seq_len
     if seq_len == AUTO:
-        from bigbatch.run.configuration.train_config import model_auto_seq_len
+        from bigbatch.run.configuration.seq_len import model_auto_seq_len
 
         seq_len, capped = model_auto_seq_len(args.model)
         if capped:  # a directory's context may be 131,072: capped as train caps it

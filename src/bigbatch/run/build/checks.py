@@ -19,7 +19,8 @@ from bigbatch.parallel.distributed import DistContext, resolve_device
 from bigbatch.run.build.data_phase import build_loader, check_micro_batch_fits, prepare_data
 from bigbatch.run.build.model_phase import preset_shape
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
-from bigbatch.run.configuration.train_config import TrainConfig, resolve_seq_len
+from bigbatch.run.configuration.seq_len import resolve_seq_len
+from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan, plan_batch
 from bigbatch.sizing.ramp import BatchRamp, parse_ramp
 

@@ -21,7 +21,8 @@ from bigbatch.data.validation_windows import ValidationWindows, validation_windo
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
-from bigbatch.run.configuration.train_config import TrainConfig, model_directory
+from bigbatch.run.configuration.seq_len import model_directory
+from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
 
 Loader = TokenStreamLoader | DocumentLoader

@@ -23,7 +23,8 @@ from typing import Any
 
 from bigbatch.errors import BigBatchError
 from bigbatch.run.configuration.config_sources import config_from_dict
-from bigbatch.run.configuration.train_config import TrainConfig, resolve_seq_len
+from bigbatch.run.configuration.seq_len import resolve_seq_len
+from bigbatch.run.configuration.train_config import TrainConfig
 
 MAY_CHANGE: frozenset[str] = frozenset(
     {

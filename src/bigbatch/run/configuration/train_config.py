@@ -1,6 +1,7 @@
 """Run configuration: dataclasses whose field help becomes the CLI help, their validation and TOML form.
 
-Where a config comes from (defaults < a TOML file < flags) is :mod:`bigbatch.run.configuration.config_sources`.
+Where a config comes from (defaults < a TOML file < flags) is :mod:`bigbatch.run.configuration.config_sources`;
+each section's fields are its own module's (``model_section``, ...); ``--seq-len auto`` is :mod:`.seq_len`'s.
 A TOML file has one table per section::
 
     [batch]
@@ -21,25 +22,12 @@ from bigbatch.run.configuration.guard_section import GuardSection
 from bigbatch.run.configuration.model_section import ModelSection
 from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.run_section import RunSection
-from bigbatch.run.configuration.seq_len import (
-    INIT_FROM_AUTO_SEQ_LEN_CAP,
-    auto_seq_len,
-    capped_seq_len,
-    model_auto_seq_len,
-    model_block_size,
-    model_directory,
-    resolve_seq_len,
-)
-from bigbatch.settings.choices import (
-    Choices,
-)
-from bigbatch.settings.ranges import (
-    Range,
-)
+from bigbatch.run.configuration.seq_len import model_directory
+from bigbatch.settings.choices import Choices
+from bigbatch.settings.ranges import Range
 from bigbatch.sizing.ramp import check_ramp_settings
 
 __all__ = [
-    "INIT_FROM_AUTO_SEQ_LEN_CAP",
     "SECTIONS",
     "BatchSection",
     "DataSection",
@@ -48,15 +36,9 @@ __all__ = [
     "OptimSection",
     "RunSection",
     "TrainConfig",
-    "auto_seq_len",
-    "capped_seq_len",
     "field_of",
     "flag_of",
     "kind_of",
-    "model_auto_seq_len",
-    "model_block_size",
-    "model_directory",
-    "resolve_seq_len",
 ]
 
 SECTIONS: dict[str, type] = {

@@ -8,7 +8,7 @@ from bigbatch.data.documents import DocumentLoader
 from bigbatch.models.registry import family_of
 from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
-from bigbatch.run.configuration.train_config import INIT_FROM_AUTO_SEQ_LEN_CAP
+from bigbatch.run.configuration.seq_len import INIT_FROM_AUTO_SEQ_LEN_CAP
 
 
 def header_lines(parts: RunParts) -> list[str]:

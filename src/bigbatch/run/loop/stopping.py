@@ -65,13 +65,13 @@ class StopHandling:
     run_dir: Path
     say: Say
     clear_progress: Callable[[], None]  # the progress bar's line, before writing to the console
-    in_step: bool = True  # the step the loop is on is not applied yet: a stop request waits for it
+    step_pending: bool = True  # the step the loop is on is not applied yet: a stop request waits for it
 
     def check(self, seen: LoopTally, stop: StopRequest, saved: bool) -> None:
         """Stop at this step boundary if any rank received SIGTERM/SIGINT (all ranks agree), after a save."""
         seen.stopped_by = self.dist.max_int(stop.signum, self.device)
         if not seen.stopped_by:
-            self.in_step = True  # the next step is under way from here
+            self.step_pending = True  # the next step is under way from here
             return
         if not saved:
             self.saves.save(self.state, self.state.step, self.say)
@@ -87,7 +87,7 @@ class StopHandling:
         """At once, from the signal handler (rank 0, on the console): what the first Ctrl-C/SIGTERM will do."""
         if not self.dist.is_main:
             return
-        step = self.state.step + (1 if self.in_step else 0)
+        step = self.state.step + (1 if self.step_pending else 0)
         saved_step = self.saves.saved_step
         if saved_step:
             kept = f"the newest checkpoint is step {saved_step}"

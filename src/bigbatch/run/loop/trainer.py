@@ -201,7 +201,7 @@ class Trainer:
         record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
         if self.bad_steps.handle(record, step_log, self.state, self.saves):
-            stops.in_step = True
+            stops.step_pending = True  # the loop goes on with the step after the checkpoint
             return  # rewound: the loop goes on from the checkpoint's step
         if record.skipped:  # a non-finite gradient: no update was applied
             step_log.say_skipped(record)
@@ -231,7 +231,7 @@ class Trainer:
         """The engine's step on the step's micro-batches (pinned for CUDA by the loader); a documents step's
         record carries where its positions went."""
         record = self.engine.step(step.micro_batches, step.n_valid, tokens_per_step)
-        stops.in_step = False  # applied (or skipped): a stop request now comes after this step
+        stops.step_pending = False  # applied (or skipped): a stop request now comes after this step
         if step.positions:
             record = replace(record, padding_share=step.padding_share, prompt_share=step.prompt_share)
             seen.count_positions(step)
