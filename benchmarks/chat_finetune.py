@@ -9,7 +9,7 @@ hundred characters.
 1. **Exactness.** ``bigbatch train --model hf:DIR --lora-rank 8`` on the conversations, micro-batch 8 x K 1
    (the reference), 1 x K 8 and, unless ``--skip-processes``, 2 processes of 4 x K 1, packed and one per row:
    the largest relative L2 difference of any adapter tensor from the reference's.
-2. **Templates.** For each family: whether bigbatch masks every assistant reply and its end of turn exactly (the
+2. **Templates** (the project's look-alikes; the real templates are benchmarks/chat_templates.py's). For each family: whether bigbatch masks every assistant reply and its end of turn exactly (the
    decoded trained runs against hand-written expectations) or refuses it (its line); and whether transformers'
    ``return_assistant_tokens_mask`` (what TRL's ``assistant_only_loss`` relies on) gives a mask, and whether that
    mask is bigbatch's token for token.
@@ -49,7 +49,7 @@ ENDS = {
     "gemma": "<end_of_turn>",
     "phi3": "<|end|>",
     "smollm": "<|im_end|>",
-    "gpt-oss": "<|return|>",
+    "gpt-oss": ("<|end|>", "<|return|>"),  # the last reply closes with <|return|>, earlier ones with <|end|>
     "plain": "",
 }
 ROW = {
@@ -124,7 +124,9 @@ def templates(root: Path) -> None:
             encoded = encoder.encode(conversation_from_record(ROW, "row"))
             assert encoded is not None
             runs = [encoder.decode(encoded.ids[a:b].tolist()).strip() for a, b in encoded.spans]
-            ok = runs == [f"hello there{ENDS[family]}", f"I am fine, thank you{ENDS[family]}"]
+            first, last = (ENDS[family], ENDS[family]) if isinstance(ENDS[family], str) else ENDS[family]
+            opening = "<|channel|>final<|message|>" if family == "gpt-oss" else ""  # written after its header
+            ok = runs == [f"{opening}hello there{first}", f"{opening}I am fine, thank you{last}"]
             ours = "exact" if ok else f"WRONG {runs}"
             correct += ok
         except BigBatchError as exc:

@@ -127,3 +127,58 @@ def test_the_run_keeps_the_chat_template(tmp_path: Path, chat_setup: tuple[Path,
     saved = json.loads((tmp_path / "run" / "tokenizer" / "tokenizer_config.json").read_text())
     original = json.loads((model / "tokenizer_config.json").read_text())
     assert saved["chat_template"] == original["chat_template"]
+
+
+def _real_template_model(root: Path, family: str) -> Path:
+    """The tiny Qwen2 chat model with the byte copy of a real template (tests/support/real_chat/) in place of its
+    look-alike: the tokenizer holds the ChatML control tokens every Qwen template writes."""
+    from real_templates import template_text
+
+    model = chat_model_dir(root / f"model-{family}", "qwen2.5", with_model=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template_text(family)}))
+    return model
+
+
+LONG_ROW = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        *[
+            m
+            for n in range(6)
+            for m in (
+                {"role": "user", "content": f"question {n}? " + "why " * 6},
+                {"role": "assistant", "content": f"answer {n}. " + "so " * 6},
+            )
+        ],
+    ]
+}
+
+
+def test_qwen3_as_shipped_trains_multi_turn_and_keeps_long_conversations_whole(tmp_path: Path) -> None:
+    """Qwen3's real template (an empty think block in the last reply only) trained on multi-turn rows, a greeting
+    before the first question and conversations longer than a row: the oldest rounds are left out (counted in the
+    audit), never a reply cut from its question; prepare --seq-len says the same, and a dataset prepared without
+    a limit is refused by a run whose rows are shorter, in one line."""
+    model = _real_template_model(tmp_path, "qwen3")
+    greeting = {"messages": [{"role": "assistant", "content": "Hi!"}, *conversations()[0]["messages"]]}
+    rows = [*conversations()[:6], greeting, LONG_ROW] * 3
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, out, err = run_main(
+        ["prepare", str(data), "--out", str(tmp_path / "d"), "--tokenizer", f"file:{model}", "--mode", "documents"]
+        + ["--seq-len", "64", "--val-fraction", "0"]
+    )
+    assert code == 0, err
+    assert "kept without their oldest turns" in out and "(--long-conversations drop-oldest-turns)" in out
+    code, out, err = _train(model, data, tmp_path / "run", 4)
+    assert code == 0, out + err
+    unlimited = tmp_path / "whole"
+    code, out, err = run_main(
+        ["prepare", str(data), "--out", str(unlimited), "--tokenizer", f"file:{model}", "--mode", "documents"]
+    )
+    assert code == 0, err
+    line = assert_one_line_error(*_train(model, unlimited, tmp_path / "run2", 4))
+    assert "longer than seq_len+1=65 tokens" in line and "prepare the conversations with --seq-len 64" in line
+    refused = assert_one_line_error(*_train(model, data, tmp_path / "run3", 4, "--long-conversations", "refuse"))
+    assert "longer than a row of 65 (--seq-len + 1)" in refused

@@ -225,3 +225,91 @@ def test_a_partial_directory_of_other_settings_is_started_afresh(files: Path, tm
     (partial / ".tokens.tmp").write_bytes(b"abc")
     meta = prepare_dataset(f"hf:json:{files}/jsonl/*.jsonl", tmp_path / "out", val_fraction=0.0, mode="documents")
     assert meta.documents == len(KEPT) and documents_of(tmp_path / "out") == KEPT and not partial.exists()
+
+
+# ------------------------------------------------------------------------------------ conversations through hf:
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from chat_models import chat_model_dir
+
+    return chat_model_dir(tmp_path_factory.mktemp("qwen"), "qwen2.5")
+
+
+def _chat_rows() -> list[dict]:
+    from chat_models import conversations
+
+    return [row for row in conversations() if not row.get("tools")]  # one schema for every row: Arrow needs it
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _same_shards(a: Path, b: Path) -> None:
+    for name in ("train_000000.npy", "train_000000.offsets.npy", "train_000000.mask.npy"):
+        assert np.array_equal(np.load(a / name), np.load(b / name)), name
+
+
+@pytest.mark.parametrize("mode", ["auto", "documents"])
+def test_a_dataset_of_messages_is_read_as_conversations_without_naming_the_column(
+    tmp_path: Path, qwen: Path, mode: str
+) -> None:
+    """hf:json of rows that hold only messages (and tools) is conversations, as docs/data.md says: no #messages,
+    and under the default mode (auto) no --mode documents either; the shards are those of bigbatch's own reader."""
+    data = _write_jsonl(tmp_path / "chat.jsonl", _chat_rows())
+    meta = prepare_dataset(f"hf:json:{data}", tmp_path / "hf", f"file:{qwen}", val_fraction=0.0, mode=mode)
+    own = prepare_dataset(str(data), tmp_path / "own", f"file:{qwen}", val_fraction=0.0, mode="documents")
+    assert meta.mode == "documents" and meta.documents == own.documents == len(_chat_rows())
+    _same_shards(tmp_path / "hf", tmp_path / "own")
+
+
+def test_sharegpt_and_content_parts_through_hf_are_the_same_conversations(tmp_path: Path, qwen: Path) -> None:
+    """The same rows as ShareGPT (conversations of from/value) and with every content a list of text parts (how
+    Arrow stores OpenAI's format: a list of structs), read through datasets, give the shards of the plain rows."""
+    rows = _chat_rows()
+    roles = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = [
+        {"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in r["messages"]]} for r in rows
+    ]
+    parts = [
+        {"messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in r["messages"]]}
+        for r in rows
+    ]
+    own = prepare_dataset(
+        str(_write_jsonl(tmp_path / "plain.jsonl", rows)), tmp_path / "own", f"file:{qwen}", 0.0, mode="documents"
+    )
+    for name, written in (("sharegpt", shared), ("parts", parts)):
+        data = _write_jsonl(tmp_path / f"{name}.jsonl", written)
+        meta = prepare_dataset(f"hf:json:{data}", tmp_path / name, f"file:{qwen}", val_fraction=0.0, mode="auto")
+        assert meta.documents == own.documents, name
+        _same_shards(tmp_path / name, tmp_path / "own")
+
+
+@pytest.mark.parametrize(
+    ("source", "name", "content", "line"),
+    [
+        ("hf:json:{dir}/bad.jsonl", "bad.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', 2),
+        ("hf:csv:{dir}/bad.csv", "bad.csv", b"text\nfine\ncaf\xe9\n", 3),
+        ("hf:text:{dir}/bad.txt", "bad.txt", b"fine\ncaf\xe9\n", 2),
+        ("hf:json:{dir}", "bad.json", b'[{"text": "fine"},\n {"text": "caf\xe9"}]', 2),
+    ],
+    ids=["json-lines", "csv", "text", "json-directory"],
+)
+def test_a_local_file_that_is_not_utf8_is_one_line_naming_the_file_and_the_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], source: str, name: str, content: bytes, line: int
+) -> None:
+    """datasets' builders fail with a decoding error that names neither file nor line (and log a line of their
+    own); bigbatch names both and says what to do, once."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / name).write_bytes(content)
+    with pytest.raises(BigBatchError) as info:
+        prepare_dataset(source.format(dir=data), tmp_path / "out", workers=1)
+    message = str(info.value)
+    assert f"{data / name}:{line}: not valid UTF-8 (byte 0xe9 at byte " in message, message
+    assert "re-encode it as UTF-8" in message and "\n" not in message
+    assert "Failed to read file" not in capfd.readouterr().err
+    assert not (tmp_path / "out").exists()

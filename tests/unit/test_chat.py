@@ -83,14 +83,15 @@ def test_the_mask_follows_the_template_for_every_family(tmp_path: Path) -> None:
         assert [t.strip() for t in trained] == [f"hello there{end}", f"I am fine, thank you{end}"], family
 
 
-def test_a_template_whose_prefix_renders_differently_is_refused_naming_the_turn(tmp_path: Path) -> None:
-    """gpt-oss-style: the last reply ends in <|return|> but an earlier one, rendered last in its prefix, too; the
-    prefix is not the whole's: refused in one line naming the conversation and the turn."""
+def test_a_template_that_closes_the_last_reply_differently_trains_each_with_its_own_close(tmp_path: Path) -> None:
+    """gpt-oss-style: the last reply ends in <|return|>, an earlier one in <|end|>; rendering prefixes would see two
+    different conversations. Each reply is found in the one rendering of the whole and trained with its own close
+    (after the <|start|>assistant header, so the channel header the model writes is trained too)."""
     encoder = _encoder(chat_model_dir(tmp_path / "oss", "gpt-oss"))
-    with pytest.raises(DataError, match=r"row 1: turn 3 \(assistant\): the chat template renders"):
-        encoder.encode(conversation_from_record(TWO_TURNS, "row 1"))
-    # the last turn alone needs no earlier prefix
-    assert len(_trained_text(_encoder(tmp_path / "oss", loss_on="last-assistant"), TWO_TURNS)) == 1
+    assert _trained_text(encoder, TWO_TURNS) == [
+        "<|channel|>final<|message|>hello there<|end|>",
+        "<|channel|>final<|message|>I am fine, thank you<|return|>",
+    ]
 
 
 def test_no_assistant_token_is_refused_or_dropped_and_counted(qwen: Path) -> None:
@@ -204,7 +205,7 @@ def test_tools_reach_the_template(qwen: Path) -> None:
     row = next(r for r in conversations() if r.get("tools"))
     conversation = conversation_from_record(row, "row")
     encoder = _encoder(qwen)
-    text = encoder.template.render(conversation, len(conversation.messages), generation_prompt=False)
+    text = encoder.template.render(conversation.name, conversation.messages, conversation.tools)
     assert json.dumps(row["tools"][0]["function"]["name"]).strip('"') in text
     assert encoder.encode(conversation) is not None
 
@@ -232,3 +233,90 @@ def test_the_audit_names_a_turn_that_trains_no_stop_token(tmp_path: Path) -> Non
     (_, stops) = audit_lines(chat, "assistant")
     assert "0 of 2 trained turns end on a trained end-of-turn token (2 do not, e.g. " in stops
     assert "chat.jsonl:1: the model may not learn to stop" in stops
+
+
+GREETING_FIRST = {
+    "messages": [
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hello there"},
+    ]
+}
+
+
+def test_a_conversation_that_opens_with_the_assistant_trains_only_its_replies(qwen: Path) -> None:
+    """The first reply starts at character 0 of the conversation, yet what the template writes before it (qwen2.5's
+    default system prompt, the role header) is prompt, not reply (it was trained on the prefix rule)."""
+    assert _trained_text(_encoder(qwen), GREETING_FIRST) == ["Hi, how can I help?<|im_end|>", "hello there<|im_end|>"]
+
+
+NO_PROMPT_CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n'}}{% endfor %}"
+)
+
+
+def test_a_template_without_a_generation_prompt_trains_no_role_header(tmp_path: Path, qwen: Path) -> None:
+    """ChatML as some fine-tunes ship it, ignoring add_generation_prompt: each reply starts at its own text, not at
+    its role header (every turn trained its header before)."""
+    directory = tmp_path / "no-prompt"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_text((qwen / name).read_text())
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NO_PROMPT_CHATML}))
+    row = {"messages": TWO_TURNS["messages"] + GREETING_FIRST["messages"][1:]}
+    assert _trained_text(_encoder(directory), row) == [
+        "hello there<|im_end|>",
+        "I am fine, thank you<|im_end|>",
+        "hello there<|im_end|>",
+    ]
+
+
+LONG = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        *[
+            message
+            for n in range(4)
+            for message in (
+                {"role": "user", "content": f"question {n}: " + "why " * 20},
+                {"role": "assistant", "content": f"answer {n}: " + "because " * 20},
+            )
+        ],
+    ]
+}
+
+
+def _length(directory: Path, row: dict) -> int:
+    encoded = _encoder(directory).encode(conversation_from_record(row, "row 1"))
+    assert encoded is not None
+    return len(encoded.ids)
+
+
+@pytest.mark.parametrize("policy", ["drop-oldest-turns", "drop", "refuse"])
+def test_a_conversation_longer_than_a_row_is_never_cut_silently(qwen: Path, policy: str) -> None:
+    """Longer than max_tokens (a row of seq_len + 1): its oldest rounds are left out (the system prompt stays), it is
+    left out, or refused, and the audit counts it; a conversation is never cut into windows of replies without
+    their questions."""
+    whole = _length(qwen, LONG)
+    last_round = {"messages": [LONG["messages"][0], *LONG["messages"][-2:]]}
+    limit = _length(qwen, last_round) + 5  # room for the last round only
+    encoder = _encoder(qwen, long_conversations=policy, max_tokens=limit)  # type: ignore[arg-type]
+    conversation = conversation_from_record(LONG, "row 1")
+    if policy == "refuse":
+        with pytest.raises(DataError, match=rf"row 1: the conversation is {whole:,} tokens, longer than a row of"):
+            encoder.encode(conversation)
+        return
+    encoded = encoder.encode(conversation)
+    if policy == "drop":
+        assert encoded is None and encoder.audit.too_long == 1 and encoder.audit.first_too_long == "row 1"
+        return
+    assert encoded is not None and len(encoded.ids) <= limit < whole
+    trained = [encoder.decode(encoded.ids[a:b].tolist()) for a, b in encoded.spans]
+    assert trained == ["answer 3: " + "because " * 20 + "<|im_end|>"]  # qwen2.5 writes the reply as given
+    assert "Be brief." in encoder.decode(encoded.ids.tolist())  # the system prompt stays
+    assert (encoder.audit.shortened, encoder.audit.turns_cut) == (1, 6)
+    # a last round alone too long: left out, counted
+    tight = _encoder(qwen, long_conversations=policy, max_tokens=limit - 10)  # type: ignore[arg-type]
+    assert tight.encode(conversation) is None and tight.audit.too_long == 1

@@ -190,8 +190,13 @@ def _prepared_data(
     bpe_json = None
     if is_bpe(tokenizer):  # raw text is tokenized with the model's own tokenizer, not a new one trained on it
         bpe_json = checkpoint_tokenizer(document, checkpoint).to_str()  # type: ignore[attr-defined]
+    # the run's chat settings, so that its prepared conversations are found again (a row: the run's seq_len + 1)
+    run_seq_len = int(_section(document, "batch").get("seq_len") or 0)
     chat = ChatSettings(
-        loss_on=str(data_cfg.get("loss_on", "assistant")), no_assistant=str(data_cfg.get("no_assistant", "refuse"))
+        loss_on=str(data_cfg.get("loss_on", "assistant")),
+        no_assistant=str(data_cfg.get("no_assistant", "refuse")),
+        long_conversations=str(data_cfg.get("long_conversations", "drop-oldest-turns")),
+        max_tokens=run_seq_len + 1 if run_seq_len else 0,
     )
     directory = ensure_prepared(
         data,

@@ -8,6 +8,7 @@ from typing import TextIO
 import torch
 
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer
+from bigbatch.data.tokenizers import continuation_decoder
 from bigbatch.models.sampling import decoded_pieces, generate, generate_stream, prompt_ids
 from bigbatch.parallel.distributed import resolve_device
 from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint
@@ -34,11 +35,12 @@ def sample_checkpoint(
     ids = prompt_ids(tokenizer, prompt, model.config.vocab_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    decode = continuation_decoder(tokenizer, ids)  # the space a SentencePiece decoder strips at a text's start kept
     if num_samples == 1:  # stream: each piece of text as soon as it is sampled
         out.write(prompt)
         out.flush()
         tokens = generate_stream(model, idx, max_new_tokens, temperature, top_k, generator=generator)
-        for piece in decoded_pieces(tokens, tokenizer.decode):
+        for piece in decoded_pieces(tokens, decode):
             out.write(piece)
             out.flush()
         out.write("\n")
@@ -47,4 +49,4 @@ def sample_checkpoint(
     generated = generate(model, idx, max_new_tokens, temperature, top_k, generator=generator)
     for i in range(num_samples):
         out.write(f"--- sample {i + 1}\n")
-        out.write(prompt + tokenizer.decode(generated[i, len(ids) :].tolist()) + "\n")
+        out.write(prompt + decode(generated[i, len(ids) :].tolist()) + "\n")

@@ -28,6 +28,7 @@ OWN_DEFAULTS: dict[tuple[str, str], str] = {
     ("eval", "--precision"): "the loss as the run's fp32 validation computes it",
     ("eval", "--micro-batch"): "the run's",
     ("eval", "--seq-len"): "the run's",
+    ("prepare", "--seq-len"): "no run to take it from: unset keeps every conversation whole",
     ("critical-batch", "--micro-batch"): "the run's",
     ("critical-batch", "--eval-batches"): "the run's",
     ("eval", "--data"): "the run's own data",

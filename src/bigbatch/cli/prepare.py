@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bigbatch.cli.common import add_config_flag
 from bigbatch.progress import plural
-from bigbatch.run.configuration.train_config import DataSection
+from bigbatch.run.configuration.train_config import BatchSection, DataSection
 from bigbatch.settings.choices import DATA_MODE, TOKENIZER_NAMES
 from bigbatch.settings.ranges import AUTO, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_INT_OR_AUTO
 
@@ -44,13 +44,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        default="packed",
+        default="auto",
         choices=DATA_MODE,
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked "
-        "(conversations need documents)",
+        "(conversations need documents); auto: documents when the first row is a conversation ('messages' or "
+        "ShareGPT 'conversations'), else packed (default: auto)",
     )
     add_config_flag(parser, DataSection, "loss_on")
     add_config_flag(parser, DataSection, "no_assistant")
+    add_config_flag(parser, DataSection, "long_conversations")
+    add_config_flag(
+        parser,
+        BatchSection,
+        "seq_len",
+        default=None,
+        allow_auto=False,
+        note="; prepare: chat data only, a conversation longer than seq_len+1 tokens is shortened, left out or "
+        "refused by --long-conversations (longer, it would be cut into windows when training); unset: no limit",
+    )
     parser.add_argument(
         "--show",
         type=NON_NEGATIVE_INT.argtype(),
@@ -65,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from bigbatch.data.chat import ChatSettings
     from bigbatch.data.prepare import prepare_dataset, prepared_notes, shown_conversations
 
-    chat = ChatSettings(loss_on=args.loss_on, no_assistant=args.no_assistant)
+    chat = ChatSettings(
+        loss_on=args.loss_on,
+        no_assistant=args.no_assistant,
+        long_conversations=args.long_conversations,
+        max_tokens=args.seq_len + 1 if args.seq_len else 0,  # unset: no limit
+    )
     meta = prepare_dataset(
         args.source,
         args.out,
@@ -80,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         f"{args.out}: {plural(meta.documents, 'document')}, train {meta.tokens['train']:,} tokens, "
         f"val {meta.tokens['val']:,} tokens ({meta.tokenizer}, vocab {meta.vocab_size}, {meta.mode})"
     )
+    if args.mode == "auto" and "chat" in meta.extra:  # say why the mode is documents though none was given
+        from bigbatch.data.data_mode import conversations_note
+
+        print(f"{args.out}: {conversations_note('--mode')}")
     for note in prepared_notes(meta):
         print(f"{args.out}: {note}")
     if args.show:

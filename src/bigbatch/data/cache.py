@@ -12,6 +12,7 @@ from typing import Any
 
 from bigbatch.data.chat import ChatSettings, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
+from bigbatch.data.data_mode import resolve_data_mode
 from bigbatch.data.fingerprint import tokenizer_cache_key
 from bigbatch.data.foreign import foreign_files
 from bigbatch.data.prepare import prepare_dataset
@@ -79,7 +80,8 @@ def ensure_prepared(
 
     ``data`` is either a prepared directory or foreign token shards (build-nanogpt ``.npy``, llm.c ``.bin``:
     a directory, file or glob), used as they are, or raw text (``builtin``, a file, a directory or a glob),
-    prepared once into the cache and reused while the files are unchanged. ``bpe_json``: see
+    prepared once into the cache and reused while the files are unchanged. ``mode`` ``auto`` is resolved
+    (:mod:`~bigbatch.data.data_mode`) before the cache key is made. ``bpe_json``: see
     :func:`~bigbatch.data.prepare.prepare_dataset` (its fingerprint becomes part of the cache key).
     """
     path = Path(data).expanduser()
@@ -90,6 +92,8 @@ def ensure_prepared(
         return path
     if not raw and foreign_files(data):
         return path  # token shards from build-nanogpt or llm.c: read as they are
+    # auto resolved first: text keeps the key (and directory name) it had under the old default, packed
+    mode = resolve_data_mode(mode, data, tokenizer_name)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     key = _source_fingerprint(data, tokenizer_cache_key(tokenizer_name), val_fraction, mode)
     if bpe_json and is_bpe(tokenizer_name):

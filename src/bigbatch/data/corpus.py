@@ -10,8 +10,10 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bigbatch.data.chat import Conversation, conversation_from_record, is_conversation_record
+from bigbatch.data.text import bad_utf8_in_line
 from bigbatch.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ HF_PREFIX = "hf:"
 """``hf:NAME[:CONFIG][:SPLIT]``: the ``text`` field of a Hugging Face dataset, streamed (needs ``datasets``)."""
 HF_DEFAULT_SPLIT = "train"
 
-_BINARY_PROBE_BYTES = 8192
+BINARY_PROBE_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def text_files(files: list[Path]) -> list[Path]:
     for path in files:
         try:
             with path.open("rb") as handle:
-                head = handle.read(_BINARY_PROBE_BYTES)
+                head = handle.read(BINARY_PROBE_BYTES)
         except OSError as exc:
             raise DataError(f"cannot read {path}: {exc.strerror}; check the path and its permissions") from exc
         (binary if b"\x00" in head else kept).append(path)
@@ -91,7 +93,7 @@ def text_files(files: list[Path]) -> list[Path]:
             len(binary),
             "" if len(binary) == 1 else "s",
             binary[0],
-            _BINARY_PROBE_BYTES // 1024,
+            BINARY_PROBE_BYTES // 1024,
         )
     return kept
 
@@ -109,7 +111,7 @@ def read_documents(files: list[Path]) -> Iterator[Document]:
             data = path.read_bytes()
         except OSError as exc:
             raise DataError(f"cannot read {path}: {exc.strerror}; check the path and its permissions") from exc
-        if b"\x00" in data[:_BINARY_PROBE_BYTES]:
+        if b"\x00" in data[:BINARY_PROBE_BYTES]:
             continue
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(path, data)
@@ -126,8 +128,15 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where} is not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+        except UnicodeDecodeError as exc:  # JSON text is UTF-8 (RFC 8259): a byte that is not cannot be read
+            bad = bad_utf8_in_line(line, number)
+            message = bad.describe(path) if bad is not None else f"{where} is not valid UTF-8 ({exc.reason})"
+            raise DataError(message) from None
         if not isinstance(record, dict):
-            raise DataError(f"{where} must be a JSON object with 'text', 'prompt' and 'completion', or 'messages'")
+            raise DataError(
+                f"{where} must be a JSON object with 'text', 'prompt' and 'completion', or 'messages' (or ShareGPT "
+                "'conversations')"
+            )
         if is_conversation_record(record):
             yield Document(name=where, data=b"", conversation=conversation_from_record(record, where))
         elif "text" in record and isinstance(record["text"], str):
@@ -135,7 +144,16 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
         elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
             yield Document(name=where, data=_utf8(record["completion"]), prompt=_utf8(record["prompt"]))
         else:
-            raise DataError(f"{where} needs a string 'text', string 'prompt' and 'completion' fields, or 'messages'")
+            raise DataError(
+                f"{where} needs a string 'text', string 'prompt' and 'completion' fields, or 'messages' (or ShareGPT "
+                f"'conversations'){_fields(record)}"
+            )
+
+
+def _fields(record: dict[str, Any]) -> str:
+    """`` (fields: a, b)``: what a refused row holds, so that the message shows what was read."""
+    names = [str(name) for name in record][:8]
+    return f" (fields: {', '.join(names)}{', ...' if len(record) > 8 else ''})" if names else " (an empty object)"
 
 
 def _utf8(text: str) -> bytes:

@@ -42,7 +42,15 @@ def worker_count(workers: int | None, tokenizer: Tokenizer, total_bytes: int | N
     return max(1, min(_cpu_count(), MAX_WORKERS))
 
 
-def _encode_piece(tokenizer: Tokenizer, data: bytes, dtype: np.dtype) -> np.ndarray:
+Piece = tuple[bytes, bool]
+"""Text to encode, and whether it continues a text (a document's later piece, a completion after its prompt)."""
+
+
+def _encode_piece(tokenizer: Tokenizer, piece: Piece, dtype: np.dtype) -> np.ndarray:
+    data, continues = piece
+    encode_continuation = getattr(tokenizer, "encode_continuation", None) if continues else None
+    if encode_continuation is not None:  # a SentencePiece-style pipeline: no "▁" prefix inside a text
+        return np.asarray(encode_continuation(data), dtype=dtype)
     encode_array = getattr(tokenizer, "encode_array", None)
     if encode_array is not None:
         return encode_array(data, dtype)
@@ -60,7 +68,7 @@ def encoded_documents(
     end with the end-of-text token where the tokenizer has one. ``invalid`` counts invalid UTF-8."""
     plans: deque[tuple[int, int, int]] = deque()  # per document: prompt pieces, all pieces, bytes
 
-    def pieces() -> Iterator[bytes]:
+    def pieces() -> Iterator[Piece]:
         for doc in documents():
             if doc.conversation is not None:
                 raise DataError(
@@ -75,8 +83,8 @@ def encoded_documents(
             if not prompt and not data:
                 continue
             plans.append((len(prompt), len(prompt) + len(data), len(doc.data) + len(doc.prompt)))
-            yield from prompt
-            yield from data
+            for i, piece in enumerate(prompt + data):
+                yield piece, i > 0
 
     if workers > 1:
         arrays = _encode_in_workers(pieces(), tokenizer, dtype, workers)
@@ -109,16 +117,16 @@ def _init_worker(name: str, tokenizer_json: str | None) -> None:
     _WORKER_TOKENIZER = BPETokenizer.from_str(name, tokenizer_json) if tokenizer_json else get_tokenizer(name)
 
 
-def _encode_task(pieces: list[bytes], dtype: str) -> list[np.ndarray]:
+def _encode_task(pieces: list[Piece], dtype: str) -> list[np.ndarray]:
     return [_encode_piece(_WORKER_TOKENIZER, piece, np.dtype(dtype)) for piece in pieces]
 
 
-def _tasks(pieces: Iterable[bytes]) -> Iterator[list[bytes]]:
-    task: list[bytes] = []
+def _tasks(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
+    task: list[Piece] = []
     size = 0
     for piece in pieces:
         task.append(piece)
-        size += len(piece)
+        size += len(piece[0])
         if size >= TASK_BYTES:
             yield task
             task, size = [], 0
@@ -141,7 +149,7 @@ def _quiet_hf_fork() -> Iterator[None]:
 
 
 def _encode_in_workers(
-    pieces: Iterable[bytes], tokenizer: Tokenizer, dtype: np.dtype, workers: int
+    pieces: Iterable[Piece], tokenizer: Tokenizer, dtype: np.dtype, workers: int
 ) -> Iterator[np.ndarray]:
     """Tokenize ``pieces`` in a process pool, in order, with at most ``2 x workers`` tasks in flight (the
     corpus is read as fast as the workers tokenize, not ahead of them)."""

@@ -16,6 +16,7 @@ order; tokenizing happens in bigbatch's worker processes (:mod:`bigbatch.data.en
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,13 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.chat_rows import CONVERSATION_COLUMNS, is_conversation_row
+from bigbatch.data.text import first_bad_utf8
 from bigbatch.errors import DataError, require_package
 
 PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
 DEFAULT_COLUMN = "text"
-CHAT_COLUMN = "messages"
-"""A dataset whose records hold ``messages`` (and no ``text``) is read as conversations, whole records."""
+CHAT_COLUMNS = CONVERSATION_COLUMNS
+"""A dataset whose records hold ``messages`` or ShareGPT ``conversations`` (and no ``text``) is read as
+conversations, whole records (:mod:`bigbatch.data.chat_rows`)."""
+TEXT_BUILDERS = ("json", "csv", "text")
+"""The builders that decode their files as UTF-8 text: a byte that is not is found and named (see
+:func:`_named_utf8_error`)."""
+TEXT_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".txt")
+"""In a directory of data files (``hf:DIR``), the files those builders read."""
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """Packaged ``datasets`` builders that read local files."""
 SAVED_MARKERS = ("dataset_dict.json", "state.json")
@@ -112,9 +121,15 @@ def _local_only(datasets: Any, local: bool) -> Iterator[None]:
     saved = {name: getattr(config, name) for name in wanted if hasattr(config, name)}  # names vary by version
     for name in saved:
         setattr(config, name, wanted[name])
+    # A builder that fails on a file logs "Failed to read file ..." before it raises; the error is said once, in
+    # bigbatch's own line (hf_text_records), so the builders' log is kept below that level meanwhile.
+    builders = logging.getLogger("datasets.packaged_modules")
+    level = builders.level
+    builders.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        builders.setLevel(level)
         for name, value in saved.items():
             setattr(config, name, value)
 
@@ -172,26 +187,54 @@ def hf_text_records(source: str) -> Iterator[tuple[str, str | dict[str, Any]]]:
     except Exception as exc:  # datasets' own errors (a bad file, a schema it cannot read): one line, named
         if not src.is_local:
             raise
+        named = _named_utf8_error(src, exc)
+        if named is not None:
+            raise named from None
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{src.source}: datasets could not read it ({type(exc).__name__}: {detail})") from exc
+
+
+def _named_utf8_error(src: HFSource, exc: Exception) -> DataError | None:
+    """For a local source whose reader failed on text that is not UTF-8 (a ``UnicodeDecodeError``, or pyarrow's
+    "Invalid ... UTF-8" from the json builder), the file and line of the first such byte, and what to do: the
+    builders name neither. None for another failure, or where no such byte is found."""
+    if not (isinstance(exc, UnicodeDecodeError) or "utf-8" in str(exc).lower() or "utf8" in str(exc).lower()):
+        return None
+    if src.data_files is not None and src.name not in TEXT_BUILDERS:
+        return None  # parquet and arrow files are not text: their strings were checked when written
+    for path in local_files(src):
+        if src.data_files is None and path.suffix.lower() not in TEXT_SUFFIXES:
+            continue  # hf:DIR: a binary file beside the text ones (parquet, arrow) is not read as text
+        found = first_bad_utf8(path)
+        if found is not None:
+            return DataError(f"{src.source}: {found.describe(path)}")
+    return None
 
 
 def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str | dict[str, Any]]]:
     """The text of each record of ``src``, named ``SOURCE#NUMBER``."""
     records = _open(src, datasets)
     columns = _columns(records)
-    if columns and src.column not in columns:
+    # Conversations: #messages (or #conversations) named, or, reading the default column, a dataset with a
+    # conversation column and no text one (told from the columns, or where a stream does not list them, from its
+    # first record); bigbatch.data.chat reads the whole record, its tools included.
+    found = src.column == DEFAULT_COLUMN and DEFAULT_COLUMN not in columns and any(c in columns for c in CHAT_COLUMNS)
+    conversations: bool | None = src.column in CHAT_COLUMNS or found
+    if columns and src.column not in columns and not found:
         raise DataError(
             f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
             f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}"
         )
-    conversations = src.column == CHAT_COLUMN or (
-        src.column == DEFAULT_COLUMN and CHAT_COLUMN in columns and DEFAULT_COLUMN not in columns
-    )
+    if not columns and src.column == DEFAULT_COLUMN:
+        conversations = None  # the first record decides
     for number, record in enumerate(records, start=1):
+        if conversations is None:
+            conversations = is_conversation_row(record)
         if conversations:  # the whole record: the template may read its tools too
-            if not isinstance(record, dict) or not isinstance(record.get(CHAT_COLUMN), list):
-                raise DataError(f"record {number} of {src.source} has no list {CHAT_COLUMN!r} field")
+            held = [c for c in CHAT_COLUMNS if isinstance(record, dict) and c in record]
+            column = src.column if src.column in CHAT_COLUMNS else (held or list(CHAT_COLUMNS))[0]
+            if not isinstance(record, dict) or not isinstance(record.get(column), list):
+                raise DataError(f"record {number} of {src.source} has no list {column!r} field")
             yield f"{src.source}#{number}", dict(record)
             continue
         text = record.get(src.column) if isinstance(record, dict) else None

@@ -25,6 +25,7 @@ import numpy as np
 from bigbatch.data.chat import ChatEncoder, ChatSettings, audit_lines, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
 from bigbatch.data.corpus_progress import CorpusProgress
+from bigbatch.data.data_mode import resolve_data_mode
 from bigbatch.data.encode import encoded_documents, worker_count
 from bigbatch.data.fingerprint import prepared_data_fingerprint, tokenizer_fingerprint
 from bigbatch.data.resumable import (
@@ -104,9 +105,11 @@ def prepare_dataset(
     keeps it in ``out_dir/tokenizer.json``; with ``bpe_json`` (a ``tokenizer.json`` document, e.g. a run's own)
     that tokenizer is used and kept instead of training one.
 
-    Rows holding ``messages`` are conversations (:mod:`~bigbatch.data.chat`): they need ``documents`` mode and a
-    ``file:PATH`` tokenizer whose directory has the model's chat template; ``chat`` says which tokens are trained
-    (default: every assistant turn) and ``meta.json`` keeps the audit.
+    Rows holding ``messages`` (or ShareGPT ``conversations``) are conversations (:mod:`~bigbatch.data.chat`): they
+    need ``documents`` mode (what ``mode="auto"`` picks for a source whose first row is one; for any other source
+    ``auto`` is ``packed``, see :mod:`~bigbatch.data.data_mode`) and a ``file:PATH`` tokenizer whose directory has
+    the model's chat template; ``chat`` says which tokens are trained (default: every assistant turn) and
+    ``meta.json`` keeps the audit.
 
     ``workers``: processes that tokenize; ``None`` picks one per CPU core when the corpus is large enough
     to gain from it and the tokenizer is not ``byte``, 1 tokenizes in this process. The shards are the same
@@ -118,6 +121,7 @@ def prepare_dataset(
     ``wait_for_lock`` another one waits for it and returns what it prepared.
     """
     _check_settings(val_fraction, shard_tokens, mode, workers)
+    mode = resolve_data_mode(mode, source, tokenizer_name)  # auto: documents for conversations, else packed
     out = Path(out_dir)
     _refuse_existing(out)
     require_creatable_dir(out, "dataset directory")
@@ -219,12 +223,7 @@ def _prepare(
             staging, source, tokenizer, dtype, mode, masked, shard_names, token_counts, found, replaced
         )
         if chat is not None:
-            meta.extra["chat"] = {
-                **chat.audit.to_dict(),
-                "loss_on": chat_settings.loss_on,
-                "no_assistant": chat_settings.no_assistant,
-                "template": template_fingerprint(chat.template.directory),
-            }
+            meta.extra["chat"] = _chat_record(chat, chat_settings)
         write_meta(staging, meta)
     _log_prepared(out, meta, found, tokenizer.name, mode, time.perf_counter() - started, n_workers)
     if invalid.replacements:
@@ -263,6 +262,19 @@ def _source_documents(source: str) -> tuple[Callable[[], Iterator[Document]], li
         return hf_documents(source) if hf else read_documents(files)
 
     return documents, _hf_local_files(source) if hf else files
+
+
+def _chat_record(chat: ChatEncoder, settings: ChatSettings) -> dict[str, object]:
+    """What ``meta.json`` keeps of preparing conversations: the audit, the settings and the template's
+    fingerprint."""
+    return {
+        **chat.audit.to_dict(),
+        "loss_on": settings.loss_on,
+        "no_assistant": settings.no_assistant,
+        "long_conversations": settings.long_conversations,
+        "max_tokens": settings.max_tokens,
+        "template": template_fingerprint(chat.template.directory),
+    }
 
 
 def _source_chat(

@@ -21,7 +21,7 @@ import numpy as np
 
 from bigbatch.data.tokenizers import BPE_FILE, file_tokenizer_fingerprint, file_tokenizer_path, is_file_tokenizer
 from bigbatch.errors import DataError
-from bigbatch.settings.choices import DATA_MODE
+from bigbatch.settings.choices import RESOLVED_DATA_MODES
 
 META_FILE = "meta.json"
 FORMAT_NAME = "bigbatch-tokens"
@@ -57,8 +57,8 @@ class DatasetMeta:
     @classmethod
     def from_file(cls, path: Path) -> DatasetMeta:
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 (a damaged file)
             raise DataError(f"{path} is not a readable dataset metadata file ({exc}); re-run bigbatch prepare") from exc
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise DataError(f"{path} is not a bigbatch dataset (format field missing); re-run bigbatch prepare")
@@ -87,7 +87,7 @@ class DatasetMeta:
             for names in self.shards.values()
         ):
             return "shards must map each split to a list of file names"
-        if self.mode not in DATA_MODE:
+        if self.mode not in RESOLVED_DATA_MODES:  # never auto: it is resolved before anything is prepared
             return f"mode {self.mode!r} is not packed or documents"
         if not isinstance(self.tokens, dict) or not all(isinstance(n, int) for n in self.tokens.values()):
             return "tokens must map each split to a token count"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 from bigbatch.progress import plural
 
@@ -68,3 +70,40 @@ def utf8_replacements(data: bytes) -> int:
     except UnicodeDecodeError:
         return data.decode("utf-8", errors="replace").count("\ufffd") - data.count("\ufffd".encode())
     return 0
+
+
+@dataclass(frozen=True)
+class BadUTF8:
+    """Where a file first stops being UTF-8: its 1-based line, the 1-based byte of that line, and the byte."""
+
+    line: int
+    column: int
+    byte: int
+
+    def describe(self, path: Path | str) -> str:
+        """One line naming the place and what to do (formats read as text, JSON above all, must be UTF-8)."""
+        return (
+            f"{path}:{self.line}: not valid UTF-8 (byte 0x{self.byte:02x} at byte {self.column} of the line); "
+            "the file is read as UTF-8: re-encode it as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 FILE > NEW, with "
+            "its real encoding) or fix that line"
+        )
+
+
+def bad_utf8_in_line(line: bytes, number: int) -> BadUTF8 | None:
+    """Where ``line`` (line ``number`` of a file) is not UTF-8, or None."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadUTF8(number, exc.start + 1, line[exc.start])
+    return None
+
+
+def first_bad_utf8(path: Path) -> BadUTF8 | None:
+    """The first place ``path`` is not UTF-8 (read line by line: memory stays flat), or None; used to name the
+    place when a reader that decodes a whole file (``datasets``' json, csv and text builders) fails on it."""
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            found = bad_utf8_in_line(line, number)
+            if found is not None:
+                return found
+    return None

@@ -12,8 +12,11 @@ model:
 * ``bigbatch_tokenizer.json``: bigbatch's name for the tokenizer and its fingerprint.
 
 ``byte`` is written as a byte-level BPE without merges (token id = byte value), ``gpt2`` is converted from
-tiktoken's encoding (its merges recovered from the ranks), ``file:PATH`` is its ``tokenizer.json`` as it was
-read (so every copy has the original's fingerprint) with its end-of-text token as ``eos_token``.
+tiktoken's encoding (its merges recovered from the ranks), ``file:PATH`` is the ``tokenizer.json`` it encodes with
+(the file as it was read, so every copy has the original's fingerprint, or the pipeline transformers builds for its
+tokenizer class: ``data/tokenizer_pipeline.py``) with its end-of-text token as ``eos_token`` and the model
+directory's ``add_bos_token``/``add_eos_token``, under the class ``PreTrainedTokenizerFast``, which transformers
+loads as it is: ``AutoTokenizer`` of a copy or an export encodes the ids the run trained on.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import logging
 import os
 import shutil
 import tempfile
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
 from bigbatch.data.fingerprint import tokenizer_fingerprint
+from bigbatch.data.tokenizer_pipeline import transformers_pipeline
 from bigbatch.data.tokenizers import (
     BPE_FILE,
     EOT_TEXT,
@@ -42,7 +47,7 @@ from bigbatch.data.tokenizers import (
     read_eos_token,
     tokenizer_json_fingerprint,
 )
-from bigbatch.errors import BigBatchError, CheckpointError
+from bigbatch.errors import BigBatchError, CheckpointError, DataError
 from bigbatch.files.atomic import apply_umask
 
 log = logging.getLogger(__name__)
@@ -140,6 +145,7 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, model_max_lengt
         **({} if own else {"add_prefix_space": False}),  # a setting transformers would apply to its pre-tokenizer
         "clean_up_tokenization_spaces": False,
         **special,
+        **(_special_settings(tokenizer.name) if own else {}),
         **_chat_template(tokenizer.name),
     }
     files = {
@@ -177,6 +183,13 @@ def _model_tokens(name: str) -> dict[str, Any]:
     return {key: config[key] for key in ("bos_token", "pad_token") if isinstance(config.get(key), (str, dict))}
 
 
+def _special_settings(name: str) -> dict[str, Any]:
+    """The model directory's ``add_bos_token``/``add_eos_token``: what its ``AutoTokenizer`` adds to a text with
+    ``add_special_tokens`` (transformers rebuilds the post-processor from them), so that a copy adds the same."""
+    config = _source_config(name)
+    return {key: config[key] for key in ("add_bos_token", "add_eos_token") if isinstance(config.get(key), bool)}
+
+
 def _chat_template(name: str) -> dict[str, Any]:
     """The model directory's chat template, so that the run's copy and every export render conversations as the
     training data was rendered (``chat_template.jinja`` or ``tokenizer_config.json``'s)."""
@@ -184,7 +197,13 @@ def _chat_template(name: str) -> dict[str, Any]:
         return {}
     jinja = file_tokenizer_path(name).parent / "chat_template.jinja"
     if jinja.is_file():
-        return {"chat_template": jinja.read_text(encoding="utf-8")}
+        try:
+            return {"chat_template": jinja.read_text(encoding="utf-8")}
+        except UnicodeDecodeError as exc:  # a template is text: one line, not a traceback
+            raise DataError(
+                f"{jinja} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at byte {exc.start + 1}); re-encode "
+                "the file as UTF-8"
+            ) from None
     template = _source_config(name).get("chat_template")
     return {"chat_template": template} if template else {}
 
@@ -251,23 +270,44 @@ def checkpoint_tokenizer(document: dict[str, Any], location: Path) -> Tokenizer:
     run_dir = run_dir_of(location)
     embedded = document.get("tokenizer_json")
     dataset = document.get("dataset")
-    candidates: list[tuple[str, str, str | None]] = []  # where, its tokenizer.json, the eos_token beside it
+    # where, its tokenizer.json (read when its turn comes), the eos_token beside it
+    candidates: list[tuple[str, Callable[[], str | None], str | None]] = []
 
-    def add(path: Path) -> None:
+    def read(path: Path, original: bool) -> str | None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a damaged copy: the other places are tried, as for a fingerprint mismatch
+            log.warning("the tokenizer in %s is not valid UTF-8 (a damaged file); skipped", path)
+            return None
+        if not original:
+            return text
+        try:  # the model's own file: what it encodes with now (the pipeline transformers builds, where it does)
+            return transformers_pipeline(path, text)
+        except BigBatchError as exc:  # e.g. no transformers: the checkpoint's own copy may still do
+            log.warning("the tokenizer in %s was skipped: %s", path, exc)
+            return None
+
+    def add(path: Path, original: bool = False) -> None:
         if path.is_file():
-            candidates.append((str(path), path.read_text(encoding="utf-8"), read_eos_token(path.parent)))
+            candidates.append((str(path), partial(read, path, original), read_eos_token(path.parent)))
+
+    def embedded_text() -> str:
+        return str(embedded)
 
     if run_dir is not None:
         add(run_dir / RUN_TOKENIZER_DIR / BPE_FILE)
     if embedded and is_bpe(name):
-        candidates.append(("the checkpoint", str(embedded), None))
+        candidates.append(("the checkpoint", embedded_text, None))
     if dataset:
         add(Path(dataset) / BPE_FILE)
     if is_file_tokenizer(name):
-        add(file_tokenizer_path(name))
+        add(file_tokenizer_path(name), original=True)
         if embedded:  # last: no tokenizer_config.json travels with it, so its end-of-text token is guessed
-            candidates.append(("the checkpoint", str(embedded), None))
-    for where, text, eos in candidates:
+            candidates.append(("the checkpoint", embedded_text, None))
+    for where, reader, eos in candidates:
+        text = reader()
+        if text is None:
+            continue
         if expected and tokenizer_json_fingerprint(text) != expected:
             log.warning("the tokenizer in %s is not the one the model was trained with (fingerprint); skipped", where)
             continue
@@ -295,10 +335,34 @@ def export_tokenizer(document: dict[str, Any], location: Path, out: Path, model_
         expected = str((document.get("fingerprints") or {}).get("tokenizer") or "")
         if not expected or info.get("fingerprint") == expected:
             copy_tokenizer_files(source, out)
+            _check_exported(out)
             return " + tokenizer files"
     try:
         write_tokenizer_files(out, checkpoint_tokenizer(document, location), model_max_length)
     except BigBatchError as exc:
         log.warning("the export has no tokenizer files: %s", exc)
         return ", without tokenizer files"
+    _check_exported(out)
     return " + tokenizer files"
+
+
+def _check_exported(out: Path) -> None:
+    """Warn when ``AutoTokenizer.from_pretrained(out)`` would not encode with the ``tokenizer.json`` written there
+    (transformers picks a class from the export's ``config.json`` too, and some classes build their own pipeline)."""
+    path = out / BPE_FILE
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8")
+    try:
+        same = transformers_pipeline(path, text) == text
+    except BigBatchError as exc:
+        log.warning("the export's tokenizer was not checked against transformers: %s", exc)
+        return
+    if not same:
+        log.warning(
+            "transformers' AutoTokenizer of %s builds another pipeline than its tokenizer.json, so it may encode "
+            "otherwise than the model was trained; load the tokenizer with "
+            "PreTrainedTokenizerFast(tokenizer_file=%s)",
+            out,
+            path,
+        )

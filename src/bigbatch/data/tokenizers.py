@@ -8,10 +8,11 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from bigbatch.data.tokenizer_pipeline import continuation_tokenizer, transformers_pipeline
 from bigbatch.errors import BigBatchError, ConfigError, DataError
 from bigbatch.files.atomic import write_json_atomically, write_text_atomically
 from bigbatch.settings.choices import TOKENIZER_NAMES
@@ -100,8 +101,11 @@ class BPETokenizer:
 
     def __init__(self, name: str, tokenizer: Any) -> None:
         tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in the text is text, as with tiktoken
+        tokenizer.no_truncation()  # a file may ask for either; transformers turns both off for a plain call
+        tokenizer.no_padding()
         self.name = name
         self._tokenizer = tokenizer
+        self._continuation = continuation_tokenizer(tokenizer)  # None: a piece encodes alike anywhere in a text
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         eot = tokenizer.token_to_id(EOT_TEXT)
         self.eot_token = int(eot) if eot is not None else None
@@ -134,8 +138,29 @@ class BPETokenizer:
             return list(fast([text], add_special_tokens=False)[0].ids)
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def encode_continuation(self, data: bytes) -> list[int]:
+        """``encode`` of text that continues a text (a document's later piece, a completion after its prompt):
+        without the ``▁`` a SentencePiece-style pipeline puts at the start of a text (the same as ``encode``
+        for any other)."""
+        if self._continuation is None:
+            return self.encode(data)
+        return list(self._continuation.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids)
+
     def decode(self, tokens: list[int]) -> str:
         return str(self._tokenizer.decode([t for t in tokens if 0 <= t < self.vocab_size], skip_special_tokens=False))
+
+
+def continuation_decoder(tokenizer: Tokenizer, prefix: list[int]) -> Callable[[list[int]], str]:
+    """``decode`` of the tokens that follow ``prefix`` (a prompt's): ``decode(prefix + tokens)`` less
+    ``decode(prefix)``, so that a decoder which strips the space at the start of a text (SentencePiece-style)
+    keeps the one that starts the continuation; ``decode(tokens)`` where the prefix's text is not a prefix of it."""
+    head = tokenizer.decode(prefix)
+
+    def decode(tokens: list[int]) -> str:
+        whole = tokenizer.decode(prefix + tokens)
+        return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(tokens)
+
+    return decode
 
 
 def _hf_tokenizers():
@@ -196,15 +221,20 @@ class FileTokenizer(BPETokenizer):
     """A Hugging Face ``tokenizer.json`` brought with a model: ``file:PATH``, where PATH is the file (or the
     directory that holds it), loaded offline with the ``tokenizers`` library.
 
-    Its identity is the content of the file, not its path (see ``data/fingerprint.py``): the text is kept as it
-    was read, and every copy (beside the shards, in the run directory, in a checkpoint) is that text, so a copy
-    has the fingerprint of the original. The end-of-text token is ``eos_token`` of a ``tokenizer_config.json``
-    beside the file, else the first of :data:`EOS_CANDIDATES` in the vocabulary, else none.
+    It encodes as the model's ``AutoTokenizer`` does: where transformers builds the pipeline of the directory's
+    tokenizer class its own way (a Llama-2-style ``LlamaTokenizer``: see ``data/tokenizer_pipeline.py``), the
+    text kept is that pipeline, else the file's text as it was read. Its identity is that text, not its path (see
+    ``data/fingerprint.py``), and every copy (beside the shards, in the run directory, in a checkpoint) is that
+    text, so a copy has the fingerprint of the original, and a file transformers keeps as it is keeps its own
+    fingerprint. The end-of-text token is ``eos_token`` of a ``tokenizer_config.json`` beside the file, else the
+    first of :data:`EOS_CANDIDATES` in the vocabulary, else none.
 
     Encoding is :class:`BPETokenizer`'s (no special tokens added, special-token text in a document stays text),
-    which also encodes it in prepare's worker processes from :meth:`to_str`. Lossless for byte-level tokenizers
-    (GPT-2, Llama 3); others (SentencePiece-style Metaspace, WordPiece) may add a prefix space at the start of
-    each 128 KiB piece or map unknown characters to an unknown token.
+    which also encodes it in prepare's worker processes from :meth:`to_str`; a piece that continues a text
+    (:meth:`encode_continuation`) gets no SentencePiece ``▁`` prefix. Lossless for byte-level tokenizers
+    (GPT-2, Llama 3); SentencePiece-style ones with byte fallback (Llama 2) read a text's first space as the
+    ``▁`` they put there (``" hi"`` encodes as ``"hi"``, as with ``AutoTokenizer``); others (WordPiece, a Unigram
+    without byte fallback) may map unknown characters to an unknown token.
     """
 
     def __init__(self, name: str, tokenizer: Any, text: str | None = None, eos_token: str | None = None) -> None:
@@ -222,15 +252,9 @@ class FileTokenizer(BPETokenizer):
 
     @classmethod
     def from_file(cls, name: str, path: Path) -> FileTokenizer:
-        """The tokenizer in ``path`` (a ``tokenizer.json``), with the end-of-text token of the
-        ``tokenizer_config.json`` beside it."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(
-                f"cannot read the tokenizer {path} ({type(exc).__name__}); give --tokenizer file:PATH of a Hugging "
-                "Face tokenizer.json (or the directory that holds it)"
-            ) from exc
+        """The tokenizer in ``path`` (a ``tokenizer.json``, in the pipeline transformers encodes it with), with
+        the end-of-text token of the ``tokenizer_config.json`` beside it."""
+        text = file_tokenizer_text(Path(path))
         return cls.from_str(name, text, read_eos_token(Path(path).parent), where=str(path))
 
     @classmethod
@@ -254,6 +278,20 @@ class FileTokenizer(BPETokenizer):
         write_text_atomically(Path(path), self._text)
         config = {"eos_token": self.eot_text} if self.eot_text is not None else {}
         write_json_atomically(Path(path).parent / TOKENIZER_CONFIG_FILE, config)
+
+
+def file_tokenizer_text(path: Path) -> str:
+    """The ``tokenizer.json`` text that encodes as the model's ``AutoTokenizer`` does: the file at ``path`` as it
+    is, or the pipeline transformers builds for its directory's tokenizer class (see ``data/tokenizer_pipeline.py``:
+    a one-line error where that cannot be known or reproduced)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"cannot read the tokenizer {path} ({type(exc).__name__}); give --tokenizer file:PATH of a Hugging "
+            "Face tokenizer.json (or the directory that holds it)"
+        ) from exc
+    return transformers_pipeline(Path(path), text)
 
 
 def read_eos_token(directory: Path) -> str | None:
@@ -339,13 +377,11 @@ def tokenizer_json_fingerprint(text: str) -> str:
 
 
 def file_tokenizer_fingerprint(path: Path) -> str:
-    """:func:`tokenizer_json_fingerprint` of the file ``path``; "" when it is missing."""
+    """:func:`tokenizer_json_fingerprint` of what the file ``path`` encodes with (:func:`file_tokenizer_text`: the
+    file itself unless transformers builds another pipeline for it); "" when it is missing."""
     if not path.is_file():
         return ""
-    try:
-        return tokenizer_json_fingerprint(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read the tokenizer {path} ({exc}); restore the file") from exc
+    return tokenizer_json_fingerprint(file_tokenizer_text(path))
 
 
 def get_tokenizer(name: str, directory: Path | None = None) -> Tokenizer:

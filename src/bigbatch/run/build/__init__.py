@@ -79,6 +79,7 @@ class RunParts:
     noise: NoiseMeter | None = None  # the engine's noise-scale hook, for its estimate (None: not measured)
     run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (run/loop/run_dir_lock.py); the trainer releases it
     seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
+    data_mode_auto: bool = False  # --data-mode was auto: config.data.data_mode is what the data was read as
 
     @property
     def documents(self) -> bool:
@@ -144,6 +145,7 @@ def hold_run_dir(config: TrainConfig, dist: DistContext, say: Say) -> tuple[Path
 def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say: Say) -> RunParts:
     """Every part of the run, on every rank alike (rank 0 prepares data; the others wait and find it)."""
     seq_len_auto = config.batch.seq_len in (0, "auto")  # auto is stored as 0 (or set as the word from Python)
+    data_mode_auto = config.data.data_mode == "auto"
     config = check_config(config)
     check_batch(config, dist.world_size)  # before the run directory is made
     seed_everything(config.run.seed)
@@ -152,7 +154,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
         torch.backends.cudnn.allow_tf32 = True
     run_dir, run_lock = hold_run_dir(config, dist, say)
     try:
-        return _build_parts(config, dist, device, say, run_dir, run_lock, seq_len_auto)
+        return _build_parts(config, dist, device, say, run_dir, run_lock, seq_len_auto, data_mode_auto)
     except BaseException:  # a run refused or failed while building leaves its directory free
         if run_lock is not None:
             run_lock.release()
@@ -167,6 +169,7 @@ def _build_parts(
     run_dir: Path,
     run_lock: RunDirLock | None,
     seq_len_auto: bool,
+    data_mode_auto: bool = False,
 ) -> RunParts:
     """The phases after the run directory is chosen and held (see :func:`build_run`)."""
     resume_from = find_resume_checkpoint(run_dir, config.run.resume, config.run.overwrite, dist.is_main)
@@ -229,4 +232,5 @@ def _build_parts(
         noise=observers.noise,
         run_lock=run_lock,
         seq_len_auto=seq_len_auto,
+        data_mode_auto=data_mode_auto,
     )

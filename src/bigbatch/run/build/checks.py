@@ -19,6 +19,7 @@ from bigbatch.parallel.distributed import DistContext, resolve_device
 from bigbatch.run.build.data_phase import build_loader, check_micro_batch_fits, prepare_data
 from bigbatch.run.build.model_phase import preset_shape
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
+from bigbatch.run.configuration.data_mode import resolve_data_mode
 from bigbatch.run.configuration.seq_len import resolve_seq_len
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan, plan_batch
@@ -28,13 +29,13 @@ from bigbatch.sizing.ramp import BatchRamp, parse_ramp
 def check_config(config: TrainConfig) -> TrainConfig:
     """The settings on their own: valid fields, loggers whose packages are installed, a cache directory that can
     be made; returns the config with ``seq_len`` auto resolved to the model's block size (from here on, the
-    number)."""
+    number) and ``data_mode`` auto to the data's mode (documents for conversations, else packed)."""
     config.validate()
     check_guard(config)
     check_optional_loggers(bool(config.run.tensorboard), str(config.run.wandb or ""))
     if config.data.cache_dir:
         require_creatable_dir(Path(config.data.cache_dir), "cache directory")
-    return resolve_seq_len(config)
+    return resolve_data_mode(resolve_seq_len(config))
 
 
 def check_guard(config: TrainConfig) -> None:

@@ -21,7 +21,7 @@ from bigbatch.data.validation_windows import ValidationWindows, validation_windo
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
-from bigbatch.run.configuration.seq_len import model_directory
+from bigbatch.run.configuration.seq_len import model_directory, resolve_seq_len
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
 
@@ -59,7 +59,20 @@ def prepare_data(config: TrainConfig) -> Path:
         data.val_fraction,
         data.cache_dir or None,
         mode=data.data_mode,
-        chat=ChatSettings(loss_on=data.loss_on, no_assistant=data.no_assistant),
+        chat=chat_settings(config),
+    )
+
+
+def chat_settings(config: TrainConfig) -> ChatSettings:
+    """How the run's conversations become rows: which tokens are trained, and a conversation kept within one
+    row of ``seq_len + 1`` tokens by the run's ``long_conversations`` policy."""
+    data = config.data
+    seq_len = resolve_seq_len(config).batch.seq_len
+    return ChatSettings(
+        loss_on=data.loss_on,
+        no_assistant=data.no_assistant,
+        long_conversations=data.long_conversations,
+        max_tokens=seq_len + 1,
     )
 
 
@@ -142,6 +155,14 @@ def build_loader(
         seed=config.run.seed,
         pack=pack,
     )
+    if isinstance(loader, DocumentLoader) and loader.long_document_count and dataset.meta.extra.get("chat"):
+        raise DataError(
+            f"{plural(loader.long_document_count, 'conversation')} of the {name} split of {dataset.directory} "
+            f"{'is' if loader.long_document_count == 1 else 'are'} longer than seq_len+1={plan.seq_len + 1} tokens: "
+            "cut into windows, a later reply would be trained without its question; prepare the conversations with "
+            f"--seq-len {plan.seq_len} (--long-conversations decides what becomes of them), or train with a larger "
+            "--seq-len"
+        )
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
             f"the {name} split of {dataset.directory} holds no valid targets: each of its "

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigbatch.run.configuration.fields import config_field as _opt
-from bigbatch.settings.choices import DATA_MODE, LONG_DOCUMENTS, LOSS_ON, NO_ASSISTANT, PACK, SHUFFLE
+from bigbatch.settings.choices import (
+    DATA_MODE,
+    LONG_CONVERSATIONS,
+    LONG_DOCUMENTS,
+    LOSS_ON,
+    NO_ASSISTANT,
+    PACK,
+    SHUFFLE,
+)
 from bigbatch.settings.ranges import PROBABILITY
 
 
@@ -31,9 +39,10 @@ class DataSection:
     )
     cache_dir: str = _opt("", "where raw text is prepared (default: $BIGBATCH_CACHE or ~/.cache/bigbatch)")
     data_mode: str = _opt(
-        "packed",
+        "auto",
         "how raw text is prepared: packed (one token stream) or documents (one padded sequence per document; "
-        ".jsonl prompt/completion records mask the prompt)",
+        ".jsonl prompt/completion records mask the prompt); auto: documents when the first row is a conversation "
+        "('messages' or ShareGPT 'conversations'), else packed",
         choices=DATA_MODE,
     )
     loss_on: str = _opt(
@@ -48,6 +57,13 @@ class DataSection:
         "chat data: a conversation with no assistant token to train on is refused in one line (refuse) or left out "
         "and counted (drop)",
         choices=NO_ASSISTANT,
+    )
+    long_conversations: str = _opt(
+        "drop-oldest-turns",
+        "chat data, a conversation longer than seq_len+1 tokens (it would be cut into windows, a later reply trained "
+        "without its question): drop-oldest-turns (leave out its oldest rounds until it fits; the system prompt and "
+        "tools stay), drop (leave it out) or refuse (one line naming it); counted in prepare's audit",
+        choices=LONG_CONVERSATIONS,
     )
     long_documents: str = _opt(
         "split",

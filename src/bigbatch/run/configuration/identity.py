@@ -23,6 +23,7 @@ from typing import Any
 
 from bigbatch.errors import BigBatchError
 from bigbatch.run.configuration.config_sources import config_from_dict
+from bigbatch.run.configuration.data_mode import resolve_data_mode
 from bigbatch.run.configuration.seq_len import resolve_seq_len
 from bigbatch.run.configuration.train_config import TrainConfig
 
@@ -100,15 +101,18 @@ def _flat(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def identity_settings(config: TrainConfig) -> dict[str, Any]:
     """``{section.key: value}`` of the settings that define the run (everything not in :data:`MAY_CHANGE`); a
-    seq_len of auto counts as the number it resolves to (the same run as that number given)."""
-    return {k: v for k, v in _flat(resolve_seq_len(config).to_dict()).items() if k not in MAY_CHANGE}
+    seq_len of auto counts as the number it resolves to (the same run as that number given), a data_mode of auto
+    as the mode it resolves to."""
+    resolved = resolve_data_mode(resolve_seq_len(config))
+    return {k: v for k, v in _flat(resolved.to_dict()).items() if k not in MAY_CHANGE}
 
 
-LEGACY_VALUES: dict[str, Any] = {"data.shuffle": "off", "batch.seq_len": 256}
+LEGACY_VALUES: dict[str, Any] = {"data.shuffle": "off", "batch.seq_len": 256, "data.data_mode": "packed"}
 """Defining settings whose default computes something else than the bigbatch before it did, and the value that
 reproduces the old default: a run made before ``--shuffle`` read its windows in order; before seq_len auto (the
 model's block size) the default seq_len was 256, so a run at 256 (the nano preset's block size) keeps its
-directory."""
+directory; data_mode is compared resolved (never auto) and its default was packed, so a run on text keeps its
+directory and a run on conversations under auto finds the one of --data-mode documents."""
 
 
 def settings_fingerprint(config: TrainConfig) -> str:
@@ -145,6 +149,8 @@ def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
             saved_flat["batch.seq_len"] = resolve_seq_len(config_from_dict(saved)).batch.seq_len
         except BigBatchError:  # a saved model that cannot be read here: compared as saved
             pass
+    if saved_flat.get("data.data_mode") == "auto":  # a config saved unresolved: auto as it resolves for this data
+        saved_flat["data.data_mode"] = resolve_data_mode(config).data.data_mode
     diffs = []
     for key, value in identity_settings(config).items():
         if key in RESUME_CHECKED:

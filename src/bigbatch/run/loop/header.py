@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bigbatch import __version__
 from bigbatch.data.chat import audit_lines
+from bigbatch.data.data_mode import conversations_note
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.models.registry import family_of
 from bigbatch.progress import plural
@@ -49,6 +50,9 @@ def header_lines(parts: RunParts) -> list[str]:
         lines.append(f"router | {parts.engine.router.describe()}")
     lines.append(f"bad steps | {describe_guard(parts)}")
     chat = meta.extra.get("chat")
+    if isinstance(chat, dict) and parts.data_mode_auto and parts.config.data.data_mode == "documents":
+        # no --data-mode, and raw conversations prepared as documents for it: say why
+        lines.append(f"chat | {conversations_note('--data-mode')}")
     if isinstance(chat, dict):  # conversations: the audit prepare made of them
         lines.extend(f"chat | {line.removeprefix('chat: ')}" for line in audit_lines(chat, str(chat.get("loss_on"))))
     if isinstance(parts.train_loader, DocumentLoader):
