@@ -264,3 +264,35 @@ def test_configuration_flag_table_names_every_choice(section: str, name: str, al
     assert rows, f"docs/configuration.md's flag table has no row for --{flag_of(field)}"
     for value in allowed:
         assert any(re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", row) for row in rows), (name, value)
+
+
+def test_no_flag_is_taken_by_a_prefix_in_any_command() -> None:
+    """Every proper prefix of every flag of every command that is not itself a flag is refused in one line naming the
+    flags it would have abbreviated (`train --k 8` was taken as --keep-checkpoints 8); argparse's own prefix
+    matching is off in every parser."""
+    from bigbatch.cli.app import UsageError, build_parser, parse_command_line
+
+    parser = build_parser()
+    checked = 0
+    for command, sub in subparsers().items():
+        assert sub.allow_abbrev is False, command
+        flags = {name for action in sub._actions for name in action.option_strings if name.startswith("--")}
+        for flag in flags:
+            for end in range(3, len(flag)):
+                prefix = flag[:end]
+                if prefix in flags or prefix.endswith("-"):
+                    continue
+                with pytest.raises(UsageError) as refused:
+                    parse_command_line(parser, [command, f"{prefix}=1"])
+                message = str(refused.value)
+                assert "\n" not in message and (f"unknown flag {prefix}; did you mean " in message or "does not take" in message)
+                checked += 1
+    assert parser.allow_abbrev is False and checked > 500
+
+
+@pytest.mark.parametrize("flag", ["--k", "--tokens-per-step"])
+def test_train_refuses_the_plan_flags_naming_total_batch_tokens(flag: str) -> None:
+    from bigbatch.cli.app import UsageError, build_parser, parse_command_line
+
+    with pytest.raises(UsageError, match=rf"bigbatch train does not take {flag}: .*--total-batch-tokens N"):
+        parse_command_line(build_parser(), ["train", flag, "8"])

@@ -235,3 +235,60 @@ def test_every_exported_file_follows_the_umask(
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in written}
     assert "model.safetensors" in modes and "tokenizer.json" in modes
     assert modes == {p.name: dir_mode if p.is_dir() else file_mode for p in written}
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe:300", "byte", "file"])
+def test_the_export_names_the_tokenizers_end_of_text(tokenizer: str, workspace: Path, tmp_path: Path) -> None:
+    """config.json's bos/eos ids (what generate() stops at) are the run's tokenizer's end-of-text, not the last id
+    (a word for a bpe: run); a tokenizer without one (byte) leaves them out."""
+    transformers = pytest.importorskip("transformers")
+    if tokenizer == "file":  # a tokenizer.json whose end-of-text is not its last id
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        made = Tokenizer(models.BPE())
+        made.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        made.train_from_iterator(
+            [corpus_bytes(20_000).decode("utf-8", "replace")],
+            trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+        )
+        (tmp_path / "tok").mkdir()
+        made.save(str(tmp_path / "tok" / "tokenizer.json"))
+        tokenizer = f"file:{tmp_path / 'tok'}"
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(workspace / "corpus.txt"), "--model", "pico", "--seq-len", "32", "--micro-batch"]
+    argv += ["2", "--total-batch-tokens", "64", "--max-steps", "1", "--eval-every", "0", "--sample-tokens", "0"]
+    argv += ["--tokenizer", tokenizer, "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]
+    code, out, err = run_main(argv)
+    assert code == 0, out + err
+    code, out, err = run_main(["export", str(run), str(tmp_path / "hf")])
+    assert code == 0, err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if tokenizer == "byte":
+        assert "eos_token_id" not in config and "bos_token_id" not in config
+        return
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    eot = reloaded.convert_tokens_to_ids("<|endoftext|>")
+    assert config["eos_token_id"] == config["bos_token_id"] == eot != config["vocab_size"] - 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert model.generation_config.eos_token_id == eot  # what generate() stops at
+
+
+def test_an_export_that_fails_leaves_nothing(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything is written into a hidden folder beside OUT, renamed into place at the end: a failure (here the
+    reload check) leaves neither OUT nor the folder; a missing package is refused before anything is written."""
+    import bigbatch.artifacts.export as export
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(export, "_reloaded_logits", broken)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        export.export_hf(run_dir, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+    def missing(package: str, what: str, extra: str) -> object:
+        raise export.BigBatchError(f"{what} needs the {package} package: pip install 'bigbatch[{extra}]'")
+
+    monkeypatch.setattr(export, "require_package", missing)
+    line = assert_one_line_error(*run_main(["export", str(run_dir), str(tmp_path / "hf")]))
+    assert "needs the transformers package" in line and list(tmp_path.iterdir()) == []

@@ -3,14 +3,18 @@ mixture-of-experts layout, by the run's model family; an ``hf:DIR`` model in its
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bigbatch.data.tokenizer_files import export_tokenizer
+from bigbatch.data.tokenizer_files import checkpoint_tokenizer, export_tokenizer
 from bigbatch.errors import BigBatchError, require_package
-from bigbatch.files.atomic import apply_umask
+from bigbatch.files.atomic import apply_umask, write_json_atomically
 from bigbatch.models.hf_files import has_weights, quiet_progress
 from bigbatch.models.lora import LoraSettings, adapter_state, has_lora, merge_lora
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
@@ -32,9 +36,16 @@ def export_hf(run: Path, out: Path, adapter: bool = False) -> str:
     """Write the model (and its tokenizer) of ``run``'s newest valid checkpoint to the new or empty directory
     ``out`` (a LoRA run's adapters merged into it), or with ``adapter`` only a LoRA run's adapters as peft saves
     them; return the line that says what was written, how to load it, and how far the reloaded export's logits are
-    from the training-time model's on a held batch."""
+    from the training-time model's on a held batch.
+
+    What the export needs (transformers for the reload check, peft for adapters) is checked before anything is
+    written, and everything is written into a hidden folder beside ``out`` renamed into place at the end: an export
+    completes or leaves nothing."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # before the (possibly long) load
         raise BigBatchError(f"{out} already exists and is not empty; choose a new output directory")
+    require_package("transformers", "export (it reloads what it wrote to check it)", "hf")
+    if adapter:
+        require_package("peft", "export --adapter", "hf")
     path = resolve_checkpoint(run)
     document = load_checkpoint(path)
     model = model_from_checkpoint(document).eval()
@@ -44,14 +55,39 @@ def export_hf(run: Path, out: Path, adapter: bool = False) -> str:
     held = _held_tokens(model.config.vocab_size)
     with torch.no_grad():
         reference = model(held).float()  # (2, 16, V): the model as trained, adapters unmerged
-    created = not out.exists()
-    if adapter:
-        return _export_adapter(model, base, out, created, document, path, held, reference)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        if adapter:
+            line = _export_adapter(model, base, staging, document, path, held, reference)
+        else:
+            line = _export_model(model, lora, staging, document, path, held, reference)
+        give_umask_modes(staging, created=True)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return line.replace(str(staging), str(out))
+
+
+def _export_model(
+    model: torch.nn.Module,
+    lora: bool,
+    out: Path,
+    document: dict[str, Any],
+    path: Path,
+    held: torch.Tensor,
+    reference: torch.Tensor,
+) -> str:
+    """The model (its adapters merged) and its tokenizer in ``out``, reloaded by transformers and compared."""
     if lora:
         merge_lora(model)
     save_pretrained(model, out)
     tokenizer_note = export_tokenizer(document, path, out, model.config.block_size)
-    give_umask_modes(out, created)
+    if getattr(model, "hf_model", None) is None:  # an hf:DIR model keeps its own config's ids
+        _set_end_of_text(out, document, path)
     try:
         reloaded = _reloaded_logits(out, held, None)
         check = f"within {_max_difference(reloaded, reference):.2e} of the trained model's on a held batch"
@@ -63,9 +99,29 @@ def export_hf(run: Path, out: Path, adapter: bool = False) -> str:
         f"exported step {document.get('step', '?')} of {path} to {out}{merged} (Hugging Face {hf_layout(model)} "
         f"layout: config.json + model.safetensors; {cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}, "
         f"{document.get('tokenizer', 'byte')} tokens{tokenizer_note}); load it with "
-        f"transformers.{hf_class_name(model)}.from_pretrained and AutoTokenizer.from_pretrained; reloaded, its logits "
-        f"are {check}"
+        f"transformers.{hf_class_name(model)}.from_pretrained"
+        + (" and AutoTokenizer.from_pretrained" if (out / "tokenizer.json").is_file() else "")
+        + f"; reloaded, its logits are {check}"
     )
+
+
+def _set_end_of_text(out: Path, document: dict[str, Any], path: Path) -> None:
+    """``bos_token_id`` / ``eos_token_id`` of the exported ``config.json`` (and ``generation_config.json`` where
+    written): the run's tokenizer's end-of-text token (GPT-2's convention: one token begins and ends a text), so
+    ``generate()`` stops where the tokenizer ends a text; left out for a tokenizer without one (``byte``), rather
+    than naming a byte."""
+    eot = checkpoint_tokenizer(document, path).eot_token
+    for name in ("config.json", "generation_config.json"):
+        file = out / name
+        if not file.is_file():
+            continue
+        config = json.loads(file.read_text(encoding="utf-8"))
+        for key in ("bos_token_id", "eos_token_id"):
+            if eot is None:
+                config.pop(key, None)
+            else:
+                config[key] = int(eot)
+        write_json_atomically(file, config)
 
 
 def _held_tokens(vocab_size: int) -> torch.Tensor:
@@ -115,7 +171,6 @@ def _export_adapter(
     model: torch.nn.Module,
     base: Path,
     out: Path,
-    created: bool,
     document: dict[str, Any],
     path: Path,
     held: torch.Tensor,
@@ -136,7 +191,6 @@ def _export_adapter(
         raise BigBatchError(f"--adapter: the adapters do not fit {base} ({result.unexpected_keys[0]}, ...)")
     wrapped.peft_config["default"].base_model_name_or_path = str(base.resolve())
     wrapped.save_pretrained(str(out))
-    give_umask_modes(out, created)
     reloaded = _reloaded_logits(base, held, out)
     return (
         f"exported the LoRA adapters (rank {settings.rank}, {len(targets)} linear maps) of step "

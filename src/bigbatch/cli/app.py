@@ -62,10 +62,14 @@ class TopParser(CommandParser):
         return argparse.ArgumentParser.error(self, message)
 
 
-def unknown_flag(parser: argparse.ArgumentParser, words: list[str]) -> UsageError | None:
-    """The one line for the first ``--flag`` in ``words`` that ``parser`` does not take (a unique prefix of one
-    is taken, as argparse takes it), naming the nearest known one as git does: ``unknown flag --mciro-batch; did
-    you mean --micro-batch?``. Found before parsing, so a mistyped flag is named before a missing one."""
+def unknown_flag(
+    parser: argparse.ArgumentParser, words: list[str], refused: dict[str, str] | None = None
+) -> UsageError | None:
+    """The one line for the first ``--flag`` in ``words`` that ``parser`` does not take, naming the nearest known
+    one as git does: ``unknown flag --mciro-batch; did you mean --micro-batch?``. Only a whole flag is taken: a
+    prefix (``--k`` of ``--keep-checkpoints``) would silently mean another flag. ``refused``: flags other commands
+    take that this one refuses with its own advice (train's ``--k``). Found before parsing, so a mistyped flag is
+    named before a missing one."""
     flags = [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
     for word in words:
         if word == "--":  # what follows is positional
@@ -73,15 +77,20 @@ def unknown_flag(parser: argparse.ArgumentParser, words: list[str]) -> UsageErro
         if not word.startswith("--"):
             continue
         flag = word.split("=", 1)[0]
-        if any(known.startswith(flag) for known in flags):
+        if flag in flags:
             continue
-        return UsageError(f"unknown flag {flag}{did_you_mean(flag, flags)} (see {parser.prog} --help)")
+        if refused and flag in refused:
+            return UsageError(f"{parser.prog} does not take {flag}: {refused[flag]}")
+        longer = [known for known in flags if known.startswith(flag)]  # what an abbreviation would have meant
+        hint = f"; did you mean {' or '.join(longer[:3])}?" if longer else did_you_mean(flag, flags)
+        return UsageError(f"unknown flag {flag}{hint} (see {parser.prog} --help)")
     return None
 
 
 def build_parser() -> CommandParser:
     parser = TopParser(
         prog="bigbatch",
+        allow_abbrev=False,  # a prefix of a flag is never taken for it (see unknown_flag)
         description="Train GPT-style models with exact gradient accumulation: the update of a huge batch "
         "on a machine that holds only a small one.",
     )
@@ -89,7 +98,7 @@ def build_parser() -> CommandParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     commands.required = True
     for name, command in COMMANDS.items():
-        sub = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION or None)
+        sub = commands.add_parser(name, help=command.HELP, description=command.DESCRIPTION or None, allow_abbrev=False)
         command.add_arguments(sub)
         sub.set_defaults(handler=command.run)
     return parser
@@ -100,7 +109,7 @@ def parse_command_line(parser: argparse.ArgumentParser, raw: list[str]) -> argpa
     subcommands: dict[str, argparse.ArgumentParser] = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr, assignment]
     at = next((i for i, word in enumerate(raw) if word in subcommands), None)
     if at is not None:
-        refusal = unknown_flag(subcommands[raw[at]], raw[at + 1 :])
+        refusal = unknown_flag(subcommands[raw[at]], raw[at + 1 :], getattr(COMMANDS[raw[at]], "REFUSED_FLAGS", None))
         if refusal is not None:
             raise refusal
     return parser.parse_args(raw)

@@ -13,7 +13,9 @@ DESCRIPTION = (
     "with transformers' GPT2LMHeadModel.from_pretrained(OUT_DIR), or LlamaForCausalLM's for a Llama run, "
     "MixtralForCausalLM's for an MoE run (Qwen3MoeForCausalLM's with query/key norms, Qwen2MoeForCausalLM's with a "
     "shared expert). A LoRA run's adapters are merged in, or written alone with --adapter. The line it prints says how "
-    "far the reloaded export's logits are from the trained model's on a held batch."
+    "far the reloaded export's logits are from the trained model's on a held batch. Needs the hf extra (pip install "
+    "-e '.[hf]': transformers, and peft for --adapter), checked before anything is written; OUT appears whole or not "
+    "at all."
 )
 
 

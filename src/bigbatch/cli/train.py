@@ -16,6 +16,14 @@ DESCRIPTION = (
 )
 
 
+REFUSED_FLAGS = {
+    flag: "train sets the tokens per step with --total-batch-tokens N (K follows from it, the micro-batch, seq_len "
+    "and processes, and varies per step under --token-budget, a ramp or Seesaw); plan and verify take " + flag
+    for flag in ("--k", "--tokens-per-step")
+}
+"""Flags of plan and verify that train refuses with its own advice, rather than as unknown."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file; flags override it")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")

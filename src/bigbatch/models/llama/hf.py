@@ -170,7 +170,7 @@ def hf_llama_config(model: Llama) -> dict[str, Any]:
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
-        # As in the GPT-2 layout (models/gpt/hf.py): the last id, which is the GPT-2 tokenizer's end-of-text.
+        # The last id (GPT-2's end-of-text); bigbatch export sets the run's tokenizer's own (artifacts/export.py).
         "bos_token_id": cfg.vocab_size - 1,
         "eos_token_id": cfg.vocab_size - 1,
         "pad_token_id": None,
