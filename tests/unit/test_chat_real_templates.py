@@ -109,3 +109,118 @@ def test_last_assistant_and_all(encoders: dict[str, ChatEncoder]) -> None:
     assert last.trained_text() == ["<|channel|>final<|message|>  Café, with the accent kept.  <|return|>"]
     everything = _encode(encoders["qwen3"], "tools", loss_on="all")
     assert everything.mask[0] == 0 and everything.mask[1:].all() and everything.spans == []
+
+
+def _directory_with(base: Path, target: Path, template: str, specials: tuple[str, ...] = ()) -> Path:
+    """A copy of a tokenizer directory with another template and, where it writes them, more control tokens."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    shutil.copytree(base, target)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(target / "tokenizer.json"))
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {
+        str(i): {
+            "content": t.content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t.special,
+        }
+        for i, t in tokenizer.get_added_tokens_decoder().items()
+    }
+    config["chat_template"] = template
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+MORE = Path(__file__).resolve().parents[1] / "support" / "real_chat" / "more"
+TWO_QUESTIONS = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And Japan?"},
+        {"role": "assistant", "content": "Tokyo."},
+    ]
+}
+
+
+def test_an_earlier_reply_under_a_shorter_header_than_the_prompt_trains_no_role_name(
+    directories: dict[str, Path], tmp_path: Path
+) -> None:
+    """Qwen3.6's generation prompt ends in <think>\\n, its earlier replies follow <|im_start|>assistant\\n alone: the
+    header is that shorter form, not <|im_start|> (which trained 'assistant\\n')."""
+    directory = _directory_with(
+        directories["qwen3"], tmp_path / "q36", (MORE / "qwen3_6.jinja").read_text(encoding="utf-8")
+    )
+    encoder = ChatEncoder(run_tokenizer_json(directory), directory, ChatSettings())
+    encoded = encoder.encode(conversation_from_record(TWO_QUESTIONS, "row"))
+    assert encoded is not None
+    assert encoded.trained_text() == [
+        "Paris.<|im_end|>",
+        "\n</think>\n\nTokyo.<|im_end|>",
+    ]  # the prompt holds <think>\n
+
+
+def test_parallel_tool_calls_that_name_each_function_twice_are_trained_whole(
+    directories: dict[str, Path], tmp_path: Path
+) -> None:
+    """Muse Glimmer writes each call's name in its header and in its body: a name met again neither ends nor extends
+    the reply, so both calls and their closing <|eot|> are trained (only the first header was)."""
+    specials = ("<|begin_of_text|>", "<|start|>", "<|message|>", "<|eot|>", "<|eom|>")
+    directory = _directory_with(
+        directories["llama3"], tmp_path / "muse", (MORE / "muse_glimmer.jinja").read_text(encoding="utf-8"), specials
+    )
+    call = lambda name, city: {"type": "function", "id": name, "function": {"name": name, "arguments": {"city": city}}}  # noqa: E731
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather and time?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [call("get_weather", "Lyon"), call("get_time", "Paris")],
+            },
+            {"role": "tool", "tool_call_id": "get_weather", "name": "get_weather", "content": "18"},
+            {"role": "tool", "tool_call_id": "get_time", "name": "get_time", "content": "noon"},
+            {"role": "assistant", "content": "18 C, noon."},
+        ],
+        "tools": conversations()["tools"]["tools"],
+    }
+    encoder = ChatEncoder(run_tokenizer_json(directory), directory, ChatSettings())
+    encoded = encoder.encode(conversation_from_record(row, "row"))
+    assert encoded is not None
+    calls, answer = encoded.trained_text()
+    assert calls.startswith(" to=get_weather<|message|>") and "get_time" in calls and calls.endswith("<|eot|>")
+    assert answer.endswith("18 C, noon.<|eot|>") and encoder.audit.partial_turns == 0
+
+
+def test_special_token_text_anywhere_the_template_writes_is_refused(encoders: dict[str, ChatEncoder]) -> None:
+    """In a tool call's arguments or in reasoning, <|im_end|> would end a reply in the middle of a call."""
+    row = conversations()["tools"]
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"city": "<|im_end|>"}
+    with pytest.raises(DataError, match=r"^row: message 2 \(assistant\)'s tool_calls holds the special token text"):
+        encoders["qwen3"].encode(conversation_from_record(row, "row"))
+
+
+def test_a_reply_of_weight_0_is_shown_not_trained(encoders: dict[str, ChatEncoder]) -> None:
+    """OpenAI's fine-tuning rows: an assistant message with weight 0 is context, not a target."""
+    row = {"messages": [dict(m) for m in TWO_QUESTIONS["messages"]]}
+    row["messages"][2]["weight"] = 0
+    encoded = encoders["qwen2.5"].encode(conversation_from_record(row, "row"))
+    assert encoded is not None and encoded.trained_text() == ["Tokyo.<|im_end|>"]
+
+
+def test_a_template_that_refuses_every_probe_is_one_line(directories: dict[str, Path], tmp_path: Path) -> None:
+    """Nothing to learn its header and end of turn from: refused, rather than masks from empty marks."""
+    template = "{% if not tools %}{{ raise_exception('tools are required') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    directory = _directory_with(directories["qwen2.5"], tmp_path / "picky", template)
+    encoder = ChatEncoder(run_tokenizer_json(directory), directory, ChatSettings())
+    with pytest.raises(DataError, match=r"picky: the chat template refuses the simplest conversation"):
+        encoder.encode(conversation_from_record(conversations()["tools"], "tools"))

@@ -65,12 +65,12 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_the_copies_are_the_bytes_provenance_records() -> None:
     recorded = dict(
         re.findall(
-            r"\| `((?:templates|trl_training)/[\w.]+\.jinja)` \|.*\| `([0-9a-f]{64})` \|",
+            r"\| `((?:templates|trl_training|more)/[\w.]+\.jinja)` \|.*\| `([0-9a-f]{64})` \|",
             (REAL_CHAT / "PROVENANCE.md").read_text(encoding="utf-8"),
         )
     )
     on_disk = {f"{p.parent.name}/{p.name}": p for p in REAL_CHAT.glob("*/*.jinja")}
-    assert set(recorded) == set(on_disk) and len(on_disk) == 27
+    assert set(recorded) == set(on_disk) and len(on_disk) == 29
     for name, path in on_disk.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == recorded[name], name
     assert {SPECS[f].template_file for f in FAMILIES} == {

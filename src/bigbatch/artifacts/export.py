@@ -17,6 +17,7 @@ from bigbatch.errors import BigBatchError, require_package
 from bigbatch.files.atomic import apply_umask, write_json_atomically
 from bigbatch.models.hf_files import has_weights, quiet_progress
 from bigbatch.models.lora import LoraSettings, adapter_state, has_lora, merge_lora
+from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
 from bigbatch.models.registry import model_location
 from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
@@ -73,7 +74,7 @@ def export_hf(run: Path, out: Path, adapter: bool = False) -> str:
 
 
 def _export_model(
-    model: torch.nn.Module,
+    model: DecoderLM,
     lora: bool,
     out: Path,
     document: dict[str, Any],

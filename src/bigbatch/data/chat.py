@@ -258,7 +258,7 @@ def audit_lines(values: dict[str, Any], loss_on: str) -> list[str]:
     if unrendered:
         lines.append(
             f"chat: the template does not render {plural(unrendered, 'assistant turn')} at all (e.g. "
-            f"{values.get('first_unrendered')}: tool calls it drops); they are not trained"
+            f"{values.get('first_unrendered')}: an empty reply, or tool calls it drops); they are not trained"
         )
     shortened, too_long = int(values.get("shortened", 0)), int(values.get("too_long", 0))
     if shortened or too_long or values.get("max_tokens"):
@@ -330,7 +330,10 @@ class ChatEncoder:
     def marks(self) -> TemplateMarks:
         """The template's assistant header and end-of-turn texts (learned on first use)."""
         if self._marks is None:
-            self._marks = learn_marks(self.template.try_render, self._token_pieces, self._stop_texts())
+            try:
+                self._marks = learn_marks(self.template.try_render, self._token_pieces, self._stop_texts())
+            except DataError as exc:
+                raise DataError(f"{self.template.directory}: {exc}") from None
         return self._marks
 
     def _stop_texts(self) -> list[str]:
@@ -349,13 +352,24 @@ class ChatEncoder:
         return [(a, b, int(i) in self._special_ids) for i, (a, b) in zip(encoding.ids, encoding.offsets, strict=True)]
 
     def _check_content(self, conversation: Conversation) -> None:
+        """Refuse special-token text anywhere the template may write it: a message's text, its reasoning, its tool
+        calls' names and arguments, and the tools' schemas (it would be read as a control token, and end a reply
+        in the middle of a call)."""
+        fields: list[tuple[str, str]] = []
         for number, message in enumerate(conversation.messages, start=1):
-            content = message["content"]
-            for text in self.template.special_texts:
-                if text and text in content:
+            where = f"message {number} ({message['role']})"
+            for key, value in message.items():
+                if key != "role" and value is not None:
+                    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+                    fields.append((where if key == "content" else f"{where}'s {key}", text))
+        if conversation.tools:
+            fields.append(("the tools", json.dumps(list(conversation.tools), ensure_ascii=False)))
+        for where, text in fields:
+            for special in self.template.special_texts:
+                if special and special in text:
                     raise DataError(
-                        f"{conversation.name}: message {number} ({message['role']}) holds the special token text "
-                        f"{text!r}, which would be read as a control token; remove or escape it in the data"
+                        f"{conversation.name}: {where} holds the special token text {special!r}, which would be read "
+                        "as a control token; remove or escape it in the data"
                     )
 
     def _fitted(self, conversation: Conversation) -> tuple[list[dict[str, Any]], str, Any] | None:
@@ -437,6 +451,7 @@ class ChatEncoder:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.settings.loss_on == "last-assistant":
             turns = turns[-1:]
+        turns = [i for i in turns if messages[i].get("weight", 1) != 0]  # OpenAI's fine-tuning rows: weight 0 shown
         skeleton = skeleton_of(messages)
         marked = self.template.render(name, skeleton.messages, tools)
         spans, unrendered = reply_spans(

@@ -36,9 +36,10 @@ from bigbatch.errors import DataError
 MARKER = re.compile("\ue000(\\d+)\ue001")
 TEXT_FIELDS = ("content", "reasoning_content", "thinking", "reasoning")
 """The fields of a message whose text is replaced by markers (reasoning goes by any of the three names)."""
-SHAPE_TAGS = re.compile(r"(\s*</?(?:think|tool_response|tool_call)>\s*)")
-"""Tags that templates look for inside a message's text (to split reasoning out of a reply, to tell a tool result
-from a question): kept in the marked text, so the template takes the same branch for it as for the real text."""
+SHAPE_TAGS = re.compile(r"(\s*(?:</?(?:think|tool_response|tool_call)>|/no_think|/think)\s*)")
+"""What templates look for inside a message's text (tags to split reasoning out of a reply or to tell a tool
+result from a question; Nemotron's and Qwen3's ``/think`` and ``/no_think`` switches): kept in the marked text,
+so the template takes the same branch for it as for the real text."""
 
 
 def _marker(number: int) -> str:
@@ -198,8 +199,16 @@ def learn_marks(
     closed differently by context (gpt-oss's ``<|call|>`` after a tool call)."""
     user, reply, follow = _marker(0), _marker(1), _marker(2)
     asked = [{"role": "user", "content": user}]
+    if render(asked, False) is None:  # a template that wants a system prompt first
+        asked = [{"role": "system", "content": _marker(3)}, *asked]
     headers: tuple[str, ...] = ()
     plain, prompted = render(asked, False), render(asked, True)
+    if plain is None:
+        raise DataError(
+            "the chat template refuses the simplest conversation (a question, with or without a system prompt), so "
+            "where its replies start and end cannot be learned; fix the template, or --loss-on all to train every "
+            "token"
+        )
     if plain is not None and prompted is not None:
         # the first token that differs, not the first character: "<|end|>" and "<|assistant|>" share "<|"
         plain_tokens, prompted_tokens = split_tokens(plain), split_tokens(prompted)
@@ -210,15 +219,13 @@ def learn_marks(
             same += 1
         cut = prompted_tokens[same][0] if same < len(prompted_tokens) else len(prompted)
         prompt = prompted[min(cut, _common_prefix(plain, prompted)) :]
-        cuts = [prompt[:end] for _, end, special in split_tokens(prompt) if special]
-        headers = tuple(dict.fromkeys(h for h in [prompt, *reversed(cuts)] if h))
+        headers = tuple(dict.fromkeys(h for h in [prompt, *reversed(_cuts(prompt, split_tokens))] if h))
     answered = [*asked, {"role": "assistant", "content": reply}]
     last, followed = render(answered, False), render([*answered, {"role": "user", "content": follow}], False)
     openers: tuple[str, ...] = ()
     if not headers and last is not None and user in last and reply in last:
         between = last[last.index(user) + len(user) : last.index(reply)]
-        cuts = [between[:end] for _, end, special in split_tokens(between) if special]
-        openers = tuple(dict.fromkeys(o for o in [between, *reversed(cuts)] if o))
+        openers = tuple(dict.fromkeys(o for o in [between, *reversed(_cuts(between, split_tokens))] if o))
     gaps = [_after(text, reply) for text in (last, followed) if text is not None and reply in text]
     closers: tuple[str, ...] = ()
     if gaps:
@@ -236,6 +243,19 @@ def learn_marks(
     return TemplateMarks(headers, closers, openers)
 
 
+def _cuts(text: str, split_tokens: Callable[[str], list[tuple[int, int, bool]]]) -> list[str]:
+    """``text`` cut at each token boundary after its first special token, shortest first: the shorter forms of a
+    header (Qwen3.6 and Nemotron write ``<|im_start|>assistant\n`` before earlier replies and add ``<think>\n`` to
+    the generation prompt; DeepSeek's history has ``<｜Assistant｜>`` alone). A cut before any special token would be
+    a plain word, found anywhere."""
+    cuts, special_seen = [], False
+    for _, end, special in split_tokens(text):
+        special_seen = special_seen or special
+        if special_seen:
+            cuts.append(text[:end])
+    return cuts
+
+
 def _after(text: str, marker: str) -> str:
     rest = text[text.index(marker) + len(marker) :]
     cut = MARKER.search(rest)
@@ -245,6 +265,40 @@ def _after(text: str, marker: str) -> str:
 def _common_prefix(a: str, b: str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _own_run(placed: list[Placed], first: int, turn: int) -> tuple[int, int, int]:
+    """The reply's run of fields from ``first``: its last field, and the first field of another message after it.
+    A marker met again is the same text written twice (a call's name in Muse's ``to=NAME`` and ``invoke
+    name=NAME``, gpt-oss's in the tool's turn that answers it): it neither extends the reply nor ends it."""
+    seen, last, at = {placed[first].number}, first, first + 1
+    while at < len(placed):
+        if placed[at].number in seen:
+            at += 1
+            continue
+        if placed[at].field.message != turn:
+            break
+        seen.add(placed[at].number)
+        last = at
+        at += 1
+    return first, last, at
+
+
+def _reply_start(gap: str, gap_start: int, body_start: int, lead: str, marks: TemplateMarks) -> tuple[int, bool]:
+    """Where a reply's trained characters start, and whether that is the end of the assistant header: after the
+    last header in the gap before its text (the longest form found); for a template without a generation prompt,
+    after what it writes between a question and a reply, or at the reply's own leading tag and white space."""
+    for header in marks.headers:
+        at = gap.rfind(header)
+        if at >= 0:
+            return gap_start + at + len(header), True
+    for opener in marks.openers:
+        at = gap.rfind(opener)
+        if at >= 0:
+            return gap_start + at + len(opener), False
+    if lead and gap.endswith(lead):  # the reply's own leading tag and white space (<think>\n, "  ")
+        return body_start - len(lead), False
+    return body_start, False
 
 
 def reply_spans(
@@ -273,31 +327,12 @@ def reply_spans(
         if not own:
             unrendered.append(turn)
             continue
-        first = own[0]
-        last = first  # the reply's own run of fields (gpt-oss names a call again in the tool's turn that follows)
-        seen = {placed[first].number}
-        while last + 1 < len(placed) and placed[last + 1].field.message == turn and placed[last + 1].number not in seen:
-            last += 1
-            seen.add(placed[last].number)
+        first, last, following = _own_run(placed, own[0], turn)
         gap_start = placed[first - 1].end if first else 0
         body_start, body_end = placed[first].start, placed[last].end
-        start, after_header = body_start, False
         gap = whole[gap_start:body_start]
-        if not after_header:
-            openers = [(gap.rfind(o), o) for o in marks.openers if gap.rfind(o) >= 0]
-            lead = placed[first].field.lead
-            if openers:  # no generation prompt: the reply starts after what the template writes before replies
-                at, opener = openers[0]
-                start = gap_start + at + len(opener)
-            elif lead and gap.endswith(lead):  # the reply's own leading tag and white space (<think>\n, "  ")
-                start = body_start - len(lead)
-        for header in marks.headers:
-            at = gap.rfind(header)
-            if at >= 0:
-                start, after_header = gap_start + at + len(header), True
-                break
-        next_start = placed[last + 1].start if last + 1 < len(placed) else len(whole)
-        after = whole[body_end:next_start]
+        start, after_header = _reply_start(gap, gap_start, body_start, placed[first].field.lead, marks)
+        after = whole[body_end : placed[following].start if following < len(placed) else len(whole)]
         found = [(after.find(c), c) for c in marks.closers if after.find(c) >= 0]
         end, stopped = body_end, False
         if found:
