@@ -15,9 +15,9 @@ import torch
 from bigbatch.data.tokenizer_files import checkpoint_tokenizer, export_tokenizer
 from bigbatch.errors import BigBatchError, require_package
 from bigbatch.files.atomic import apply_umask, write_json_atomically
+from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf_files import has_weights, quiet_progress
 from bigbatch.models.lora import LoraSettings, adapter_state, has_lora, merge_lora
-from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.pretrained import hf_class_name, hf_layout, save_pretrained
 from bigbatch.models.registry import model_location
 from bigbatch.run.checkpoints.checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
