@@ -29,9 +29,10 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 demo: $(RUNTIME)
 	$(BIN)/bigbatch train
 
-# Everything, slow tests included; the 20 slowest are listed at the end.
+# Everything, slow tests included, across both cores (pytest-xdist: a test file's tests on one worker, so its
+# module fixtures are built once), one thread each; the 20 slowest are listed at the end.
 test: $(DEV)
-	$(BIN)/python -m pytest -q --durations=20
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The inner loop: every test not marked slow, unit and integration (see README.md for its time on 2 CPU cores);
 # tests over 1 s are listed at the end as candidates for @pytest.mark.slow.

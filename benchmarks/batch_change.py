@@ -41,7 +41,6 @@ are paired; each table gives the per-seed numbers, then the mean, the standard d
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -59,6 +58,7 @@ import torch
 from bench_config import bench_corpus, cpu_run_config
 
 from bigbatch.critical_batch.measure import measure_over_run
+from bigbatch.observe.metrics import read_records
 from bigbatch.run.checkpoints import checkpoint as ckpt
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.run.loop.trainer import Trainer, TrainResult
@@ -133,8 +133,7 @@ class Bench:
 
 
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+    return [r for r in read_records(run_dir) if r.get("kind") == kind]
 
 
 def tokens_at_steps(run_dir: Path) -> dict[int, int]:

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import build_model, model_preset
+from bigbatch.observe.metrics import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (1, 2, 3, 4, 5)
@@ -134,7 +134,7 @@ def quality(work: Path) -> None:
                 "auto", "--sample-tokens", "0", "--noise-scale-every", "0", "--router-balance", mode, "--seed",
                 str(seed), "--cache-dir", str(work / "cache"), "--out", str(out),
             )  # fmt: skip
-            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            records = read_records(out)
             val = [r["val_loss"] for r in records if r["kind"] == "eval"][-1]
             cv = statistics.mean([r["expert_load_cv"] for r in records if r["kind"] == "step"][-20:])
             results[mode].append((val, cv))

@@ -50,6 +50,7 @@ from bigbatch.data.dataset import open_dataset
 from bigbatch.data.validation_windows import validation_windows
 from bigbatch.data.windows import TokenStreamWindows
 from bigbatch.models import preset
+from bigbatch.observe.metrics import read_records
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.run.loop.trainer import Trainer
 
@@ -87,7 +88,7 @@ def bigbatch_run(
 ) -> dict[int, float]:
     """Validation loss by step of ``bigbatch train`` (the Trainer) with ``--shuffle shuffle``."""
     Trainer(bigbatch_config(data, cache, out, steps, eval_every, seed, shuffle)).train()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(out)
     return {int(r["step"]): float(r["val_loss"]) for r in records if r["kind"] == "eval"}
 
 

@@ -249,16 +249,28 @@ def test_an_inf_gradient_with_two_processes_is_traced_to_its_micro_batch(
 
 
 @pytest.mark.slow
-def test_a_bit_flipped_on_one_rank_is_caught_by_replay_and_named(corpus: Path, tmp_path: Path) -> None:
-    """A device that flips a bit in every backward from step 3 on: each step's replay names rank 1, every step is
-    skipped, and the run stops in one line rather than training on."""
-    out = tmp_path / "replay"
-    args = cli_args(corpus, out, "--bad-step", "skip-step", "--replay-every", "1")
-    done = torchrun_cli(args, "bitflip:step=3,rank=1")
-    assert done.returncode != 0 and "consecutive steps" in done.stderr, done.stderr[-3000:]
-    suspects = _bad(out)
-    assert suspects and all(s["cause"] == "replay mismatch" and s["rank"] == 1 for s in suspects), suspects
-    assert min(r["step"] for r in _records(out, "bad_step")) == 3  # caught at the first step it happened
+@pytest.mark.parametrize(("fault", "rank"), [("bitflip", 1), ("bitflip-same", 1), ("bitflip-same", 0)])
+def test_a_faulty_device_on_one_rank_stops_the_run_naming_that_rank(
+    corpus: Path, tmp_path: Path, fault: str, rank: int
+) -> None:
+    """A device that computes wrongly in every backward from step 3 on, on one rank (K 2 per rank, the default
+    skip-micro). A wrong value that varies is named by the three ways its micro-batch came out; one that repeats
+    its value, which the digests of two ranks cannot tell from its peer's, by a float64 recomputation on the host
+    (whichever side of the disputed micro-batch the faulty rank is on). Either way the run stops at step 3 in one
+    line naming that rank, applies nothing of step 3, and metrics.jsonl holds every replay and the bad step."""
+    out = tmp_path / f"{fault}-{rank}"
+    done = torchrun_cli(cli_args(corpus, out, "--replay-every", "1"), f"{fault}:step=3,rank={rank}")
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert f"replay at step 3: the device of rank {rank} is suspect: " in done.stderr, done.stderr[-3000:]
+    if fault == "bitflip-same":
+        assert f"a float64 recomputation on the host (by rank {1 - rank}) sides with rank {1 - rank}" in done.stderr
+    (bad,) = _records(out, "bad_step")
+    assert (bad["step"], bad["action"], [s["rank"] for s in bad["suspects"]]) == (3, "stopped: device suspect", [rank])
+    assert [s["step"] for s in _records(out, "step")] == [1, 2]
+    replays = _records(out, "replay")
+    assert [r["step"] for r in replays] == [1, 2, 3]
+    assert [[c["matched"] for c in r["replays"]] for r in replays] == [[True, True], [True, True], [False, False]]
+    assert [c["rerun_by"] for c in replays[0]["replays"]] == [[1], [0]]
 
 
 @pytest.mark.slow

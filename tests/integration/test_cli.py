@@ -123,6 +123,45 @@ def test_train_exits_zero_and_logs_plan_and_steps(trained_run: tuple[int, str, s
     assert not re.search(r"^step 4 ", out, re.MULTILINE)
     assert re.search(r"^eval step 2 \| val loss", out, re.MULTILINE)
     assert "done | 3 steps | 768 tokens" in out
+    assert "compiling" not in out and "threads |" not in out  # eager on CPU (auto); one process
+
+
+def test_the_header_says_that_the_first_step_compiles_and_the_threads_bigbatch_chose(
+    corpus: Path, cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compile on: torch.compile works during the first step, silent for up to minutes, so the header's last line
+    says so. Under bigbatch's launcher (its environment, set here) a worker says the threads it was given in one
+    line, instead of torchrun's banner."""
+    from bigbatch.parallel.launch import set_worker_threads
+
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: module)  # compiling itself takes ~1 min on CPU
+    environ: dict[str, str] = {}
+    set_worker_threads(environ)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    code, out, err = run_main(tiny_args(corpus, cache_dir, tmp_path / "run", "--compile", "on", "--max-steps", "1"))
+    assert code == 0, err
+    lines = out.splitlines()
+    compiling = [i for i, line in enumerate(lines) if line.startswith("compiling | ")]
+    assert len(compiling) == 1 and "torch.compile compiles the model during the first step" in lines[compiling[0]]
+    assert compiling[0] < next(i for i, line in enumerate(lines) if line.startswith("step 1 | "))
+    first = next(i for i, line in enumerate(lines) if line.startswith("bigbatch "))  # the header's first line
+    assert lines[first + 1].startswith("threads | 1 CPU thread per process (OMP_NUM_THREADS=1"), lines[first:]
+    assert len([line for line in lines if "OMP_NUM_THREADS" in line]) == 1  # said once
+
+
+def test_plan_counts_the_parameters_as_train_does(
+    trained_run: tuple[int, str, str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    """One count, one format: the trained model's header and plan's table for the same shape."""
+    code, out, err, _ = trained_run
+    assert code == 0, err
+    said = re.search(r"^model pico \| (\d[\d,]*\.\d\dM parameters) \| ", out, re.MULTILINE)
+    assert said, out
+    argv = ["plan", "--model", "pico", "--vocab-size", "256", "--seq-len", "32", "--micro-batch", "4", "--k", "2"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert re.search(rf"^model pico +{re.escape(said[1])}$", table, re.MULTILINE), (said[1], table)
 
 
 def test_train_writes_run_directory(trained_run: tuple[int, str, str, Path], cache_dir: Path) -> None:
@@ -399,6 +438,32 @@ def test_invalid_flag_value_is_reported(capsys: pytest.CaptureFixture) -> None:
     code = main(["train", "--print-config", "--max-steps", "0"])
     captured = capsys.readouterr()
     assert "--max-steps" in assert_one_line_error(code, captured.out, captured.err)
+
+
+def test_an_error_about_a_config_files_value_names_its_key_and_the_file(
+    tmp_path: Path, corpus: Path, cache_dir: Path
+) -> None:
+    """A value from --config was never a flag: an error about it names the file's key (``data.tokenizer``, not
+    ``--tokenizer``) and the file, wherever the error comes from; a flag on the command line is still the flag."""
+    data = tmp_path / "data"
+    assert run_main(["prepare", str(corpus), "--out", str(data), "--tokenizer", "byte"])[0] == 0
+    path = tmp_path / "run.toml"
+    path.write_text(f'[data]\ndata = "{data}"\ntokenizer = "bpe:300"\n\n[model]\npreset = "pico"\n')
+    train = ["train", "--config", str(path), "--cache-dir", str(cache_dir), "--out", str(tmp_path / "run")]
+    line = assert_one_line_error(*run_main(train))
+    assert "--tokenizer" not in line and "--data" not in line, line
+    assert "data.tokenizer bpe:300 contradicts the data" in line and "drop data.tokenizer" in line
+    assert line.endswith(f"(data.data and data.tokenizer are set in {path})"), line
+    line = assert_one_line_error(*run_main([*train, "--tokenizer", "bpe:300"]))
+    assert "--tokenizer bpe:300 contradicts the data" in line and "drop --tokenizer" in line
+    assert line.endswith(f"(data.data is set in {path})"), line
+    path.write_text("[model]\nlora_alpha = 8.0\n")  # the config's own validation
+    line = assert_one_line_error(*run_main(["train", "--config", str(path), "--print-config"]))
+    assert line.startswith("bigbatch: error: model.lora_alpha, --lora-dropout and --lora-targets shape LoRA")
+    assert line.endswith(f"(model.lora_alpha is set in {path})")
+    path.write_text('[run]\ncompile = "maybe"\n')  # a word out of its choices names the file and key too
+    line = assert_one_line_error(*run_main(["train", "--config", str(path), "--print-config"]))
+    assert f"{path}: run.compile must be one of auto, on, off, got 'maybe'" in line
 
 
 # --------------------------------------------------------------------------------------------

@@ -243,6 +243,42 @@ def test_relaunch_runs_the_launcher_without_nproc(monkeypatch: pytest.MonkeyPatc
     assert "--max-restarts=4" in seen[-1][: seen[-1].index("bigbatch")]  # torchrun's flag, before the command
 
 
+def test_torchrun_under_bigbatchs_launcher_prints_no_thread_banner(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for several processes when it is missing, in a four-line banner on every
+    run; bigbatch's launcher sets the same first (the same bits as torchrun run directly), keeps the user's own,
+    and the workers' header says it once (test_cli.py)."""
+    import os
+
+    from torch.distributed.run import config_from_args, parse_args
+
+    from bigbatch.parallel import launch
+
+    def said() -> str:  # torch's logging goes to stderr, or to pytest's log capture
+        text = capfd.readouterr().err + caplog.text
+        caplog.clear()
+        return text
+
+    torchrun = ["--standalone", "--nproc-per-node=2", "-m", "bigbatch", "train"]
+    for name in ("OMP_NUM_THREADS", launch.THREADS_SET_ENV):  # set, then removed: restored as found afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    config_from_args(parse_args(torchrun))
+    assert "Setting OMP_NUM_THREADS" in said()  # what the user saw on every run
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    launch.set_worker_threads(os.environ)
+    assert os.environ["OMP_NUM_THREADS"] == os.environ[launch.THREADS_SET_ENV] == "1"
+    config_from_args(parse_args(torchrun))
+    assert "OMP_NUM_THREADS" not in said()
+    assert (launch.worker_threads_note() or "").startswith("1 CPU thread per process (OMP_NUM_THREADS=1, ")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a worker whose OMP_NUM_THREADS is not the launcher's choice
+    assert launch.worker_threads_note() is None
+    users = {"OMP_NUM_THREADS": "6"}
+    launch.set_worker_threads(users)
+    assert users == {"OMP_NUM_THREADS": "6"}  # kept, and nothing to say
+
+
 def test_default_tolerances_cover_the_resolved_precisions() -> None:
     from bigbatch.verify import DEFAULT_TOLERANCE
 
@@ -285,7 +321,9 @@ def test_no_flag_is_taken_by_a_prefix_in_any_command() -> None:
                 with pytest.raises(UsageError) as refused:
                     parse_command_line(parser, [command, f"{prefix}=1"])
                 message = str(refused.value)
-                assert "\n" not in message and (f"unknown flag {prefix}; did you mean " in message or "does not take" in message)
+                assert "\n" not in message and (
+                    f"unknown flag {prefix}; did you mean " in message or "does not take" in message
+                )
                 checked += 1
     assert parser.allow_abbrev is False and checked > 500
 
@@ -296,3 +334,53 @@ def test_train_refuses_the_plan_flags_naming_total_batch_tokens(flag: str) -> No
 
     with pytest.raises(UsageError, match=rf"bigbatch train does not take {flag}: .*--total-batch-tokens N"):
         parse_command_line(build_parser(), ["train", flag, "8"])
+
+
+HUGE = "99999999999999999999999"
+"""An integer no setting can hold (about 2**76)."""
+
+
+def integer_flags() -> list[tuple[str, str, str]]:
+    """``(command, flag, huge value)`` for every flag of every command whose value is an integer (or a list of
+    them, as --tokens-per-step)."""
+    found = []
+    for command, parser in subparsers().items():
+        for action in parser._actions:
+            if not action.option_strings or action.type is None or not callable(action.type):
+                continue
+            for sample, huge in (("7", HUGE), ("7,8", f"7,{HUGE}")):
+                try:
+                    value = action.type(sample)
+                except (argparse.ArgumentTypeError, ValueError, TypeError):
+                    continue
+                items = value if isinstance(value, list) else [value]
+                if items and all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+                    found.append((command, action.option_strings[0], huge))
+                    break
+    return found
+
+
+def test_every_integer_flag_of_every_command_refuses_what_no_setting_holds() -> None:
+    """A huge integer is refused in one line naming the flag (it was once accepted and written into config.toml),
+    from the command line, from a config file, and inside a count such as --batch-ramp's."""
+    from helpers import assert_one_line_error, run_main
+
+    flags = integer_flags()
+    assert len(flags) >= 55 and ("train", "--replay-every", HUGE) in flags
+    assert ("critical-batch", "--tokens-per-step", f"7,{HUGE}") in flags
+    assert ("plan", "--tokens-per-step", HUGE) in flags
+    for command, flag, huge in flags:
+        line = assert_one_line_error(*run_main([command, flag, huge]))
+        bounded = "2**62" in line or re.search(r"must be an integer in \[\d+, \d+\]", line)  # --seed's own bound
+        assert flag in line and bounded, (command, flag, line)
+    line = assert_one_line_error(*run_main(["plan", "--batch-ramp", f"1K:{HUGE}", "--tokens-per-step", "4Ki"]))
+    assert "2**62" in line
+    for section, section_cls in SECTIONS.items():  # the same ranges from a config file (or Python)
+        for f in fields(section_cls):
+            declared = f.metadata.get("range")
+            if declared is not None and declared.kind is int:
+                config = TrainConfig()
+                setattr(getattr(config, section), f.name, int(HUGE))
+                with pytest.raises(ConfigError, match=rf"\(({section}.{f.name})\) must be an integer.*, got {HUGE}$"):
+                    config.validate()
+    assert TrainConfig().batch.total_batch_tokens < 2**62  # the limit leaves every ordinary value alone

@@ -249,7 +249,9 @@ def test_the_export_names_the_tokenizers_end_of_text(tokenizer: str, workspace: 
         made.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         made.train_from_iterator(
             [corpus_bytes(20_000).decode("utf-8", "replace")],
-            trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            ),
         )
         (tmp_path / "tok").mkdir()
         made.save(str(tmp_path / "tok" / "tokenizer.json"))

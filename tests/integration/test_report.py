@@ -194,11 +194,18 @@ def test_report_of_one_run_writes_plots_and_a_matching_summary(runs: tuple[Path,
     assert s.tokens_per_s == pytest.approx(rate, rel=1e-12) and s.mfu == pytest.approx(total_mfu, rel=1e-9)
 
 
-def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_report_overlays_several_runs_beside_them(
+    runs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several runs: report/ in the directory that holds them (runs/report for runs under runs/), named as the
+    runs were; the working directory, often the user's checkout, gets nothing."""
     k2, k1 = runs
-    code, out, err = run_main(["report", str(k2), str(k1)])
+    monkeypatch.chdir(k2.parent.parent)
+    code, out, err = run_main(["report", f"{k2.parent.name}/k2", f"{k1.parent.name}/k1"])
     assert code == 0, err
-    report_dir = tmp_path / "report"  # ./report for several runs
+    report_dir = k2.parent / "report"
+    assert f"\nreport: {k2.parent.name}/report (loss_vs_step.png, " in out
+    assert not (k2.parent.parent / "report").exists() and not (tmp_path / "report").exists()
     for name in (*PLOTS, "mfu.png"):
         assert_png(report_dir / name)
     summary = (report_dir / "summary.txt").read_text()
@@ -208,6 +215,33 @@ def test_report_overlays_several_runs_into_the_working_directory(runs: tuple[Pat
     a, b = (summarize(read_metrics(d)) for d in runs)
     assert a.final_loss == pytest.approx(b.final_loss, rel=1e-5)
     assert a.tokens == b.tokens == 768
+
+
+def test_a_report_of_runs_that_meet_only_in_the_working_directory_asks_for_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their common directory is where the user is (or above it): nothing is written there, --out says where."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text('{"kind": "step", "step": 1, "loss": 2.0}\n')
+    monkeypatch.chdir(tmp_path)
+    line = assert_one_line_error(*run_main(["report", "a", "b"]))
+    assert "the runs a, b meet only in" in line and line.endswith("so give --out DIR for these")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_a_report_given_among_the_runs_is_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """runs/* takes in runs/report, written by a report before: it is no run, and is said to be left out."""
+    from bigbatch.files.outputs import REPORT_MARKER, mark_own_dir
+    from bigbatch.observe.report import leave_out_reports
+
+    run, report = tmp_path / "run", tmp_path / "report"
+    run.mkdir()
+    mark_own_dir(report, REPORT_MARKER, "report")
+    assert leave_out_reports([run, report]) == [run]
+    assert f"{report} is a report written by bigbatch report, not a run: left out" in caplog.text
+    with pytest.raises(BigBatchError, match="is a report written by bigbatch report, not a run; give run dir"):
+        leave_out_reports([report])
 
 
 def test_report_out_option(runs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -572,7 +606,44 @@ def test_memory_progress(tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         assert "measured micro-batch 1\n" not in err
         assert "measured 3/3 [" in err and "ETA" in err and "\r" in err
     else:
-        assert err == "measured micro-batch 1\nmeasured micro-batch 2\nmeasured micro-batch 4\n"
+        assert err == (
+            "measuring a training micro-step of pico on cpu (fp32, seq_len 32, K 4) at micro-batch 1, 2, 4\n"
+            "measured micro-batch 1\nmeasured micro-batch 2\nmeasured micro-batch 4\n"
+        )
+    assert err.startswith("measuring a training micro-step of pico on cpu")  # before the first size, on a TTY too
+
+
+def test_plan_measure_says_what_it_measures_before_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan --measure (minutes for GPT-2 on CPU) says what it measures first, then each size, as memory does."""
+    import bigbatch.sizing.memory
+
+    def fake(config: object, size: int, *args: object, **kwargs: object):  # noqa: ANN202
+        assert stream.getvalue().startswith("measuring a training micro-step of pico on cpu")  # said before
+        return fake_measurement(size)
+
+    monkeypatch.setattr(bigbatch.sizing.memory, "measure", fake)
+    stream = io.StringIO()
+    argv = [
+        "plan",
+        "--model",
+        "pico",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--k",
+        "8",
+        "--measure",
+        "--device",
+        "cpu",
+    ]
+    code, out, err = run_main(argv, stderr=stream)
+    assert code == 0, err
+    assert err == (
+        "measuring a training micro-step of pico on cpu (fp32, seq_len 32, K 4) at micro-batch 2\n"
+        "measured micro-batch 2\n"
+    )
+    assert "micro-step time (measured)" in out
 
 
 # --------------------------------------------------------------------------------------------

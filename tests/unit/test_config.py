@@ -161,7 +161,10 @@ def test_auto_set_from_python_is_stored_as_the_flag_stores_it() -> None:
         ('[batch]\ntotal_batch_tokens = "2M"\n', "t.toml: batch.total_batch_tokens must be int, got str '2M'"),
         ("[run]\ncompile = 3\n", 't.toml: run.compile must be "auto" or "on" or "off" (or true/false), got int 3'),
         ("[data]\npack = 1\n", 't.toml: data.pack must be "auto" or "on" or "off", got int 1'),
-        ('[run]\nparallel = "dpp"\n', "parallel must be one of auto, none, ddp, fsdp, got 'dpp'; did you mean ddp?"),
+        (
+            '[run]\nparallel = "dpp"\n',
+            "t.toml: run.parallel must be one of auto, none, ddp, fsdp, got 'dpp'; did you mean ddp?",
+        ),
     ],
 )
 def test_a_toml_type_error_names_every_word_the_field_takes(tmp_path: Path, toml: str, message: str) -> None:

@@ -564,9 +564,12 @@ def test_gpt2_tokenizer_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     message = str(info.value)
     assert calls == ["gpt2"]
     assert "could not load" in message
-    assert "--tokenizer byte" in message
+    assert "TIKTOKEN_CACHE_DIR" in message
     assert "ConnectionError" in message
     assert "\n" not in message
+    # What loads GPT-2 here holds its ids (GPT-2 token shards, a checkpoint trained on them): no other tokenizer
+    # is offered, since byte, bpe:VOCAB or file:PATH would read those ids as other text.
+    assert "byte" not in message and "bpe:" not in message and "file:" not in message
 
 
 def test_prepare_with_gpt2_offline_fails_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -577,8 +580,12 @@ def test_prepare_with_gpt2_offline_fails_cleanly(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     (tmp_path / "c.txt").write_bytes(b"hello")
-    with pytest.raises(BigBatchError, match="--tokenizer byte"):
+    with pytest.raises(BigBatchError) as info:
         prepare_dataset(str(tmp_path / "c.txt"), tmp_path / "out", tokenizer_name="gpt2")
+    # raw text may take any tokenizer: the ones that need no download are named, all of them
+    assert "TIKTOKEN_CACHE_DIR" in str(info.value)
+    assert "bpe:VOCAB" in str(info.value) and "file:PATH" in str(info.value) and "byte" in str(info.value)
+    assert "\n" not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
 
 

@@ -142,3 +142,100 @@ def test_a_dead_link_is_reported(tmp_path: Path) -> None:
     )
     assert anchors(page) == {"title"}
     assert [target.split(":")[0] for target in broken_links(page)] == ["missing.md", "page.md#nowhere"]
+
+
+CONFIGURATION = DOCS / "configuration.md"
+SHOWN_AS: dict[tuple[str, str], str] = {
+    ("--out", "runs/<model>-<settings hash>"): "unset: the run directory is named from the settings when it starts",
+    ("--name", "none"): "unset: report labels the run by its directory",
+}
+"""(flag, the table's default) -> why that words an unset (empty) default rather than spells it."""
+
+
+def flag_table_rows() -> list[tuple[int, list[str], list[str]]]:
+    """configuration.md's flag table: (line, its flags, its defaults), one default per flag (an empty cell: none
+    set, for every flag of the row)."""
+    rows = []
+    in_table = False
+    for number, line in enumerate(CONFIGURATION.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("| flag | default |"):
+            in_table = True
+            continue
+        if in_table and not line.startswith("|"):
+            break
+        if not in_table or line.startswith("|---"):
+            continue
+        flag_cell, default_cell = re.split(r"(?<!\\)\|", line)[1:3]
+        flags = re.findall(r"`(--[a-z][\w-]*)", flag_cell)
+        defaults = [d.strip() for d in default_cell.split(",")] if default_cell.strip() else [""] * len(flags)
+        rows.append((number, flags, defaults))
+    return rows
+
+
+def shows_default(flag: str, shown: str, default: object, auto: bool) -> bool:
+    """Whether the table's ``shown`` default words the config field's ``default`` (``auto`` for an auto field's
+    stored 0, on/off for a switch, ``off`` for a count whose 0 disables)."""
+    text = shown.strip("`")
+    if isinstance(default, bool):
+        return text == ("on" if default else "off")
+    if auto and default == 0:
+        return text == "auto"
+    if isinstance(default, (int, float)):
+        if text == "off":
+            return default == 0
+        try:
+            return float(text) == default
+        except ValueError:
+            return False
+    if default == "":
+        return text == "" or (flag, text) in SHOWN_AS
+    return text == default
+
+
+def test_the_flag_tables_defaults_are_the_configs() -> None:
+    """Each default in configuration.md's flag table is what the config field behind the flag defaults to (the table
+    is written by hand; this keeps its default column from drifting as a default changes, as the spike thresholds
+    did)."""
+    from bigbatch.cli import build_parser
+    from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig, field_of
+
+    commands = _cli_reference()._commands(build_parser())
+    dests = {flag: a.dest for a in commands["train"]._actions for flag in a.option_strings}
+    config = TrainConfig()
+    rows = flag_table_rows()
+    assert len(rows) > 30, "configuration.md's flag table was not found"
+    wrong = []
+    for line, flags, defaults in rows:
+        if len(flags) != len(defaults):
+            wrong.append(f"configuration.md:{line}: {len(flags)} flags but {len(defaults)} defaults")
+            continue
+        for flag, shown in zip(flags, defaults, strict=True):
+            if flag not in dests:
+                wrong.append(f"configuration.md:{line}: train has no flag {flag}")
+                continue
+            section, name = dests[flag].split(".")
+            default = getattr(getattr(config, section), name)
+            auto = bool(field_of(SECTIONS[section], name).metadata.get("auto"))
+            if not shows_default(flag, shown, default, auto):
+                wrong.append(f"configuration.md:{line}: {flag} default {shown or '(empty)'}, but it is {default!r}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "shown", "default", "auto", "expected"),
+    [
+        ("--lr", "2e-3", 0.002, False, True),
+        ("--loss-spike", "8", 12.0, False, False),
+        ("--seq-len", "`auto`", 0, True, True),
+        ("--replay-every", "off", 0, False, True),
+        ("--overwrite", "off", False, False, True),
+        ("--out", "`runs/<model>-<settings hash>`", "", False, True),
+        ("--init-from", "", "", False, True),
+        ("--data", "`builtin`", "builtin", False, True),
+        ("--data", "`auto`", "builtin", False, False),
+    ],
+)
+def test_shows_default_reads_the_tables_words(
+    flag: str, shown: str, default: object, auto: bool, expected: bool
+) -> None:
+    assert shows_default(flag, shown, default, auto) is expected

@@ -76,7 +76,7 @@ def test_plan_with_the_llama_1b_preset_derives_k_and_its_memory(capsys: pytest.C
     out = capsys.readouterr().out
     assert code == 0
     assert out.split("accumulation steps (K)")[1].split()[0] == "8"
-    assert "model llama3.2-1b" in out and "1,235.8M parameters" in out and "activations per micro-batch (bf16" in out
+    assert "model llama3.2-1b" in out and "1,235.81M parameters" in out and "activations per micro-batch (bf16" in out
 
 
 def test_plan_seq_len_auto_is_the_llama_presets_block_size(capsys: pytest.CaptureFixture) -> None:

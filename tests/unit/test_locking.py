@@ -3,18 +3,21 @@ after a clean release."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from bigbatch.files.lock import (
     INHERITED_ENV,
+    FileLock,
     Holder,
     LockBusy,
     acquire,
@@ -103,6 +106,56 @@ def test_a_released_and_removed_file_is_never_held_twice(tmp_path: Path) -> None
     for t in threads:
         t.join()
     assert overlaps == [] and not path.exists()
+
+
+def race(path: Path, threads: int) -> tuple[int, list[Holder | None]]:
+    """``threads`` threads take the lock at once (no waiting); how many got it and the refusals' holders."""
+    start = threading.Barrier(threads)
+    won: list[FileLock] = []
+    refused: list[Holder | None] = []
+
+    def attempt() -> None:
+        start.wait()
+        try:
+            won.append(acquire(path))
+        except LockBusy as busy:
+            refused.append(busy.holder)
+
+    workers = [threading.Thread(target=attempt) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    for lock in won:
+        lock.release()
+    return len(won), refused
+
+
+def test_every_refusal_of_a_lock_taken_at_the_same_moment_names_its_holder(tmp_path: Path) -> None:
+    """The lock is never visible before its record: a process that finds it held always learns who holds it
+    (an empty record used to say "another process" when the second came between the first's lock and write)."""
+    path = tmp_path / "lock"
+    refusals = 0
+    for _ in range(150):
+        won, refused = race(path, threads=6)
+        assert won == 1
+        assert all(holder is not None and holder.pid == os.getpid() for holder in refused), refused
+        refusals += len(refused)
+        assert not path.exists() and list(tmp_path.iterdir()) == []  # no record left beside it either
+    assert refusals == 150 * 5
+
+
+def test_a_dead_holders_lock_taken_over_at_the_same_moment_names_the_live_holder(tmp_path: Path) -> None:
+    """While one process takes over a dead holder's file, the others are refused with the new holder's name,
+    never the dead one's."""
+    path = tmp_path / "lock"
+    no_process = 2**22  # above any pid Linux (at most 2**22 - 1) or macOS hands out: never alive
+    for _ in range(100):
+        record = Holder(this_process().host, no_process, 0.0, "bigbatch train", "gone")
+        path.write_text(json.dumps(asdict(record)) + "\n")  # left by a holder that was killed
+        won, refused = race(path, threads=6)
+        assert won == 1
+        assert all(holder is not None and holder.pid == os.getpid() for holder in refused), refused
 
 
 def test_workers_recognise_the_lock_their_launcher_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -430,3 +430,32 @@ def test_read_of_a_packed_loader_reads_rows_of_the_plan_and_validation_covers_ev
             while windows.epoch == 0:
                 seen += [s for row in packed_sequences(windows.next_micro_batch(), ref) for s in row]
         assert sorted(seen) == sorted(s for s, _, _ in ref.values())
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_document_part_says_where_its_tokens_are_and_which_window_it_is(pack: bool, shuffle: bool) -> None:
+    """What following a bad document needs (``MicroBatch.parts``): over an epoch, one row and one packed row alike,
+    each part's positions hold its document's window as the shard has it, and every window of every document with a
+    target is read once."""
+    shards = documents(doc_lengths())
+    docs = loader(shards, B=3, pack=pack, shuffle=shuffle, seed=5)
+    seen: dict[tuple[int, int], list[int]] = {}
+    while True:
+        batch = docs.next_micro_batch()
+        for part in batch.parts:
+            start = part.start + part.window * T
+            tokens = shards[part.shard].tokens[start : start + part.length + 1].tolist()
+            columns = slice(part.column, part.column + part.length)
+            assert batch.inputs[part.row, columns].tolist() == tokens[:-1]
+            assert batch.targets[part.row, columns].tolist() == tokens[1:]
+            assert part.key == f"doc:{part.shard}@{part.start}"
+            seen.setdefault((part.shard, part.start), []).append(part.window)
+            offsets = np.asarray(shards[part.shard].offsets)
+            end = int(offsets[np.searchsorted(offsets, part.start, side="right")])
+            assert part.windows == -(-(end - part.start - 1) // T)
+        if docs.epoch == 1:
+            break
+    lengths = [n for n in doc_lengths() if n > 1]
+    assert sorted(len(w) for w in seen.values()) == sorted(-(-(n - 1) // T) for n in lengths)
+    assert all(sorted(windows) == list(range(len(windows))) for windows in seen.values())

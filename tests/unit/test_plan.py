@@ -48,3 +48,26 @@ def test_suggested_micro_batches_divide_the_total() -> None:
 def test_non_positive_values_are_refused(bad: int) -> None:
     with pytest.raises(PlanError, match="micro_batch must be a positive integer"):
         plan_batch(1024, bad, 128, 1)
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_without_a_model_plans_the_demo_at_byte_vocabulary(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --model is the run `bigbatch train` makes with no flags: nano on the built-in corpus's byte tokens
+    (vocabulary 256), said in a line; a named preset, nano included, keeps its own vocabulary (GPT-2's), as
+    memory and verify read --vocab-size auto, and --vocab-size sets it."""
+    import re
+
+    from bigbatch.cli.app import main
+
+    def plan(*argv: str) -> tuple[bool, str]:
+        """Whether the plan says it is the demo's, and the model's size."""
+        assert main(["plan", "--tokens-per-step", "16384", *argv]) == 0
+        out = capsys.readouterr().out
+        size = re.search(r"^model nano\s+(\S+) parameters$", out, re.MULTILINE)
+        assert size is not None, out
+        return "model nano at vocabulary 256: the demo" in out, size[1]
+
+    said, demo = plan()
+    assert said and demo.startswith("0.")  # under a million parameters, as the demo's header says
+    assert plan("--model", "nano", "--vocab-size", "256") == (False, demo)
+    assert plan("--model", "nano")[1].startswith("7.")  # the preset's 50,257-token head

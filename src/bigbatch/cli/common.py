@@ -37,7 +37,8 @@ OWN_DEFAULTS: dict[tuple[str, str], str] = {
     ("plan", "--micro-batch"): "derived when --k and --devices are given, else train's 16",
     ("plan", "--total-batch-tokens"): "derived from --micro-batch, --k and --devices when all three are given",
     ("plan", "--k"): "derived from the tokens per step, as train derives it, unless given",
-    ("plan", "--model"): "train's nano, except with --from-run: no model unless one is named",
+    ("plan", "--model"): "train's default run (the demo: nano at the byte tokenizer's vocabulary 256), except with "
+    "--from-run: no model unless one is named",
 }
 """(command, flag) -> why that command's default is not the config's."""
 
@@ -130,14 +131,14 @@ def add_k(parser: argparse.ArgumentParser, default: int | None, note: str = "", 
     )
 
 
-def add_vocab_size(parser: argparse.ArgumentParser) -> None:
+def add_vocab_size(parser: argparse.ArgumentParser, note: str = "") -> None:
     """``--vocab-size`` of the commands that build a model by name (plan, memory, verify): the model's own unless a
-    number is given (a command reads ``auto`` as 0, "the model's")."""
+    number is given (a command reads ``auto`` as 0, "the model's"); ``note``: what the command adds to that."""
     parser.add_argument(
         "--vocab-size",
         type=POSITIVE_INT_OR_AUTO.argtype(),
         default=AUTO,
         metavar="INT|auto",
         help="vocabulary; auto: the model's own (a preset's 50257, llama3.2-1b's 128256, hf:DIR's config.json's); "
-        "256 for byte tokens (default: auto)",
+        f"256 for byte tokens{note} (default: auto)",
     )

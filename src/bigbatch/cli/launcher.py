@@ -2,7 +2,8 @@
 
 ``bigbatch train --nproc N`` (and ``verify --nproc N``) run this instead of ``torch.distributed.run`` (see
 :func:`bigbatch.parallel.launch.relaunch_under_torchrun`). The agent's own log lines and its ChildFailedError
-report are kept back: the user sees the first user error a worker recorded
+report are kept back, and so is its banner about ``OMP_NUM_THREADS`` (set here first; the run's header says it
+in one line): the user sees the first user error a worker recorded
 (:func:`bigbatch.parallel.launch.record_user_error`) once with exit code 2, or one line naming the rank that
 failed and its exit code.
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bigbatch.errors import EXIT_USER_ERROR
-from bigbatch.parallel.launch import ERROR_DIR_ENV, QUIET_CODES
+from bigbatch.parallel.launch import ERROR_DIR_ENV, QUIET_CODES, set_worker_threads
 
 
 def _first_user_error(folder: Path) -> str | None:
@@ -40,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # the agent's banners, warnings, failure log
     folder = Path(tempfile.mkdtemp(prefix="bigbatch-errors-"))
     os.environ[ERROR_DIR_ENV] = str(folder)
+    set_worker_threads(os.environ)  # before torchrun reads it: no banner of its own
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
         return 0

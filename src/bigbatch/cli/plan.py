@@ -62,8 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "estimate of its last usable measurement); micro-batch, seq-len and devices default to the "
         "run's",
     )
-    add_model(parser, default=None, note="; plan: for memory (and with --measure, step time); nano unless --from-run")
-    add_vocab_size(parser)
+    add_model(
+        parser,
+        default=None,
+        note="; plan: for memory (and with --measure, step time); unset: the demo's, nano at the byte tokenizer's "
+        "vocabulary 256, unless --from-run",
+    )
+    add_vocab_size(parser, note="; plan: 256 without --model, the demo's byte tokens")
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
     add_precision(parser)
     add_device(parser)
@@ -79,8 +84,19 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the preset's
     if args.from_run is not None:
         return _from_run(args, vocab_size)
-    if args.model is None:
+    demo = ""  # said once the plan is known to hold (a refused budget prints nothing but its line)
+    if args.model is None:  # the run `bigbatch train` makes with no flags (make demo)
         args.model = config_default(ModelSection, "preset")
+        if not vocab_size:
+            from bigbatch.data.tokenizers import ByteTokenizer
+
+            # train's default data, the built-in corpus, is raw text read with byte tokens (--tokenizer auto): the
+            # preset's own vocabulary (GPT-2's 50,257) would plan another model, 9x the parameters
+            vocab_size = ByteTokenizer.vocab_size
+            demo = (
+                f"model {args.model} at vocabulary {vocab_size}: the demo, train's default run on the byte tokens of "
+                "its built-in corpus (--model and --vocab-size plan another)"
+            )
     if args.micro_batch is None and args.k is None:  # train's micro-batch, K derived
         args.micro_batch = config_default(BatchSection, "micro_batch")
     seq_len = args.seq_len
@@ -93,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"seq_len {seq_len} (the {args.model} model's block size)")
     solved = solve_plan(seq_len, args.total_batch_tokens, args.micro_batch, args.k, args.devices, exact=True)
+    if demo:
+        print(demo)
     ramp = None
     if args.batch_ramp:
         from bigbatch.sizing.ramp import BatchRamp, check_ramp_settings, format_ramp_table

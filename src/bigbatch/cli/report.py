@@ -19,7 +19,10 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
     parser.add_argument(
-        "--out", type=Path, help="output directory (default: RUN_DIR/report for one run, ./report for several)"
+        "--out",
+        type=Path,
+        help="output directory (default: RUN_DIR/report for one run; for several, report in the directory that "
+        "holds them all, e.g. runs/report, never the working directory itself)",
     )
 
 

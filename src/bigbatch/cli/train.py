@@ -35,6 +35,13 @@ def say(message: str, *args: Any, level: int = logging.INFO) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bigbatch.run.configuration.config_sources import file_settings
+
+    with file_settings(args).naming_errors():  # an error about a --config file's value names its key, not a flag
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from bigbatch.parallel.distributed import distributed_session, launched_by_torchrun
     from bigbatch.parallel.launch import relaunch_under_torchrun
     from bigbatch.run.configuration.config_sources import config_from_args

@@ -41,6 +41,7 @@ from bigbatch.critical_batch.rules import DEFAULT_LOSS_TOLERANCE, check_budget, 
 from bigbatch.engine.batch_change import BatchChangeRule, OptimSettings
 from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.files.atomic import write_json_atomically
+from bigbatch.files.json_text import from_json
 from bigbatch.files.outputs import RUN_MARKER, mark_own_dir, require_own_dir
 from bigbatch.parallel.distributed import resolve_device
 from bigbatch.run.checkpoints.branch import parent_tokens_per_step
@@ -203,7 +204,7 @@ def _check_branch_record(branch_dir: Path, record: dict[str, Any]) -> None:
     path = branch_dir / BRANCH_FILE
     if path.is_file():
         try:
-            saved = json.loads(path.read_text())
+            saved = from_json(path.read_text())
         except (OSError, json.JSONDecodeError):
             saved = {}
         keys = ("parent_sha256", "tokens_per_step", "batch_change_rule", "lr", "beta2")

@@ -17,7 +17,7 @@ import torch
 from bigbatch.data.packing import PACK_GROUP, pack_rows
 from bigbatch.data.shards import DocumentShard
 from bigbatch.data.windows import SEQUENTIAL, SHUFFLED, EpochOrders, check_saved_order, epoch_order
-from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.batch import IGNORE_INDEX, DocumentPart, MicroBatch
 from bigbatch.errors import DataError
 from bigbatch.settings.choices import LONG_DOCUMENTS
 
@@ -223,18 +223,22 @@ class DocumentLoader:
         targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
         filled = 0
         origin: list[tuple[int, int]] = []
+        parts: list[DocumentPart] = []
         for row, sequence in enumerate(np.asarray(sequences, dtype=np.int64).tolist()):
             if sequence < 0:
                 continue
             doc = int(np.searchsorted(self._first_window, sequence, side="right")) - 1
             shard = self.shards[self._shard_of[doc]]
-            start = int(self._start[doc]) + (sequence - int(self._first_window[doc])) * T
+            window = sequence - int(self._first_window[doc])
+            start = int(self._start[doc]) + window * T
             stop = min(int(self._end[doc]), start + T + 1)
             origin.append((int(self._shard_of[doc]), start))
             tokens = torch.from_numpy(np.asarray(shard.tokens[start:stop], dtype=np.int64))
             n = len(tokens) - 1  # positions with a target
             if n <= 0:
                 continue
+            windows = int(self._first_window[doc + 1] - self._first_window[doc])
+            parts.append(DocumentPart(int(self._shard_of[doc]), int(self._start[doc]), window, windows, row, 0, n))
             filled += n
             inputs[row, :n] = tokens[:-1]
             row_targets = tokens[1:].clone()
@@ -242,7 +246,9 @@ class DocumentLoader:
                 trained = torch.from_numpy(np.asarray(shard.mask[start + 1 : stop], dtype=np.bool_))
                 row_targets[~trained] = IGNORE_INDEX
             targets[row, :n] = row_targets
-        return MicroBatch(inputs, targets, padding=B * T - filled, origin=tuple(origin), epoch=self.epoch)
+        return MicroBatch(
+            inputs, targets, padding=B * T - filled, origin=tuple(origin), epoch=self.epoch, parts=tuple(parts)
+        )
 
     def _read_rows(self, rows: np.ndarray | list[int]) -> MicroBatch:
         """A micro-batch of ``B`` packed rows whose row ``b`` is row ``rows[b]`` of the current epoch's plan; rows
@@ -287,7 +293,25 @@ class DocumentLoader:
             B * T - total,
             origin=origin,
             epoch=self.epoch,
+            parts=self._parts(picked, doc, row_of, column, n),
         )
+
+    def _parts(
+        self, picked: np.ndarray, doc: np.ndarray, row_of: np.ndarray, column: np.ndarray, n: np.ndarray
+    ) -> tuple[DocumentPart, ...]:
+        """Where each packed sequence (a window of its document) sits: what following a bad document needs."""
+        first = self._first_window[doc]
+        columns = zip(
+            self._shard_of[doc].tolist(),
+            self._start[doc].tolist(),
+            (picked - first).tolist(),
+            (self._first_window[doc + 1] - first).tolist(),
+            row_of.tolist(),
+            column.tolist(),
+            n.tolist(),
+            strict=True,
+        )
+        return tuple(DocumentPart(*fields) for fields in columns)
 
     def _geometry(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each sequence's document, first token and positions (tokens with a target)."""

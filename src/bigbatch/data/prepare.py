@@ -46,8 +46,8 @@ from bigbatch.data.tokenizers import (
     Tokenizer,
     bpe_vocab_size,
     file_tokenizer_path,
-    get_tokenizer,
     is_bpe,
+    text_tokenizer,
     train_bpe,
 )
 from bigbatch.data.writer import ShardNames, TokenCounts, staged_directory, write_documents, write_meta, write_packed
@@ -173,7 +173,7 @@ def _prepare(
         if bpe_json:
             tokenizer = BPETokenizer.from_str(tokenizer_name, bpe_json)
     else:
-        tokenizer = get_tokenizer(tokenizer_name)
+        tokenizer = text_tokenizer(tokenizer_name)
     hf = is_hf_source(source)
     documents, local = _source_documents(source)
     total_bytes = sum(path.stat().st_size for path in local) if local else None  # unknown for a stream
@@ -554,7 +554,7 @@ def shown_conversations(source: str, tokenizer_name: str, settings: ChatSettings
     from bigbatch.data.chat import shown_conversations as shown
 
     documents, _ = _source_documents(source)
-    tokenizer = None if is_bpe(tokenizer_name) else get_tokenizer(tokenizer_name)
+    tokenizer = None if is_bpe(tokenizer_name) else text_tokenizer(tokenizer_name)
     encoder = _chat_encoder(documents, tokenizer, tokenizer_name, "documents", settings)
     if encoder is None:
         return iter(())

@@ -12,7 +12,6 @@ read, so a dataset larger than RAM is fine.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 
 from bigbatch.data.tokenizers import BPE_FILE, file_tokenizer_fingerprint, file_tokenizer_path, is_file_tokenizer
 from bigbatch.errors import DataError
+from bigbatch.files.json_text import from_json, to_json
 from bigbatch.settings.choices import RESOLVED_DATA_MODES
 
 META_FILE = "meta.json"
@@ -52,12 +52,12 @@ class DatasetMeta:
     fingerprints: dict[str, str] = field(default_factory=dict)  # "tokenizer", "data": see data/fingerprint.py
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
+        return to_json(asdict(self), indent=2) + "\n"
 
     @classmethod
     def from_file(cls, path: Path) -> DatasetMeta:
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = from_json(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8 (a damaged file)
             raise DataError(f"{path} is not a readable dataset metadata file ({exc}); re-run bigbatch prepare") from exc
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:

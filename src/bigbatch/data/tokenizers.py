@@ -52,6 +52,15 @@ class ByteTokenizer:
         return np.frombuffer(data, dtype=np.uint8).astype(dtype)
 
 
+class GPT2Unavailable(BigBatchError):
+    """tiktoken's GPT-2 encoding cannot be loaded (not cached, and no network)."""
+
+
+NO_DOWNLOAD_TOKENIZERS = (
+    "--tokenizer bpe:VOCAB (trained on the text, e.g. bpe:8192), file:PATH (a Hugging Face tokenizer.json) or byte"
+)
+
+
 class TiktokenGPT2Tokenizer:
     """GPT-2 BPE (vocabulary 50257, ``<|endoftext|>`` = 50256) through tiktoken.
 
@@ -69,10 +78,11 @@ class TiktokenGPT2Tokenizer:
         try:
             self._encoding = tiktoken.get_encoding("gpt2")
         except Exception as exc:  # network errors surface as many types
-            raise BigBatchError(
+            # No other tokenizer here: GPT-2 token shards and checkpoints need GPT-2's ids (see text_tokenizer)
+            raise GPT2Unavailable(
                 "could not load tiktoken's GPT-2 encoding (it is downloaded on first use and this machine "
-                f"seems offline: {type(exc).__name__}); connect once or set TIKTOKEN_CACHE_DIR to a cached copy, "
-                "or use --tokenizer byte"
+                f"seems offline: {type(exc).__name__}); connect once (it is cached), or set TIKTOKEN_CACHE_DIR to a "
+                "directory holding a cached copy"
             ) from exc
         self.vocab_size = self._encoding.n_vocab
         self.eot_token = self._encoding.eot_token
@@ -382,6 +392,18 @@ def file_tokenizer_fingerprint(path: Path) -> str:
     if not path.is_file():
         return ""
     return tokenizer_json_fingerprint(file_tokenizer_text(path))
+
+
+def text_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer ``name`` chosen to tokenize raw text (prepare): as :func:`get_tokenizer`, and when GPT-2's
+    encoding cannot be loaded its error also names the tokenizers that need no download, which only raw text may
+    choose instead (token shards and checkpoints made with GPT-2 hold its ids)."""
+    try:
+        return get_tokenizer(name)
+    except GPT2Unavailable as exc:
+        raise GPT2Unavailable(
+            f"{exc}; or tokenize the text with one that needs no download: {NO_DOWNLOAD_TOKENIZERS}"
+        ) from exc
 
 
 def get_tokenizer(name: str, directory: Path | None = None) -> Tokenizer:

@@ -332,6 +332,7 @@ class AccumulationEngine:
         for hook in self.hooks:
             hook.before_step(self, self.step_count + 1, len(micro_batches))
         bad = None
+        overflow = True  # without the guard every non-finite gradient is a skip of GradScaler's kind
         if self.guard is None:
             self._zero_grad()
             loss_total, n_valid = self.accumulate(micro_batches, n_valid)
@@ -340,13 +341,16 @@ class AccumulationEngine:
             loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
         else:
             guarded = self.guard.run(self, list(micro_batches), n_valid)
-            n_valid, grad_norm, bad = guarded.n_valid, guarded.grad_norm, guarded.bad
+            n_valid, grad_norm, bad, overflow = guarded.n_valid, guarded.grad_norm, guarded.bad, guarded.overflow
             skipped = not guarded.apply
             loss = guarded.loss_sum / guarded.n_valid if guarded.n_valid else math.nan  # 0: nothing of it ran
-        if skipped:
-            self._skip()
-        else:
+        if not skipped:
             self._apply()
+        elif overflow:
+            self._skip()
+        else:  # a bad step: no update, and the loss scale as the step found it
+            self.skipped_steps += 1
+            self.restart_step()
         attempted = self.step_count + int(skipped)  # a skipped step's number is the one it tried to be
         outcome = StepOutcome(step=attempted, grad_norm=grad_norm, n_valid=n_valid, skipped=skipped)
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
@@ -387,6 +391,17 @@ class AccumulationEngine:
         self._zero_grad()
         if self.scaler.is_enabled():
             self.scaler.update()
+
+    def restart_step(self) -> None:
+        """The step's gradients gone, to compute it again (a bad micro-batch left out) or to skip it as bad. fp16:
+        GradScaler allows one ``unscale_`` per ``update()``, and ``update()`` would move the loss scale (down after an
+        overflow, up after enough clean steps), which a step that is computed again or skipped as bad must not do:
+        a fresh GradScaler holding this one's state (scale, growth count) is this one as the step found it."""
+        self._zero_grad()
+        if self.scaler.is_enabled():
+            fresh = torch.amp.GradScaler(self.device.type, enabled=True)
+            fresh.load_state_dict(self.scaler.state_dict())
+            self.scaler = fresh
 
     def _zero_grad(self) -> None:
         """``model.zero_grad(set_to_none=True)`` over the parameters listed once."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -44,6 +44,41 @@ from bigbatch.models.head_loss import IGNORE_INDEX  # the loss's convention; bat
 from bigbatch.parallel.distributed import DistContext
 from bigbatch.progress import plural
 from bigbatch.settings.choices import LAST_WINDOW
+
+
+class DocumentPart(NamedTuple):
+    """Where one document's tokens sit in a micro-batch, and which part of the document they are: what lets a bad
+    step follow a bad document to every micro-batch that holds a part of it. A document longer than a sequence is
+    read as ``windows`` windows of ``seq_len`` targets, window ``w`` starting at token ``start + w x seq_len`` of
+    its shard (:func:`window_starts`); each window lands in one row (unpacked: a row of its own; packed: beside
+    other documents), perhaps in another micro-batch, rank or step than its other windows."""
+
+    shard: int
+    start: int  # the document's first token in its shard: its identity
+    window: int  # which of its windows this is (0: its first)
+    windows: int  # how many windows it is read as (1: all of it is here)
+    row: int
+    column: int  # its first position in the row
+    length: int  # positions it fills, each with a target (a masked prompt token's is -100)
+
+    @property
+    def key(self) -> str:
+        """The document's identity in the data, in every epoch: what a rewind's exclusion of it names."""
+        return document_key(self.shard, self.start)
+
+
+DOCUMENT_PREFIX = "doc:"
+
+
+def document_key(shard: int, start: int) -> str:
+    """``doc:0@1024``: a document by its shard and first token (a micro-batch's key has no ``doc:`` prefix)."""
+    return f"{DOCUMENT_PREFIX}{shard}@{start}"
+
+
+def window_starts(start: int, windows: int, seq_len: int) -> list[int]:
+    """Where each window of a document read as ``windows`` windows of ``seq_len`` targets starts in its shard (the
+    documents loader's split of a long document)."""
+    return [start + w * seq_len for w in range(windows)]
 
 
 @dataclass
@@ -57,7 +92,8 @@ class MicroBatch:
     per row, positions ``0..T-1``. ``padding`` counts the positions of this micro-batch that hold no document
     token (only metrics read it). ``origin`` says where its tokens come from, for a bad step's attribution and
     its exclusion: ``(shard, token offset)`` of each document (a token stream: of each window) it holds, in the
-    loader's ``epoch``."""
+    loader's ``epoch``. ``parts`` (documents data only) says where each document's tokens sit, for following a bad
+    document to the other micro-batches that hold parts of it; a token stream records no document boundaries."""
 
     inputs: torch.Tensor  # (B, T) int64
     targets: torch.Tensor  # (B, T) int64
@@ -65,6 +101,7 @@ class MicroBatch:
     padding: int = 0
     origin: tuple[tuple[int, int], ...] = ()
     epoch: int = 0
+    parts: tuple[DocumentPart, ...] = ()
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)
@@ -75,18 +112,29 @@ class MicroBatch:
             self.padding,
             self.origin,
             self.epoch,
+            self.parts,
         )
 
     def pin_memory(self) -> MicroBatch:
         positions = None if self.positions is None else self.positions.pin_memory()
         return MicroBatch(
-            self.inputs.pin_memory(), self.targets.pin_memory(), positions, self.padding, self.origin, self.epoch
+            self.inputs.pin_memory(),
+            self.targets.pin_memory(),
+            positions,
+            self.padding,
+            self.origin,
+            self.epoch,
+            self.parts,
         )
 
     @property
     def origin_key(self) -> str:
         """The micro-batch's identity in the data (its epoch and documents): what an exclusion names."""
         return f"{self.epoch}:" + ",".join(f"{shard}@{offset}" for shard, offset in self.origin)
+
+    def excluded_by(self, keys: set[str]) -> bool:
+        """Whether a rewind's exclusions name this micro-batch, or a document it holds a part of."""
+        return self.origin_key in keys or any(part.key in keys for part in self.parts)
 
 
 def count_valid_targets(batch: MicroBatch) -> int:

@@ -12,12 +12,13 @@ way and renamed into place (checkpoints, exports, prepared datasets) are set to 
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bigbatch.files.json_text import to_json
 
 
 def current_umask() -> int:
@@ -106,6 +107,6 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 def write_json_atomically(path: Path, payload: Any, indent: int | None = 2) -> None:
-    """``payload`` as JSON (``json.dumps(payload, indent=indent)``) and a newline, written by
-    :func:`write_text_atomically`: never half a file."""
-    write_text_atomically(path, json.dumps(payload, indent=indent) + "\n")
+    """``payload`` as standard JSON (:func:`bigbatch.files.json_text.to_json`: a NaN is ``null``, named in the
+    object's ``nonfinite`` field) and a newline, written by :func:`write_text_atomically`: never half a file."""
+    write_text_atomically(path, to_json(payload, indent=indent) + "\n")

@@ -7,6 +7,12 @@ naming the holder that never released it, and the next process takes it over wit
 emulates ``flock`` with byte-range locks that the server arbitrates, so the lock holds across nodes that
 share a run directory.
 
+The lock file never exists without its holder's record, and a record is never rewritten: a process writes
+its record into a file of its own beside the lock, locks that file, and only then puts it in place, with
+``link`` (which fails when the name is taken) or, over a dead holder's file, ``rename``. (Creating the lock
+file empty and writing the record after ``flock`` let a second process find the lock held with no record
+yet, and refuse without naming the holder.)
+
 A clean release removes the file while still holding it; a process that opened the old file in the meantime
 notices (the path no longer leads to the file it locked) and tries again, so two holders can never each hold
 a different file under one name.
@@ -29,6 +35,10 @@ from pathlib import Path
 
 POLL_SECONDS = 0.5
 """How often a waiting process tries a busy lock again."""
+
+SETTLE_SECONDS, SETTLE_TRIES = 0.01, 200
+"""How often, and how many times, a busy lock whose file is being replaced is looked at again before its
+record is reported as it is."""
 
 
 @dataclass(frozen=True)
@@ -157,35 +167,95 @@ def acquire(
     A lock held by a live process raises :class:`LockBusy`, or with ``wait`` is tried again every ``poll``
     seconds until it is free (``on_wait`` is called once, with the holder, when the wait begins)."""
     holder = holder or this_process()
-    waiting = False
+    own = path.with_name(f".{path.name}.{holder.token}")  # this process's record, locked before it is the lock
+    fd = os.open(own, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # the umask applies
+    try:
+        os.write(fd, (json.dumps(asdict(holder)) + "\n").encode())
+        os.fsync(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else knows this file yet: never busy
+        return _put_in_place(own, path, fd, holder, wait, on_wait, poll)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        own.unlink(missing_ok=True)  # linked as the lock (or renamed into it): the lock's name is what stays
+
+
+def _put_in_place(
+    own: Path,
+    path: Path,
+    fd: int,
+    holder: Holder,
+    wait: bool,
+    on_wait: Callable[[Holder | None], None] | None,
+    poll: float,
+) -> FileLock:
+    """Make ``own`` (locked by ``fd``) the lock at ``path``: at once when the name is free, over the file of a
+    holder that died, or once a live holder ends with ``wait`` (else :class:`LockBusy`)."""
+    waiting, settling = False, 0
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask applies, as for open()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            current = _read(fd)
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            if not wait:
-                raise LockBusy(path, current) from None
-            if not waiting and on_wait is not None:
-                on_wait(current)
-            waiting = True
-            time.sleep(poll)
-            continue
-        if not _same_file(fd, path):  # released (and removed) between our open and our lock: open the new one
-            os.close(fd)
-            continue
+            os.link(own, path)
+            return FileLock(path, fd, holder, None)
+        except FileExistsError:
+            if _same_file(fd, path):  # NFS: a retried link that had worked the first time
+                return FileLock(path, fd, holder, None)
         try:
-            stale = _read(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(asdict(holder)) + "\n").encode(), 0)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
+            found = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # released between our link and our open: the name is free again
+        try:
+            taken = _take_over(found, own, path, fd, holder)
+            if taken is not None:
+                return taken
+            current = _read(found)
+            busy = _same_file(found, path)
+        finally:
+            os.close(found)  # a dead holder's file taken over above is unnamed now: nothing is lost
+        if not busy:
+            continue  # released, or replaced by a new holder, since we opened it: look at the name again
+        if settling < SETTLE_TRIES and _record_of_the_dead(current):
+            settling += 1  # another process holds the dead holder's file for a moment, to take it over
+            time.sleep(SETTLE_SECONDS)
+            continue
+        if not wait:
+            raise LockBusy(path, current)
+        if not waiting and on_wait is not None:
+            on_wait(current)
+        waiting = True
+        time.sleep(poll)
+
+
+def _take_over(found: int, own: Path, path: Path, fd: int, holder: Holder) -> FileLock | None:
+    """The lock, when the file ``found`` (opened at ``path``) is a dead holder's: ``own`` replaces it while
+    ``found`` is locked here, so no other process can take it over too. ``None`` while another holds it."""
+    try:
+        fcntl.flock(found, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
-        return FileLock(path, fd, holder, stale)
+        return None
+    if not _same_file(found, path):
+        return None  # released and removed since we opened it: the caller finds the name free
+    stale = _read(found)
+    os.rename(own, path)  # one step: the name never leads to no record
+    return FileLock(path, fd, holder, stale)
+
+
+def _record_of_the_dead(record: Holder | None) -> bool:
+    """Whether a busy lock's ``record`` cannot be its holder's: none (a version of bigbatch that wrote it after
+    locking is about to), or a process of this host that no longer runs (its file is being taken over)."""
+    if record is None:
+        return True
+    if record.host != socket.gethostname():
+        return False  # another node's process: this one cannot tell
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
 
 
 INHERITED_ENV = "BIGBATCH_HELD_LOCK"

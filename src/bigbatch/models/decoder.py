@@ -94,6 +94,12 @@ class DecoderLM(nn.Module, abc.ABC):
         n = sum(p.numel() for p in self.parameters())
         return n - self.lookup_only_parameters() if non_embedding else n
 
+    def describe_size(self) -> str:
+        """``0.83M parameters``: the size ``train``'s header and ``plan``'s table both print, :meth:`num_params`
+        with ``non_embedding`` (as nanoGPT counts: a position table is left out, so a longer context is not a
+        larger model)."""
+        return f"{self.num_params() / 1e6:,.2f}M parameters"
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): ``6N + 12 * L * H * Q * T``, with ``N`` the parameters
         a token's matmuls use (:meth:`num_params` with ``non_embedding``, less :meth:`inactive_parameters`) and the

@@ -10,6 +10,7 @@ from typing import IO, Any, Protocol
 from bigbatch.engine.accumulate import StepRecord
 from bigbatch.errors import require_package
 from bigbatch.files.atomic import write_text_atomically
+from bigbatch.files.json_text import from_json, to_json
 from bigbatch.observe.scalars import eval_values, step_values
 from bigbatch.observe.tensorboard_log import TensorBoardLog
 from bigbatch.observe.wandb_log import WandbLog
@@ -113,7 +114,9 @@ class JsonlLog:
         self._handle: IO[str] = self.path.open("a", encoding="utf-8")
 
     def write(self, kind: str, **values: Any) -> None:
-        self._handle.write(json.dumps({"kind": kind, **values}) + "\n")
+        """One record, as standard JSON (a NaN loss is ``null`` and named in ``nonfinite``: see
+        :mod:`bigbatch.files.json_text`)."""
+        self._handle.write(to_json({"kind": kind, **values}) + "\n")
         self._handle.flush()
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
@@ -242,16 +245,17 @@ def open_metrics(
 
 
 def read_records(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl`` (one JSON object a line), in file order; a line that is not one
-    (cut by a crash) is left out, and a run without the file has none. The one reader of the log: the loggers'
-    history here, :func:`bigbatch.observe.runs.read_metrics` (a run's steps and evaluations) for the rest."""
+    """The records of ``RUN_DIR/metrics.jsonl`` (one JSON object a line), in file order, their non-finite numbers
+    back in place (older files' bare ``NaN`` too); a line that is not one (cut by a crash) is left out, and a run
+    without the file has none. The one reader of the log: the loggers' history here,
+    :func:`bigbatch.observe.runs.read_metrics` (a run's steps and evaluations) for the rest."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            record = json.loads(line)
+            record = from_json(line)
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict):
@@ -272,7 +276,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     lines = path.read_text().splitlines()
     for line in lines:
         try:
-            record = json.loads(line)
+            record = from_json(line)
         except json.JSONDecodeError:
             continue  # a line cut by the crash
         recorded = int(record.get("step", 0))

@@ -7,19 +7,23 @@ on top of each other: exact accumulation makes their curves coincide.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bigbatch.errors import BigBatchError
+from bigbatch.errors import BigBatchError, ConfigError
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.files.outputs import REPORT_MARKER, is_legacy_report, mark_own_dir, require_own_dir
 from bigbatch.observe.metrics import Throughput
 from bigbatch.observe.noise_report import NOISE_PLOT, noise_series, plot_noise_scale, why_unmeasured
 from bigbatch.observe.runs import RunMetrics, read_metrics, run_labels, run_settings
 from bigbatch.progress import plural
+
+log = logging.getLogger(__name__)
 
 PLOTS = (
     "loss_vs_step.png",
@@ -390,18 +394,51 @@ def _draw_key(key: str, skip_first: bool = False) -> Draw:
     return draw
 
 
+def default_report_dir(dirs: list[Path]) -> Path:
+    """Where a report goes without ``--out``: ``RUN_DIR/report`` for one run; for several, ``report`` in the
+    nearest directory that holds them all (``runs/report`` for runs under ``runs/``), beside the runs and never in
+    the working directory itself, which is often the user's checkout. Runs whose nearest common directory is the
+    working directory or one above it (``/``, a home directory) are refused: ``--out`` says where."""
+    if len(dirs) == 1:
+        return dirs[0] / "report"
+    common = Path(os.path.commonpath([d.resolve() for d in dirs]))
+    here = Path.cwd().resolve()
+    if common == here or common in here.parents:
+        raise ConfigError(
+            f"the runs {dirs[0]}, {dirs[1]}{', ...' if len(dirs) > 2 else ''} meet only in {common}, the working "
+            "directory or one above it; a report of several runs goes into the directory that holds them (runs/a "
+            "and runs/b: runs/report), so give --out DIR for these"
+        )
+    return common.relative_to(here) / "report" if common.is_relative_to(here) else common / "report"
+
+
+def leave_out_reports(dirs: list[Path]) -> list[Path]:
+    """``dirs`` less the report directories among them (``runs/*`` takes in ``runs/report`` from a report before),
+    each said; a :class:`BigBatchError` when nothing else is left."""
+    runs = []
+    for directory in dirs:
+        if (directory / REPORT_MARKER).is_file():
+            log.warning("%s is a report written by bigbatch report, not a run: left out", directory)
+        else:
+            runs.append(directory)
+    if not runs and dirs:
+        raise BigBatchError(f"{dirs[0]} is a report written by bigbatch report, not a run; give run directories")
+    return runs
+
+
 def make_report(
     run_dirs: list[Path | str], out_dir: Path | str | None = None
 ) -> tuple[Path, list[RunSummary], list[Path]]:
     """Read every run, write the plots and ``summary.txt`` into ``out_dir``; return (out_dir, summaries, plots).
 
-    ``out_dir`` defaults to ``RUN_DIR/report`` for one run and ``./report`` for several.
+    ``out_dir`` defaults to ``RUN_DIR/report`` for one run and, for several, ``report`` in the directory that
+    holds them all (:func:`default_report_dir`).
     """
     if not run_dirs:
         raise BigBatchError("give at least one run directory")
-    dirs = [Path(d) for d in run_dirs]
+    dirs = leave_out_reports([Path(d) for d in run_dirs])
     runs = [read_metrics(d, label) for d, label in zip(dirs, run_labels(dirs), strict=False)]
-    out = Path(out_dir) if out_dir is not None else (dirs[0] / "report" if len(dirs) == 1 else Path("report"))
+    out = Path(out_dir) if out_dir is not None else default_report_dir(dirs)
     require_own_dir(out, "report directory", "--out", REPORT_MARKER, is_legacy_report)
     summaries = [summarize(run) for run in runs]
     mark_own_dir(out, REPORT_MARKER, "report")

@@ -13,12 +13,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 from bigbatch.errors import EXIT_USER_ERROR
+from bigbatch.progress import plural
 
 ERROR_DIR_ENV = "BIGBATCH_ERROR_DIR"
+THREADS_ENV = "OMP_NUM_THREADS"
+THREADS_SET_ENV = "BIGBATCH_SET_OMP_NUM_THREADS"
+"""Set (to the thread count) in the workers when bigbatch's launcher chose ``OMP_NUM_THREADS`` for them."""
+WORKER_THREADS = 1
+"""What torchrun gives each of several processes on a node: the same threads, so ``--nproc N`` computes the same
+bits as ``torchrun --nproc-per-node N``, and N processes do not oversubscribe the cores."""
 # A worker that stopped as asked: SIGINT/SIGTERM (saved), or its output pipe closed. The agent kills the
 # others with a signal (a negative exit code) once one has exited.
 QUIET_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE}
@@ -68,6 +75,28 @@ def peer_exit_code() -> int | None:
         return EXIT_USER_ERROR
     quiet = sorted(folder.glob("quiet_*"))
     return int(quiet[0].read_text() or 1) if quiet else None
+
+
+def set_worker_threads(environ: MutableMapping[str, str]) -> None:
+    """Give the workers ``OMP_NUM_THREADS`` before torchrun's agent starts, unless the user set it: torchrun sets it
+    too when it is missing, in a four-line banner on every run; the run's header says it in one line instead
+    (:func:`worker_threads_note`)."""
+    if THREADS_ENV in environ:
+        return
+    environ[THREADS_ENV] = str(WORKER_THREADS)
+    environ[THREADS_SET_ENV] = str(WORKER_THREADS)
+
+
+def worker_threads_note() -> str | None:
+    """In a worker of ``--nproc N``: the header's words for the threads bigbatch chose, or ``None`` when it chose
+    none (the user's ``OMP_NUM_THREADS``, a single process, or torchrun run directly)."""
+    chosen = os.environ.get(THREADS_SET_ENV)
+    if not chosen or os.environ.get(THREADS_ENV) != chosen:
+        return None
+    return (
+        f"{plural(int(chosen), 'CPU thread')} per process (OMP_NUM_THREADS={chosen}, as torchrun sets it for several "
+        "processes; set OMP_NUM_THREADS to change it)"
+    )
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:

@@ -22,12 +22,13 @@ class Choices:
     setting: str  # the name used in messages, e.g. "precision"
     values: tuple[str, ...]
 
-    def check(self, value: object) -> str:
-        """``value`` when allowed; else a one-line error naming the setting and the choices."""
+    def check(self, value: object, name: str = "") -> str:
+        """``value`` when allowed; else a one-line error naming the setting (``name``: where it was set, e.g.
+        ``t.toml: run.compile``) and the choices."""
         if value not in self.values:
             allowed = self.listed() if len(self.values) <= 2 else f"one of {', '.join(self.values)}"
             hint = did_you_mean(value, self.values) if isinstance(value, str) else ""
-            raise ConfigError(f"{self.setting} must be {allowed}, got {value!r}{hint}")
+            raise ConfigError(f"{name or self.setting} must be {allowed}, got {value!r}{hint}")
         return str(value)
 
     def __iter__(self):  # noqa: ANN204 - lets argparse's ``choices=`` and ``in`` use the values directly

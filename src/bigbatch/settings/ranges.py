@@ -20,6 +20,11 @@ from bigbatch.errors import ConfigError
 AUTO = "auto"
 OFF = "off"
 
+INT_LIMIT = 2**62
+"""The largest integer (either sign) a setting takes where its range names no bound of its own: Python's integers
+have none, but the int64 tensors, arrays and files that carry counts and steps stop at 2**63 - 1, and a setting is
+added to and multiplied by others; 2**62 leaves that room and is far beyond any count a run can reach."""
+
 
 @dataclass(frozen=True)
 class Range:
@@ -61,14 +66,26 @@ class Range:
             return False
         if self.high is not None and (value >= self.high if self.high_open else value > self.high):
             return False
-        return True
+        return not self._beyond_limit(value)
+
+    def _beyond_limit(self, value: Any) -> bool:
+        """An integer setting past :data:`INT_LIMIT` on a side its range leaves open."""
+        if self.kind is not int or not isinstance(value, int) or isinstance(value, bool):
+            return False
+        return (self.high is None and value > INT_LIMIT) or (self.low is None and value < -INT_LIMIT)
+
+    def _refusal(self, value: Any, shown: str) -> str:
+        """What a value outside the range is told (``shown`` as given): the range, and the limit when that is what
+        it passed."""
+        limit = f" and at most 2**62 ({INT_LIMIT:,}) in size" if self._beyond_limit(value) else ""
+        return f"must be {self.describe()}{limit}, got {shown}"
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` if it lies in the range, else :class:`ConfigError` naming ``name``."""
         if self.off and value in (0, OFF):
             return 0
         if not self.contains(value):
-            raise ConfigError(f"{name} must be {self.describe()}, got {value!r}")
+            raise ConfigError(f"{name} {self._refusal(value, repr(value))}")
         return value
 
     def parse(self, text: str) -> Any:
@@ -82,7 +99,7 @@ class Range:
         except ValueError:
             raise ValueError(f"must be {self.describe()}, got {text!r}") from None
         if not self.contains(value):
-            raise ValueError(f"must be {self.describe()}, got {text}")
+            raise ValueError(self._refusal(value, text))
         return value
 
     def argtype(self) -> Callable[[str], Any]:

@@ -4,12 +4,12 @@ command line use it). Measuring it is :mod:`bigbatch.critical_batch.over_run`'s.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import ConfigError
+from bigbatch.files.json_text import from_json
 
 OVER_RUN_PREFIX = "over-run-"
 
@@ -77,7 +77,7 @@ def read_over_run(source: Path) -> CriticalBatchOverRun:
             )
         path = found[-1]
     try:
-        data = json.loads(path.read_text())
+        data = from_json(path.read_text())
         points = [CriticalPoint(**p) for p in data.pop("points")]
         result = CriticalBatchOverRun(**data, points=points)
     except FileNotFoundError:

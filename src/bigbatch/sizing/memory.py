@@ -15,7 +15,6 @@ Measured peaks come from the device's own accounting:
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from bigbatch.engine.batch import MicroBatch
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
+from bigbatch.files.json_text import from_json, to_json
 from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.family import ModelShape
 from bigbatch.models.head_loss import largest_chunk
@@ -260,11 +260,11 @@ def measure(
     }
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
-        [sys.executable, "-m", "bigbatch.sizing.memory", json.dumps(request)], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "bigbatch.sizing.memory", to_json(request)], env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise RuntimeError(f"memory probe failed for micro_batch {micro_batch}: {done.stderr.strip()[-500:]}")
-    return MicroStepMeasurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return MicroStepMeasurement(**from_json(done.stdout.strip().splitlines()[-1]))
 
 
 def linear_fit(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
@@ -279,7 +279,7 @@ def linear_fit(xs: list[int], ys: list[int]) -> tuple[float, float, float]:
 
 
 def _probe_main() -> None:
-    request = json.loads(sys.argv[1])
+    request = from_json(sys.argv[1])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     result = measure_in_process(
         model_config_from_dict(request["family"], request["config"]),
@@ -291,7 +291,7 @@ def _probe_main() -> None:
         request["activation_checkpointing"],
         request["chunked_loss"],
     )
-    sys.stdout.write(json.dumps(asdict(result)) + "\n")  # the parent reads this line
+    sys.stdout.write(to_json(asdict(result)) + "\n")  # the parent reads this line
 
 
 if __name__ == "__main__":
@@ -385,31 +385,27 @@ class MemorySweep:
         return header + "\n" + memory_report(self.rows, self.estimates) + note
 
 
-def sweep_memory(
-    model: str,
+def measure_sizes(
+    config: ModelShape,
+    name: str,
+    sizes: list[int],
     seq_len: int,
-    max_micro_batch: int,
     *,
     k: int,
-    vocab_size: int,
     device: torch.device,
     precision: str,
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
     stream: TextIO | None = None,
-) -> MemorySweep:
-    """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
-
-    Progress goes to ``stream`` (default: stderr): a redrawn bar on a terminal, else a line per size."""
+) -> list[MicroStepMeasurement]:
+    """:func:`measure` at each micro-batch size, with progress on ``stream`` (default: stderr), since a size can
+    take minutes (GPT-2 on CPU): first what is measured, then a redrawn bar on a terminal, else a line per size."""
     stream = sys.stderr if stream is None else stream
-    fixed = family_for_model_name(model).fixed_shape  # hf:DIR: its config.json's vocabulary; 0: the preset's
-    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not fixed else {}))
-    if seq_len > config.block_size:
-        raise BigBatchError(
-            f"--seq-len {seq_len} exceeds the {model} block size {config.block_size:,}; lower --seq-len to at most "
-            f"{config.block_size:,}, or leave it auto (the block size)"
-        )
-    sizes = micro_batch_sizes(max_micro_batch)
+    stream.write(
+        f"measuring a training micro-step of {name} on {device.type} ({precision}, seq_len {seq_len}, K {k}) at "
+        f"micro-batch {', '.join(str(size) for size in sizes)}\n"
+    )
+    stream.flush()
     rows = []
     with ProgressBar(len(sizes), label="measured", stream=stream, min_interval=0) as bar:  # only on a TTY
         for i, size in enumerate(sizes):
@@ -430,6 +426,45 @@ def sweep_memory(
                 bar.update(i + 1, extra=f"measured micro-batch {size}")
             else:
                 stream.write(f"measured micro-batch {size}\n")
+    return rows
+
+
+def sweep_memory(
+    model: str,
+    seq_len: int,
+    max_micro_batch: int,
+    *,
+    k: int,
+    vocab_size: int,
+    device: torch.device,
+    precision: str,
+    activation_checkpointing: bool = False,
+    chunked_loss: bool = True,
+    stream: TextIO | None = None,
+) -> MemorySweep:
+    """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
+
+    Progress goes to ``stream`` (default: stderr): see :func:`measure_sizes`."""
+    fixed = family_for_model_name(model).fixed_shape  # hf:DIR: its config.json's vocabulary; 0: the preset's
+    config = model_preset(model, **({"vocab_size": vocab_size} if vocab_size and not fixed else {}))
+    if seq_len > config.block_size:
+        raise BigBatchError(
+            f"--seq-len {seq_len} exceeds the {model} block size {config.block_size:,}; lower --seq-len to at most "
+            f"{config.block_size:,}, or leave it auto (the block size)"
+        )
+    sizes = micro_batch_sizes(max_micro_batch)
+    rows = measure_sizes(
+        config,
+        model,
+        sizes,
+        seq_len,
+        k=k,
+        device=device,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        chunked_loss=chunked_loss,
+        stream=stream,
+    )
     estimates = (
         {}
         if estimate_unavailable(config)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from bigbatch.errors import PlanError
+from bigbatch.settings.ranges import INT_LIMIT
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi":
 
 
 def parse_count(text: str) -> int:
-    """``524288``, ``524_288``, ``2M`` (2,000,000), ``512Ki`` (524,288), ``0.5Mi``."""
+    """``524288``, ``524_288``, ``2M`` (2,000,000), ``512Ki`` (524,288), ``0.5Mi``; at most :data:`INT_LIMIT`."""
     cleaned = text.strip().replace("_", "").replace(",", "")
     lowered = cleaned.lower()
     for suffix in sorted(_SUFFIXES, key=len, reverse=True):
@@ -111,13 +112,19 @@ def parse_count(text: str) -> int:
                 break
             if not math.isfinite(value) or value != int(value) or value < 1:
                 break
-            return int(value)
+            return _within_limit(text, int(value))
     try:
         value = int(cleaned)
     except ValueError:
         raise PlanError(f"{text!r} is not a count; use e.g. 524288, 2M (2,000,000) or 512Ki (524,288)") from None
     if value < 1:
         raise PlanError(f"{text!r} must be positive")
+    return _within_limit(text, value)
+
+
+def _within_limit(text: str, value: int) -> int:
+    if value > INT_LIMIT:
+        raise PlanError(f"{text!r} is more than 2**62 ({INT_LIMIT:,}), the largest count bigbatch takes")
     return value
 
 

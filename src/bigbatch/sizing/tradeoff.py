@@ -10,9 +10,10 @@ each within 10% of its minimum at ``10 x`` and ``B_noise / 10``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from bigbatch.files.json_text import from_json
 
 
 def newest_measurement(run_dir: Path) -> dict[str, Any] | None:
@@ -20,7 +21,7 @@ def newest_measurement(run_dir: Path) -> dict[str, Any] | None:
     found = []
     for path in (run_dir / "critical-batch").glob("step_*/result.json"):
         try:
-            data = json.loads(path.read_text())
+            data = from_json(path.read_text())
             found.append((int(data["parent_step"]), path.stat().st_mtime, data))
         except (OSError, ValueError, KeyError, TypeError):
             continue

@@ -80,6 +80,7 @@ class RunParts:
     run_lock: RunDirLock | None = None  # rank 0's hold on run_dir (run/loop/run_dir_lock.py); the trainer releases it
     seq_len_auto: bool = False  # --seq-len was auto: config.batch.seq_len is the model's block size
     data_mode_auto: bool = False  # --data-mode was auto: config.data.data_mode is what the data was read as
+    compiled: bool = False  # train_model is torch.compile's: its first call compiles (see run/loop/header.py)
 
     @property
     def documents(self) -> bool:
@@ -233,4 +234,5 @@ def _build_parts(
         run_lock=run_lock,
         seq_len_auto=seq_len_auto,
         data_mode_auto=data_mode_auto,
+        compiled=wrapped.compiled,
     )

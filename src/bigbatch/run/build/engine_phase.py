@@ -40,6 +40,7 @@ class WrappedModel:
     wrapped: nn.Module
     grad_sync: GradSync
     parallel: str  # none, ddp or fsdp: what --parallel resolved to for this world size
+    compiled: bool = False  # torch.compile wraps it: the first step compiles (the header says so)
 
 
 def wrap_for_training(
@@ -68,7 +69,7 @@ def wrap_for_training(
     train_model: nn.Module = wrapped
     if compile_model:  # as the family compiles (an hf: architecture that does not compile trains eagerly)
         train_model = family_of(model).compile(wrapped)
-    return WrappedModel(train_model, wrapped, grad_sync, parallel)
+    return WrappedModel(train_model, wrapped, grad_sync, parallel, compiled=compile_model)
 
 
 def build_optimizer(

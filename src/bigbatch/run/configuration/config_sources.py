@@ -4,14 +4,19 @@ per field, its help the field's); and a checkpoint's stored mapping, read back a
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
-from dataclasses import MISSING, Field, fields
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bigbatch.errors import ConfigError
+from bigbatch.errors import BigBatchError, ConfigError
 from bigbatch.run.configuration.train_config import SECTIONS, TrainConfig, field_of, flag_of, kind_of
 from bigbatch.settings.ranges import AUTO, Range
+
+COMMAND_LINE = "command line"  # the origin of the values given as flags
 
 
 def check_type(where: str, value: Any, expected: type, words: tuple[str, ...] = ()) -> Any:
@@ -62,9 +67,12 @@ def apply_mapping(config: TrainConfig, mapping: dict[str, Any], origin: str, che
                     )
                     raise ConfigError(f"{name} must be {words}, got {type(value).__name__} {value!r}")
                 value = check_type(name, value, kind_of(f), accepted_words(f))
+                if check_ranges and allowed is not None:  # here, so that the error names the file and its key
+                    allowed.check(value, name)
                 declared: Range | None = meta.get("range")
                 if check_ranges and declared is not None:
-                    declared.check(f"{name} (--{flag_of(f)})", value)
+                    # a file's value is named by its key alone: the flag would send the user to the wrong place
+                    declared.check(f"{name} (--{flag_of(f)})" if origin == COMMAND_LINE else name, value)
             setattr(target, key, value)
 
 
@@ -150,9 +158,65 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "." in dest:
             section, key = dest.split(".", 1)
             overrides.setdefault(section, {})[key] = value
-    apply_mapping(config, overrides, origin="command line")
+    apply_mapping(config, overrides, origin=COMMAND_LINE)
     config.validate()
     return config
+
+
+@dataclass(frozen=True)
+class FileSettings:
+    """The settings a ``--config`` file gave and no flag overrode. An error raised while they are in force names
+    each of them as the file's key rather than as its flag, which the user never typed (``drop --tokenizer`` for a
+    file's ``[data] tokenizer``), and says which file holds them."""
+
+    path: str = ""
+    keys: dict[str, str] = field(default_factory=dict)  # flag -> key: "--tokenizer" -> "data.tokenizer"
+
+    def name_in(self, message: str) -> str:
+        """``message`` with the flags of the file's settings replaced by their keys, and the file named once."""
+        named = []
+        for flag, key in self.keys.items():
+            # the whole flag only: --seq-len is not the start of --seq-len-x, nor the end of --no-seq-len
+            message, count = re.subn(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", key, message)
+            if count:
+                named.append(key)
+        if not named:
+            return message
+        keys = named[0] if len(named) == 1 else ", ".join(named[:-1]) + f" and {named[-1]}"
+        return f"{message} ({keys} {'is' if len(named) == 1 else 'are'} set in {self.path})"
+
+    @contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        """Re-raise a :class:`BigBatchError` from the block with the file's settings named (:meth:`name_in`): the
+        same exception, so its type and exit code stay."""
+        try:
+            yield
+        except BigBatchError as exc:
+            message = self.name_in(str(exc))
+            if message != str(exc):
+                exc.args = (message,)
+            raise
+
+
+def file_settings(args: argparse.Namespace) -> FileSettings:
+    """What ``args.config`` sets that no flag in ``args`` overrides (nothing without ``--config``); a file that
+    does not load is left to :func:`config_from_args` to report."""
+    path = getattr(args, "config", None)
+    if not path:
+        return FileSettings()
+    try:
+        mapping = load_toml(path)
+    except ConfigError:
+        return FileSettings()
+    keys = {}
+    for section, values in mapping.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            continue
+        known = {f.name: f for f in fields(SECTIONS[section])}
+        for key in values:
+            if key in known and not hasattr(args, f"{section}.{key}"):  # a flag given overrides the file
+                keys[f"--{flag_of(known[key])}"] = f"{section}.{key}"
+    return FileSettings(str(path), keys)
 
 
 def config_from_dict(mapping: dict[str, Any]) -> TrainConfig:

@@ -2,9 +2,10 @@
 line and records it (``kind: bad_step`` in ``metrics.jsonl``), ends the run for ``--bad-step stop``, and for
 ``rewind`` goes back to the newest committed checkpoint and replays without the suspect micro-batches.
 
-The micro-batches a rewind leaves out are named by where their tokens come from, kept with the number of rewinds
-in ``RUN/bad-steps.json`` (written before the rewind), so a run that stops or crashes after a rewind still leaves
-them out when it resumes.
+The micro-batches a rewind leaves out are named by where their tokens come from (and a bad document, followed to
+every micro-batch holding a part of it, by its shard and first token), kept with the number of rewinds in
+``RUN/bad-steps.json`` (written before the rewind), so a run that stops or crashes after a rewind still leaves them
+out when it resumes.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bigbatch.engine.accumulate import StepRecord
 from bigbatch.engine.bad_steps import BadStep
+from bigbatch.engine.batch import DOCUMENT_PREFIX
+from bigbatch.engine.replay import DeviceSuspect
 from bigbatch.errors import TrainingError
 from bigbatch.files.atomic import write_text_atomically
 from bigbatch.observe.metrics import MetricsFanout
@@ -45,6 +50,13 @@ def read_exclusions(run_dir: Path) -> tuple[list[str], int]:
         ) from exc
 
 
+def left_out(keys: list[str]) -> str:
+    """``2 micro-batches and every part of 1 document``: what exclusion ``keys`` leave out."""
+    documents = sum(key.startswith(DOCUMENT_PREFIX) for key in keys)
+    said = plural(len(keys) - documents, "micro-batch", "micro-batches")
+    return said + (f" and every part of {plural(documents, 'document')}" if documents else "")
+
+
 @dataclass
 class BadStepHandling:
     """The loop's side of bad steps over a session (see the module docstring)."""
@@ -63,7 +75,7 @@ class BadStepHandling:
         if self.excluded:
             self.say(
                 "bad steps: %s left out of the data, as a rewind decided (%s)",
-                plural(len(self.excluded), "micro-batch", "micro-batches"),
+                left_out(self.excluded),
                 self.parts.run_dir / EXCLUSIONS_FILE,
             )
 
@@ -97,6 +109,19 @@ class BadStepHandling:
             metrics.write_event("rewind", state.step, from_step=bad.step, rewinds=self.rewinds, excluded=self.excluded)
         return True
 
+    @contextmanager
+    def device_faults(self, step_log: StepLog) -> Iterator[None]:
+        """Around a step: a replay that found a faulty device leaves the step's ``kind: replay`` record and its
+        ``kind: bad_step`` one (kept through a resume) before the run stops with its line."""
+        try:
+            yield
+        except DeviceSuspect as fault:
+            self.actions[fault.bad.action] += 1
+            step_log.write_replays(fault.bad.step, fault.checks)
+            if isinstance(step_log.metrics, MetricsFanout):
+                step_log.metrics.write_event("bad_step", **fault.bad.record())
+            raise
+
     def _rewind(self, bad: BadStep, state: TrainState) -> None:
         guard = self.parts.config.guard
         if self.rewinds >= guard.max_rewinds:
@@ -104,7 +129,9 @@ class BadStepHandling:
                 f"{bad.line()}: this run has rewound {plural(self.rewinds, 'time')} already (--max-rewinds "
                 f"{guard.max_rewinds}); raise --max-rewinds, or resume with --bad-step skip-micro"
             )
-        keys = sorted({s.key for s in bad.suspects if s.key})
+        # the micro-batches, and the bad documents they hold parts of: a rewind leaves out every part of those,
+        # in the steps it replays and in those after
+        keys = sorted({s.key for s in bad.suspects if s.key} | {d for s in bad.suspects for d in s.bad_documents})
         checkpoint = latest_valid_checkpoint(self.parts.run_dir)
         if not keys or checkpoint is None:
             why = "no micro-batch to leave out" if not keys else "no committed checkpoint to go back to"
@@ -126,7 +153,7 @@ class BadStepHandling:
             guard.max_rewinds,
             state.step,
             checkpoint,
-            plural(len(keys), "micro-batch", "micro-batches"),
+            left_out(keys),
             level=logging.WARNING,
         )
 

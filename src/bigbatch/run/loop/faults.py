@@ -1,6 +1,6 @@
 """Fault injection for the reliability tests, switched on by one environment variable.
 
-``BIGBATCH_FAULT="ACTION:step=S[,micro=M][,rank=R][,attempt=A]"`` triggers ACTION
+``BIGBATCH_FAULT="ACTION:step=S[,micro=M][,rank=R][,attempt=A][,factor=F]"`` triggers ACTION
 during micro-step M (default 0) of optimizer step S (1-based) on rank R
 (default: every rank), on restart attempt A of torchrun (default 0, the first;
 ``any`` for every attempt); several faults are separated by ``;``:
@@ -12,10 +12,14 @@ during micro-step M (default 0) of optimizer step S (1-based) on rank R
   reproduces it; the micro-batch is known by where its tokens come from);
 * ``spike-input``: scale this micro-batch's summed loss (and so its gradient) by 30 wherever it is computed
   again (data that makes a spike, reproducibly);
+* ``grad-scale``: multiply this micro-batch's gradient contribution by ``factor`` (default 1e4) wherever it is
+  computed again, its loss left bit for bit as it was (a gradient-only spike: no loss shows it);
 * ``inf-grad``: put an Inf in one parameter's gradient contribution of this micro-batch, once;
 * ``bitflip``: flip one bit of one element of a parameter's gradient contribution (a device computing a wrong
   value without an error): without ``micro``, in every backward from step S on, re-runs included, at a different
   element each time (a faulty device); with ``micro``, once;
+* ``bitflip-same``: as ``bitflip``, at the same element every time: a device that gives the same wrong value
+  whenever it computes the same thing (one process cannot see it: its replay reproduces the wrong value);
 * ``hang``: sleep for an hour (a dead peer, for collective timeouts); SIGTERM ends it at once, as it ends a
   process stuck inside a collective once its timeout returns control (so torchrun's agent need not wait out its
   grace period before SIGKILL).
@@ -42,9 +46,22 @@ from bigbatch.engine.hooks import StepHook
 log = logging.getLogger(__name__)
 
 ENV_VAR = "BIGBATCH_FAULT"
-ACTIONS = ("kill", "sigterm", "nan", "nan-input", "spike-input", "inf-grad", "bitflip", "hang")
-INPUT_FAULTS = ("nan-input", "spike-input")
+ACTIONS = (
+    "kill",
+    "sigterm",
+    "nan",
+    "nan-input",
+    "spike-input",
+    "grad-scale",
+    "inf-grad",
+    "bitflip",
+    "bitflip-same",
+    "hang",
+)
+BIT_FLIPS = ("bitflip", "bitflip-same")
+INPUT_FAULTS = ("nan-input", "spike-input", "grad-scale")  # faults of the data: wherever it is computed again
 SPIKE_SCALE = 30.0
+GRAD_SCALE = 1e4
 FLIPPED_BIT = 20  # a high mantissa bit of float32: the value moves by about 1/8 and stays finite
 
 
@@ -55,6 +72,7 @@ class Fault:
     micro: int | None = 0  # None: every micro-batch (bitflip without micro)
     rank: int | None = None
     attempt: int | None = 0  # None: every attempt
+    factor: float = GRAD_SCALE  # grad-scale: what the gradient is multiplied by
 
 
 def parse_fault(text: str) -> Fault:
@@ -62,15 +80,16 @@ def parse_fault(text: str) -> Fault:
     if action not in ACTIONS:
         raise ValueError(f"{ENV_VAR}: unknown action {action!r}; choose one of {', '.join(ACTIONS)}")
     fields = dict(item.split("=", 1) for item in spec.split(",") if item)
-    unknown = set(fields) - {"step", "micro", "rank", "attempt"}
+    unknown = set(fields) - {"step", "micro", "rank", "attempt", "factor"}
     if unknown or "step" not in fields:
-        raise ValueError(f"{ENV_VAR}: expected step=S[,micro=M][,rank=R][,attempt=A], got {spec!r}")
+        raise ValueError(f"{ENV_VAR}: expected step=S[,micro=M][,rank=R][,attempt=A][,factor=F], got {spec!r}")
     return Fault(
         action=action,
         step=int(fields["step"]),
-        micro=int(fields["micro"]) if "micro" in fields else (None if action == "bitflip" else 0),
+        micro=int(fields["micro"]) if "micro" in fields else (None if action in BIT_FLIPS else 0),
         rank=int(fields["rank"]) if "rank" in fields else None,
         attempt=None if fields.get("attempt") == "any" else int(fields.get("attempt", 0)),
+        factor=float(fields.get("factor", GRAD_SCALE)),
     )
 
 
@@ -112,7 +131,7 @@ class FaultInjection(StepHook):
                 embedding.register_forward_hook(self._poison_output)
         self._hooked: torch.Tensor | None = None
         self._hook_handle: Any = None
-        if model is not None and fault.action in ("inf-grad", "bitflip"):
+        if model is not None and fault.action in ("inf-grad", *BIT_FLIPS):
             owner = _owner_of_first_trained(model)
             if owner is not None:
                 module, name = owner
@@ -153,7 +172,7 @@ class FaultInjection(StepHook):
             self._poison_now = key in self._poisoned
         elif action == "inf-grad":
             self._grad_armed = not self._fired and self._due(index)
-        elif action == "bitflip":
+        elif action in BIT_FLIPS:
             persistent = self.fault.micro is None and self._step >= self.fault.step
             self._grad_armed = (
                 self.fault.rank in (None, self.rank) and persistent or (not self._fired and self._due(index))
@@ -180,7 +199,7 @@ class FaultInjection(StepHook):
             self._fired = True
         grad = grad.clone()
         flat = grad.view(-1)
-        element = self._flips % flat.numel()
+        element = 0 if self.fault.action == "bitflip-same" else self._flips % flat.numel()
         self._flips += 1
         if self.fault.action == "inf-grad":
             flat[element] = float("inf")
@@ -191,10 +210,13 @@ class FaultInjection(StepHook):
 
     def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
         fault = self.fault
-        spiked = fault.action == "spike-input" and self._poison_now
+        poisoned = self._poison_now
         self._poison_now = False  # an evaluation's forward is never poisoned
-        if spiked:
+        if poisoned and fault.action == "spike-input":
             return loss_sum * SPIKE_SCALE
+        if poisoned and fault.action == "grad-scale":
+            # the same value, bit for bit (x - x is exactly 0), whose gradient is ``factor`` times the loss's
+            return loss_sum + (fault.factor - 1.0) * (loss_sum - loss_sum.detach())
         if fault.action not in ("kill", "sigterm", "hang", "nan") or self._fired or not self._due(index):
             return loss_sum
         self._fired = True

@@ -1,4 +1,5 @@
-"""The lines a run prints before its first step: version and devices, data, model, plan, long documents."""
+"""The lines a run prints before its first step: version and devices, data, model, plan, long documents, and
+that the first step compiles."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from bigbatch.data.chat import audit_lines
 from bigbatch.data.data_mode import conversations_note
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.models.registry import family_of
+from bigbatch.parallel.launch import worker_threads_note
 from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
 from bigbatch.run.configuration.seq_len import INIT_FROM_AUTO_SEQ_LEN_CAP
@@ -28,10 +30,13 @@ def header_lines(parts: RunParts) -> list[str]:
         f"{parts.parallel} | run {parts.run_dir}",
         f"data {parts.dataset.directory} | {meta.tokenizer} tokenizer | train "
         f"{plural(meta.tokens.get('train', 0), 'token')} | val {plural(meta.tokens.get('val', 0), 'token')}",
-        f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.num_params() / 1e6:.2f}M "
-        f"parameters | {family_of(cfg).describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
+        f"model {parts.config.model.init_from or parts.config.model.preset} | {parts.model.describe_size()} | "
+        f"{family_of(cfg).describe_shape(cfg)} | vocab {cfg.vocab_size} | block {cfg.block_size}",
         plan,
     ]
+    threads = worker_threads_note()
+    if threads:  # bigbatch's launcher chose OMP_NUM_THREADS for the workers (torchrun's banner is kept back)
+        lines.insert(1, f"threads | {threads}")
     if parts.ramp is not None:
         lines.append(f"batch ramp | {parts.ramp.describe()}")
     unit = parts.plan.tokens_per_k
@@ -62,6 +67,11 @@ def header_lines(parts: RunParts) -> list[str]:
     if parts.val_loader is not None:
         every = parts.config.run.eval_every
         lines.append(f"validation | every {'step' if every == 1 else f'{every} steps'} | {parts.val_loader.describe()}")
+    if parts.compiled:  # last, just before the first step: torch.compile compiles then, silent for up to minutes
+        lines.append(
+            "compiling | torch.compile compiles the model during the first step: minutes can pass before step 1's "
+            "line (--compile off trains without it)"
+        )
     return lines
 
 
@@ -143,5 +153,15 @@ def describe_guard(parts: RunParts) -> str:
         f" (at most {plural(guard.max_rewinds, 'rewind')})" if guard.bad_step == "rewind" else ""
     )
     text += f" | spikes: {spikes} robust sd over {guard.spike_window} steps" if spikes else " | spikes: off"
-    every = guard.replay_every
-    return text + (f" | replay every {'step' if every == 1 else f'{every} steps'}" if every else " | replay off")
+    return text + " | " + describe_replay(guard.replay_every, parts.dist.world_size)
+
+
+def describe_replay(every: int, world_size: int) -> str:
+    """What ``--replay-every`` checks in this run; on one process, also what it cannot see (a device repeats its
+    own wrong value when it computes the same micro-batch again)."""
+    if not every:
+        return "replay off"
+    said = f"replay every {'step' if every == 1 else f'{every} steps'}"
+    if world_size == 1:
+        return f"{said} (one process: catches a wrong value that changes between runs, not one the device repeats)"
+    return f"{said} (each rank's drawn micro-batch re-run on the next rank: a faulty device stops the run)"

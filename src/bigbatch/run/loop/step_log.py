@@ -4,10 +4,12 @@ only) and the step's log line, with the model FLOPs utilization when the devices
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.engine.accumulate import StepRecord
 from bigbatch.engine.batch_change import BatchChange
+from bigbatch.engine.replay import ReplayCheck
 from bigbatch.observe.metrics import MetricsFanout, MetricsSink, format_noise_scale, format_step, mfu, open_metrics
 from bigbatch.parallel.distributed import Say
 from bigbatch.run.build import RunParts
@@ -78,7 +80,16 @@ class StepLog:
         step_mfu = self.mfu(record.tokens_per_s)
         if self.metrics:
             self.metrics.write_step(record, mfu=step_mfu)
+        guard = self.parts.engine.guard
+        if guard is not None:  # every rank takes them (rank 0 writes them)
+            self.write_replays(record.step, guard.take_checks())
         return step_mfu
+
+    def write_replays(self, step: int, checks: Sequence[ReplayCheck]) -> None:
+        """A step's replays, one ``kind: replay`` record (each rank's drawn micro-batch, the ranks that re-ran it,
+        whether it matched): a long run's checks can be audited, not only counted."""
+        if checks and isinstance(self.metrics, MetricsFanout):
+            self.metrics.write_event("replay", step, replays=[check.as_dict() for check in checks])
 
     def say_skipped(self, record: StepRecord) -> None:
         """A step with a non-finite gradient (no update was applied): always said, as a warning."""

@@ -34,7 +34,7 @@ from bigbatch.run.loop.step_log import StepLog, grow_auto_ramp
 from bigbatch.run.loop.step_sizes import follow_batch_change, next_k, planned_tokens, seesaw_stop_note
 from bigbatch.run.loop.stopping import StopHandling, check_diverging
 from bigbatch.run.loop.summary import say_summary
-from bigbatch.run.loop.tally import LoopTally
+from bigbatch.run.loop.tally import LoopTally, trained_part
 from bigbatch.run.loop.validation_loss import ValidationResult
 from bigbatch.sizing.plan import BatchPlan
 
@@ -198,9 +198,11 @@ class Trainer:
             self.parts, self.state.step, self.state.tokens_seen, tokens_per_step, self.change_cause, step_log
         )
         self.change_cause = self.parts.batch_change_cause
-        record = self._run_step(step, seen, stops, tokens_per_step)
+        with self.bad_steps.device_faults(step_log):  # a faulty device found by a replay: recorded, then the run stops
+            record = self._run_step(step, seen, stops, tokens_per_step)
         step_mfu = step_log.write_step(record)
         if self.bad_steps.handle(record, step_log, self.state, self.saves):
+            seen.rewound(self.state.step)  # the positions of the steps undone are no longer trained
             stops.step_pending = True  # the loop goes on with the step after the checkpoint
             return  # rewound: the loop goes on from the checkpoint's step
         if record.skipped:  # a non-finite gradient: no update was applied
@@ -223,6 +225,7 @@ class Trainer:
         saved = self.saves.due(record.step, last)
         if saved:
             self.saves.save(self.state, record.step, self._say)
+            seen.saved(record.step)
         assert self.progress is not None
         self.progress.update(record.step, record.tokens_per_s, extra="stopping after this step" if stop.signum else "")
         stops.check(seen, stop, saved)
@@ -233,8 +236,11 @@ class Trainer:
         record = self.engine.step(step.micro_batches, step.n_valid, tokens_per_step)
         stops.step_pending = False  # applied (or skipped): a stop request now comes after this step
         if step.positions:
+            if not record.skipped:  # what was trained: without the micro-batches dropped or left out
+                guard = self.engine.guard
+                step = trained_part(step, record, guard.excluded if guard else set(), self.dist, self.parts.device)
+                seen.count_positions(step)
             record = replace(record, padding_share=step.padding_share, prompt_share=step.prompt_share)
-            seen.count_positions(step)
         seen.record = record
         return record
 
