@@ -30,6 +30,7 @@ from bench_config import interleaved_step_rates
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.models import build_model, model_preset
 from bigbatch.observe.metrics import read_records
@@ -109,7 +110,11 @@ def cost() -> None:
             model = build_model(model_preset("moe-nano", vocab_size=256))
             model.activation_checkpointing = checkpointing
             engines[mode] = AccumulationEngine(
-                model, build_adamw(model, 1e-3), constant_schedule(1e-3), grad_clip=1.0, router_balance=mode
+                model,
+                build_adamw(model, 1e-3),
+                constant_schedule(1e-3),
+                grad_clip=1.0,
+                objective=LanguageModelObjective(router_balance=mode),
             )
         median, rounds = interleaved_step_rates(engines, batches, 10, 3, 90.0)
         print(

@@ -42,8 +42,8 @@ def test_accumulated_gradient_equals_full_batch_gradient(tiny_model: GPT, k: int
     reference = full_batch_grads(copy.deepcopy(tiny_model), x, y)
     engine = make_engine(tiny_model)
     tiny_model.zero_grad(set_to_none=True)
-    loss_sum, n_valid = engine.accumulate(split(x, y, k))
-    assert n_valid == x.numel()
+    _, totals = engine.accumulate(split(x, y, k))
+    assert totals.of("token") == x.numel()
     for (name, p), g_full in zip(tiny_model.named_parameters(), reference, strict=True):
         assert rel_diff(p.grad, g_full) <= TOL, name
 
@@ -118,8 +118,8 @@ def test_masked_targets_are_weighted_by_valid_token_count(tiny_model: GPT) -> No
     reference = full_batch_grads(copy.deepcopy(tiny_model), x, y)
     engine = make_engine(tiny_model)
     tiny_model.zero_grad(set_to_none=True)
-    _, n_valid = engine.accumulate(split(x, y, 2))
-    assert n_valid == 1 + 2 * SEQ
+    _, totals = engine.accumulate(split(x, y, 2))
+    assert totals.of("token") == 1 + 2 * SEQ
     for p, g_full in zip(tiny_model.parameters(), reference, strict=True):
         assert rel_diff(p.grad, g_full) <= TOL
 

@@ -13,6 +13,7 @@ import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.engine.router_balance import RouterBalance, expert_load
 from bigbatch.errors import CheckpointError, ConfigError
@@ -66,7 +67,11 @@ def accumulated_gradient(
 ) -> tuple[torch.Tensor, AccumulationEngine]:
     model = copy.deepcopy(model)
     engine = AccumulationEngine(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), constant_schedule(1.0), grad_clip=0.0, router_balance=mode
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        constant_schedule(1.0),
+        grad_clip=0.0,
+        objective=LanguageModelObjective(router_balance=mode),
     )
     parts = [MicroBatch(x, y) for x, y in zip(inputs.tensor_split(k), targets.tensor_split(k), strict=True)]
     for param in model.parameters():
@@ -127,7 +132,10 @@ def test_the_routing_pass_replays_dropout_so_its_counts_are_the_training_pass_co
     for mode in ("exact", "off"):  # off: no routing pass at all
         replica = copy.deepcopy(model)
         engine = AccumulationEngine(
-            replica, torch.optim.SGD(replica.parameters(), lr=0.1), constant_schedule(0.1), router_balance=mode
+            replica,
+            torch.optim.SGD(replica.parameters(), lr=0.1),
+            constant_schedule(0.1),
+            objective=LanguageModelObjective(router_balance=mode),
         )
         torch.manual_seed(5)
         record = engine.step(parts)

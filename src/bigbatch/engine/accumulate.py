@@ -10,13 +10,15 @@ the K backward passes and DDP averages them over ``world_size`` ranks, so the
 final gradient is that of ``(sum of all per-token losses) / N``: the mean loss of
 one giant batch. With full micro-batches this is the classic ``mean / K``; with
 padding or masks, ``mean / K`` over-weights short micro-batches and is wrong.
-That scale is applied here and nowhere else. A mixture of experts' load-balancing loss, a statistic of the
-whole step, is added to each micro-batch's as that micro-batch's share of the step's
-(:mod:`bigbatch.engine.router_balance`), scaled by the world size the same way.
+That scale is applied here and nowhere else. The loss is an :class:`~bigbatch.engine.objective.Objective`: a sum
+of terms, each normalised the same way by its own units of the whole step (tokens, sequences, pairs, groups), all
+counted before the first backward in one all-reduce; the next-token loss with a mixture of experts' router terms
+(:mod:`bigbatch.engine.language_model`) is the default one.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,58 +30,46 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.bad_steps import BadStep, BadStepSettings
-from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch, count_valid_targets, global_valid_targets
+from bigbatch.engine.batch import count_valid_targets
 from bigbatch.engine.batch_change import BatchFollower
 from bigbatch.engine.hooks import StepHook, StepOutcome
+from bigbatch.engine.language_model import (
+    CountFn,
+    LanguageModelObjective,
+    LossFn,
+    counted_tokens,
+    token_loss_sum,
+    token_route,
+)
+from bigbatch.engine.objective import (
+    Objective,
+    ObjectiveMeasurement,
+    StepPass,
+    StepTotals,
+    count_units,
+    objective_value,
+    step_loss,
+    term_means,
+    term_scales,
+)
 from bigbatch.engine.router_balance import RouterBalance
 from bigbatch.engine.step_guard import MicroWatch, StepGuard
-from bigbatch.models.lm_output import computes_loss, logits_loss
-from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, GradSync, LocalGradSync
 from bigbatch.settings.choices import RESOLVED_PRECISIONS
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-"""``loss_fn(model, micro_batch)`` returns the *sum* (not the mean) of per-token losses as a 0-d tensor."""
+log = logging.getLogger(__name__)
 
-CountFn = Callable[[Any], int]
-"""``count_fn(micro_batch)`` returns how many valid targets ``loss_fn`` sums over for that micro-batch."""
-
-
-def token_loss_sum(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-    """Sum of next-token cross-entropies over valid targets.
-
-    bigbatch's own families compute it in their forward (from the final hidden states, in chunks, with packed
-    documents' positions); any other model returning ``(logits, ...)`` or an output with ``.logits`` is scored
-    from its whole logits (and cannot take packed rows)."""
-    positions = getattr(batch, "positions", None)
-    if computes_loss(model):
-        if positions is None:
-            return model(batch.inputs, targets=batch.targets)
-        return model(batch.inputs, targets=batch.targets, positions=positions)
-    if positions is not None:
-        raise ValueError(
-            f"{type(model).__name__} does not take packed rows (positions): its forward has no way to keep the "
-            "documents apart; use --pack off"
-        )
-    output = model(batch.inputs)
-    if hasattr(output, "logits"):  # Hugging Face model outputs
-        output = output.logits
-    logits = output[0] if isinstance(output, (tuple, list)) else output  # (B, T, V)
-    return logits_loss(logits, batch.targets)
-
-
-def token_route(model: nn.Module, batch: MicroBatch) -> object:
-    """A forward that routes ``batch``'s tokens through every MoE layer and computes as little else as it can:
-    bigbatch's families and ``hf:`` models give only the last position's logits (no loss, no whole head); any other
-    model runs :func:`token_loss_sum`."""
-    if not computes_loss(model) or not isinstance(batch, MicroBatch):
-        return token_loss_sum(model, batch)
-    return model(batch.inputs, positions=batch.positions, last_only=True)
-
-
-def counted_tokens(batch: MicroBatch) -> torch.Tensor:
-    """The tokens of a micro-batch a router's balancing loss counts, flattened (B*T,): those with a valid target."""
-    return (batch.targets != IGNORE_INDEX).reshape(-1)
+__all__ = [
+    "AccumulationEngine",
+    "CountFn",
+    "LossFn",
+    "StepRecord",
+    "autocast_for",
+    "counted_tokens",
+    "resolve_precision",
+    "token_loss_sum",
+    "token_route",
+]
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -134,20 +124,16 @@ class StepRecord:
 class AccumulationEngine:
     """Runs optimizer steps made of K micro-batches, exactly as one big batch would.
 
-    Per :meth:`step`: gradients are zeroed once; each micro-batch runs forward
-    (under autocast) and backward with the exact scale above, gradient sync off
-    for all but the last; then the global gradient norm is clipped (after
-    unscaling for fp16), the optimizer steps once, and the learning rate for the
-    next step is set from ``schedule``. Measurements and fault injection attach
-    through ``hooks`` (:mod:`bigbatch.engine.hooks`), called in order.
+    Per :meth:`step`: gradients are zeroed once; the objective's units are counted over the step (all ranks) and
+    its statistics pass runs; each micro-batch runs forward (under autocast) and backward with the exact scales
+    above, gradient sync off for all but the last; then the global gradient norm is clipped (after unscaling for
+    fp16), the optimizer steps once, and the learning rate for the next step is set from ``schedule``.
+    Measurements and fault injection attach through ``hooks`` (:mod:`bigbatch.engine.hooks`), called in order.
 
-    Micro-batches are :class:`~bigbatch.engine.batch.MicroBatch` by default; any
-    object with ``.to(device, non_blocking=...)`` works with a matching
-    ``loss_fn`` and ``count_fn`` (and, for a mixture of experts, ``route_fn`` and ``counted_fn``).
-
-    A model that routes tokens to experts (it has a :class:`~bigbatch.models.routing.RouterRecorder`) adds its
-    load-balancing loss and z-loss over the whole step (:mod:`bigbatch.engine.router_balance`): ``router_balance``
-    is the mode (``exact`` by default), ``router_aux_coef`` and ``router_z_coef`` replace the model's coefficients.
+    ``objective`` (:class:`~bigbatch.engine.objective.Objective`) is what is optimised; by default the next-token
+    loss, with a mixture of experts' router terms (:class:`~bigbatch.engine.language_model.LanguageModelObjective`).
+    ``loss_fn`` (with ``count_fn``) is the one-term shortcut: the sum of a micro-batch's per-token losses and the
+    tokens it sums over, for any micro-batch type with ``.to(device, non_blocking=...)``.
     """
 
     def __init__(
@@ -159,16 +145,12 @@ class AccumulationEngine:
         grad_clip: float = 1.0,
         precision: str = "fp32",
         device: torch.device | str = "cpu",
-        loss_fn: LossFn = token_loss_sum,
-        count_fn: CountFn = count_valid_targets,
+        objective: Objective | None = None,
+        loss_fn: LossFn | None = None,
+        count_fn: CountFn | None = None,
         grad_sync: GradSync | None = None,
         dist: DistContext | None = None,
         hooks: Sequence[StepHook] = (),
-        router_balance: str = "exact",
-        router_aux_coef: float | None = None,
-        router_z_coef: float | None = None,
-        route_fn: Callable[[nn.Module, Any], object] = token_route,
-        counted_fn: Callable[[Any], torch.Tensor] = counted_tokens,
         follower: BatchFollower | None = None,
         bad_steps: BadStepSettings | None = None,
         parallel: str = "none",
@@ -183,10 +165,14 @@ class AccumulationEngine:
         self.grad_clip = grad_clip
         self.device = torch.device(device)
         self.precision = resolve_precision(precision, self.device)
-        self.loss_fn = loss_fn
-        self.count_fn = count_fn
+        if objective is not None and (loss_fn is not None or count_fn is not None):
+            raise ValueError("give the engine an objective or a loss_fn (its one-term shortcut), not both")
+        if objective is None:
+            objective = LanguageModelObjective(loss_fn or token_loss_sum, count_fn or count_valid_targets)
         self.grad_sync = grad_sync or LocalGradSync()
         self.dist = dist or DistContext()
+        objective.bind(model, self.dist, self.device)
+        self.objective = objective
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step_count = 0  # optimizer steps applied
         self.skipped_steps = 0  # steps dropped for a non-finite gradient
@@ -194,18 +180,38 @@ class AccumulationEngine:
         if len(names) != len(set(names)):
             raise ValueError(f"step hooks need distinct names, got {names}")
         self.hooks = list(hooks)
-        recorder = router_recorder(model)
-        self.router: RouterBalance | None = None
-        if recorder is not None:
-            self.router = RouterBalance(
-                recorder, router_balance, self.dist, self.device, router_aux_coef, router_z_coef
-            )
-        self.route_fn, self.counted_fn = route_fn, counted_fn
         self.follower = follower
         # None: a non-finite gradient skips the step, nothing is traced (the engine used on its own)
         self.guard = StepGuard(bad_steps, parallel) if bad_steps is not None else None
         self._base_weight_decays = [float(group.get("weight_decay", 0.0)) for group in optimizer.param_groups]
+        self._said_empty: set[str] = set()  # terms whose empty steps have been reported (once each)
         self._set_step_settings(self.schedule(self.step_count))
+
+    # ---- the language-model objective's parts, where tests and tools reach them -------------------------------
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """The next-token objective's summed loss (settable: fault-injection tests wrap it)."""
+        return self._lm_objective().loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, loss_fn: LossFn) -> None:
+        self._lm_objective().loss_fn = loss_fn
+
+    @property
+    def router(self) -> RouterBalance | None:
+        """A mixture of experts' router terms (``None`` for a model that does not route tokens)."""
+        objective = self.objective
+        return objective.router if isinstance(objective, LanguageModelObjective) else None
+
+    def _lm_objective(self) -> LanguageModelObjective:
+        if not isinstance(self.objective, LanguageModelObjective):
+            raise AttributeError(f"the engine's objective is {type(self.objective).__name__}, not a next-token loss")
+        return self.objective
+
+    def primary_units(self, micro_batch: Any) -> int:
+        """What ``micro_batch`` holds of the objective's first term's unit (its valid targets for ``lm``)."""
+        return int(round(self.objective.units(micro_batch).get(self.objective.primary.unit, 0.0)))
 
     def autocast(self) -> AbstractContextManager[Any]:
         return autocast_for(self.precision, self.device)
@@ -228,33 +234,47 @@ class AccumulationEngine:
             group["weight_decay"] = weight_decay * decay_factor
         return settings.lr
 
+    def step_totals(self, micro_batches: Sequence[Any], n_valid: int | StepTotals | None = None) -> StepTotals:
+        """Each unit of the objective over all micro-batches on all ranks, known before the first backward: one
+        all-reduce, none when the caller's ``n_valid`` (valid targets of the step) says it all."""
+        if isinstance(n_valid, StepTotals):
+            return n_valid
+        if n_valid is not None:
+            known = self.objective.totals_for_tokens(n_valid)
+            if known is not None:
+                return known
+        return count_units(self.objective, micro_batches, self.dist, self.device)
+
     def global_valid_targets(self, micro_batches: Sequence[Any]) -> int:
-        """Valid targets over all micro-batches on all ranks, known before the first backward (for callers that
-        do not bring ``n_valid``, e.g. a :class:`~bigbatch.engine.batch.StepBatch`'s)."""
-        return global_valid_targets(micro_batches, self.dist, self.device, self.count_fn)
+        """The step's count of the objective's first unit (valid targets for ``lm``) on all ranks."""
+        return self.step_totals(micro_batches).primary_count
 
     def accumulate(
-        self, micro_batches: Sequence[Any], n_valid: int | None = None, watch: MicroWatch | None = None
-    ) -> tuple[torch.Tensor, int]:
+        self,
+        micro_batches: Sequence[Any],
+        n_valid: int | StepTotals | None = None,
+        watch: MicroWatch | None = None,
+    ) -> tuple[torch.Tensor, StepTotals]:
         """Forward and backward over the micro-batches, adding into ``.grad``.
 
-        Returns the summed loss of this rank (a detached fp32 tensor on the
-        device) and the global valid-target count ``N``. A caller that already
-        knows ``N`` (packed data: every target is valid) passes it and saves the
-        all-reduce. Gradients are not zeroed here; with fp16 they carry the
-        GradScaler's scale. ``watch`` (the guarded step's) sees each micro-batch on its way.
+        Returns this rank's sums of the step (a detached float64 vector on the device: each term's sum, then the
+        objective's statistics, :meth:`Objective.local_statistics`) and the step's totals of every unit. A caller
+        that already knows the valid targets (packed data: every target is valid) passes them (or the totals) and
+        saves the all-reduce. Gradients are not zeroed here; with fp16 they carry the GradScaler's scale.
+        ``watch`` (the guarded step's) sees each micro-batch on its way.
         """
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        if n_valid is None:
-            n_valid = self.global_valid_targets(micro_batches)
-        if n_valid == 0:
-            raise ValueError("the step holds no valid target tokens (every target is -100)")
-        scale = self.dist.world_size / n_valid  # the one place the loss is scaled
-        loss_total = torch.zeros((), dtype=torch.float32, device=self.device)
+        totals = self.step_totals(micro_batches, n_valid)
+        if totals.empty:
+            if self.objective.primary.unit == "token":
+                raise ValueError("the step holds no valid target tokens (every target is -100)")
+            raise ValueError(f"the step holds no unit of any term of the objective ({totals.as_dict()})")
+        scales = self._scales(totals)  # the one place the loss is scaled
+        terms = self.objective.terms
+        sums = torch.zeros(len(terms), dtype=torch.float64, device=self.device)
         last = len(micro_batches) - 1
-        if self.router is not None:
-            self._begin_routing(micro_batches, n_valid)
+        self.objective.begin_step(StepPass(self.model, micro_batches, totals, self.dist, self.device, self.autocast))
         for i, micro_batch in enumerate(micro_batches):
             if watch is not None:
                 watch.before(i, micro_batch)
@@ -262,61 +282,72 @@ class AccumulationEngine:
             sync = nullcontext() if i == last else self.grad_sync.no_sync()
             captured = watch.capture(i, i == last, self._params) if watch is not None else nullcontext()
             with sync, captured:  # covers forward and backward: DDP decides at forward time
-                loss_sum, objective = self._forward(self.model, micro_batch, i, scale)
+                term_sums, value = self._forward(self.model, micro_batch, i, scales)
                 if watch is not None:
-                    watch.loss(loss_sum)
-                objective.backward()
-            loss_total += loss_sum.detach().float()
+                    watch.loss(term_sums[0])
+                value.backward()
+            sums += term_sums.double()
             if watch is not None:
                 watch.after_backward(i, i == last, self._params)
             for hook in self.hooks:
                 hook.after_backward(self, i, micro_batch)
-        return loss_total, n_valid
+        statistics = self.objective.local_statistics()
+        if statistics:
+            sums = torch.cat([sums, torch.tensor(statistics, dtype=torch.float64, device=self.device)])
+        return sums, totals
+
+    def _scales(self, totals: StepTotals) -> list[float]:
+        """Each term's factor (:func:`~bigbatch.engine.objective.term_scales`); a term the step holds no unit of is
+        said once, not divided by zero."""
+        for term in self.objective.terms:
+            if term.unit != "none" and totals.of(term.unit) == 0 and term.name not in self._said_empty:
+                self._said_empty.add(term.name)
+                log.warning(
+                    "step %d holds no %s on any rank: the %s term adds nothing to it (said once)",
+                    self.step_count + 1,
+                    term.unit,
+                    term.name,
+                )
+        return term_scales(self.objective, totals, self.dist.world_size)
 
     def _forward(
-        self, model: nn.Module, micro_batch: Any, index: int, scale: float
+        self, model: nn.Module, micro_batch: Any, index: int, scales: Sequence[float]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``index``'s summed loss and the objective it back-propagates: ``loss_sum x scale``, plus its
-        share of the step's router loss, times the fp16 loss scale."""
+        """Micro-batch ``index``'s term sums (a detached fp32 vector, the primary's after the hooks) and what it
+        back-propagates: ``sum_t S_t x scale_t``, times the fp16 loss scale."""
         for hook in self.hooks:
             hook.before_forward(self, index, micro_batch)
-        router_term = None
+        terms = self.objective.terms
         with self.autocast():
-            if self.router is None:
-                loss_sum = self.loss_fn(model, micro_batch)
-            else:
-                with self.router.recording() as layers:
-                    loss_sum = self.loss_fn(model, micro_batch)
-                router_term = self.router.term(layers, self.counted_fn(micro_batch))
+            sums = self.objective.sums(model, micro_batch, index)
+        primary = terms[0].name
         for hook in self.hooks:
-            loss_sum = hook.after_forward(self, index, loss_sum)
-        objective = loss_sum * scale
-        if router_term is not None:  # already a share of the step's: DDP's average is undone as for the loss
-            objective = objective + router_term * self.dist.world_size
-        return loss_sum, self.scaler.scale(objective)
+            sums[primary] = hook.after_forward(self, index, sums[primary])
+        value = objective_value(sums, terms, scales)
+        detached = torch.stack([sums[term.name].detach().float().reshape(()) for term in terms])
+        return detached, self.scaler.scale(value)
 
-    def objective(self, model: nn.Module, micro_batch: Any, index: int, n_valid: int) -> torch.Tensor:
+    def rerun_objective(self, model: nn.Module, micro_batch: Any, index: int, totals: StepTotals) -> torch.Tensor:
         """Micro-batch ``index``'s objective computed again (a replay), as its accumulation pass computed it, through
-        ``model``; the step's router totals are left as they were."""
-        kept = self.router.totals_kept() if self.router is not None else nullcontext()
-        with kept:
-            return self._forward(model, micro_batch, index, self.dist.world_size / n_valid)[1]
+        ``model``; what the step has measured is left as it was."""
+        with self.objective.kept():
+            return self._forward(model, micro_batch, index, term_scales(self.objective, totals, self.dist.world_size))[
+                1
+            ]
 
-    def loss_sum(self, model: nn.Module, micro_batch: Any, index: int) -> torch.Tensor:
-        """Micro-batch ``index``'s summed loss computed again without a graph, as its accumulation pass computed it
-        (hooks included); the step's router totals are left as they were."""
-        kept = self.router.totals_kept() if self.router is not None else nullcontext()
-        with kept, torch.no_grad():
-            return self._forward(model, micro_batch, index, 1.0)[0]
+    def plain_objective(self, model: nn.Module, micro_batch: Any, index: int, totals: StepTotals) -> torch.Tensor:
+        """Micro-batch ``index``'s objective without autocast, the loss scale or the hooks (a float64 reference
+        on the host); what the step has measured is left as it was."""
+        with self.objective.kept():
+            sums = self.objective.sums(model, micro_batch, index)
+        return objective_value(sums, self.objective.terms, term_scales(self.objective, totals, self.dist.world_size))
 
-    def _begin_routing(self, micro_batches: Sequence[Any], n_valid: int) -> None:
-        assert self.router is not None
-
-        def route(micro_batch: Any) -> object:
-            with self.autocast():
-                return self.route_fn(self.model, micro_batch.to(self.device, non_blocking=True))
-
-        self.router.begin(micro_batches, n_valid, self.counted_fn, route)
+    def rerun_loss_sum(self, model: nn.Module, micro_batch: Any, index: int) -> torch.Tensor:
+        """Micro-batch ``index``'s primary term's sum computed again without a graph, as its accumulation pass
+        computed it (hooks included); what the step has measured is left as it was."""
+        ones = [1.0] * len(self.objective.terms)
+        with self.objective.kept(), torch.no_grad():
+            return self._forward(model, micro_batch, index, ones)[0][0]
 
     def step(
         self, micro_batches: Sequence[Any], n_valid: int | None = None, tokens_per_step: int | None = None
@@ -335,15 +366,15 @@ class AccumulationEngine:
         overflow = True  # without the guard every non-finite gradient is a skip of GradScaler's kind
         if self.guard is None:
             self._zero_grad()
-            loss_total, n_valid = self.accumulate(micro_batches, n_valid)
+            local, totals = self.accumulate(micro_batches, n_valid)
             grad_norm = self._clip()
             skipped = not math.isfinite(grad_norm)
-            loss = float(self.dist.all_reduce_sum(loss_total).item()) / n_valid
+            reduced = self.dist.all_reduce_sum(local).tolist()
         else:
             guarded = self.guard.run(self, list(micro_batches), n_valid)
-            n_valid, grad_norm, bad, overflow = guarded.n_valid, guarded.grad_norm, guarded.bad, guarded.overflow
+            totals, grad_norm, bad, overflow = guarded.totals, guarded.grad_norm, guarded.bad, guarded.overflow
             skipped = not guarded.apply
-            loss = guarded.loss_sum / guarded.n_valid if guarded.n_valid else math.nan  # 0: nothing of it ran
+            reduced = guarded.sums
         if not skipped:
             self._apply()
         elif overflow:
@@ -351,11 +382,19 @@ class AccumulationEngine:
         else:  # a bad step: no update, and the loss scale as the step found it
             self.skipped_steps += 1
             self.restart_step()
+        n_valid = totals.targets
         attempted = self.step_count + int(skipped)  # a skipped step's number is the one it tried to be
         outcome = StepOutcome(step=attempted, grad_norm=grad_norm, n_valid=n_valid, skipped=skipped)
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
-        if self.router is not None and n_valid:
-            measurements["router"] = self.router.finish()
+        loss = math.nan  # nothing of the step ran (every micro-batch left out)
+        if not totals.empty and reduced:
+            n_terms = len(self.objective.terms)
+            term_sums, statistics = reduced[:n_terms], reduced[n_terms:]
+            loss = step_loss(self.objective, term_sums, totals)
+            measurements.update(self.objective.end_step())
+            if self._reports_terms() or statistics:
+                means = term_means(self.objective, term_sums, totals)
+                measurements["objective"] = ObjectiveMeasurement(means, self.objective.statistics(statistics))
         return StepRecord(
             step=attempted,
             loss=loss,
@@ -368,6 +407,11 @@ class AccumulationEngine:
             measurements=measurements,
             bad=bad,
         )
+
+    def _reports_terms(self) -> bool:
+        """Whether a step's record lists its terms: when the objective has more than one that is not auxiliary
+        (the router's terms have their own measurement)."""
+        return sum(not term.auxiliary for term in self.objective.terms) > 1
 
     def _clip(self) -> float:
         """Unscales (fp16), clips the global gradient norm and returns it before clipping (inf or nan: skip)."""

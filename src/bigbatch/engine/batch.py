@@ -81,6 +81,39 @@ def window_starts(start: int, windows: int, seq_len: int) -> list[int]:
     return [start + w * seq_len for w in range(windows)]
 
 
+ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL = 0, 1, 2, 3, 4
+"""What an answer is to the objective: a preference pair's chosen and rejected answers; a KTO row's completion,
+desirable or undesirable; and a KTO row's prompt followed by another row's completion (``ROLE_KL``: only its
+reference point, the step's KL estimate, is read from it, never trained)."""
+
+
+@dataclass
+class Answers:
+    """Where the answers of an objective over answers (preference pairs, KTO rows) sit in a micro-batch. An answer
+    is the trained span of one document (its targets that are not -100); a *group* is a pair (its chosen and
+    rejected answers, in that order) or a KTO row (its completion, then its KL answer), and a group is never split
+    between micro-batches or ranks. ``segment`` says for each target which answer it belongs to; answers are
+    numbered within the micro-batch."""
+
+    segment: torch.Tensor  # (B, T) int64: the answer whose target this is, -1 for none (prompt, padding)
+    group: torch.Tensor  # (S,) int64: each answer's group, numbered 0.. within the micro-batch
+    role: torch.Tensor  # (S,) int64: ROLE_* of each answer
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Answers:
+        return Answers(
+            self.segment.to(device, non_blocking=non_blocking),
+            self.group.to(device, non_blocking=non_blocking),
+            self.role.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> Answers:
+        return Answers(self.segment.pin_memory(), self.group.pin_memory(), self.role.pin_memory())
+
+    @property
+    def count(self) -> int:
+        return int(self.role.numel())
+
+
 @dataclass
 class MicroBatch:
     """One micro-batch: ``targets`` are ``inputs`` shifted by one token; ``-100`` marks no loss.
@@ -102,9 +135,11 @@ class MicroBatch:
     origin: tuple[tuple[int, int], ...] = ()
     epoch: int = 0
     parts: tuple[DocumentPart, ...] = ()
+    answers: Answers | None = None  # preference and KTO data: which answer each target belongs to
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         positions = None if self.positions is None else self.positions.to(device, non_blocking=non_blocking)
+        answers = None if self.answers is None else self.answers.to(device, non_blocking=non_blocking)
         return MicroBatch(
             self.inputs.to(device, non_blocking=non_blocking),
             self.targets.to(device, non_blocking=non_blocking),
@@ -113,6 +148,7 @@ class MicroBatch:
             self.origin,
             self.epoch,
             self.parts,
+            answers,
         )
 
     def pin_memory(self) -> MicroBatch:
@@ -125,6 +161,7 @@ class MicroBatch:
             self.origin,
             self.epoch,
             self.parts,
+            None if self.answers is None else self.answers.pin_memory(),
         )
 
     @property

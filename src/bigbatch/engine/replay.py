@@ -129,7 +129,7 @@ class DrawnMicroBatch:
     first: str = ""
 
 
-Objective = Callable[[nn.Module, Any], torch.Tensor]
+ContributionFn = Callable[[nn.Module, Any], torch.Tensor]
 """``objective(module, micro_batch_on_device)``: the scaled loss the first pass back-propagated for it."""
 
 
@@ -137,7 +137,7 @@ def contribution(
     module: nn.Module,
     params: Sequence[nn.Parameter],
     drawn: DrawnMicroBatch,
-    objective: Objective,
+    objective: ContributionFn,
     device: torch.device,
 ) -> list[torch.Tensor | None]:
     """The drawn micro-batch's contribution computed again through ``module`` (the local module: no cross-rank
@@ -244,7 +244,7 @@ def judge(rows: Sequence[ReplayRow], world_size: int) -> Judgement:
 
 
 def host_reference(
-    module: nn.Module, params: Sequence[nn.Parameter], drawn: DrawnMicroBatch, loss_sum: Objective, scale: float
+    module: nn.Module, params: Sequence[nn.Parameter], drawn: DrawnMicroBatch, loss_sum: ContributionFn, scale: float
 ) -> list[torch.Tensor | None] | None:
     """The drawn micro-batch's contribution computed in float64 on the host from a copy of ``module`` (``loss_sum``
     x ``scale``, no autocast): another device and another precision than the ranks', to break a tie between two.

@@ -174,10 +174,10 @@ class RouterBalance:
         finally:
             self._trained_counts, self._balance, self._z = kept
 
-    def term(self, routed: Sequence[RoutedTokens], counted: torch.Tensor) -> torch.Tensor:
-        """The 0-d fp32 router loss a micro-batch back-propagates, from its layers' ``routed`` tokens of which
-        ``counted`` (N,) are counted, as a share of the step's (the engine multiplies it by the world size, as it
-        does the cross-entropy's)."""
+    def term_sums(self, routed: Sequence[RoutedTokens], counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's balancing and z-loss terms as sums over the step's counted tokens (0-d fp32, with
+        gradient), from its layers' ``routed`` tokens of which ``counted`` (N,) are counted: the objective's token
+        terms, which the engine divides by the step's tokens (and multiplies by their coefficients)."""
         if not routed:
             raise RuntimeError("the model routes tokens but reported no MoE layer for this micro-batch")
         weight = counted.float()  # (N,): once for every layer
@@ -186,11 +186,11 @@ class RouterBalance:
         sums = _stack(layers, "prob_sums")  # (layers, E), with gradient
         self._trained_counts = counts if self._trained_counts is None else self._trained_counts + counts
         weights = self._weights(counts, layers[0].tokens.clamp_min(1.0))
-        balance = (weights * sums).sum()
-        z = torch.stack([layer.z_sum for layer in layers]).sum() / (self._tokens * len(layers))
+        balance = (weights * sums).sum()  # this micro-batch's share of the step's balancing loss
+        z_sum = torch.stack([layer.z_sum for layer in layers]).sum() / len(layers)
         self._balance += balance.detach()
-        self._z += z.detach()
-        return self.aux_coef * balance + self.z_coef * z
+        self._z += z_sum.detach() / self._tokens
+        return balance * self._tokens, z_sum
 
     def _weights(self, counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         spec = self.spec

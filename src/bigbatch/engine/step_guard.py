@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ from bigbatch.engine.bad_steps import (
     describe_origin,
 )
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.objective import StepTotals
 from bigbatch.engine.replay import (
     ContributionCapture,
     DrawnMicroBatch,
@@ -79,9 +80,15 @@ class MicroWatch:
     """What one accumulation pass learns of each micro-batch (read once, after the pass)."""
 
     def __init__(
-        self, check_grads: bool, world_size: int, drawn: int | None, sharded: list[torch.nn.Module] | None = None
+        self,
+        check_grads: bool,
+        world_size: int,
+        drawn: int | None,
+        sharded: list[torch.nn.Module] | None = None,
+        count: Callable[[Any], int] | None = None,
     ) -> None:
         self.check_grads, self.world_size, self.drawn_index = check_grads, world_size, drawn
+        self.count = count  # what a micro-batch holds of the objective's primary unit (None: its valid targets)
         self.sharded = sharded  # FSDP2, the model's modules: a rank never holds a micro-batch's gradient in .grad
         self.counts: list[int] = []
         self.batches: list[Any] = []  # on the host, as read
@@ -94,8 +101,11 @@ class MicroWatch:
 
     def before(self, index: int, batch: Any) -> None:
         """Before micro-batch ``index`` moves to the device."""
-        targets = getattr(batch, "targets", None)
-        self.counts.append(int((targets != IGNORE_INDEX).sum()) if targets is not None else 0)
+        if self.count is not None:
+            self.counts.append(self.count(batch))
+        else:
+            targets = getattr(batch, "targets", None)
+            self.counts.append(int((targets != IGNORE_INDEX).sum()) if targets is not None else 0)
         self.batches.append(batch)
         self.rngs.append(capture_rng_state())
         self.norms.append([])
@@ -234,26 +244,32 @@ class Computed:
     """One computation of the step (the first, or one without the micro-batches dropped so far)."""
 
     watch: MicroWatch
-    loss_sum: float
-    n_valid: int
+    sums: list[float]  # the step's term sums and statistics, all ranks (AccumulationEngine.accumulate's)
+    totals: StepTotals
     grad_norm: float
     replayed: list[Suspect]
     stats: list[MicroStat]  # every rank's micro-batches
     own: list[tuple[float, float]]  # each one's own values (MicroStat.own)
 
     @property
+    def n_valid(self) -> int:
+        """The step's count of the primary term's unit (valid targets for a next-token loss)."""
+        return self.totals.primary_count
+
+    @property
     def loss(self) -> float:
-        return self.loss_sum / self.n_valid
+        """The primary term's mean over the step: what spikes are judged on."""
+        return self.sums[0] / self.n_valid if self.n_valid else math.nan
 
 
 @dataclass(frozen=True)
 class GuardedStep:
-    """What the guarded step computed: the global loss sum and valid targets, the gradient norm before clipping,
-    whether to apply the update, and the bad step (if any) with what was done. ``overflow``: fp16's loss scale
-    overflowed (GradScaler's own skip, which lowers the scale), not a bad step."""
+    """What the guarded step computed: the global term sums (and statistics) and each unit's count, the gradient
+    norm before clipping, whether to apply the update, and the bad step (if any) with what was done. ``overflow``:
+    fp16's loss scale overflowed (GradScaler's own skip, which lowers the scale), not a bad step."""
 
-    loss_sum: float
-    n_valid: int
+    sums: list[float]
+    totals: StepTotals
     grad_norm: float
     apply: bool
     bad: BadStep | None = None
@@ -273,6 +289,11 @@ def _excluded(batch: Any, keys: set[str]) -> bool:
     """Whether a rewind's exclusions name ``batch`` (its key, or a document it holds a part of)."""
     check = getattr(batch, "excluded_by", None)
     return bool(check(keys)) if check is not None else getattr(batch, "origin_key", None) in keys
+
+
+def _alone(engine: AccumulationEngine, count: int) -> StepTotals:
+    """Totals that normalise a part of a micro-batch by its own ``count`` of the primary unit (its values alone)."""
+    return StepTotals({unit: float(count) for unit in engine.objective.unit_names()}, engine.objective.primary.unit)
 
 
 def _loss_scale(engine: AccumulationEngine) -> float:
@@ -299,7 +320,9 @@ class StepGuard:
 
     # ---- the step ------------------------------------------------------------------------------------------
 
-    def run(self, engine: AccumulationEngine, micro_batches: list[Any], n_valid: int | None) -> GuardedStep:
+    def run(
+        self, engine: AccumulationEngine, micro_batches: list[Any], n_valid: int | StepTotals | None
+    ) -> GuardedStep:
         step = engine.step_count + 1
         batches = list(micro_batches)
         index_of = list(range(len(batches)))  # each micro-batch's index in the step as read
@@ -307,10 +330,10 @@ class StepGuard:
             left_out = {i for i, b in enumerate(batches) if _excluded(b, self.excluded)}
             self.dropped += engine.dist.sum_int(len(left_out), engine.device)
             index_of, batches = self._without(batches, index_of, left_out)
-            n_valid = engine.global_valid_targets(batches)  # every rank recounts (the exclusions are everywhere)
-            if n_valid == 0:  # nothing of the step is left: it is skipped before it runs, as if never read
+            n_valid = engine.step_totals(batches)  # every rank recounts (the exclusions are everywhere)
+            if n_valid.empty:  # nothing of the step is left: it is skipped before it runs, as if never read
                 bad = BadStep(step, LEFT_OUT, (), ACTIONS["skip-step"], math.nan, math.nan)
-                return GuardedStep(math.nan, 0, math.nan, apply=False, bad=bad)
+                return GuardedStep([], n_valid, math.nan, apply=False, bad=bad)
         start_rng = capture_rng_state()
         drawn = self._draw(engine, step, len(batches))
         found: list[BadStep] = []
@@ -326,40 +349,45 @@ class StepGuard:
             suspects, detail, overflow = self._find(engine, done, step, first=attempt == 0)
             if overflow:  # fp16: the loss scale overflowed; GradScaler lowers it
                 merged = self._merge(found)
-                return GuardedStep(done.loss_sum, done.n_valid, done.grad_norm, apply=False, bad=merged, overflow=True)
+                return GuardedStep(done.sums, done.totals, done.grad_norm, apply=False, bad=merged, overflow=True)
             if not suspects:
                 self.spikes.observe(done.loss, done.grad_norm, done.own)
-                return GuardedStep(done.loss_sum, done.n_valid, done.grad_norm, apply=True, bad=self._merge(found))
+                return GuardedStep(done.sums, done.totals, done.grad_norm, apply=True, bad=self._merge(found))
             bad, dropped, remaining = self._decide(engine, done, step, suspects, detail, index_of)
             if bad.action != ACTIONS["skip-micro"]:
                 restore_rng_state(start_rng)  # a skipped step leaves the generators as it found them too
-                return GuardedStep(
-                    done.loss_sum, done.n_valid, done.grad_norm, apply=False, bad=self._merge(found, bad)
-                )
+                return GuardedStep(done.sums, done.totals, done.grad_norm, apply=False, bad=self._merge(found, bad))
             found.append(bad)
             self.dropped += len(bad.suspects)  # every rank knows them all
             index_of, batches = self._without(batches, index_of, dropped)
             n_valid, drawn = remaining, None
         bad = replace(found[-1], action=ACTIONS["skip-step"], detail="bad micro-batches on every try")
         restore_rng_state(start_rng)
-        return GuardedStep(done.loss_sum, done.n_valid, done.grad_norm, apply=False, bad=self._merge(found[:-1], bad))
+        return GuardedStep(done.sums, done.totals, done.grad_norm, apply=False, bad=self._merge(found[:-1], bad))
 
     def _compute(
-        self, engine: AccumulationEngine, batches: list[Any], n_valid: int | None, drawn: int | None, k: int
+        self,
+        engine: AccumulationEngine,
+        batches: list[Any],
+        n_valid: int | StepTotals | None,
+        drawn: int | None,
+        k: int,
     ) -> Computed:
         """Accumulate, replay the drawn micro-batch, unscale and clip, and bring every rank's values together."""
         sharded = list(engine.model.modules()) if self.parallel == "fsdp" else None
-        watch = MicroWatch(engine.scaler.is_enabled() is False, engine.dist.world_size, drawn, sharded)
+        watch = MicroWatch(
+            engine.scaler.is_enabled() is False, engine.dist.world_size, drawn, sharded, engine.primary_units
+        )
         try:
-            loss_total, counted = engine.accumulate(batches, n_valid, watch)
+            local, totals = engine.accumulate(batches, n_valid, watch)
         finally:
             watch.close()
-        replayed = self._replay(engine, watch, counted) if watch.drawn is not None else []
+        replayed = self._replay(engine, watch, totals) if watch.drawn is not None else []
         grad_norm = engine._clip()
-        loss_sum, stats = self._gather(engine, watch, loss_total, k)
+        sums, stats = self._gather(engine, watch, local, k)
         scale, world = _loss_scale(engine), engine.dist.world_size
-        own = [stat.own(counted, world, scale) for stat in stats]
-        return Computed(watch, loss_sum, counted, grad_norm, replayed, stats, own)
+        own = [stat.own(totals.primary_count, world, scale) for stat in stats]
+        return Computed(watch, sums, totals, grad_norm, replayed, stats, own)
 
     def _find(
         self, engine: AccumulationEngine, done: Computed, step: int, first: bool
@@ -371,7 +399,7 @@ class StepGuard:
         if not suspects and not math.isfinite(done.grad_norm):
             if engine.scaler.is_enabled():
                 return [], "", True
-            suspects = self._search(engine, done.watch, done.n_valid)
+            suspects = self._search(engine, done.watch, done.totals)
         elif not suspects and not done.replayed:
             suspects, detail = self._spiked(done, step, first)
         return suspects + done.replayed, detail, False
@@ -411,23 +439,23 @@ class StepGuard:
         suspects: list[Suspect],
         detail: str,
         index_of: list[int],
-    ) -> tuple[BadStep, set[int], int]:
+    ) -> tuple[BadStep, set[int], StepTotals | None]:
         """The bad step's record (its suspects described, their bad documents followed) with what ``--bad-step``
         does; for ``skip-micro`` also this rank's micro-batches to drop (indices in this try) and the valid targets
         left without them on every rank."""
-        suspects = self._describe(engine, done.watch, suspects, index_of, done.n_valid)
+        suspects = self._describe(engine, done.watch, suspects, index_of, done.totals)
         cause = suspects[0].cause if suspects else GRAD_NOT_FINITE
         mode = self.settings.mode
         if mode == "skip-micro" and not suspects:
             mode, detail = "skip-step", "no micro-batch to drop: the whole step is skipped"
         bad = BadStep(step, cause, tuple(suspects), ACTIONS[mode], done.loss, done.grad_norm, detail)
         if mode != "skip-micro":
-            return bad, set(), 0
+            return bad, set(), None
         rank = engine.dist.rank
         dropped = {index_of.index(s.micro) for s in suspects if s.rank == rank and s.micro in index_of}
         kept = [i for i in range(len(done.watch.counts)) if i not in dropped]
-        remaining = engine.dist.sum_int(sum(done.watch.counts[i] for i in kept), engine.device)
-        if remaining == 0:  # nothing left to train on: the step is skipped
+        remaining = engine.step_totals([done.watch.batches[i] for i in kept])  # every term's units, every rank
+        if remaining.empty:  # nothing left to train on: the step is skipped
             bad = replace(bad, action=ACTIONS["skip-step"], detail="no valid target left without them")
         return bad, dropped, remaining
 
@@ -462,28 +490,30 @@ class StepGuard:
     # ---- what the ranks found --------------------------------------------------------------------------------
 
     def _gather(
-        self, engine: AccumulationEngine, watch: MicroWatch, loss_total: torch.Tensor, k: int
-    ) -> tuple[float, list[MicroStat]]:
-        """One all-reduce: the step's loss sum and each micro-batch's values on every rank (:meth:`MicroWatch.values`;
-        ``k``: the micro-batches a rank read, the most any holds)."""
+        self, engine: AccumulationEngine, watch: MicroWatch, local: torch.Tensor, k: int
+    ) -> tuple[list[float], list[MicroStat]]:
+        """One all-reduce: the step's sums (``local``: this rank's, :meth:`AccumulationEngine.accumulate`'s) and each
+        micro-batch's values on every rank (:meth:`MicroWatch.values`; ``k``: the micro-batches a rank read, the
+        most any holds)."""
         dist = engine.dist
-        slots = torch.zeros(1 + dist.world_size * k * FIELDS, dtype=torch.float64, device=engine.device)
-        slots[0] = loss_total.double()
+        head = local.numel()
+        slots = torch.zeros(head + dist.world_size * k * FIELDS, dtype=torch.float64, device=engine.device)
+        slots[:head] = local.double()
         mine = watch.values().reshape(-1)
-        start = 1 + dist.rank * k * FIELDS
+        start = head + dist.rank * k * FIELDS
         slots[start : start + mine.numel()] = mine
         values = dist.all_reduce_sum(slots).tolist()
         stats = []
         for rank in range(dist.world_size):
             for index in range(k):
-                at = 1 + (rank * k + index) * FIELDS
+                at = head + (rank * k + index) * FIELDS
                 present, code, loss_sum, count, norm = values[at : at + FIELDS]
                 if present:
                     cause = CAUSES[int(code) - 1] if code else ""
                     stats.append(MicroStat(rank, index, cause, loss_sum, int(count), norm))
-        return values[0], stats
+        return values[:head], stats
 
-    def _search(self, engine: AccumulationEngine, watch: MicroWatch, n_valid: int) -> list[Suspect]:
+    def _search(self, engine: AccumulationEngine, watch: MicroWatch, n_valid: StepTotals) -> list[Suspect]:
         """A non-finite gradient no check caught: each rank re-runs its own micro-batches alone (the local module,
         no reduction) until one gives a non-finite contribution; FSDP2 cannot (a re-run needs every rank)."""
         found = -1
@@ -496,7 +526,12 @@ class StepGuard:
         return [Suspect(rank=r, micro=m, cause=GRAD_NOT_FINITE) for r, m in enumerate(values) if m >= 0]
 
     def _describe(
-        self, engine: AccumulationEngine, watch: MicroWatch, suspects: list[Suspect], index_of: list[int], n_valid: int
+        self,
+        engine: AccumulationEngine,
+        watch: MicroWatch,
+        suspects: list[Suspect],
+        index_of: list[int],
+        n_valid: StepTotals,
     ) -> list[Suspect]:
         """Each suspect with its documents, its exclusion key and its verdict (re-run on its rank), and the
         micro-batches that hold parts of its bad documents, known to every rank; micro-batches numbered as the
@@ -520,7 +555,7 @@ class StepGuard:
         followed = self._follow(engine, watch, mine, index_of, taken)
         return [s for ranks in engine.dist.all_gather_object(followed) for s in ranks]
 
-    def _verdict(self, engine: AccumulationEngine, watch: MicroWatch, suspect: Suspect, n_valid: int) -> str:
+    def _verdict(self, engine: AccumulationEngine, watch: MicroWatch, suspect: Suspect, n_valid: StepTotals) -> str:
         """``data`` when re-running the suspect (same inputs, same generators) reproduces what was found,
         ``transient`` when it does not."""
         if self.parallel == "fsdp":
@@ -609,7 +644,7 @@ class StepGuard:
                 limit = limits.micro_loss if limits is not None else math.inf
                 is_bad = not math.isfinite(loss) if suspect.cause == LOSS_NOT_FINITE else loss > limit
             else:
-                norm = self._norm_again(engine, watch, local, count, masked)
+                norm = self._norm_again(engine, watch, local, _alone(engine, count), masked)
                 norm /= engine.dist.world_size * _loss_scale(engine)
                 limit = limits.micro_grad_norm if limits is not None else math.inf
                 is_bad = not math.isfinite(norm) if suspect.cause == GRAD_NOT_FINITE else norm > limit
@@ -632,14 +667,14 @@ class StepGuard:
 
     # ---- re-runs ---------------------------------------------------------------------------------------------
 
-    def _finite_again(self, engine: AccumulationEngine, watch: MicroWatch, index: int, n_valid: int) -> bool:
+    def _finite_again(self, engine: AccumulationEngine, watch: MicroWatch, index: int, n_valid: StepTotals) -> bool:
         """Whether micro-batch ``index``'s loss and contribution are finite when computed again on this rank."""
         module = unwrap(engine.model)
         trained = [p for p in engine._params if p.requires_grad]
         after = capture_rng_state()
         try:
             restore_rng_state(watch.rngs[index])
-            objective = engine.objective(module, watch.batches[index].to(engine.device), index, n_valid)
+            objective = engine.rerun_objective(module, watch.batches[index].to(engine.device), index, n_valid)
             if not torch.isfinite(objective.detach()).all():
                 return False
             grads = torch.autograd.grad(objective, trained, allow_unused=True)
@@ -655,12 +690,12 @@ class StepGuard:
         try:
             restore_rng_state(watch.rngs[index])
             again = watch.batches[index] if batch is None else batch
-            return float(engine.loss_sum(module, again.to(engine.device), index).float().item())
+            return float(engine.rerun_loss_sum(module, again.to(engine.device), index).float().item())
         finally:
             restore_rng_state(after)
 
     def _norm_again(
-        self, engine: AccumulationEngine, watch: MicroWatch, index: int, n_valid: int, batch: Any = None
+        self, engine: AccumulationEngine, watch: MicroWatch, index: int, n_valid: StepTotals, batch: Any = None
     ) -> float:
         """The norm of micro-batch ``index``'s contribution (or of ``batch``'s, a part of it, normalized by
         ``n_valid``) computed again on this rank."""
@@ -670,7 +705,7 @@ class StepGuard:
         try:
             restore_rng_state(watch.rngs[index])
             again = watch.batches[index] if batch is None else batch
-            objective = engine.objective(module, again.to(engine.device), index, n_valid)
+            objective = engine.rerun_objective(module, again.to(engine.device), index, n_valid)
             grads = torch.autograd.grad(objective, trained, allow_unused=True)
         finally:
             restore_rng_state(after)
@@ -686,7 +721,7 @@ class StepGuard:
             return None
         return random.Random(f"{self.settings.seed}:{step}:{engine.dist.rank}").randrange(k)
 
-    def _replay(self, engine: AccumulationEngine, watch: MicroWatch, n_valid: int) -> list[Suspect]:
+    def _replay(self, engine: AccumulationEngine, watch: MicroWatch, n_valid: StepTotals) -> list[Suspect]:
         """The drawn micro-batch computed again and its digest compared with the first run's (what that can tell:
         :mod:`bigbatch.engine.replay`). One process: on this rank, and a third time when the two differ. Several:
         each rank re-runs the previous rank's (sent with its generators' state), one extra micro-batch per rank; only
@@ -700,7 +735,7 @@ class StepGuard:
 
         def mine(micro: DrawnMicroBatch) -> list[torch.Tensor | None]:
             def objective(m: torch.nn.Module, batch: Any) -> torch.Tensor:
-                return engine.objective(m, batch, micro.index, n_valid)
+                return engine.rerun_objective(m, batch, micro.index, n_valid)
 
             return contribution(module, engine._params, micro, objective, engine.device)
 
@@ -714,10 +749,12 @@ class StepGuard:
             judgement, self.checks, shared = replay_ring(dist, drawn, rerun)
             if judgement.disputes:
                 loss_scale = float(engine.scaler.get_scale()) if engine.scaler.is_enabled() else 1.0
-                scale = dist.world_size / n_valid * loss_scale
 
                 def host(micro: DrawnMicroBatch) -> list[torch.Tensor | None] | None:
-                    return host_reference(module, engine._params, micro, engine.loss_fn, scale)
+                    def plain(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+                        return engine.plain_objective(m, batch, micro.index, n_valid)
+
+                    return host_reference(module, engine._params, micro, plain, loss_scale)
 
                 break_ties(dist, judgement, shared, mine, host)
         if judgement.faulty or judgement.disputes:

@@ -138,6 +138,7 @@ class StackedDecoderLM(DecoderLM):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         last_only: bool = False,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence length {idx.size(1)} exceeds the model's block_size {self.config.block_size}")
@@ -150,7 +151,9 @@ class StackedDecoderLM(DecoderLM):
         x = self.final_norm(x)
         if targets is None and not last_only:
             return self.logits(x)
-        return logits_or_loss(x, self.head_weight(), targets, chunked=self.chunked_loss, last_only=last_only)
+        return logits_or_loss(
+            x, self.head_weight(), targets, chunked=self.chunked_loss, last_only=last_only, segments=segments
+        )
 
 
 LanguageModel = DecoderLM

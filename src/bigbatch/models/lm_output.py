@@ -38,19 +38,63 @@ def logits_or_loss(
     bias: torch.Tensor | None = None,
     chunked: bool = True,
     last_only: bool = False,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """From ``hidden`` (B, T, C) and the head ``weight`` (V, C): the logits (B, T, V) when ``targets`` is None
     (only the last position's, (B, 1, V), with ``last_only``), else the 0-d fp32 sum of cross-entropies over the
-    targets (B, T) that are not -100, in chunks of rows (``chunked``) or from the whole logits."""
+    targets (B, T) that are not -100, in chunks of rows (``chunked``) or from the whole logits. With ``segments``
+    (B, T) int64 (each target's segment 0..S-1, -1 for none): the (S,) fp32 sums per segment instead."""
     if targets is None:
         if last_only:
             hidden = hidden[:, -1:]  # (B, 1, C)
         return F.linear(hidden, weight, bias)
     flat_hidden = hidden.reshape(-1, hidden.size(-1))  # (B*T, C)
     flat_targets = targets.reshape(-1)  # (B*T,)
+    if segments is not None:
+        return segment_losses(flat_hidden, weight, flat_targets, segments.reshape(-1), bias, chunked)
     if chunked:
         return linear_cross_entropy_sum(flat_hidden, weight, flat_targets, bias)
     return logits_loss(F.linear(flat_hidden, weight, bias), flat_targets)
+
+
+def segment_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    segments: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunked: bool = True,
+) -> torch.Tensor:
+    """The (S,) fp32 sums of cross-entropies of each segment's targets: ``hidden`` (N, C), ``targets`` (N,),
+    ``segments`` (N,) with -1 for rows in none. Chunked: one chunked loss per segment over its rows alone (every
+    row still enters the head once, so the work is one pass's), never holding the logits; else from the whole
+    logits. S is ``segments.max() + 1``."""
+    count = int(segments.max()) + 1 if segments.numel() else 0
+    if count <= 0:
+        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
+    if not chunked:
+        return segment_logits_losses(F.linear(hidden, weight, bias), targets, segments)
+    inside = targets.masked_fill(segments < 0, IGNORE_INDEX)
+    sums = [
+        linear_cross_entropy_sum(hidden, weight, inside.masked_fill(segments != s, IGNORE_INDEX), bias)
+        for s in range(count)
+    ]
+    return torch.stack(sums)
+
+
+def segment_logits_losses(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """The (S,) fp32 sums of cross-entropies of each segment's targets from whole ``logits`` (..., V), ``targets``
+    and ``segments`` (...), -1 for none (S is ``segments.max() + 1``)."""
+    flat_segments = segments.reshape(-1)
+    count = int(flat_segments.max()) + 1 if flat_segments.numel() else 0
+    if count <= 0:  # no segment: an empty result still on the graph
+        return logits.new_zeros(0, dtype=torch.float32) + 0.0 * logits.float().sum()
+    inside = targets.reshape(-1).masked_fill(flat_segments < 0, IGNORE_INDEX)
+    losses = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), inside, ignore_index=IGNORE_INDEX, reduction="none"
+    )  # (N,), 0 where ignored
+    owner = flat_segments.clamp_min(0)
+    return torch.zeros(max(count, 0), dtype=torch.float32, device=logits.device).index_add(0, owner, losses)
 
 
 def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ trained. ``peft`` is imported only when adapters are used.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +147,24 @@ def add_lora(model: nn.Module, settings: LoraSettings, random_init: bool = False
 
 def has_lora(model: nn.Module) -> bool:
     return any("lora_" in name for name, _ in model.named_parameters())
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[bool]:
+    """The model as its base, adapters switched off, for as long as the block runs (a preference objective's
+    reference policy: no second copy in memory). Yields whether the model had adapters. peft's own switch
+    (``enable_adapters``) also flips the adapters' ``requires_grad``, which an optimizer and DDP's reducer must
+    not see change in the middle of a step; the flag its forward reads is set directly instead."""
+    peft_lora = require_package("peft.tuners.lora", "LoRA (--lora-rank)", "hf") if has_lora(model) else None
+    layers = [] if peft_lora is None else [m for m in model.modules() if isinstance(m, peft_lora.LoraLayer)]
+    was = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield bool(layers)
+    finally:
+        for layer, before in zip(layers, was, strict=True):
+            layer._disable_adapters = before
 
 
 def merge_lora(model: nn.Module) -> None:

@@ -48,7 +48,7 @@ class NoiseMeter(StepHook):
     def after_backward(self, engine: AccumulationEngine, index: int, micro_batch: Any) -> None:
         if self._measuring and index == 0:  # this micro-batch's own gradient, before any cross-rank reduction
             loss_scale = float(engine.scaler.get_scale()) if engine.scaler.is_enabled() else 1.0
-            self._small = (self.probe.take(), int(engine.count_fn(micro_batch)), loss_scale)
+            self._small = (self.probe.take(), engine.primary_units(micro_batch), loss_scale)
 
     def after_step(self, engine: AccumulationEngine, outcome: StepOutcome) -> NoiseSample | None:
         if outcome.skipped:

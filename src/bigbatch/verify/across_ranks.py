@@ -21,7 +21,7 @@ from bigbatch.verify.inputs import (
     disable_dropout,
     lm_loss,
     scan_cross_sample_modules,
-    tensor_batch_routing,
+    tensor_batch_objective,
 )
 from bigbatch.verify.verdict import DistributedReport
 
@@ -72,12 +72,9 @@ def check_distributed_equivalence(
         constant_schedule(1.0),
         grad_clip=0.0,
         device=device,
-        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
-        count_fn=lambda b: local[id(b)],
+        objective=tensor_batch_objective(loss_fn, lambda b: local[id(b)], router_balance),
         grad_sync=DDPGradSync(ddp),
         dist=dist_ctx,
-        **tensor_batch_routing(loss_fn),
-        router_balance=router_balance,
     )
     replica.zero_grad(set_to_none=True)
     engine.accumulate(parts, n_valid=n_valid)
@@ -116,9 +113,7 @@ def _whole_batch_pass(
         constant_schedule(1.0),
         grad_clip=0.0,
         device=device,
-        loss_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
-        count_fn=lambda b: n_valid,
-        **tensor_batch_routing(loss_fn),
+        objective=tensor_batch_objective(loss_fn, lambda b: n_valid),
     )
     reference.zero_grad(set_to_none=True)
     engine.accumulate([TensorBatch(tuple(t.to(device) for t in tensors))], n_valid=n_valid)

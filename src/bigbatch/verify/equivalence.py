@@ -36,7 +36,7 @@ from bigbatch.verify.inputs import (
     lm_loss,
     scan_cross_sample_modules,
     split_indices,
-    tensor_batch_routing,
+    tensor_batch_objective,
 )
 from bigbatch.verify.verdict import LOSS, ROUTER_LOSS, EquivalenceReport, Finding, Mistake, SplitResult
 
@@ -90,10 +90,7 @@ class _Runner:
             grad_clip=0.0,
             precision=self.precision,
             device=self.device,
-            loss_fn=lambda m, b: self.loss_fn(m, *b.tensors)[0],
-            count_fn=self.count,
-            **tensor_batch_routing(self.loss_fn),
-            router_balance=router_balance or self.router_balance,
+            objective=tensor_batch_objective(self.loss_fn, self.count, router_balance or self.router_balance),
         )
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
         engine.schedule = constant_schedule(lr)
@@ -106,7 +103,7 @@ class _Runner:
             engine.scaler.unscale_(engine.optimizer)
         recorder.remove()
         grads = gradients(replica)
-        return _Pass(replica, engine, recorder, float(loss_sum), grads, flat(list(grads.values())))
+        return _Pass(replica, engine, recorder, float(loss_sum[0]), grads, flat(list(grads.values())))
 
 
 @preserved_rng()  # it seeds every pass alike: the caller's generators are left as they were

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bigbatch.engine.accumulate import token_loss_sum
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
+from bigbatch.engine.language_model import LanguageModelObjective, token_loss_sum
 from bigbatch.models.coupling import cross_sample_modules, set_dropout
 from bigbatch.verify.verdict import Finding
 
@@ -37,12 +37,18 @@ class TensorBatch:
         return TensorBatch(tuple(t.to(device, non_blocking=non_blocking) for t in self.tensors))
 
 
-def tensor_batch_routing(loss_fn: VerifyLossFn) -> dict[str, Any]:
-    """The engine's routing pass and counted tokens for :class:`TensorBatch` micro-batches (inputs, targets, ...)."""
-    return {
-        "route_fn": lambda m, b: loss_fn(m, *b.tensors)[0],
-        "counted_fn": lambda b: (b.tensors[1] != IGNORE_INDEX).reshape(-1),
-    }
+def tensor_batch_objective(
+    loss_fn: VerifyLossFn, count_fn: Callable[[Any], int], router_balance: str = "exact"
+) -> LanguageModelObjective:
+    """The next-token objective for :class:`TensorBatch` micro-batches (inputs, targets, ...): ``loss_fn``'s sum
+    counted by ``count_fn``, with its routing pass and counted tokens for a mixture of experts."""
+    return LanguageModelObjective(
+        lambda m, b: loss_fn(m, *b.tensors)[0],
+        count_fn,
+        router_balance=router_balance,
+        route_fn=lambda m, b: loss_fn(m, *b.tensors)[0],
+        counted_fn=lambda b: (b.tensors[1] != IGNORE_INDEX).reshape(-1),
+    )
 
 
 def lm_loss(

@@ -22,7 +22,7 @@ from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf.config import HFConfig, require_transformers
 from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
 from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
-from bigbatch.models.lm_output import logits_loss, logits_or_loss
+from bigbatch.models.lm_output import logits_loss, logits_or_loss, segment_logits_losses
 from bigbatch.models.routing import RouterRecorder, route_tokens
 
 log = logging.getLogger(__name__)
@@ -232,6 +232,7 @@ class HFCausalLM(DecoderLM):
         targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         last_only: bool = False,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         parts = self._trunk_and_head()
         if self.head_detachable and parts is not None and (targets is not None or last_only):
@@ -243,10 +244,13 @@ class HFCausalLM(DecoderLM):
                 bias=head.bias,
                 chunked=self.chunked_loss,
                 last_only=last_only,
+                segments=segments,
             )
         logits = self._whole_logits(idx, positions)
         if targets is None:
             return logits[:, -1:] if last_only else logits
+        if segments is not None:
+            return segment_logits_losses(logits, targets, segments)
         return logits_loss(logits, targets)
 
     @property

@@ -24,6 +24,7 @@ from bigbatch.data.dataset import Dataset
 from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.engine.batch import StepPolicy
+from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.rng import seed_rank_generators
 from bigbatch.errors import ConfigError
 from bigbatch.files.outputs import require_own_run_dir
@@ -199,9 +200,11 @@ def _build_parts(
         grad_sync=wrapped.grad_sync,
         dist=dist,
         hooks=observers.hooks,
-        router_balance=resolve_router_balance(config, model),
-        router_aux_coef=config.model.router_aux_coef or None,
-        router_z_coef=config.model.router_z_coef or None,
+        objective=LanguageModelObjective(
+            router_balance=resolve_router_balance(config, model),
+            router_aux_coef=config.model.router_aux_coef or None,
+            router_z_coef=config.model.router_z_coef or None,
+        ),
         follower=follower,
         bad_steps=bad_step_settings(config, device),
         parallel=wrapped.parallel,
