@@ -1,126 +1,41 @@
-"""Hand-built preference micro-batches and an independent float64 reference of every preference objective.
-
-A *group* here is a prompt with its answers: a pair (chosen, rejected) or a KTO row (completion with its label,
-then a KL answer: the prompt followed by another row's completion). Groups are made of random token ids; micro-
-batches hold whole groups, one document a row (unpacked) or documents back to back in rows (packed, positions
-restarting per document). The reference scores every answer alone (its own forward, no padding, no neighbour),
-in float64, and writes each objective's formula out longhand: nothing of it comes from the engine's code.
+"""An independent float64 reference of every preference objective, over the verifier's synthetic groups
+(:mod:`bigbatch.verify.answer_batches`: pairs, KTO rows with their KL answers, and micro-batches holding whole
+groups, one document a row or packed). The reference scores every answer alone (its own forward, no padding, no
+neighbour), in float64, and writes each objective's formula out longhand: nothing of it comes from the engine.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.engine.batch import (
-    IGNORE_INDEX,
-    ROLE_CHOSEN,
-    ROLE_DESIRABLE,
-    ROLE_KL,
-    ROLE_REJECTED,
-    ROLE_UNDESIRABLE,
-    Answers,
-    MicroBatch,
+from bigbatch.engine.batch import ROLE_DESIRABLE, MicroBatch
+from bigbatch.verify.answer_batches import (
+    Group,
+    answer_micro_batch,
+    random_kto_rows,
+    random_pairs,
+    split_groups,
 )
 
-
-@dataclass(frozen=True)
-class Group:
-    prompt: list[int]
-    answers: list[list[int]]  # pair: [chosen, rejected]; KTO: [completion, KL completion]
-    roles: list[int]
-
-
-def random_pairs(n: int, vocab: int, seed: int, prompt_max: int = 5, answer_max: int = 6) -> list[Group]:
-    gen = torch.Generator().manual_seed(seed)
-
-    def tokens(low: int, high: int) -> list[int]:
-        length = int(torch.randint(low, high + 1, (1,), generator=gen))
-        return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-    return [
-        Group(tokens(1, prompt_max), [tokens(1, answer_max), tokens(1, answer_max)], [ROLE_CHOSEN, ROLE_REJECTED])
-        for _ in range(n)
-    ]
-
-
-def random_kto_rows(n: int, vocab: int, seed: int) -> list[Group]:
-    """KTO rows, labels mixed, each with its KL answer: row i's prompt with row i+1's completion."""
-    pairs = random_pairs(n, vocab, seed)
-    completions = [g.answers[0] for g in pairs]
-    rows = []
-    for i, g in enumerate(pairs):
-        label = ROLE_DESIRABLE if i % 3 != 1 else ROLE_UNDESIRABLE
-        rows.append(Group(g.prompt, [completions[i], completions[(i + 1) % n]], [label, ROLE_KL]))
-    return rows
-
-
-def documents(group: Group) -> list[tuple[list[int], list[bool]]]:
-    """Each answer's document: prompt + answer tokens, and which tokens are trained (the answer's)."""
-    return [(group.prompt + a, [False] * len(group.prompt) + [True] * len(a)) for a in group.answers]
+__all__ = [
+    "Group",
+    "answer_logp",
+    "gradient_of",
+    "micro_batch",
+    "random_kto_rows",
+    "random_pairs",
+    "reference_objective",
+    "rel",
+    "split_groups",
+]
 
 
 def micro_batch(groups: list[Group], seq_len: int, packed: bool, rows: int | None = None) -> MicroBatch:
-    """The groups in one micro-batch: unpacked, one document a row; packed, documents back to back (first fit
-    in order), positions restarting per document. Targets of answer tokens are the next tokens, -100 elsewhere."""
-    docs = [(doc, gi, role) for gi, g in enumerate(groups) for doc, role in zip(documents(g), g.roles, strict=True)]
-    layout: list[list[tuple[int, int]]] = []  # per row: (doc index, start column)
-    if not packed:
-        layout = [[(d, 0)] for d in range(len(docs))]
-    else:
-        fill: list[int] = []
-        for d, ((tokens, _), _, _) in enumerate(docs):
-            need = len(tokens)
-            for r, used in enumerate(fill):
-                if used + need <= seq_len + 1:
-                    layout[r].append((d, used))
-                    fill[r] += need
-                    break
-            else:
-                layout.append([(d, 0)])
-                fill.append(need)
-    n_rows = max(rows or 0, len(layout), 1)
-    width = seq_len + 1
-    tokens_t = torch.zeros(n_rows, width, dtype=torch.long)
-    trained = torch.zeros(n_rows, width, dtype=torch.bool)
-    owner = torch.full((n_rows, width), -1, dtype=torch.long)
-    positions = torch.zeros(n_rows, width, dtype=torch.long)
-    for r, row in enumerate(layout):
-        end = 0
-        for d, start in row:
-            (toks, mask), _, _ = docs[d]
-            assert start + len(toks) <= width, "a document longer than a row"
-            tokens_t[r, start : start + len(toks)] = torch.tensor(toks)
-            trained[r, start : start + len(toks)] = torch.tensor(mask)
-            owner[r, start : start + len(toks)] = d
-            positions[r, start : start + len(toks)] = torch.arange(len(toks))
-            end = start + len(toks)
-        positions[r, end:] = torch.arange(width - end)  # padding: a segment of its own
-    inputs, targets = tokens_t[:, :-1], tokens_t[:, 1:].clone()
-    # a target counts when its token is trained and belongs to the same document as its input
-    same_doc = (owner[:, 1:] == owner[:, :-1]) & (owner[:, 1:] >= 0)
-    keep = trained[:, 1:] & same_doc
-    targets[~keep] = IGNORE_INDEX
-    segment = torch.where(keep, owner[:, 1:], torch.full_like(targets, -1))
-    answers = Answers(
-        segment,
-        torch.tensor([gi for _, gi, _ in docs], dtype=torch.long),
-        torch.tensor([role for _, _, role in docs], dtype=torch.long),
-    )
-    return MicroBatch(inputs, targets, positions[:, :-1] if packed else None, answers=answers)
-
-
-def split_groups(groups: list[Group], sizes: list[int]) -> list[list[Group]]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(groups[at : at + size])
-        at += size
-    assert at == len(groups)
-    return out
+    return answer_micro_batch(groups, seq_len, packed, rows or 1)
 
 
 def answer_logp(model: nn.Module, prompt: list[int], answer: list[int]) -> torch.Tensor:

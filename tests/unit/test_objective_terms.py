@@ -266,3 +266,46 @@ def test_adapters_off_is_the_reference_without_a_second_copy() -> None:
     assert not torch.allclose(on, plain, rtol=1e-3, atol=1e-3)  # the adapters are back on
     with adapters_off(base) as had:
         assert had is False
+
+
+class MicroMeanOddsRatio(PreferenceObjective):
+    """ORPO with its odds-ratio term averaged per micro-batch and then over K (the field's bug): exact only when
+    every micro-batch holds as many pairs."""
+
+    def __init__(self) -> None:
+        super().__init__(PreferenceSettings("orpo", beta=0.3), None)
+        self.k, self.pairs = 1, 1.0
+
+    def begin_step(self, step: Any) -> None:
+        super().begin_step(step)
+        self.k, self.pairs = len(step.micro_batches), step.totals.of("pair")
+
+    def sums(self, model: nn.Module, batch: Any, index: int) -> dict[str, torch.Tensor]:
+        sums = super().sums(model, batch, index)
+        held = max(1.0, self.units(batch)["pair"])
+        sums["odds_ratio"] = sums["odds_ratio"] / held * (self.pairs / self.k)  # its mean, over K
+        return sums
+
+
+def test_verify_names_the_term_that_breaks_and_the_split_it_breaks_under() -> None:
+    from bigbatch.verify.objective_terms import check_objective_terms
+
+    policy, _ = models(6)
+    report = check_objective_terms(
+        policy, MicroMeanOddsRatio(), groups=8, k=4, seq_len=SEQ, vocab_size=VOCAB, seed=1
+    )
+    broken = {(check.term, check.split) for check in report.broken}
+    assert ("odds_ratio", "unequal") in broken and ("odds_ratio", "empty") in broken
+    assert not any(term == "nll" for term, _ in broken)  # the token term is right, and not blamed
+    assert ("odds_ratio", "equal") not in broken  # even micro-batches hide the bug: why uneven splits are checked
+    assert "NOT EQUIVALENT: odds_ratio (unequal)" in report.format()
+    good = check_objective_terms(
+        policy,
+        PreferenceObjective(PreferenceSettings("orpo", beta=0.3)),
+        groups=8,
+        k=4,
+        seq_len=SEQ,
+        vocab_size=VOCAB,
+        seed=1,
+    )
+    assert good.equivalent and good.control_seen

@@ -18,7 +18,7 @@ from bigbatch.cli.common import (
     add_vocab_size,
 )
 from bigbatch.files.atomic import write_json_atomically
-from bigbatch.run.configuration.train_config import ModelSection, RunSection
+from bigbatch.run.configuration.train_config import ModelSection, ObjectiveSection, RunSection
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
@@ -69,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rows of random documents packed by the training loader (--pack on): checks that its positions restart "
         "at each document and that its rows give the gradient of the same documents one per row",
     )
+    add_config_flag(
+        parser,
+        ObjectiveSection,
+        "name",
+        note="; verify: a preference objective checks each of its terms on random pairs (KTO rows), K x "
+        "micro-batch of them, split equal, unequal, permuted and empty, packed against unpacked, with a negative "
+        "control",
+    )
+    add_config_flag(parser, ObjectiveSection, "beta")
     add_precision(parser, default="fp32")
     parser.add_argument(
         "--splits",
@@ -100,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         require_new_file(args.json, "--json", args.overwrite)
     if not args.factory:
         _check_seq_len(args.model, args.seq_len)  # before torchrun starts, and with the flag that fixes it
+    if args.objective != "lm":
+        return _verify_objective(args)
     if args.nproc > 1 and not launched_by_torchrun():
         return relaunch_under_torchrun(args.nproc, "verify", args.argv)
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the model's
@@ -131,6 +142,86 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before verifying
         write_json_atomically(Path(args.json), report.to_dict())
+    return 0 if report.equivalent else 1
+
+
+def _verify_objective(args: argparse.Namespace) -> int:
+    """``--objective`` other than lm: each term of the objective (see :mod:`bigbatch.verify.objective_terms`)."""
+    from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings
+    from bigbatch.errors import ConfigError
+    from bigbatch.models.lora import LoraSettings, add_lora
+    from bigbatch.parallel.distributed import launched_by_torchrun, resolve_device
+    from bigbatch.parallel.launch import relaunch_under_torchrun
+    from bigbatch.verify.command import build_case, model_vocab_size
+    from bigbatch.verify.objective_terms import SPLITS, check_objective_terms, verify_reference
+
+    if args.nproc > 1 and not launched_by_torchrun():
+        return relaunch_under_torchrun(args.nproc, "verify", args.argv)
+    unknown = [name for name in args.splits.split(",") if name.strip() and name.strip() not in (*SPLITS, "")]
+    if unknown:
+        raise ConfigError(f"--splits {','.join(unknown)}: choose from {', '.join(SPLITS)}")
+    splits = tuple(name.strip() for name in args.splits.split(",") if name.strip())
+    if args.splits == "equal,unequal,permuted":  # the default: a preference check also has a micro-batch of none
+        splits = SPLITS
+    case = build_case(
+        args.factory,
+        args.model,
+        args.vocab_size if args.vocab_size != "auto" else 0,
+        0.0,
+        args.seed,
+        1,
+        args.seq_len,
+        False,
+    )
+    if args.lora_rank:
+        add_lora(case.model, LoraSettings(rank=args.lora_rank), random_init=True)
+    beta = None if args.beta in (0, "auto") else float(args.beta)
+    settings = PreferenceSettings(args.objective, beta=beta)
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return _verify_objective_across_ranks(args, case.model, settings)
+    report = check_objective_terms(
+        case.model,
+        PreferenceObjective(settings, verify_reference(case.model, settings, args.seed)),
+        groups=args.k * args.micro_batch,
+        k=args.k,
+        seq_len=args.seq_len,
+        vocab_size=model_vocab_size(case.model) or 256,
+        seed=args.seed,
+        device=resolve_device(args.device),
+        precision=args.precision,
+        tolerance=args.tolerance,
+        splits=splits,
+    )
+    print(report.format())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomically(Path(args.json), report.to_dict())
+    return 0 if report.equivalent else 1
+
+
+def _verify_objective_across_ranks(args: argparse.Namespace, model: object, settings: object) -> int:
+    """Under torchrun: each term's gradient after DDP's one sync, with uneven groups per rank."""
+    from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings
+    from bigbatch.parallel.distributed import distributed_session
+    from bigbatch.verify.command import model_vocab_size
+    from bigbatch.verify.objective_terms import check_objective_across_ranks, verify_reference
+
+    assert isinstance(settings, PreferenceSettings)
+    with distributed_session(args.device) as (dist, device):
+        report = check_objective_across_ranks(
+            model,  # type: ignore[arg-type]
+            PreferenceObjective(settings, verify_reference(model, settings, args.seed)),  # type: ignore[arg-type]
+            dist,
+            groups=args.k * args.micro_batch * dist.world_size,
+            k=args.k,
+            seq_len=args.seq_len,
+            vocab_size=model_vocab_size(model) or 256,  # type: ignore[arg-type]
+            seed=args.seed,
+            device=device,
+            tolerance=args.tolerance or 1e-5,
+        )
+        if dist.is_main:
+            print(report.format())
     return 0 if report.equivalent else 1
 
 

@@ -70,8 +70,9 @@ def segment_losses(
     row still enters the head once, so the work is one pass's), never holding the logits; else from the whole
     logits. S is ``segments.max() + 1``."""
     count = int(segments.max()) + 1 if segments.numel() else 0
-    if count <= 0:
-        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
+    if count <= 0:  # no answer here: an empty result still on every parameter's graph (DDP expects each one)
+        touched = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0.0)
+        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * touched.float()
     if not chunked:
         return segment_logits_losses(F.linear(hidden, weight, bias), targets, segments)
     inside = targets.masked_fill(segments < 0, IGNORE_INDEX)

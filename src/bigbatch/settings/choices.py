@@ -63,6 +63,7 @@ ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro",
 LOSS_ON = Choices("loss_on", ("assistant", "last-assistant", "all"))
 NO_ASSISTANT = Choices("no_assistant", ("refuse", "drop"))
 BAD_STEP = Choices("bad_step", ("skip-micro", "skip-step", "rewind", "stop"))
+OBJECTIVE = Choices("objective", ("lm", "dpo", "ipo", "simpo", "orpo", "kto"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

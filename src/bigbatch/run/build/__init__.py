@@ -24,7 +24,6 @@ from bigbatch.data.dataset import Dataset
 from bigbatch.data.validation_windows import ValidationWindows
 from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
 from bigbatch.engine.batch import StepPolicy
-from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.rng import seed_rank_generators
 from bigbatch.errors import ConfigError
 from bigbatch.files.outputs import require_own_run_dir
@@ -37,10 +36,10 @@ from bigbatch.run.build.engine_phase import (
     bad_step_settings,
     build_follower,
     build_optimizer,
-    resolve_router_balance,
     wrap_for_training,
 )
 from bigbatch.run.build.model_phase import build_run_model
+from bigbatch.run.build.objective_phase import build_objective, check_objective
 from bigbatch.run.build.observers import build_observers
 from bigbatch.run.build.sizing_phase import build_ramp, build_seesaw, plan_steps
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
@@ -149,6 +148,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     seq_len_auto = config.batch.seq_len in (0, "auto")  # auto is stored as 0 (or set as the word from Python)
     data_mode_auto = config.data.data_mode == "auto"
     config = check_config(config)
+    check_objective(config)
     check_batch(config, dist.world_size)  # before the run directory is made
     seed_everything(config.run.seed)
     if device.type == "cuda":
@@ -179,6 +179,7 @@ def _build_parts(
     data = open_run_data(config, dist, say)
     built = build_run_model(config, data.dataset, device, say)
     model = built.model
+    objective = build_objective(config, model, data.dataset, device, say)  # a frozen reference: the model as it starts
     precision = resolve_precision(config.run.precision, device)
     plan = plan_steps(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
@@ -200,11 +201,7 @@ def _build_parts(
         grad_sync=wrapped.grad_sync,
         dist=dist,
         hooks=observers.hooks,
-        objective=LanguageModelObjective(
-            router_balance=resolve_router_balance(config, model),
-            router_aux_coef=config.model.router_aux_coef or None,
-            router_z_coef=config.model.router_z_coef or None,
-        ),
+        objective=objective,
         follower=follower,
         bad_steps=bad_step_settings(config, device),
         parallel=wrapped.parallel,

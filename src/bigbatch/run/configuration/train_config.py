@@ -20,6 +20,7 @@ from bigbatch.run.configuration.batch_section import BatchSection
 from bigbatch.run.configuration.data_section import DataSection
 from bigbatch.run.configuration.guard_section import GuardSection
 from bigbatch.run.configuration.model_section import ModelSection
+from bigbatch.run.configuration.objective_section import ObjectiveSection
 from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.run_section import RunSection
 from bigbatch.run.configuration.seq_len import model_directory
@@ -33,6 +34,7 @@ __all__ = [
     "DataSection",
     "GuardSection",
     "ModelSection",
+    "ObjectiveSection",
     "OptimSection",
     "RunSection",
     "TrainConfig",
@@ -48,6 +50,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimSection,
     "run": RunSection,
     "guard": GuardSection,
+    "objective": ObjectiveSection,
 }
 
 
@@ -59,6 +62,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
