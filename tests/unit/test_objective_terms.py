@@ -291,9 +291,7 @@ def test_verify_names_the_term_that_breaks_and_the_split_it_breaks_under() -> No
     from bigbatch.verify.objective_terms import check_objective_terms
 
     policy, _ = models(6)
-    report = check_objective_terms(
-        policy, MicroMeanOddsRatio(), groups=8, k=4, seq_len=SEQ, vocab_size=VOCAB, seed=1
-    )
+    report = check_objective_terms(policy, MicroMeanOddsRatio(), groups=8, k=4, seq_len=SEQ, vocab_size=VOCAB, seed=1)
     broken = {(check.term, check.split) for check in report.broken}
     assert ("odds_ratio", "unequal") in broken and ("odds_ratio", "empty") in broken
     assert not any(term == "nll" for term, _ in broken)  # the token term is right, and not blamed
@@ -309,3 +307,23 @@ def test_verify_names_the_term_that_breaks_and_the_split_it_breaks_under() -> No
         seed=1,
     )
     assert good.equivalent and good.control_seen
+
+
+def test_a_validation_measures_the_objective_as_one_step_would_whatever_the_split() -> None:
+    policy, reference = models(7)
+    groups = random_pairs(6, VOCAB, seed=19)
+    objective = PreferenceObjective(PreferenceSettings("dpo", beta=0.5), ReferencePolicy(copy.deepcopy(reference)))
+    model = copy.deepcopy(policy)
+    engine = AccumulationEngine(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), constant_schedule(1.0), objective=objective
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    whole, totals, values = engine.measure([micro_batch(groups, SEQ, True)])
+    split, _, split_values = engine.measure([micro_batch(part, SEQ, False) for part in split_groups(groups, [1, 5])])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # no update
+    assert all(p.grad is None for p in model.parameters()) and model.training  # no gradient; mode restored
+    expected = reference_objective(
+        "dpo", copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), groups, 0.5
+    )
+    assert whole == pytest.approx(expected.item(), rel=1e-5) and split == pytest.approx(whole, rel=1e-6)
+    assert totals.of("pair") == 6 and values["rewards/accuracy"] == pytest.approx(split_values["rewards/accuracy"])

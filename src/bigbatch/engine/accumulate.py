@@ -349,6 +349,36 @@ class AccumulationEngine:
         with self.objective.kept(), torch.no_grad():
             return self._forward(model, micro_batch, index, ones)[0][0]
 
+    def measure(self, micro_batches: Sequence[Any]) -> tuple[float, StepTotals, dict[str, float]]:
+        """The objective of ``micro_batches`` (on all ranks) as one step of them would compute it, without gradients
+        or an update, in eval mode (a validation): the loss, the totals, and each term's mean and the objective's
+        statistics by name (``term/dpo``, ``rewards/accuracy``). The loss is ``nan`` when they hold no unit."""
+        totals = self.step_totals(micro_batches)
+        terms = self.objective.terms
+        sums = torch.zeros(len(terms), dtype=torch.float64, device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.objective.kept():
+                self.objective.begin_step(
+                    StepPass(self.model, micro_batches, totals, self.dist, self.device, self.autocast)
+                )
+                for i, micro_batch in enumerate(micro_batches):
+                    with self.autocast():
+                        held = self.objective.sums(self.model, micro_batch.to(self.device, non_blocking=True), i)
+                    sums += torch.stack([held[t.name].detach().double().reshape(()) for t in terms])
+                statistics = self.objective.local_statistics()
+        finally:
+            self.model.train(was_training)
+        local = torch.cat([sums, torch.tensor(statistics, dtype=torch.float64, device=self.device)])
+        reduced = self.dist.all_reduce_sum(local).tolist()
+        if totals.empty:
+            return math.nan, totals, {}
+        term_sums = reduced[: len(terms)]
+        values = {f"term/{name}": mean for name, mean in term_means(self.objective, term_sums, totals).items()}
+        values.update(self.objective.statistics(reduced[len(terms) :]))
+        return step_loss(self.objective, term_sums, totals), totals, values
+
     def step(
         self, micro_batches: Sequence[Any], n_valid: int | None = None, tokens_per_step: int | None = None
     ) -> StepRecord:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -87,6 +88,13 @@ def format_step(
     router = record.measurements.get("router")
     if router is not None:  # a mixture of experts: what its router adds, and the busiest expert against the mean
         line += f" | router {router.router_loss:.4f} | load max/mean {max(router.load_max_over_mean):.2f}"
+    objective = record.measurements.get("objective")
+    if objective is not None:  # a preference objective: its reward margin and accuracy over the step
+        values = objective.values
+        if "rewards/accuracy" in values:
+            line += f" | margin {values['rewards/margin']:.3f} | acc {values['rewards/accuracy']:.2f}"
+        elif "kl" in values:
+            line += f" | kl {values['kl']:.3f}"
     if noise_scale is not None:
         line += f" | noise scale {format_noise_scale(noise_scale)} tok" if noise_scale > 0 else f" | {NO_NOISE_SCALE}"
     if record.skipped:
@@ -122,8 +130,10 @@ class JsonlLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self.write("step", **step_values(record, mfu))
 
-    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        self.write("eval", **eval_values(step, val_loss, val_tokens))
+    def write_eval(
+        self, step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+    ) -> None:
+        self.write("eval", **eval_values(step, val_loss, val_tokens, values))
 
     def write_documents(self, step: int, **shares: Any) -> None:
         """A documents run's positions as its epoch lays them out (``kind: documents``), at the step a session
@@ -156,7 +166,9 @@ class MetricsSink(Protocol):
 
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None: ...
 
-    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None: ...
+    def write_eval(
+        self, step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -171,9 +183,11 @@ class MetricsFanout:
         for sink in self.sinks:
             sink.write_step(record, mfu)
 
-    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
+    def write_eval(
+        self, step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+    ) -> None:
         for sink in self.sinks:
-            sink.write_eval(step, val_loss, val_tokens)
+            sink.write_eval(step, val_loss, val_tokens, values)
 
     def write_documents(self, step: int, **shares: Any) -> None:
         """To ``metrics.jsonl`` only: the loggers plot the per-step shares of the step records."""

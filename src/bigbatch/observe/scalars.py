@@ -14,7 +14,7 @@ always say what ``metrics.jsonl`` says:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -50,9 +50,13 @@ def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     return values
 
 
-def eval_values(step: int, val_loss: float, val_tokens: int | None = None) -> dict[str, Any]:
-    """The fields of an eval record in ``metrics.jsonl`` (without ``kind``): the tokens scored when known."""
-    return {"step": step, "val_loss": val_loss, **({} if val_tokens is None else {"val_tokens": val_tokens})}
+def eval_values(
+    step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """The fields of an eval record in ``metrics.jsonl`` (without ``kind``): the tokens scored when known, and an
+    objective's own validation values (``val_rewards/accuracy``, ``val_term/dpo``) when it has them."""
+    extra = {f"val_{name}": value for name, value in (values or {}).items()}
+    return {"step": step, "val_loss": val_loss, **({} if val_tokens is None else {"val_tokens": val_tokens}), **extra}
 
 
 class ScalarSeries:

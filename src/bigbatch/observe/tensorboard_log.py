@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,10 @@ class TensorBoardLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self._write(self.series.points({"kind": "step", **step_values(record, mfu)}))
 
-    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        self._write(self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens)}))
+    def write_eval(
+        self, step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+    ) -> None:
+        self._write(self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens, values)}))
 
     def close(self) -> None:
         self.writer.close()

@@ -23,7 +23,7 @@ import secrets
 import string
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,8 +198,10 @@ class WandbLog:
     def write_step(self, record: StepRecord, mfu: float | None = None) -> None:
         self._log(record.step, self.series.points({"kind": "step", **step_values(record, mfu)}))
 
-    def write_eval(self, step: int, val_loss: float, val_tokens: int | None = None) -> None:
-        self._log(step, self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens)}))
+    def write_eval(
+        self, step: int, val_loss: float, val_tokens: int | None = None, values: Mapping[str, float] | None = None
+    ) -> None:
+        self._log(step, self.series.points({"kind": "eval", **eval_values(step, val_loss, val_tokens, values)}))
 
     def close(self) -> None:
         path = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"  # this session's file

@@ -8,10 +8,11 @@ import time
 from collections.abc import Callable
 
 from bigbatch.data.tokenizers import get_tokenizer
+from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.errors import BigBatchError
 from bigbatch.models.sampling import sample_text
 from bigbatch.observe.metrics import MetricsSink
-from bigbatch.parallel.distributed import Say, unwrap
+from bigbatch.parallel.distributed import Say, reshard, unwrap
 from bigbatch.parallel.signals import StopRequest
 from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
@@ -25,9 +26,32 @@ def evaluate_windows(parts: RunParts, stop: StopRequest | None = None) -> Valida
     agreed = (lambda: bool(parts.dist.max_int(stop.signum, parts.device))) if stop is not None else None
     assert parts.val_loader is not None
     engine = parts.engine
+    if not isinstance(engine.objective, LanguageModelObjective):
+        return measure_objective(parts, agreed)
     return score_windows(
         parts.train_model, parts.val_loader, parts.device, engine.precision, parts.dist, engine.loss_fn, agreed
     )
+
+
+def measure_objective(parts: RunParts, should_stop: Callable[[], bool] | None) -> ValidationResult | None:
+    """A preference objective on the validation windows (every micro-batch of groups, as one step would compute
+    it, without gradients): its loss, terms and reward accuracy; ``None`` when a stop cut it short or the windows
+    hold no unit of the objective."""
+    windows = parts.val_loader
+    assert windows is not None
+    windows.reset()
+    batches = []
+    while True:
+        if should_stop is not None and should_stop():
+            return None
+        batches.append(windows.next_micro_batch())
+        if windows.epoch:  # the whole sample was read
+            break
+    loss, totals, values = parts.engine.measure(batches)
+    reshard(parts.train_model)
+    if totals.empty:
+        return None
+    return ValidationResult(0.0, totals.targets, len(batches), objective_loss=loss, values=values)
 
 
 def evaluate_during_training(
@@ -39,11 +63,14 @@ def evaluate_during_training(
     result = evaluate_windows(parts, stop)
     if result is not None:
         if metrics:
-            metrics.write_eval(step, result.loss, val_tokens=result.tokens)
+            metrics.write_eval(step, result.loss, val_tokens=result.tokens, values=result.values)
+        accuracy = (result.values or {}).get("rewards/accuracy")
+        said = f" | val reward accuracy {accuracy:.3f}" if accuracy is not None else ""
         say(
-            "eval step %d | val loss %.4f | %s | %.1fs",
+            "eval step %d | val loss %.4f%s | %s | %.1fs",
             step,
             result.loss,
+            said,
             plural(result.tokens, "token"),
             time.perf_counter() - started,
         )

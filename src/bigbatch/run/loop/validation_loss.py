@@ -30,10 +30,14 @@ class ValidationResult:
     loss_sum: float  # summed per-token loss, nats
     tokens: int  # valid targets scored
     micro_batches: int  # micro-batches this process read
+    objective_loss: float | None = None  # a preference objective's own loss on the split (then ``loss``)
+    values: dict[str, float] | None = None  # its terms' means and statistics (rewards, accuracy)
 
     @property
     def loss(self) -> float:
-        """Mean loss per valid target, nats."""
+        """Mean loss per valid target, nats; under a preference objective, the objective's loss."""
+        if self.objective_loss is not None:
+            return self.objective_loss
         return self.loss_sum / self.tokens
 
     @property
