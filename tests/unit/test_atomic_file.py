@@ -99,6 +99,7 @@ DIRECT_WRITES_ALLOWED = {
     "files/atomic.py": "the atomic writer itself",
     "data/writer.py": "files inside a staging directory, renamed into place as a whole",
     "data/resumable.py": "a staging directory renamed into place, and its append-only token stream",
+    "data/answer_prepare.py": "the token stream of rows of answers inside a staging directory, renamed into place",
     "models/hf_files.py": "files inside a staging directory, renamed into place as a whole",
     "data/tokenizer_files.py": "files inside a staging directory, renamed into place as a whole",
     "parallel/launch.py": "one-shot notes from a worker to its launcher in a private temporary folder",

@@ -307,6 +307,9 @@ RUNS: dict[str, Run] = {
     ),
     "bigbatch train --help": Run(prints=(r"--total-batch-tokens INT",)),
     "bigbatch verify --model moe-pico": Run(prints=(r"verdict: EQUIVALENT",), slow=True),  # "is EQUIVALENT with exact"
+    "bigbatch verify --model pico --objective dpo --seq-len 32": Run(
+        prints=(r"term dpo\s+split empty", r"negative control .* differs, as it must", r"verdict: EQUIVALENT")
+    ),
 }
 """The examples that run here in seconds, keyed by the command as the docs write it."""
 
@@ -324,6 +327,7 @@ EXEMPT: list[tuple[str, str]] = [
     (r"^bigbatch verify --model gpt2", "GPT-2 124M's gradients, full and accumulated, on a CPU: minutes"),
     (r"^bigbatch verify( --packed| --lora-rank \S+)?$", "nano at GPT-2's vocabulary: 26 s of CPU"),
     (r"^bigbatch verify --model llama-nano --packed", "Llama nano, packed: 9 s of CPU"),
+    (r"^bigbatch verify --model nano --objective", "nano's terms at GPT-2's vocabulary under four splits: 10 s of CPU"),
     (r"^bigbatch memory", "a fresh process per micro-batch size: a minute or more"),
     (r"--measure", "measures GPT-2's micro-step on this machine: minutes on a CPU"),
 ]

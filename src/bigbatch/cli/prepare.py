@@ -47,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DATA_MODE,
         help="packed: one token stream; documents: one padded sequence per document, .jsonl prompts masked "
-        "(conversations need documents); auto: documents when the first row is a conversation ('messages' or "
-        "ShareGPT 'conversations'), else packed (default: auto)",
+        "(conversations and rows of answers need documents); auto: documents when the first row is a conversation "
+        "('messages' or ShareGPT 'conversations'), a preference pair ('prompt', 'chosen', 'rejected') or a KTO row "
+        "('prompt', 'completion', 'label'), else packed (default: auto)",
     )
+    add_config_flag(parser, DataSection, "bad_rows", note="; refused: nothing written")
     add_config_flag(parser, DataSection, "loss_on")
     add_config_flag(parser, DataSection, "no_assistant")
     add_config_flag(parser, DataSection, "long_conversations")
@@ -59,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "seq_len",
         default=None,
         allow_auto=False,
-        note="; prepare: chat data only, a conversation longer than seq_len+1 tokens is shortened, left out or "
-        "refused by --long-conversations (longer, it would be cut into windows when training); unset: no limit",
+        note="; prepare: chat data and rows of answers only, a conversation (a row of answers: any of its "
+        "documents) longer than seq_len+1 tokens is shortened, left out or refused by --long-conversations (longer, "
+        "it would be cut into windows, or refused, when training); unset: no limit",
     )
     parser.add_argument(
         "--show",
@@ -68,13 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="chat data: print the first N conversations as rendered by the template, trained tokens between "
-        "\u27e6 and \u27e7; 0 prints none (default: 0)",
+        "\u27e6 and \u27e7 (rows of answers: each answer's document); 0 prints none (default: 0)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from bigbatch.data.chat import ChatSettings
-    from bigbatch.data.prepare import prepare_dataset, prepared_notes, shown_conversations
+    from bigbatch.data.prepare import default_answer_settings, prepare_dataset, prepared_notes, shown_conversations
 
     chat = ChatSettings(
         loss_on=args.loss_on,
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         long_conversations=args.long_conversations,
         max_tokens=args.seq_len + 1 if args.seq_len else 0,  # unset: no limit
     )
+    answers = default_answer_settings(chat, args.bad_rows)
     meta = prepare_dataset(
         args.source,
         args.out,
@@ -91,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode,
         workers=None if args.workers == AUTO else args.workers,
         chat=chat,
+        answers=answers,
     )
     print(
         f"{args.out}: {plural(meta.documents, 'document')}, train {meta.tokens['train']:,} tokens, "
@@ -100,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
         from bigbatch.data.data_mode import conversations_note
 
         print(f"{args.out}: {conversations_note('--mode')}")
+    if args.mode == "auto" and meta.answers:
+        from bigbatch.data.data_mode import answers_note
+
+        print(f"{args.out}: {answers_note(meta.answers, '--mode')}")
     for note in prepared_notes(meta):
         print(f"{args.out}: {note}")
     if args.show:
-        for text in shown_conversations(args.source, args.tokenizer, chat, args.show):
+        for text in shown_conversations(args.source, args.tokenizer, chat, args.show, answers):
             print(text)
     return 0

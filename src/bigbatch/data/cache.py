@@ -10,12 +10,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.answers import AnswerSettings
 from bigbatch.data.chat import ChatSettings, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import BUILTIN, is_hf_source, resolve_source
-from bigbatch.data.data_mode import resolve_data_mode
+from bigbatch.data.data_mode import holds_answers, resolve_data_mode
 from bigbatch.data.fingerprint import tokenizer_cache_key
 from bigbatch.data.foreign import foreign_files
-from bigbatch.data.prepare import prepare_dataset
+from bigbatch.data.prepare import default_answer_settings, prepare_dataset
 from bigbatch.data.shards import is_prepared_dataset
 from bigbatch.data.split import SPLIT_RULE
 from bigbatch.data.tokenizers import (
@@ -75,6 +76,7 @@ def ensure_prepared(
     mode: str = "packed",
     bpe_json: str | None = None,
     chat: ChatSettings | None = None,
+    answers: AnswerSettings | None = None,
 ) -> Path:
     """A prepared dataset directory for ``data``.
 
@@ -82,7 +84,9 @@ def ensure_prepared(
     a directory, file or glob), used as they are, or raw text (``builtin``, a file, a directory or a glob),
     prepared once into the cache and reused while the files are unchanged. ``mode`` ``auto`` is resolved
     (:mod:`~bigbatch.data.data_mode`) before the cache key is made. ``bpe_json``: see
-    :func:`~bigbatch.data.prepare.prepare_dataset` (its fingerprint becomes part of the cache key).
+    :func:`~bigbatch.data.prepare.prepare_dataset` (its fingerprint becomes part of the cache key). Rows of answers
+    (preference pairs, KTO rows) are keyed apart from the same files read otherwise, with ``answers`` (default:
+    bad rows refused, long ones as ``chat`` keeps conversations within a row).
     """
     path = Path(data).expanduser()
     if tokenizer_name in ("", "auto"):  # raw text's default; prepared or token-shard data keeps its own
@@ -98,9 +102,14 @@ def ensure_prepared(
     key = _source_fingerprint(data, tokenizer_cache_key(tokenizer_name), val_fraction, mode)
     if bpe_json and is_bpe(tokenizer_name):
         key = hashlib.sha256(f"{key}:{tokenizer_json_fingerprint(bpe_json)}".encode()).hexdigest()[:16]
-    chat_key = _chat_key(tokenizer_name, chat or ChatSettings())
+    chat_settings = chat or ChatSettings()
+    chat_key = _chat_key(tokenizer_name, chat_settings)
     if chat_key:
         key = hashlib.sha256(f"{key}:{chat_key}".encode()).hexdigest()[:16]
+    answer_settings = answers or default_answer_settings(chat_settings)
+    # rows of answers are keyed apart from the same files read otherwise (KTO rows were once prompt/completion)
+    if mode == "documents" and holds_answers(data, tokenizer_name, open_remote=True):
+        key = hashlib.sha256(f"{key}:{answer_settings.key()}".encode()).hexdigest()[:16]
     if is_hf_source(data):
         label = re.sub(r"[^\w.-]+", "_", data[3:]).strip("_") or "hf"
     else:
@@ -118,5 +127,6 @@ def ensure_prepared(
         bpe_json=bpe_json if is_bpe(tokenizer_name) else None,
         wait_for_lock=True,
         chat=chat,
+        answers=answer_settings,
     )
     return target

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.answer_rows import AnswerRow, answer_row
+from bigbatch.data.answers import answer_kind
 from bigbatch.data.chat import Conversation, conversation_from_record, is_conversation_record
 from bigbatch.data.text import bad_utf8_in_line
 from bigbatch.errors import DataError
@@ -30,16 +32,18 @@ BINARY_PROBE_BYTES = 8192
 @dataclass(frozen=True)
 class Document:
     """One document. ``prompt`` is a prefix that is read but not trained on (its targets are masked). A chat row is
-    its ``conversation`` instead (rendered and masked by :mod:`bigbatch.data.chat`; ``data`` is empty)."""
+    its ``conversation`` instead (rendered and masked by :mod:`bigbatch.data.chat`; ``data`` is empty); a row of
+    preference pairs or KTO is its ``answers`` (:mod:`bigbatch.data.answer_rows`; it becomes a group of documents)."""
 
     name: str
     data: bytes
     prompt: bytes = b""
     conversation: Conversation | None = None
+    answers: AnswerRow | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.data or self.prompt or self.conversation)
+        return not (self.data or self.prompt or self.conversation or self.answers)
 
 
 def builtin_corpus_files() -> list[Path]:
@@ -104,7 +108,9 @@ def read_documents(files: list[Path]) -> Iterator[Document]:
 
     A ``.jsonl`` file holds one document per line: ``{"text": ...}``,
     ``{"prompt": ..., "completion": ...}`` where the prompt's targets are masked, or a conversation
-    ``{"messages": [...], "tools": [...]}`` (:mod:`bigbatch.data.chat`).
+    ``{"messages": [...], "tools": [...]}`` (:mod:`bigbatch.data.chat`); or one row of answers per line:
+    a preference pair ``{"prompt", "chosen", "rejected"}`` or a KTO row ``{"prompt", "completion", "label"}``
+    (:mod:`bigbatch.data.answer_rows`; a ``label`` beside ``completion`` makes a KTO row, never prompt/completion).
     """
     for path in files:
         try:
@@ -137,7 +143,9 @@ def _jsonl_documents(path: Path, data: bytes) -> Iterator[Document]:
                 f"{where} must be a JSON object with 'text', 'prompt' and 'completion', or 'messages' (or ShareGPT "
                 "'conversations')"
             )
-        if is_conversation_record(record):
+        if answer_kind(record):
+            yield Document(name=where, data=b"", answers=answer_row(record, where))
+        elif is_conversation_record(record):
             yield Document(name=where, data=b"", conversation=conversation_from_record(record, where))
         elif "text" in record and isinstance(record["text"], str):
             yield Document(name=where, data=_utf8(record["text"]))
@@ -186,7 +194,9 @@ def hf_documents(source: str) -> Iterator[Document]:
     from bigbatch.data.hf_source import hf_text_records
 
     for name, value in hf_text_records(source):
-        if isinstance(value, dict):  # a conversation (the source reads 'messages')
+        if isinstance(value, dict) and answer_kind(value):  # a row of answers (pairs or KTO)
+            yield Document(name=name, data=b"", answers=answer_row(value, name))
+        elif isinstance(value, dict):  # a conversation (the source reads 'messages')
             yield Document(name=name, data=b"", conversation=conversation_from_record(value, name))
         else:
             yield Document(name=name, data=value.encode("utf-8", errors="surrogatepass"))

@@ -22,6 +22,12 @@ class Dataset(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def answers(self) -> str:
+        """``pairs`` (preference pairs), ``kto`` (KTO rows) or ``""`` (ordinary data): the answers an objective
+        must read to train on it (:func:`~bigbatch.data.answers.check_answers_for_objective`)."""
+        ...
+
     def shard_arrays(self, split: str) -> list[np.ndarray]:
         """The split's token shards as read-only 1-D memory maps, in order."""
         ...

@@ -76,6 +76,11 @@ def encoded_documents(
                     "need --mode documents and the model's tokenizer with its chat template (--tokenizer file:DIR), "
                     "and every row as 'messages'"
                 )
+            if doc.answers is not None:
+                raise DataError(
+                    f"{doc.name} is a row of {doc.answers.kind} among text rows: rows of answers are prepared in "
+                    "documents mode, each source in one shape; prepare them apart (--mode documents or auto)"
+                )
             prompt = split_text(doc.prompt) if doc.prompt else []
             data = split_text(doc.data) if doc.data else []
             if invalid is not None:  # piece by piece (cut between ASCII characters): memory stays flat

@@ -8,7 +8,7 @@ text), and a change of the training data on resume is noticed.
 * tokenizer: ``byte`` and ``gpt2`` are fixed vocabularies, fingerprinted by name; a ``bpe:VOCAB`` or
   ``file:PATH`` tokenizer by the canonical JSON of its ``tokenizer.json`` (the same tokenizer saved compactly or
   pretty-printed matches; a ``file:PATH`` one moved elsewhere matches, another file at the same PATH does not).
-* data: SHA-256 over every shard file of the dataset (tokens, document offsets, masks) in the order
+* data: SHA-256 over every shard file of the dataset (tokens, document offsets, masks, roles) in the order
   ``meta.json`` lists them. Foreign token shards (build-nanogpt, llm.c), read in place and possibly huge, are
   fingerprinted by file name, size and the first and last MiB of each file.
 """
@@ -19,7 +19,7 @@ import hashlib
 from pathlib import Path
 
 from bigbatch.data.dataset import Dataset
-from bigbatch.data.shards import SPLITS, document_mask_name, document_offsets_name
+from bigbatch.data.shards import SPLITS, document_mask_name, document_offsets_name, document_roles_name
 from bigbatch.data.tokenizers import (
     BPE_FILE,
     FINGERPRINT_LENGTH,
@@ -59,8 +59,11 @@ def tokenizer_cache_key(name: str) -> str:
     return f"file:{fingerprint}"
 
 
-def prepared_data_fingerprint(directory: Path, shards: dict[str, list[str]], mode: str, masked: bool) -> str:
-    """SHA-256 over the shard files of a prepared dataset (tokens, and offsets and masks in documents mode)."""
+def prepared_data_fingerprint(
+    directory: Path, shards: dict[str, list[str]], mode: str, masked: bool, roles: bool = False
+) -> str:
+    """SHA-256 over the shard files of a prepared dataset (tokens, and offsets, masks and the roles of answers in
+    documents mode)."""
     digest = hashlib.sha256(f"mode={mode}".encode())
     for split in SPLITS:
         for name in shards.get(split, []):
@@ -69,6 +72,8 @@ def prepared_data_fingerprint(directory: Path, shards: dict[str, list[str]], mod
                 names.append(document_offsets_name(name))
                 if masked:
                     names.append(document_mask_name(name))
+                if roles:
+                    names.append(document_roles_name(name))
             for part in names:
                 digest.update(f"\n{split}/{part}\n".encode())
                 with (Path(directory) / part).open("rb") as handle:

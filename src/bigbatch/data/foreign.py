@@ -52,7 +52,7 @@ def foreign_files(data: str | Path) -> list[Path] | None:
     return files
 
 
-OWN_SHARD = re.compile(r"^(train|val)_\d{6}(\.offsets|\.mask)?\.npy$")
+OWN_SHARD = re.compile(r"^(train|val)_\d{6}(\.offsets|\.mask|\.roles)?\.npy$")
 """The shard names ``bigbatch prepare`` writes."""
 
 
@@ -157,6 +157,10 @@ class ForeignDataset:
     @property
     def vocab_size(self) -> int:
         return self.meta.vocab_size
+
+    @property
+    def answers(self) -> str:
+        return ""  # a token stream: no answers
 
     def shard_paths(self, split: str) -> list[Path]:
         if split not in SPLITS:

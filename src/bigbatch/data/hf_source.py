@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.answers import answer_kind
 from bigbatch.data.chat_rows import CONVERSATION_COLUMNS, is_conversation_row
 from bigbatch.data.text import first_bad_utf8
 from bigbatch.errors import DataError, require_package
@@ -33,7 +34,8 @@ DEFAULT_SPLIT = "train"
 DEFAULT_COLUMN = "text"
 CHAT_COLUMNS = CONVERSATION_COLUMNS
 """A dataset whose records hold ``messages`` or ShareGPT ``conversations`` (and no ``text``) is read as
-conversations, whole records (:mod:`bigbatch.data.chat_rows`)."""
+conversations, whole records (:mod:`bigbatch.data.chat_rows`); one whose records hold ``chosen``/``rejected``, or
+``completion`` and ``label``, as rows of answers, whole records too (:mod:`bigbatch.data.answer_rows`)."""
 TEXT_BUILDERS = ("json", "csv", "text")
 """The builders that decode their files as UTF-8 text: a byte that is not is found and named (see
 :func:`_named_utf8_error`)."""
@@ -218,9 +220,13 @@ def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str | dict[str
     # Conversations: #messages (or #conversations) named, or, reading the default column, a dataset with a
     # conversation column and no text one (told from the columns, or where a stream does not list them, from its
     # first record); bigbatch.data.chat reads the whole record, its tools included.
-    found = src.column == DEFAULT_COLUMN and DEFAULT_COLUMN not in columns and any(c in columns for c in CHAT_COLUMNS)
-    conversations: bool | None = src.column in CHAT_COLUMNS or found
-    if columns and src.column not in columns and not found:
+    # Rows of answers (preference pairs, KTO rows: bigbatch.data.answer_rows) are whole records too, told the same
+    # way from their columns (chosen/rejected, or completion and label).
+    default = src.column == DEFAULT_COLUMN and DEFAULT_COLUMN not in columns
+    found = default and any(c in columns for c in CHAT_COLUMNS)
+    answers = default and bool(answer_kind(dict.fromkeys(columns)))
+    conversations: bool | None = src.column in CHAT_COLUMNS or found or answers
+    if columns and src.column not in columns and not (found or answers):
         raise DataError(
             f"{src.source} has no column {src.column!r} (columns: {', '.join(columns)}); name the "
             f"text column with #COLUMN, e.g. {src.source.partition('#')[0]}#{columns[0]}"
@@ -229,7 +235,10 @@ def _records(src: HFSource, datasets: Any) -> Iterator[tuple[str, str | dict[str
         conversations = None  # the first record decides
     for number, record in enumerate(records, start=1):
         if conversations is None:
-            conversations = is_conversation_row(record)
+            conversations = is_conversation_row(record) or bool(answer_kind(record))
+        if conversations and answer_kind(record):  # a row of answers: read whole by bigbatch.data.answer_rows
+            yield f"{src.source}#{number}", dict(record)
+            continue
         if conversations:  # the whole record: the template may read its tools too
             held = [c for c in CHAT_COLUMNS if isinstance(record, dict) and c in record]
             column = src.column if src.column in CHAT_COLUMNS else (held or list(CHAT_COLUMNS))[0]

@@ -1,7 +1,9 @@
 """The reader a dataset's split needs, and what every reader offers.
 
 A ``packed`` dataset is read as an endless token stream (:mod:`bigbatch.data.stream`), a ``documents`` one a
-document per sequence with epochs (:mod:`bigbatch.data.documents`); :func:`loader_for` picks between them.
+document per sequence with epochs (:mod:`bigbatch.data.documents`), and a dataset of answers (preference pairs, KTO
+rows) as whole groups of documents per micro-batch (:mod:`bigbatch.data.answer_groups`); :func:`loader_for` picks
+among them.
 Whichever it is, the trainer sees a :class:`ResumableLoader`: the step assembler's micro-batch source plus a
 position it can save, restore and rewind, which is what makes a resumed run continue bitwise.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.stream import ShuffledTokenStreamLoader, TokenStreamLoader
@@ -40,13 +43,29 @@ def loader_for(
     shuffle: bool = False,
     seed: int = 0,
     pack: bool = False,
-) -> TokenStreamLoader | DocumentLoader:
+) -> TokenStreamLoader | DocumentLoader | AnswerGroupLoader:
     """The reader a dataset's split needs: one document per sequence for a ``documents`` dataset (padded
-    with its end-of-text token; documents longer than a sequence by ``long_documents``), else the token stream.
+    with its end-of-text token; documents longer than a sequence by ``long_documents``), whole groups of documents
+    for a dataset of answers (``dataset.answers``; ``long_documents`` does not apply: every document must fit a
+    row), else the token stream.
     ``shuffle``: a seeded order per epoch (packed: of ``T``-token windows, see :class:`ShuffledTokenStreamLoader`;
     documents: of the epoch's sequences), else the order of the data. ``pack``: a documents dataset's sequences
     packed into rows (see :class:`DocumentLoader`); a token stream holds no padding to pack away and ignores it."""
     name = name or split
+    if dataset.meta.mode == "documents" and dataset.meta.answers:
+        return AnswerGroupLoader(
+            dataset.document_shards(split),
+            micro_batch,
+            seq_len,
+            rank,
+            world_size,
+            pad_token=dataset.meta.eot_token or 0,
+            name=name,
+            shuffle=shuffle,
+            seed=seed,
+            pack=pack,
+            answers=dataset.meta.answers,
+        )
     if dataset.meta.mode == "documents":
         pad = dataset.meta.eot_token or 0
         shards = dataset.document_shards(split)

@@ -12,6 +12,7 @@ documents (streamed) and saved as ``tokenizer.json`` beside the shards. The cach
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -22,6 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bigbatch.data.answer_encode import AnswerEncoder, answer_audit_lines, shown_groups
+from bigbatch.data.answer_prepare import prepare_answers
+from bigbatch.data.answer_rows import AnswerRow
+from bigbatch.data.answers import AnswerSettings
 from bigbatch.data.chat import ChatEncoder, ChatSettings, audit_lines, has_chat_template, template_fingerprint
 from bigbatch.data.corpus import Document, hf_documents, is_hf_source, read_documents, resolve_source, text_files
 from bigbatch.data.corpus_progress import CorpusProgress
@@ -87,6 +92,7 @@ def prepare_dataset(
     bpe_json: str | None = None,
     wait_for_lock: bool = False,
     chat: ChatSettings | None = None,
+    answers: AnswerSettings | None = None,
 ) -> DatasetMeta:
     """Tokenize ``source`` into ``out_dir``.
 
@@ -111,6 +117,12 @@ def prepare_dataset(
     the model's chat template; ``chat`` says which tokens are trained (default: every assistant turn) and
     ``meta.json`` keeps the audit.
 
+    Rows of answers (preference pairs ``prompt``/``chosen``/``rejected``, KTO rows ``prompt``/``completion``/
+    ``label``; :mod:`~bigbatch.data.answer_rows`) need ``documents`` mode too (``auto`` picks it): each row becomes
+    a group of documents with their roles (:mod:`~bigbatch.data.answer_prepare`); ``answers`` says what becomes of
+    bad and over-long rows (default: bad rows refused, long ones by ``chat``'s ``long_conversations`` and
+    ``max_tokens``) and ``meta.json`` keeps the counts.
+
     ``workers``: processes that tokenize; ``None`` picks one per CPU core when the corpus is large enough
     to gain from it and the tokenizer is not ``byte``, 1 tokenizes in this process. The shards are the same
     either way.
@@ -130,7 +142,16 @@ def prepare_dataset(
             return DatasetMeta.from_file(out / META_FILE)
         _refuse_existing(out)
         settings = chat or ChatSettings()
-        return _prepare(source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json, settings)
+        answer_settings = answers or default_answer_settings(settings)
+        return _prepare(
+            source, out, tokenizer_name, val_fraction, shard_tokens, mode, workers, bpe_json, settings, answer_settings
+        )
+
+
+def default_answer_settings(chat: ChatSettings, bad_rows: str = "refuse") -> AnswerSettings:
+    """Rows of answers kept within a row as conversations are (``chat``'s ``long_conversations`` and
+    ``max_tokens``), bad rows by ``bad_rows``."""
+    return AnswerSettings(bad_rows=bad_rows, long_rows=chat.long_conversations, max_tokens=chat.max_tokens)
 
 
 def _refuse_existing(out: Path) -> None:
@@ -165,6 +186,7 @@ def _prepare(
     workers: int | None,
     bpe_json: str | None,
     chat_settings: ChatSettings,
+    answer_settings: AnswerSettings,
 ) -> DatasetMeta:
     """:func:`prepare_dataset` once ``out`` is held and known to be new."""
     tokenizer: Tokenizer | None = None
@@ -178,7 +200,12 @@ def _prepare(
     documents, local = _source_documents(source)
     total_bytes = sum(path.stat().st_size for path in local) if local else None  # unknown for a stream
     started = time.perf_counter()
-    chat = _source_chat(documents, hf, tokenizer, tokenizer_name, mode, chat_settings)
+    first = _first_document(documents, source, tokenizer, tokenizer_name, mode)
+    answers = _answer_rows(first, mode)
+    if answers is not None:
+        request = _AnswersRequest(source, tokenizer_name, val_fraction, shard_tokens, workers, total_bytes)
+        return _prepare_answers(request, out, tokenizer, documents, answers, answer_settings, started)
+    chat = _source_chat(first, hf, tokenizer, tokenizer_name, mode, chat_settings)
     # An hf: source of text (a stream, maybe remote and long) is prepared resumably (bigbatch/data/resumable.py).
     resumable = hf and chat is None
     directory = resumable_directory(out, _resume_key(source, tokenizer_name, bpe_json)) if resumable else _staged(out)
@@ -231,6 +258,123 @@ def _prepare(
     return meta
 
 
+def _first_document(
+    documents: Callable[[], Iterable[Document]],
+    source: str,
+    tokenizer: Tokenizer | None,
+    tokenizer_name: str,
+    mode: str,
+) -> Document | None:
+    """The first non-empty document of ``source``, which tells conversations and rows of answers from text; None
+    where it is not read: an ``hf:`` source (a stream, perhaps remote) prepared packed with a tokenizer without a
+    chat template is read as text, in one pass (a row of answers in it is refused when it comes to be tokenized;
+    ``auto`` told it apart before, see :mod:`~bigbatch.data.data_mode`)."""
+    if is_hf_source(source) and mode != "documents" and not _could_render(tokenizer, tokenizer_name):
+        return None
+    return next((doc for doc in documents() if not doc.empty), None)
+
+
+def _could_render(tokenizer: Tokenizer | None, tokenizer_name: str) -> bool:
+    """Whether conversations could be rendered: a ``file:`` tokenizer whose directory has a chat template."""
+    return isinstance(tokenizer, FileTokenizer) and has_chat_template(file_tokenizer_path(tokenizer_name).parent)
+
+
+def _answer_rows(first: Document | None, mode: str) -> AnswerRow | None:
+    """The first row when the source holds rows of answers (pairs or KTO), else None; they need documents mode."""
+    if first is None or first.answers is None:
+        return None
+    if mode != "documents":
+        raise ConfigError(
+            f"{first.name} is a row of {first.answers.kind} (prompt and answers): each answer is prepared as a "
+            "document of its own, the prompt masked; add --mode documents (train: --data-mode documents), or leave it "
+            "at auto"
+        )
+    return first.answers
+
+
+@dataclass(frozen=True)
+class _AnswersRequest:
+    source: str
+    tokenizer_name: str
+    val_fraction: float
+    shard_tokens: int
+    workers: int | None
+    total_bytes: int | None
+
+
+def _prepare_answers(
+    request: _AnswersRequest,
+    out: Path,
+    tokenizer: Tokenizer | None,
+    documents: Callable[[], Iterable[Document]],
+    first: AnswerRow,
+    settings: AnswerSettings,
+    started: float,
+) -> DatasetMeta:
+    """:func:`_prepare` for rows of answers (:mod:`~bigbatch.data.answer_prepare`), in a staged directory."""
+    with staged_directory(out) as staging:
+        if tokenizer is None:
+            tokenizer = _train_bpe(request.tokenizer_name, documents, request.source)
+        if isinstance(tokenizer, BPETokenizer):
+            tokenizer.save(staging / BPE_FILE)
+        dtype = token_dtype(tokenizer.vocab_size)
+        chat = _answers_chat_encoder(first, tokenizer, request.tokenizer_name)
+        n_workers = worker_count(request.workers, tokenizer, request.total_bytes) if chat is None else 1
+        invalid = InvalidUTF8()
+        checked = invalid if tokenizer.name != "byte" else None
+        encoder = AnswerEncoder(settings, tokenizer, dtype, chat, n_workers, checked)
+        if chat is not None:
+            encoder.audit.template = template_fingerprint(chat.template.directory)
+        prepared = prepare_answers(
+            documents,
+            encoder,
+            staging,
+            dtype,
+            request.val_fraction,
+            request.shard_tokens,
+            request.source,
+            request.total_bytes,
+        )
+        found = _Tokenized(prepared.lengths, prepared.masked, prepared.n_bytes, prepared.seconds)
+        replaced = invalid.replacements if checked is not None else None
+        meta = _dataset_meta(
+            staging,
+            request.source,
+            tokenizer,
+            dtype,
+            "documents",
+            True,
+            prepared.shard_names,
+            prepared.token_counts,
+            found,
+            replaced,
+            roles=True,
+        )
+        meta.extra["answers"] = prepared.audit.kind
+        meta.extra["answer_rows"] = prepared.audit.to_dict()
+        write_meta(staging, meta)
+    elapsed = time.perf_counter() - started
+    _log_prepared(out, meta, found, tokenizer.name, "documents", elapsed, n_workers)
+    if invalid.replacements:
+        log.warning("%s: %s", out, invalid.describe(tokenizer.name))
+    return meta
+
+
+def _answers_chat_encoder(first: AnswerRow, tokenizer: Tokenizer, tokenizer_name: str) -> ChatEncoder | None:
+    """The encoder of conversational rows of answers (the model's template renders them, last assistant turn
+    trained), or None for text rows."""
+    if not first.conversational:
+        return None
+    if not isinstance(tokenizer, FileTokenizer):
+        raise ConfigError(
+            f"{first.name} holds conversations, rendered with the model's own chat template: give the model's "
+            f"tokenizer, --tokenizer file:DIR (the directory with tokenizer.json and its chat template), not "
+            f"{tokenizer_name}"
+        )
+    settings = ChatSettings(loss_on="last-assistant", no_assistant="drop", long_conversations="refuse")
+    return ChatEncoder(tokenizer.to_str(), file_tokenizer_path(tokenizer_name).parent, settings)
+
+
 def _log_prepared(
     out: Path, meta: DatasetMeta, found: _Tokenized, tokenizer: str, mode: str, elapsed: float, n_workers: int
 ) -> None:
@@ -278,7 +422,7 @@ def _chat_record(chat: ChatEncoder, settings: ChatSettings) -> dict[str, object]
 
 
 def _source_chat(
-    documents: Callable[[], Iterable[Document]],
+    first: Document | None,
     hf: bool,
     tokenizer: Tokenizer | None,
     tokenizer_name: str,
@@ -286,13 +430,10 @@ def _source_chat(
     settings: ChatSettings,
 ) -> ChatEncoder | None:
     """The encoder of a source of conversations, or None for text. Whether it is conversations is read from its
-    first row: always for local files (cheap), for an hf: source (a stream, perhaps remote) only where a chat
-    template could render it."""
-    if hf and not (
-        isinstance(tokenizer, FileTokenizer) and has_chat_template(file_tokenizer_path(tokenizer_name).parent)
-    ):
+    ``first`` row: for an hf: source (a stream, perhaps remote) only where a chat template could render it."""
+    if hf and not _could_render(tokenizer, tokenizer_name):
         return None
-    return _chat_encoder(documents, tokenizer, tokenizer_name, mode, settings)
+    return _chat_encoder(first, tokenizer, tokenizer_name, mode, settings)
 
 
 @contextmanager
@@ -381,15 +522,14 @@ def _tokenize(
 
 
 def _chat_encoder(
-    documents: Callable[[], Iterable[Document]],
+    first: Document | None,
     tokenizer: Tokenizer | None,
     tokenizer_name: str,
     mode: str,
     settings: ChatSettings,
 ) -> ChatEncoder | None:
-    """The encoder of a source of conversations (its first document tells), or None for text. Conversations need
-    documents mode and the model's own tokenizer, beside which its chat template lives."""
-    first = next((doc for doc in documents() if not doc.empty), None)
+    """The encoder of a source of conversations (its ``first`` document tells), or None for text. Conversations
+    need documents mode and the model's own tokenizer, beside which its chat template lives."""
     if first is None or first.conversation is None:
         return None
     if mode != "documents":
@@ -415,9 +555,10 @@ def _encoded_conversations(
         if doc.empty:
             continue
         if doc.conversation is None:
+            what = f"a row of {doc.answers.kind}" if doc.answers is not None else "text"
             raise DataError(
-                f"{doc.name} is text in a dataset of conversations; give every row as 'messages', or prepare the "
-                "text apart"
+                f"{doc.name} is {what} in a dataset of conversations; give every row as 'messages', or prepare the "
+                "others apart"
             )
         encoded = encoder.encode(doc.conversation)
         if encoded is None:
@@ -462,6 +603,7 @@ def _dataset_meta(
     token_counts: TokenCounts,
     found: _Tokenized,
     utf8_replacements: int | None,
+    roles: bool = False,
 ) -> DatasetMeta:
     """The ``meta.json`` of the shards written in ``staging``, with their fingerprints and what the notes of
     :func:`prepared_notes` need (``utf8_replacements``: ``None`` for the byte tokenizer, which replaces none)."""
@@ -478,7 +620,7 @@ def _dataset_meta(
         masked=masked,
         fingerprints={
             "tokenizer": tokenizer_fingerprint(tokenizer.name, staging),
-            "data": prepared_data_fingerprint(staging, shard_names, mode, masked),
+            "data": prepared_data_fingerprint(staging, shard_names, mode, masked, roles),
         },
     )
     if utf8_replacements is not None:
@@ -502,6 +644,15 @@ def prepared_notes(meta: DatasetMeta) -> list[str]:
     chat = meta.extra.get("chat")
     if isinstance(chat, dict):
         notes.extend(audit_lines(chat, str(chat.get("loss_on", "assistant"))))
+    answer_rows = meta.extra.get("answer_rows")
+    if meta.answers and isinstance(answer_rows, dict):
+        notes.extend(answer_audit_lines(answer_rows))
+        if not answer_rows.get("max_tokens"):
+            notes.append(
+                f"{meta.answers}: every document must fit a row of seq_len+1 tokens when training (a KTO row's KL "
+                "document is cut to fit); prepare with --seq-len to apply --long-conversations here"
+            )
+        return notes
     if meta.mode == "documents":
         untrained = int(meta.extra.get("documents_without_targets", 0) or 0)  # type: ignore[call-overload]
         if untrained:
@@ -528,11 +679,13 @@ def _train_bpe(name: str, documents: Callable[[], Iterable[Document]], source: s
 
     def texts() -> Iterator[str]:
         for doc in documents():
-            for part in (doc.prompt, doc.data):
+            texts = doc.answers.texts() if doc.answers else []
+            answers = [text.encode("utf-8", errors="surrogatepass") for text in texts]
+            for part in (doc.prompt, doc.data, *answers):
                 for piece in split_text(part) if part else ():
                     yield piece.decode("utf-8", errors="replace")
             seen["documents"] += 1
-            seen["bytes"] += len(doc.data) + len(doc.prompt)
+            seen["bytes"] += len(doc.data) + len(doc.prompt) + sum(len(a) for a in answers)
             progress.update(seen["documents"], seen["bytes"])
 
     tokenizer = train_bpe(name, texts())
@@ -548,14 +701,30 @@ def _train_bpe(name: str, documents: Callable[[], Iterable[Document]], source: s
     return tokenizer
 
 
-def shown_conversations(source: str, tokenizer_name: str, settings: ChatSettings, n: int) -> Iterator[str]:
-    """The first ``n`` conversations of ``source`` rendered and tokenized as :func:`prepare_dataset` does, the
-    trained tokens marked (``bigbatch prepare --show N``); nothing for a source of text."""
+def shown_conversations(
+    source: str, tokenizer_name: str, settings: ChatSettings, n: int, answers: AnswerSettings | None = None
+) -> Iterator[str]:
+    """The first ``n`` conversations (or rows of answers, each document of the group) of ``source`` rendered and
+    tokenized as :func:`prepare_dataset` does, the trained tokens marked (``bigbatch prepare --show N``); nothing
+    for a source of text, or for rows of answers with a ``bpe:`` tokenizer (trained by prepare itself)."""
     from bigbatch.data.chat import shown_conversations as shown
 
     documents, _ = _source_documents(source)
     tokenizer = None if is_bpe(tokenizer_name) else text_tokenizer(tokenizer_name)
-    encoder = _chat_encoder(documents, tokenizer, tokenizer_name, "documents", settings)
+    first = next((doc for doc in documents() if not doc.empty), None)
+    if first is not None and first.answers is not None:
+        if tokenizer is None:
+            return iter(())
+        chat = _answers_chat_encoder(first.answers, tokenizer, tokenizer_name)
+        dtype = token_dtype(tokenizer.vocab_size)
+        rows = AnswerEncoder(answers or default_answer_settings(settings), tokenizer, dtype, chat)
+        decode = chat.decode if chat is not None else tokenizer.decode
+
+        def head() -> Iterator[Document]:
+            return itertools.islice((doc for doc in documents() if not doc.empty), n)
+
+        return shown_groups(rows, head, decode)
+    encoder = _chat_encoder(first, tokenizer, tokenizer_name, "documents", settings)
     if encoder is None:
         return iter(())
     return shown(encoder, (doc.conversation for doc in documents() if doc.conversation is not None), n)

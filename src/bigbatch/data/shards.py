@@ -6,6 +6,10 @@ A prepared dataset directory looks like::
     train_000000.npy     1-D uint16 token ids
     val_000000.npy
 
+and in ``documents`` mode, beside each shard, ``.offsets.npy`` (where each document starts), ``.mask.npy`` (the
+tokens trained on, when any is masked) and, for rows of answers (preference pairs, KTO), ``.roles.npy`` (each
+document's role, :mod:`bigbatch.data.answers`).
+
 ``.npy`` is self-describing (dtype and length in its header) and memory-mapped on
 read, so a dataset larger than RAM is fine.
 """
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bigbatch.data.answers import ANSWER_KINDS
 from bigbatch.data.tokenizers import BPE_FILE, file_tokenizer_fingerprint, file_tokenizer_path, is_file_tokenizer
 from bigbatch.errors import DataError
 from bigbatch.files.json_text import from_json, to_json
@@ -53,6 +58,12 @@ class DatasetMeta:
 
     def to_json(self) -> str:
         return to_json(asdict(self), indent=2) + "\n"
+
+    @property
+    def answers(self) -> str:
+        """``pairs`` or ``kto`` for a dataset of answers (``extra["answers"]``, with a ``.roles.npy`` per shard),
+        ``""`` for ordinary data (and every dataset prepared before answers were)."""
+        return str(self.extra.get("answers") or "")
 
     @classmethod
     def from_file(cls, path: Path) -> DatasetMeta:
@@ -91,6 +102,8 @@ class DatasetMeta:
             return f"mode {self.mode!r} is not packed or documents"
         if not isinstance(self.tokens, dict) or not all(isinstance(n, int) for n in self.tokens.values()):
             return "tokens must map each split to a token count"
+        if self.answers and (self.answers not in ANSWER_KINDS or self.mode != "documents" or not self.masked):
+            return f"answers {self.answers!r} needs one of {', '.join(ANSWER_KINDS)} in masked documents mode"
         return None
 
 
@@ -104,11 +117,17 @@ def document_mask_name(shard_name: str) -> str:
     return shard_name.removesuffix(".npy") + ".mask.npy"
 
 
+def document_roles_name(shard_name: str) -> str:
+    """``train_000000.npy`` -> ``train_000000.roles.npy``: int8, each document's role (rows of answers only)."""
+    return shard_name.removesuffix(".npy") + ".roles.npy"
+
+
 @dataclass
 class DocumentShard:
     tokens: np.ndarray  # (n_tokens,) token ids
     offsets: np.ndarray  # (n_docs + 1,) int64
     mask: np.ndarray | None  # (n_tokens,) uint8 or None (every token is trained on)
+    roles: np.ndarray | None = None  # (n_docs,) int8: each document's role (bigbatch.data.answers); None: no answers
 
 
 def check_token_range(shards: Iterable[tuple[object, np.ndarray]], vocab_size: int, fix: str) -> None:
@@ -168,6 +187,12 @@ class TokenDataset:
     def vocab_size(self) -> int:
         return self.meta.vocab_size
 
+    @property
+    def answers(self) -> str:
+        """``pairs``, ``kto`` or ``""``: what an objective must read to train on this data
+        (:func:`~bigbatch.data.answers.check_answers_for_objective`)."""
+        return self.meta.answers
+
     def shard_arrays(self, split: str) -> list[np.ndarray]:
         """The split's shards as read-only memory maps, in order."""
         if split not in SPLITS:
@@ -199,7 +224,14 @@ class TokenDataset:
                 raise DataError(
                     f"the mask of {self.directory / name} does not match its tokens; re-run bigbatch prepare"
                 )
-            shards.append(DocumentShard(tokens, offsets, mask))
+            roles = None
+            if self.meta.answers:
+                roles = self._open_shard(document_roles_name(name), dtype=np.dtype(np.int8))
+                if len(roles) != len(offsets) - 1:
+                    raise DataError(
+                        f"the roles of {self.directory / name} do not match its documents; re-run bigbatch prepare"
+                    )
+            shards.append(DocumentShard(tokens, offsets, mask, roles))
         return shards
 
     def _open_shard(self, name: str, dtype: np.dtype | None = None) -> np.ndarray:

@@ -3,7 +3,8 @@ it; the same windows at every evaluation of a run.
 
 The split's windows are numbered once (packed: ``T + 1``-token windows at multiples of ``T``, see
 :class:`~bigbatch.data.windows.TokenStreamWindows`; documents: the sequences of an epoch, a long document's windows
-included). ``eval_batches`` auto (stored as 0) asks for :data:`AUTO_EVAL_TOKENS` tokens, i.e. that many divided
+included; answers: whole micro-batches of groups, each a window one process reads alone, as many as hold the rows
+asked for). ``eval_batches`` auto (stored as 0) asks for :data:`AUTO_EVAL_TOKENS` tokens, i.e. that many divided
 by ``T`` windows, whatever the micro-batch and the number of processes, so runs that divide their batch
 differently score the same windows; a number ``N`` asks for ``N`` micro-batches per process, i.e.
 ``N x B x world`` windows. A split with no more windows than asked for is read whole; otherwise the windows
@@ -18,6 +19,7 @@ import math
 
 import numpy as np
 
+from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.loader import loader_for
@@ -46,14 +48,19 @@ class ValidationWindows:
 
     def __init__(
         self,
-        source: TokenStreamWindows | DocumentLoader,
+        source: TokenStreamWindows | DocumentLoader | AnswerGroupLoader,
         wanted: int,
         micro_batch: int,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
         self.source = source
-        self.available = source.count if isinstance(source, TokenStreamWindows) else source.n_sequences
+        if isinstance(source, TokenStreamWindows):
+            self.available = source.count
+        elif isinstance(source, AnswerGroupLoader):
+            self.available = source.n_units  # a window is a whole micro-batch of groups (micro_batch is 1)
+        else:
+            self.available = source.n_sequences
         self.indices = spread_sample(self.available, wanted)
         self.whole = len(self.indices) == self.available
         self.micro_batch = micro_batch
@@ -73,6 +80,12 @@ class ValidationWindows:
         spread uniformly``."""
         if isinstance(self.source, TokenStreamWindows):
             kind = "window"
+        elif isinstance(self.source, AnswerGroupLoader):
+            shape = f"of {self.source.micro_batch} x {self.seq_len} holding whole {self.source.answers} groups"
+            if self.whole:
+                return f"{plural(self.windows, 'micro-batch', 'micro-batches')} {shape} (the whole split)"
+            available = plural(self.available, "micro-batch", "micro-batches")
+            return f"{self.windows:,} of its {available} {shape}, spread uniformly"
         else:
             kind = "packed row" if self.source.pack else "sequence"
         if self.whole:
@@ -111,6 +124,10 @@ def validation_windows(
     every window of the split. Documents with ``pack``: the windows are the rows the split's documents pack into
     (in document order)."""
     wanted = 2**62 if whole else wanted_windows(eval_batches, micro_batch, seq_len, world_size)
+    if dataset.meta.mode == "documents" and dataset.meta.answers:  # whole micro-batches: as many as hold the rows
+        answers = loader_for(dataset, split, micro_batch, seq_len, name=name, pack=pack)
+        assert isinstance(answers, AnswerGroupLoader)
+        return ValidationWindows(answers, math.ceil(wanted / micro_batch), 1, rank, world_size)
     if dataset.meta.mode == "documents":
         loader = loader_for(dataset, split, micro_batch, seq_len, name=name, long_documents=long_documents, pack=pack)
         assert isinstance(loader, DocumentLoader)

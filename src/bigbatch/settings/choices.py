@@ -63,6 +63,10 @@ ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro",
 LOSS_ON = Choices("loss_on", ("assistant", "last-assistant", "all"))
 NO_ASSISTANT = Choices("no_assistant", ("refuse", "drop"))
 BAD_STEP = Choices("bad_step", ("skip-micro", "skip-step", "rewind", "stop"))
+BAD_ROWS = Choices("bad_rows", ("refuse", "drop"))
+"""What becomes of a malformed row of preference pairs or KTO rows (a missing field, identical chosen and rejected, an
+empty answer, a conversation the template refuses): ``refuse`` (one line naming the row; nothing is written) or
+``drop`` (left out and counted). Over-long rows follow ``long_conversations`` instead."""
 OBJECTIVE = Choices("objective", ("lm", "dpo", "ipo", "simpo", "orpo", "kto"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values

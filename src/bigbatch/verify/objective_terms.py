@@ -128,18 +128,35 @@ def split_sizes(split: str, n: int, k: int) -> list[int]:
 
 
 def objective_gradient(
-    model: nn.Module, objective: Objective, batches: list[Any], device: torch.device, precision: str
+    model: nn.Module,
+    objective: Objective,
+    batches: list[Any],
+    device: torch.device,
+    precision: str = "fp32",
+    dist: Any = None,
 ) -> torch.Tensor:
-    """The accumulated gradient of ``objective`` over ``batches`` (a copy of ``model``; fp16 unscaled)."""
+    """The accumulated gradient of ``objective`` over ``batches`` (a copy of ``model``; fp16 unscaled); with a
+    ``dist`` of several ranks, through DDP and its one sync, every rank calling it with its own ``batches``."""
+    from bigbatch.parallel.distributed import DDPGradSync
+
     replica = copy.deepcopy(model)
+    trained: nn.Module = replica
+    sync = None
+    if dist is not None and dist.world_size > 1:
+        trained = nn.parallel.DistributedDataParallel(
+            replica, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        sync = DDPGradSync(trained)
     engine = AccumulationEngine(
-        replica,
+        trained,
         torch.optim.SGD([p for p in replica.parameters() if p.requires_grad], lr=1.0),
         constant_schedule(1.0),
         grad_clip=0.0,
         precision=precision,
         device=device,
         objective=objective,
+        grad_sync=sync,
+        dist=dist,
     )
     replica.zero_grad(set_to_none=True)
     with preserved_rng():
@@ -148,6 +165,14 @@ def objective_gradient(
         engine.scaler.unscale_(engine.optimizer)
     grads = [p.grad.reshape(-1).double() for p in replica.parameters() if p.requires_grad and p.grad is not None]
     return torch.cat(grads) if grads else torch.zeros(1, dtype=torch.float64)
+
+
+def check_groups(objective: str, groups: int, vocab_size: int, seed: int, seq_len: int) -> list[Group]:
+    """The random groups the check cuts: pairs, or KTO rows for ``kto``, each document fitting a row of ``seq_len``."""
+    answer_max = max(1, min(8, seq_len // 3))
+    prompt_max = max(1, min(6, seq_len - 2 * answer_max))
+    make = random_kto_rows if objective == "kto" else random_pairs
+    return make(groups, vocab_size, seed, prompt_max, answer_max)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -191,10 +216,7 @@ def check_objective_terms(
     if objective.reference is not None and objective.reference.module is not None:
         objective.reference.module.to(device)
     settings = objective.settings
-    answer_max = max(1, min(8, seq_len // 3))
-    prompt_max = max(1, min(6, seq_len - 2 * answer_max))
-    make = random_kto_rows if settings.name == "kto" else random_pairs
-    all_groups: list[Group] = make(groups, vocab_size, seed, prompt_max, answer_max)
+    all_groups = check_groups(settings.name, groups, vocab_size, seed, seq_len)
     tol = tolerance if tolerance is not None else (1e-5 if precision == "fp32" else 2e-2)
     report = ObjectiveReport(settings.name, groups, k, tolerance=tol)
 
@@ -252,16 +274,11 @@ def check_objective_across_ranks(
 ) -> ObjectiveReport:
     """Under torchrun, every rank alike: each term's gradient after DDP's one sync, with uneven groups per rank (rank
     0 holds one, then micro-batches of none), against one process holding every group in one micro-batch."""
-    from bigbatch.parallel.distributed import DDPGradSync
-
     device = torch.device(device)
     model = model.to(device)
     if objective.reference is not None and objective.reference.module is not None:
         objective.reference.module.to(device)
-    make = random_kto_rows if objective.settings.name == "kto" else random_pairs
-    answer_max = max(1, min(8, seq_len // 3))
-    prompt_max = max(1, min(6, seq_len - 2 * answer_max))
-    all_groups = make(groups, vocab_size, seed, prompt_max, answer_max)
+    all_groups = check_groups(objective.settings.name, groups, vocab_size, seed, seq_len)
     mine = [
         answer_micro_batch(part, seq_len, True, rows=2)
         for part in rank_parts(all_groups, dist.world_size, dist.rank, k)
@@ -272,25 +289,8 @@ def check_objective_across_ranks(
     )
     for term in objective.terms:
         alone = only_term(objective, term.name)
-        expected = objective_gradient(model, alone, whole, device, "fp32")
-        replica = copy.deepcopy(model)
-        ddp = nn.parallel.DistributedDataParallel(replica, device_ids=[device.index] if device.type == "cuda" else None)
-        engine = AccumulationEngine(
-            ddp,
-            torch.optim.SGD([p for p in replica.parameters() if p.requires_grad], lr=1.0),
-            constant_schedule(1.0),
-            grad_clip=0.0,
-            device=device,
-            objective=alone,
-            grad_sync=DDPGradSync(ddp),
-            dist=dist,
-        )
-        replica.zero_grad(set_to_none=True)
-        with preserved_rng():
-            engine.accumulate(mine)
-        got = torch.cat(
-            [p.grad.reshape(-1).double() for p in replica.parameters() if p.requires_grad and p.grad is not None]
-        )
+        expected = objective_gradient(model, alone, whole, device)
+        got = objective_gradient(model, alone, mine, device, dist=dist)
         report.checks.append(TermCheck(term.name, "ranks", _rel(got, expected), tolerance))
     report.control = math.inf  # no packing comparison across ranks: the one-process check makes it
     return report

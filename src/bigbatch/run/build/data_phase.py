@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bigbatch.data.answer_groups import AnswerGroupLoader
+from bigbatch.data.answers import check_answers_for_objective
 from bigbatch.data.cache import ensure_prepared
 from bigbatch.data.chat import ChatSettings
 from bigbatch.data.dataset import Dataset, open_dataset
 from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
 from bigbatch.data.loader import loader_for
+from bigbatch.data.prepare import default_answer_settings
 from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.data.tokenizers import carries_tokenizer_json, get_tokenizer, model_dir_tokenizer
@@ -25,7 +28,7 @@ from bigbatch.run.configuration.seq_len import model_directory, resolve_seq_len
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
 
-Loader = TokenStreamLoader | DocumentLoader
+Loader = TokenStreamLoader | DocumentLoader | AnswerGroupLoader
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,22 @@ def open_run_data(config: TrainConfig, dist: DistContext, say: Say) -> RunData:
 def prepare_data(config: TrainConfig) -> Path:
     """The run's prepared dataset: raw text prepared into the cache once, or a dataset directory as it is."""
     data = config.data
+    chat = chat_settings(config)
     return ensure_prepared(
         data.data,
         data_tokenizer(config),
         data.val_fraction,
         data.cache_dir or None,
         mode=data.data_mode,
-        chat=chat_settings(config),
+        chat=chat,
+        answers=default_answer_settings(chat, bad_rows_policy(config)),
     )
+
+
+def bad_rows_policy(config: TrainConfig) -> str:
+    """What becomes of a bad row of answers (``--bad-rows``): ``refuse`` unless the run's data settings say
+    otherwise (a setting read where the configuration has it; ``refuse`` where it has none)."""
+    return config.data.bad_rows
 
 
 def chat_settings(config: TrainConfig) -> ChatSettings:
@@ -120,7 +131,10 @@ def build_loaders(
     config: TrainConfig, dataset: Dataset, plan: BatchPlan, dist: DistContext, pack: bool
 ) -> tuple[Loader, ValidationWindows | None]:
     """This rank's training loader (shuffled with ``--shuffle on``) and the fixed validation windows (``None``
-    with ``--eval-every 0``)."""
+    with ``--eval-every 0``). Data of answers (pairs, KTO rows) is read only under an ``--objective`` that reads
+    them, and such an objective only reads them (:func:`~bigbatch.data.answers.check_answers_for_objective`)."""
+    answers = dataset.meta.answers if dataset.meta.mode == "documents" else ""
+    check_answers_for_objective(answers, config.objective.name)
     train_loader = build_loader(
         config, dataset, plan, dist, "train", "training", shuffle=config.data.shuffle == "on", pack=pack
     )
@@ -138,10 +152,14 @@ def build_loader(
     split: str,
     name: str,
     shuffle: bool = False,
-    pack: bool = False,
+    pack: bool | None = None,
 ) -> Loader:
     """This rank's reader of ``split`` (in a seeded order per epoch with ``shuffle``; documents packed into rows
-    with ``pack``); a documents split without a single valid target is refused."""
+    with ``pack``); a documents split without a single valid target is refused. ``pack`` None: not known yet (a
+    check before the model is built): documents one per row, groups of answers as ``--pack`` asks (how they are
+    dealt decides what fits a micro-batch)."""
+    if pack is None:
+        pack = bool(dataset.meta.mode == "documents" and dataset.meta.answers and config.data.pack != "off")
     loader = loader_for(
         dataset,
         split,
@@ -163,6 +181,8 @@ def build_loader(
             f"--seq-len {plan.seq_len} (--long-conversations decides what becomes of them), or train with a larger "
             "--seq-len"
         )
+    if isinstance(loader, AnswerGroupLoader) and loader.valid_targets == 0:
+        raise DataError(f"the {name} split of {dataset.directory} holds no answer token to train on; fix the data")
     if isinstance(loader, DocumentLoader) and loader.valid_targets == 0:
         raise DataError(
             f"the {name} split of {dataset.directory} holds no valid targets: each of its "
@@ -191,7 +211,7 @@ def validation_loader(
             long_documents=config.data.long_documents,
             pack=pack,
         )
-        if isinstance(windows.source, DocumentLoader) and windows.source.valid_targets == 0:
+        if isinstance(windows.source, DocumentLoader | AnswerGroupLoader) and windows.source.valid_targets == 0:
             raise DataError(
                 f"the validation split of {dataset.directory} holds no valid targets (every document is a single "
                 "token or wholly masked)"
@@ -203,7 +223,17 @@ def validation_loader(
 
 def check_micro_batch_fits(loader: Any, micro_batch: int, world_size: int) -> None:
     """Refuse a documents split smaller than one global micro-batch: every micro-batch would hold the whole
-    split plus rows of padding, so every step would repeat it K times."""
+    split plus rows of padding, so every step would repeat it K times (answers: fewer micro-batches of groups
+    than processes, some of which would never read one)."""
+    if isinstance(loader, AnswerGroupLoader):
+        if loader.n_units < world_size:
+            raise ConfigError(
+                f"the training split's {plural(loader.n_groups, loader.answers + ' group')} fill "
+                f"{plural(loader.n_units, 'micro-batch', 'micro-batches')} of {micro_batch} rows, fewer than the "
+                f"{world_size} processes; use --micro-batch {max(1, micro_batch // world_size)} or less, fewer "
+                "processes, or more data"
+            )
+        return
     n_seq = getattr(loader, "n_sequences", None)  # only a documents loader has a fixed count of sequences (rows)
     if n_seq is not None and micro_batch * world_size > n_seq:
         per_process = f" x {world_size} processes" if world_size > 1 else ""

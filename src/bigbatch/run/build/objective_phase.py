@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from bigbatch.data.answers import check_answers_for_objective
 from bigbatch.data.dataset import Dataset
 from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.objective import Objective
@@ -66,16 +67,14 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
 
 
 def check_objective(config: TrainConfig) -> None:
-    """Settings that mean nothing under a preference objective, refused in one line before anything is made."""
+    """Settings that mean nothing under a preference objective, refused in one line before anything is made (the
+    gradient noise scale, on by default, is not measured, and the run says so: see
+    :func:`~bigbatch.run.build.sizing_phase.noise_unmeasurable`)."""
     name = config.objective.name
     preference_settings(config)
     if name == "lm":
         return
     refused = [
-        (
-            bool(config.run.noise_scale_every),
-            "--noise-scale-every: the gradient noise scale is measured in tokens of a next-token loss",
-        ),
         (
             config.batch.batch_ramp not in ("", "none"),
             "--batch-ramp: a ramp follows tokens per step of a next-token loss",
@@ -136,15 +135,7 @@ def reference_policy(
 
 def check_answers(objective: str, dataset: Dataset) -> None:
     """A preference objective reads its own rows; ``lm`` reads neither pairs nor KTO rows (a KTO row read as a
-    prompt and completion would teach the undesirable ones)."""
-    answers = str(getattr(dataset, "answers", "") or "")
-    wanted = "" if objective == "lm" else ("kto" if objective == "kto" else "pairs")
-    if answers == wanted:
-        return
-    kinds = {"pairs": "preference pairs (prompt/chosen/rejected)", "kto": "KTO rows (prompt/completion/label)"}
-    if not answers:
-        raise ConfigError(
-            f"--objective {objective} reads {kinds[wanted]}; the data holds neither (give --data with such rows)"
-        )
-    fix = "--objective kto" if answers == "kto" else "--objective dpo (or ipo, simpo, orpo)"
-    raise ConfigError(f"the data holds {kinds[answers]}, which --objective {objective} does not read; use {fix}")
+    prompt and completion would teach the undesirable ones); see
+    :func:`~bigbatch.data.answers.check_answers_for_objective`."""
+    answers = dataset.meta.answers if dataset.meta.mode == "documents" else ""
+    check_answers_for_objective(answers, objective)

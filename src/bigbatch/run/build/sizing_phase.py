@@ -56,6 +56,8 @@ def auto_micro_batch(
 
 def noise_unmeasurable(config: TrainConfig, plan: BatchPlan) -> str | None:
     """Why this run's steps can never measure the noise scale, or ``None``."""
+    if config.objective.name != "lm":
+        return f"it is measured in tokens of a next-token loss, which --objective {config.objective.name} is not"
     # A token budget sizes every step on its own (the plan's K = 1 is only its unit): the engine decides per step
     # whether that step has a second micro-batch to measure with.
     planned_k = 2 if config.batch.token_budget else plan.accumulation_steps

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bigbatch.run.configuration.fields import config_field as _opt
 from bigbatch.settings.choices import (
+    BAD_ROWS,
     DATA_MODE,
     LONG_CONVERSATIONS,
     LONG_DOCUMENTS,
@@ -64,6 +65,13 @@ class DataSection:
         "without its question): drop-oldest-turns (leave out its oldest rounds until it fits; the system prompt and "
         "tools stay), drop (leave it out) or refuse (one line naming it); counted in prepare's audit",
         choices=LONG_CONVERSATIONS,
+    )
+    bad_rows: str = _opt(
+        "refuse",
+        "preference pairs and KTO rows: a malformed row (a missing field, identical chosen and rejected, an answer "
+        "that renders empty, a conversation the template refuses) is refused in one line naming it, or with drop "
+        "left out and counted in prepare's lines; an over-long row follows --long-conversations",
+        choices=BAD_ROWS,
     )
     long_documents: str = _opt(
         "split",

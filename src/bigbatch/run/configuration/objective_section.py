@@ -34,7 +34,11 @@ class ObjectiveSection:
     robust: bool = config_field(
         False, "dpo with --label-smoothing: the unbiased robust DPO loss instead of the conservative one"
     )
-    simpo_gamma: float = config_field(1.0, "simpo: the target reward margin gamma", range=NON_NEGATIVE)
+    simpo_gamma: float = config_field(
+        1.0,
+        "simpo: the target reward margin gamma; 0: no margin (the chosen answer need only outscore)",
+        range=NON_NEGATIVE,
+    )
     desirable_weight: float = config_field(1.0, "kto: the weight of desirable completions", range=POSITIVE)
     undesirable_weight: float = config_field(1.0, "kto: the weight of undesirable completions", range=POSITIVE)
     reference: str = config_field(

@@ -4,6 +4,7 @@ that the first step compiles."""
 from __future__ import annotations
 
 from bigbatch import __version__
+from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.chat import audit_lines
 from bigbatch.data.data_mode import conversations_note
 from bigbatch.data.documents import DocumentLoader
@@ -83,6 +84,14 @@ def describe_plan(parts: RunParts) -> str:
             f"{p.seq_len} x world {p.world_size} per micro-batch | K varies (the micro-batch that reaches the "
             f"budget is included whole) | last window: {last_window}"
         )
+    if isinstance(parts.train_loader, AnswerGroupLoader):
+        loader = parts.train_loader
+        kind = "pairs (chosen and rejected)" if loader.answers == "pairs" else "KTO rows (completion and KL answer)"
+        rows = "packed rows, positions restarting at each answer" if loader.pack else "one answer a row"
+        return (
+            f"{p.describe()} (positions; whole {kind} per micro-batch, {rows}; each term normalized by its own units "
+            f"of the step) | last window: {last_window}"
+        )
     if parts.documents:
         packed = isinstance(parts.train_loader, DocumentLoader) and parts.train_loader.pack
         rows = (
@@ -137,6 +146,8 @@ def describe_order(parts: RunParts) -> str:
     """How the training windows are read: shuffled per epoch (``--shuffle on``) or in the data's order."""
     if parts.config.data.shuffle == "on":
         unit = "sequences" if parts.documents else f"windows of {parts.plan.seq_len} tokens"
+        if isinstance(parts.train_loader, AnswerGroupLoader):
+            unit = "pairs" if parts.train_loader.answers == "pairs" else "KTO rows"
         return f"shuffled: a permutation of the {unit} per epoch, seed {parts.config.run.seed} (--shuffle on)"
     return "the data's order (--shuffle off)"
 
