@@ -136,3 +136,17 @@ def test_verify_checks_each_term_across_two_processes_with_a_rank_of_empty_micro
     assert done.returncode == 0, done.stderr[-2000:]
     assert "term nll         split ranks" in done.stdout and "term odds_ratio  split ranks" in done.stdout
     assert "verdict: EQUIVALENT" in done.stdout
+
+
+def test_eval_says_what_it_scores_on_a_dpo_run_and_critical_batch_refuses_one(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    run = tmp_path / "dpo"
+    code, out, err = run_main(args(data, "pairs", run, "--objective", "dpo", "--max-steps", "2", "--dropout", "0"))
+    assert code == 0, err
+    code, out, err = run_main(["eval", str(run)])
+    assert code == 0, err
+    assert "the next-token loss of every answer's tokens, not the dpo objective" in out
+    code, out, err = run_main(["critical-batch", str(run), "--tokens-per-step", "384,768", "--budget", "1536"])
+    line = assert_one_line_error(code, out, err)
+    assert "trained with --objective dpo" in line and "branch a run of --objective lm" in line

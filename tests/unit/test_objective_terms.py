@@ -24,7 +24,9 @@ from preference_batches import (
 from tiny import VOCAB
 
 from bigbatch.engine.accumulate import AccumulationEngine
+from bigbatch.engine.bad_steps import BadStepSettings
 from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.hooks import StepHook
 from bigbatch.engine.objective import Objective, StepTotals, Term
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings, ReferencePolicy
@@ -327,3 +329,49 @@ def test_a_validation_measures_the_objective_as_one_step_would_whatever_the_spli
     )
     assert whole == pytest.approx(expected.item(), rel=1e-5) and split == pytest.approx(whole, rel=1e-6)
     assert totals.of("pair") == 6 and values["rewards/accuracy"] == pytest.approx(split_values["rewards/accuracy"])
+
+
+class PoisonOne(StepHook):
+    """Makes the summed loss of one micro-batch (recognised by its inputs, wherever it sits) NaN."""
+
+    def __init__(self, bad: MicroBatch) -> None:
+        self.bad, self.current = bad, False
+
+    def before_forward(self, engine: Any, index: int, micro_batch: Any) -> None:
+        self.current = torch.equal(micro_batch.inputs.cpu(), self.bad.inputs)
+
+    def after_forward(self, engine: Any, index: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum * float("nan") if self.current else loss_sum
+
+
+@pytest.mark.parametrize("name", ["orpo", "kto"])
+def test_a_bad_micro_batch_leaves_every_terms_numerator_and_denominator(name: str) -> None:
+    """skip-micro drops the poisoned micro-batch and computes the step again: the update is the one of the other
+    micro-batches alone, every term normalised by what they hold (ORPO: chosen tokens and pairs; KTO: its
+    completions, and its KL point over the KL answers left)."""
+    policy, reference = models(8)
+    groups = groups_for(name, 6, seed=23)
+    batches = [micro_batch(part, SEQ, True) for part in split_groups(groups, [2, 1, 3])]
+
+    def stepped(parts: list[MicroBatch], guarded: bool) -> tuple[list[torch.Tensor], Any]:
+        model = copy.deepcopy(policy)
+        ref = ReferencePolicy(copy.deepcopy(reference)) if name == "kto" else None
+        engine = AccumulationEngine(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            constant_schedule(0.5),
+            grad_clip=0.0,
+            objective=PreferenceObjective(PreferenceSettings(name, beta=BETAS[name]), ref),
+            hooks=[PoisonOne(batches[1])] if guarded else [],
+            bad_steps=BadStepSettings(mode="skip-micro") if guarded else None,
+        )
+        record = engine.step(parts)
+        return [p.detach().clone() for p in model.parameters()], record
+
+    dropped, record = stepped(batches, guarded=True)
+    clean, clean_record = stepped([batches[0], batches[2]], guarded=False)
+    assert record.bad is not None and [s.micro for s in record.bad.suspects] == [1]
+    assert not record.skipped and record.tokens == clean_record.tokens
+    for a, b in zip(dropped, clean, strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert record.loss == pytest.approx(clean_record.loss, rel=1e-6)

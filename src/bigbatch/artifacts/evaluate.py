@@ -56,6 +56,8 @@ class EvalResult:
     micro_batch: int
     seq_len: int
     whole_split: bool  # the split was read to its end
+    objective: str = "lm"  # what the run optimised (a preference objective is not what eval scores)
+    answers: str = ""  # the data's answers (pairs, kto rows), or "" for text and conversations
 
     @property
     def loss(self) -> float:
@@ -80,11 +82,19 @@ class EvalResult:
         read = plural(self.micro_batches, "micro-batch", "micro-batches") + (
             " (the whole split)" if self.whole_split else ""
         )
-        return (
+        line = (
             f"eval step {self.step} | {self.split} split of {self.dataset} ({self.tokenizer}) | {read} of "
             f"{self.micro_batch} x {self.seq_len} | {self.tokens:,} tokens | loss {self.loss:.4f} | "
             f"perplexity {self.perplexity:,.2f}"
         )
+        if self.answers or self.objective != "lm":  # say what the number is, and where the objective's is
+            line += (
+                f" | the next-token loss of every answer's tokens, not the {self.objective} objective (its "
+                "validation is the run's eval records: val_loss, val_rewards/accuracy)"
+                if self.objective != "lm"
+                else " | the next-token loss of every answer's tokens"
+            )
+        return line
 
 
 def _section(document: dict[str, Any], name: str) -> dict[str, Any]:
@@ -149,6 +159,8 @@ def evaluate_checkpoint(
         micro_batch=micro_batch,
         seq_len=seq_len,
         whole_split=loader.whole,
+        objective=str(_section(document, "objective").get("name", "lm") or "lm"),
+        answers=dataset.meta.answers if dataset.meta.mode == "documents" else "",
     )
 
 

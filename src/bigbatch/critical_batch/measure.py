@@ -130,6 +130,12 @@ def _read_parent(run_dir: Path, step: int | None = None) -> _Parent:
             f"{run_dir} was trained with --token-budget (K varies per step): critical-batch compares fixed tokens "
             "per step; branch a run trained with --total-batch-tokens"
         )
+    objective = str((config.get("objective") or {}).get("name", "lm") or "lm")
+    if objective != "lm":
+        raise ConfigError(
+            f"{run_dir} was trained with --objective {objective}: critical-batch compares next-token losses at "
+            "tokens per step, and a preference step is sized by its pairs; branch a run of --objective lm"
+        )
     step = int(document["engine"]["step_count"])
     loader = document.get("loader") or {}
     micro_batch = int(batch.get("micro_batch") or 0) or int(loader.get("micro_batch") or 0)
