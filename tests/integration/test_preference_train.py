@@ -150,3 +150,27 @@ def test_eval_says_what_it_scores_on_a_dpo_run_and_critical_batch_refuses_one(
     code, out, err = run_main(["critical-batch", str(run), "--tokens-per-step", "384,768", "--budget", "1536"])
     line = assert_one_line_error(code, out, err)
     assert "trained with --objective dpo" in line and "branch a run of --objective lm" in line
+
+
+def test_reference_log_probabilities_computed_once_train_as_those_of_each_step(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    """--reference-logps once: the table is computed before the first step (the frozen copy then leaves memory),
+    kept in the run directory, read again by a run that continues; the steps are those of --reference-logps step."""
+    each = tmp_path / "each"
+    code, out, err = run_main(args(data, "pairs", each, "--objective", "dpo", "--max-steps", "3", "--dropout", "0"))
+    assert code == 0, err
+    once = tmp_path / "once"
+    flags = ["--objective", "dpo", "--dropout", "0", "--reference-logps", "once"]
+    code, out, err = run_main(args(data, "pairs", once, *flags, "--max-steps", "3"))
+    assert code == 0, err
+    assert "reference | computed once:" in out and "the frozen reference model left memory" in out
+    assert (once / "reference_logps.pt").is_file()
+    assert step_losses(once) == pytest.approx(step_losses(each), rel=1e-6, abs=1e-7)
+    code, out, err = run_main(args(data, "pairs", once, *flags, "--max-steps", "4"))  # continues the same run
+    assert code == 0, err
+    assert "reference | read from" in out and "reference | computed once:" not in out
+    code, out, err = run_main(
+        args(data, "pairs", tmp_path / "orpo", "--objective", "orpo", "--reference-logps", "once")
+    )
+    assert "--objective orpo has no reference policy" in assert_one_line_error(code, out, err)

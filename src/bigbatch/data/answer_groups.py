@@ -340,6 +340,8 @@ class AnswerGroupLoader:
             torch.from_numpy(segment),
             torch.from_numpy(plan.group[lo:hi].copy()),
             torch.from_numpy(self._roles[documents]),
+            torch.from_numpy(documents.copy()),
+            self.name,
         )
         return MicroBatch(
             torch.from_numpy(inputs),

@@ -98,16 +98,24 @@ class Answers:
     segment: torch.Tensor  # (B, T) int64: the answer whose target this is, -1 for none (prompt, padding)
     group: torch.Tensor  # (S,) int64: each answer's group, numbered 0.. within the micro-batch
     role: torch.Tensor  # (S,) int64: ROLE_* of each answer
+    # Each answer's document, numbered in its split (``source`` names the split's reader): what a table of
+    # reference log-probabilities computed once is keyed by. None: answers made up in place (tests, the verifier).
+    document: torch.Tensor | None = None  # (S,) int64
+    source: str = ""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Answers:
         return Answers(
             self.segment.to(device, non_blocking=non_blocking),
             self.group.to(device, non_blocking=non_blocking),
             self.role.to(device, non_blocking=non_blocking),
+            self.document,  # an index into a table on the host: stays there
+            self.source,
         )
 
     def pin_memory(self) -> Answers:
-        return Answers(self.segment.pin_memory(), self.group.pin_memory(), self.role.pin_memory())
+        return Answers(
+            self.segment.pin_memory(), self.group.pin_memory(), self.role.pin_memory(), self.document, self.source
+        )
 
     @property
     def count(self) -> int:

@@ -170,6 +170,68 @@ class ReferencePolicy:
             return answer_losses(model, batch)
 
 
+@dataclass
+class ReferenceTable:
+    """Every answer's ``-log ref(answer | prompt)`` computed once, by the split's reader (``source``) and document:
+    the statistics pass reads it instead of running the reference (``--reference-logps once``). ``nan`` marks a
+    document not computed (never an answer's)."""
+
+    values: dict[str, torch.Tensor]  # source -> (n_documents,) float64 on the host
+    key: str = ""  # what it was computed for: the reference and the data (a table of another key is not read)
+
+    def lookup(self, batch: MicroBatch) -> torch.Tensor | None:
+        """The micro-batch's answers' values (S,) float32, or ``None`` when it cannot say for all of them."""
+        answers = batch.answers
+        if answers is None or answers.document is None or answers.source not in self.values:
+            return None
+        found = self.values[answers.source][answers.document.cpu()]
+        if bool(torch.isnan(found).any()):
+            return None
+        return found.float()
+
+
+def compute_reference_table(
+    reference: ReferencePolicy,
+    model: nn.Module,
+    readers: dict[str, Any],
+    dist: Any,
+    device: torch.device,
+    autocast: Any,
+    key: str = "",
+) -> ReferenceTable:
+    """A :class:`ReferenceTable` of every document of each reader's split (``readers``: source -> a reader of whole
+    units, ``n_docs``, ``plan()``, ``read_unit(u)``), each rank computing every ``world_size``-th unit and one
+    all-reduce per split bringing them together; without gradients, in eval mode, the generators as they were."""
+    values: dict[str, torch.Tensor] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), preserved_rng():
+            for source, reader in readers.items():
+                table = torch.zeros(reader.n_docs + 1, dtype=torch.float64, device=device)  # the last: a count
+                units = reader.plan(0).units
+                # every rank runs as many forwards (FSDP gathers each layer with all of them): past the end, a
+                # micro-batch of padding alone
+                for first in range(0, units, dist.world_size):
+                    batch = reader.read_unit(first + dist.rank if first + dist.rank < units else -1)
+                    assert batch.answers is not None and batch.answers.document is not None
+                    with autocast():
+                        losses = reference.losses(model, batch.to(device, non_blocking=True)).double()
+                    table[batch.answers.document.to(device)] = losses
+                    table[-1] += float(batch.answers.count)
+                if dist.world_size > 1:
+                    table = dist.all_reduce_sum(table)
+                if int(table[-1].item()) != reader.n_docs:
+                    raise RuntimeError(
+                        f"the reference pass over the {source} split scored {int(table[-1].item())} of its "
+                        f"{reader.n_docs} answers"
+                    )
+                values[source] = table[:-1].cpu()
+    finally:
+        model.train(was_training)
+    return ReferenceTable(values, key)
+
+
 class PreferenceObjective(Objective):
     """One of the preference objectives over answers (see the module docstring)."""
 
@@ -186,6 +248,7 @@ class PreferenceObjective(Objective):
         else:
             self.terms = (Term(settings.name, "pair"),)
         self._reference: list[torch.Tensor] = []  # per micro-batch of the step: each answer's -log ref (S,)
+        self.table: ReferenceTable | None = None  # the reference computed once (--reference-logps once)
         self._z = 0.0  # KTO: the step's reference point
         # This rank's sums of the step's rewards (on the device: no sync per micro-batch): pairs: chosen, rejected,
         # chosen over rejected, pairs; KTO: desirable, how many, undesirable, how many.
@@ -214,14 +277,13 @@ class PreferenceObjective(Objective):
         ``z``: without gradients, the generators as they were (the training pass draws what it would have)."""
         self._stats = torch.zeros(4, dtype=torch.float64, device=step.device)
         self._reference = []
-        if self.reference is None:
+        if not self.settings.needs_reference:
             return
         kl_sum = torch.zeros(2, dtype=torch.float64, device=step.device)  # (sum of KL answers' log ratios, count)
         with torch.no_grad(), preserved_rng():
             for micro_batch in step.micro_batches:
                 batch = micro_batch.to(step.device, non_blocking=True)
-                with step.autocast():
-                    reference = self.reference.losses(step.model, batch).float()
+                reference = self._reference_losses(step, batch)
                 self._reference.append(reference)
                 if self.settings.name != "kto":
                     continue
@@ -235,6 +297,19 @@ class PreferenceObjective(Objective):
         if self.settings.name == "kto":
             total = step.dist.all_reduce_sum(kl_sum).tolist() if step.dist.world_size > 1 else kl_sum.tolist()
             self._z = max(0.0, total[0] / total[1]) if total[1] > 0 else 0.0
+
+    def _reference_losses(self, step: StepPass, batch: MicroBatch) -> torch.Tensor:
+        """``-log ref`` of each answer of ``batch`` (S,) fp32: from the table when it holds them, else a forward of
+        the reference policy."""
+        if self.table is not None:
+            found = self.table.lookup(batch)
+            if found is not None:
+                return found.to(step.device)
+        if self.reference is None:
+            source = batch.answers.source if batch.answers is not None else ""
+            raise RuntimeError(f"no reference log-probabilities for answers of {source or 'this data'}")
+        with step.autocast():
+            return self.reference.losses(step.model, batch).float()
 
     def kept(self) -> Any:
         return self._stats_kept()

@@ -67,6 +67,7 @@ BAD_ROWS = Choices("bad_rows", ("refuse", "drop"))
 """What becomes of a malformed row of preference pairs or KTO rows (a missing field, identical chosen and rejected, an
 empty answer, a conversation the template refuses): ``refuse`` (one line naming the row; nothing is written) or
 ``drop`` (left out and counted). Over-long rows follow ``long_conversations`` instead."""
+REFERENCE_LOGPS = Choices("reference_logps", ("step", "once"))
 OBJECTIVE = Choices("objective", ("lm", "dpo", "ipo", "simpo", "orpo", "kto"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values

@@ -39,7 +39,7 @@ from bigbatch.run.build.engine_phase import (
     wrap_for_training,
 )
 from bigbatch.run.build.model_phase import build_run_model
-from bigbatch.run.build.objective_phase import build_objective, check_objective
+from bigbatch.run.build.objective_phase import build_objective, check_objective, prepare_reference_table
 from bigbatch.run.build.observers import build_observers
 from bigbatch.run.build.sizing_phase import build_ramp, build_seesaw, plan_steps
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
@@ -186,6 +186,20 @@ def _build_parts(
     train_loader, val_loader = build_loaders(config, data.dataset, plan, dist, built.pack)
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
+    prepare_reference_table(
+        config,
+        objective,
+        wrapped.train_model,
+        data.dataset,
+        plan,
+        data.fingerprints,
+        run_dir,
+        built.pack,
+        dist,
+        device,
+        precision,
+        say,
+    )
     optimizer, cosine = build_optimizer(config, model, resume_from, say)
     seesaw = build_seesaw(config, plan, cosine)
     schedule = seesaw or cosine

@@ -12,20 +12,37 @@ is the objective on the validation split with its reward accuracy.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+import hashlib
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn as nn
 
 from bigbatch.data.answers import check_answers_for_objective
 from bigbatch.data.dataset import Dataset
+from bigbatch.data.loader import loader_for
+from bigbatch.engine.accumulate import autocast_for
 from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.objective import Objective
-from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings, ReferencePolicy
+from bigbatch.engine.preference import (
+    PreferenceObjective,
+    PreferenceSettings,
+    ReferencePolicy,
+    ReferenceTable,
+    compute_reference_table,
+)
 from bigbatch.errors import ConfigError
+from bigbatch.files.atomic import write_atomically
 from bigbatch.models import LanguageModel
-from bigbatch.parallel.distributed import Say
+from bigbatch.parallel.distributed import DistContext, Say
+from bigbatch.progress import plural
 from bigbatch.run.build.engine_phase import resolve_router_balance
 from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.sizing.plan import BatchPlan
 
 
 def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
@@ -42,6 +59,7 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
                 ("--desirable-weight", section.desirable_weight, 1.0),
                 ("--undesirable-weight", section.undesirable_weight, 1.0),
                 ("--reference", section.reference, ""),
+                ("--reference-logps", section.reference_logps, "step"),
             )
             if value != default
         ]
@@ -139,3 +157,88 @@ def check_answers(objective: str, dataset: Dataset) -> None:
     :func:`~bigbatch.data.answers.check_answers_for_objective`."""
     answers = dataset.meta.answers if dataset.meta.mode == "documents" else ""
     check_answers_for_objective(answers, objective)
+
+
+REFERENCE_TABLE_FILE = "reference_logps.pt"
+"""Where ``--reference-logps once`` keeps the reference's log-probabilities in the run directory."""
+
+
+def reference_table_key(config: TrainConfig, fingerprints: dict[str, str]) -> str:
+    """What a table of reference log-probabilities was computed for: the reference (the model section and seed that
+    make the starting model, or ``--reference``) and the data's tokens (the chat template is in them)."""
+    payload = {
+        "model": asdict(config.model),
+        "seed": config.run.seed,
+        "reference": config.objective.reference,
+        "data": fingerprints.get("data", ""),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_reference_table(
+    config: TrainConfig,
+    objective: Objective,
+    model: nn.Module,
+    dataset: Dataset,
+    plan: BatchPlan,
+    fingerprints: dict[str, str],
+    run_dir: Path,
+    pack: bool,
+    dist: DistContext,
+    device: torch.device,
+    precision: str,
+    say: Say,
+) -> None:
+    """``--reference-logps once``: the reference's log-probabilities of every answer of the training and validation
+    splits, read from the run directory when it holds a table of the same key, else computed (each rank a share,
+    one all-reduce) and written there by rank 0; a frozen reference model then leaves memory."""
+    if config.objective.reference_logps != "once":
+        return
+    if not isinstance(objective, PreferenceObjective) or not objective.settings.needs_reference:
+        raise ConfigError(
+            f"--reference-logps once: --objective {config.objective.name} has no reference policy; drop it"
+        )
+    key = reference_table_key(config, fingerprints)
+    path = run_dir / REFERENCE_TABLE_FILE
+    table = _read_table(path, key)
+    if table is None:
+        train = loader_for(dataset, "train", plan.micro_batch, plan.seq_len, name="training", pack=pack)
+        readers: dict[str, Any] = {"training": train}
+        if config.run.eval_every and dataset.meta.shards.get("val"):
+            readers["validation"] = loader_for(
+                dataset, "val", plan.micro_batch, plan.seq_len, name="validation", pack=pack
+            )
+        started = time.perf_counter()
+        assert objective.reference is not None
+        table = compute_reference_table(
+            objective.reference, model, readers, dist, device, lambda: autocast_for(precision, device), key
+        )
+        if dist.is_main:
+            state = {"key": key, "values": table.values}
+            write_atomically(path, lambda handle: torch.save(state, handle))
+        answers = sum(int(v.numel()) for v in table.values.values())
+        say(
+            "reference | computed once: %s in %.1fs, kept in %s",
+            plural(answers, "answer"),
+            time.perf_counter() - started,
+            path,
+        )
+    else:
+        say("reference | read from %s (computed once for this reference and data)", path)
+    objective.table = table
+    if objective.reference is not None and objective.reference.module is not None:
+        objective.reference = None  # every answer is in the table: the frozen model is not needed again
+        say("reference | the frozen reference model left memory: every answer's log-probability is in the table")
+
+
+def _read_table(path: Path, key: str) -> ReferenceTable | None:
+    """The table at ``path`` when it was computed for ``key``; ``None`` when there is none or another's."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):  # damaged or cut: computed again
+        return None
+    if not isinstance(state, dict) or state.get("key") != key:
+        return None
+    return ReferenceTable({str(k): v for k, v in state["values"].items()}, key)

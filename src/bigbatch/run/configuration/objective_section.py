@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bigbatch.run.configuration.fields import config_field
-from bigbatch.settings.choices import OBJECTIVE
+from bigbatch.settings.choices import OBJECTIVE, REFERENCE_LOGPS
 from bigbatch.settings.ranges import NON_NEGATIVE, POSITIVE, POSITIVE_OR_AUTO, Range
 
 LABEL_SMOOTHING = Range(float, 0, 0.5, high_open=True)
@@ -41,6 +41,13 @@ class ObjectiveSection:
     )
     desirable_weight: float = config_field(1.0, "kto: the weight of desirable completions", range=POSITIVE)
     undesirable_weight: float = config_field(1.0, "kto: the weight of undesirable completions", range=POSITIVE)
+    reference_logps: str = config_field(
+        "step",
+        "dpo, ipo, kto: the reference's log-probabilities computed in each step's statistics pass (step), or once for "
+        "every answer of the data before the first step and kept in the run directory (once: no reference forward "
+        "per step, and a frozen reference model leaves memory after it)",
+        choices=REFERENCE_LOGPS,
+    )
     reference: str = config_field(
         "",
         "dpo, ipo, kto: a model directory whose log-probabilities are the reference (a frozen second copy in "
