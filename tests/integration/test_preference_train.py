@@ -174,3 +174,28 @@ def test_reference_log_probabilities_computed_once_train_as_those_of_each_step(
         args(data, "pairs", tmp_path / "orpo", "--objective", "orpo", "--reference-logps", "once")
     )
     assert "--objective orpo has no reference policy" in assert_one_line_error(code, out, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("pairs", ["--objective", "dpo", "--replay-every", "1"]),  # each rank re-runs the other's micro-batch
+        ("kto", ["--objective", "kto", "--parallel", "fsdp"]),  # every rank runs the KL pass's forwards
+    ],
+    ids=["dpo-ddp-replay", "kto-fsdp"],
+)
+def test_two_processes_train_a_preference_objective(
+    data: dict[str, Path], tmp_path: Path, kind: str, extra: list[str]
+) -> None:
+    """Two processes: DPO under DDP with a replay of every step (the reference log-probabilities travel with the
+    replayed micro-batch, so a healthy run is not taken for a faulty device), and KTO under FSDP2, whose ranks may
+    hold different numbers of KL answers (the statistics pass runs as many forwards on each)."""
+    out = tmp_path / "run"
+    done = run_cli(args(data, kind, out, *extra, "--nproc", "2", "--max-steps", "3", "--dropout", "0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "step" and not r.get("skipped")]) == 3
+    if "--replay-every" in extra:
+        replays = [r for r in records if r["kind"] == "replay"]
+        assert replays and all(check["matched"] for r in replays for check in r["replays"])

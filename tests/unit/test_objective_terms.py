@@ -344,18 +344,19 @@ class PoisonOne(StepHook):
         return loss_sum * float("nan") if self.current else loss_sum
 
 
-@pytest.mark.parametrize("name", ["orpo", "kto"])
-def test_a_bad_micro_batch_leaves_every_terms_numerator_and_denominator(name: str) -> None:
+@pytest.mark.parametrize(("name", "parallel"), [("orpo", "none"), ("kto", "none"), ("dpo", "fsdp")])
+def test_a_bad_micro_batch_leaves_every_terms_numerator_and_denominator(name: str, parallel: str) -> None:
     """skip-micro drops the poisoned micro-batch and computes the step again: the update is the one of the other
     micro-batches alone, every term normalised by what they hold (ORPO: chosen tokens and pairs; KTO: its
-    completions, and its KL point over the KL answers left)."""
+    completions, and its KL point over the KL answers left). Under FSDP the dropped micro-batch is replaced by a
+    filler holding no answer (every rank runs as many forwards)."""
     policy, reference = models(8)
     groups = groups_for(name, 6, seed=23)
     batches = [micro_batch(part, SEQ, True) for part in split_groups(groups, [2, 1, 3])]
 
     def stepped(parts: list[MicroBatch], guarded: bool) -> tuple[list[torch.Tensor], Any]:
         model = copy.deepcopy(policy)
-        ref = ReferencePolicy(copy.deepcopy(reference)) if name == "kto" else None
+        ref = ReferencePolicy(copy.deepcopy(reference)) if name in ("kto", "dpo") else None
         engine = AccumulationEngine(
             model,
             torch.optim.SGD(model.parameters(), lr=0.5),
@@ -364,6 +365,7 @@ def test_a_bad_micro_batch_leaves_every_terms_numerator_and_denominator(name: st
             objective=PreferenceObjective(PreferenceSettings(name, beta=BETAS[name]), ref),
             hooks=[PoisonOne(batches[1])] if guarded else [],
             bad_steps=BadStepSettings(mode="skip-micro") if guarded else None,
+            parallel=parallel if guarded else "none",
         )
         record = engine.step(parts)
         return [p.detach().clone() for p in model.parameters()], record
@@ -375,3 +377,21 @@ def test_a_bad_micro_batch_leaves_every_terms_numerator_and_denominator(name: st
     for a, b in zip(dropped, clean, strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     assert record.loss == pytest.approx(clean_record.loss, rel=1e-6)
+
+
+def test_a_step_every_micro_batch_of_which_a_rewind_left_out_is_skipped_cleanly() -> None:
+    policy, reference = models(9)
+    batches = [micro_batch(part, SEQ, True) for part in split_groups(random_pairs(4, VOCAB, seed=29), [2, 2])]
+    model = copy.deepcopy(policy)
+    engine = AccumulationEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        constant_schedule(0.5),
+        objective=PreferenceObjective(PreferenceSettings("dpo"), ReferencePolicy(copy.deepcopy(reference))),
+        bad_steps=BadStepSettings(mode="rewind"),
+    )
+    assert engine.guard is not None
+    engine.guard.excluded = {b.origin_key for b in batches}
+    record = engine.step(batches)
+    assert record.skipped and record.bad is not None and "left out by a rewind" in record.bad.cause
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), policy.parameters(), strict=True))

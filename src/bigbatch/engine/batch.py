@@ -102,6 +102,9 @@ class Answers:
     # reference log-probabilities computed once is keyed by. None: answers made up in place (tests, the verifier).
     document: torch.Tensor | None = None  # (S,) int64
     source: str = ""
+    # Each answer's -log ref(answer | prompt) (S,) fp32, set by the step's statistics pass on the micro-batch as read:
+    # it travels with the micro-batch, so a re-run of it anywhere (a replay on another rank) reads its own.
+    reference: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Answers:
         return Answers(
@@ -110,12 +113,22 @@ class Answers:
             self.role.to(device, non_blocking=non_blocking),
             self.document,  # an index into a table on the host: stays there
             self.source,
+            None if self.reference is None else self.reference.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Answers:
         return Answers(
-            self.segment.pin_memory(), self.group.pin_memory(), self.role.pin_memory(), self.document, self.source
+            self.segment.pin_memory(),
+            self.group.pin_memory(),
+            self.role.pin_memory(),
+            self.document,
+            self.source,
+            self.reference,
         )
+
+    def none(self) -> Answers:
+        """The same shapes holding no answer (a filler micro-batch's)."""
+        return Answers(torch.full_like(self.segment, -1), self.group[:0], self.role[:0], None, self.source)
 
     @property
     def count(self) -> int:

@@ -8,8 +8,8 @@ answer: the logits are never held whole). The terms and their units:
 * ``dpo`` per pair: ``-(1-e) log s(b h) - e log s(-b h)`` with ``h = (log pi(c) - log ref(c)) - (log pi(r) -
   log ref(r))`` and label smoothing ``e`` (conservative DPO); ``robust`` divides by ``1 - 2e`` and flips the sign
   of the second part (robust DPO, Chowdhury et al. 2024).
-* ``ipo`` per pair: ``(h - 1/(2b))^2`` with log-probabilities averaged over each answer's tokens (as IPO's paper
-  and TRL define it).
+* ``ipo`` per pair: ``(h - 1/(2b))^2`` with log-probabilities averaged over each answer's tokens (as TRL defines it,
+  after its authors; Azar et al. write sequence sums).
 * ``simpo`` per pair: ``-log s(b (avg log pi(c) - avg log pi(r)) - gamma)``: length-normalised, no reference.
 * ``orpo``: ``nll`` per chosen-answer token (the SFT term) plus ``odds_ratio`` per pair, weighted by lambda:
   ``-log s(log odds(c) - log odds(r))`` with ``odds = p / (1 - p)`` of the answer's mean token log-probability.
@@ -100,8 +100,9 @@ def answer_losses(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
     models through their chunked head (never the whole logits), any other model from its logits."""
     assert batch.answers is not None
     segments = batch.answers.segment
-    if computes_loss(model):
-        return model(batch.inputs, targets=batch.targets, positions=batch.positions, segments=segments)
+    if computes_loss(model):  # every answer of the micro-batch, also a last one without a target (S,)
+        losses = model(batch.inputs, targets=batch.targets, positions=batch.positions, segments=segments)
+        return _padded(losses, batch.answers.count)
     if batch.positions is not None:
         raise ValueError(f"{type(model).__name__} does not take packed rows (positions); use --pack off")
     output = model(batch.inputs)
@@ -247,7 +248,6 @@ class PreferenceObjective(Objective):
             self.terms = (Term("kto", "sequence"),)
         else:
             self.terms = (Term(settings.name, "pair"),)
-        self._reference: list[torch.Tensor] = []  # per micro-batch of the step: each answer's -log ref (S,)
         self.table: ReferenceTable | None = None  # the reference computed once (--reference-logps once)
         self._z = 0.0  # KTO: the step's reference point
         # This rank's sums of the step's rewards (on the device: no sync per micro-batch): pairs: chosen, rejected,
@@ -257,9 +257,7 @@ class PreferenceObjective(Objective):
     def units(self, batch: Any) -> dict[str, float]:
         answers = batch.answers
         if answers is None:
-            raise ValueError(
-                f"--objective {self.settings.name} reads answers ({self.settings.reads}); this data has none"
-            )
+            raise ValueError(self._no_answers())
         role = answers.role
         if self.settings.name == "kto":
             return {"sequence": float(((role == ROLE_DESIRABLE) | (role == ROLE_UNDESIRABLE)).sum())}
@@ -276,24 +274,25 @@ class PreferenceObjective(Objective):
         """The reference log-probabilities of every micro-batch's answers and, for KTO, the step's reference point
         ``z``: without gradients, the generators as they were (the training pass draws what it would have)."""
         self._stats = torch.zeros(4, dtype=torch.float64, device=step.device)
-        self._reference = []
         if not self.settings.needs_reference:
             return
         kl_sum = torch.zeros(2, dtype=torch.float64, device=step.device)  # (sum of KL answers' log ratios, count)
         with torch.no_grad(), preserved_rng():
             for micro_batch in step.micro_batches:
+                if micro_batch.answers is None:
+                    raise ValueError(self._no_answers())
                 batch = micro_batch.to(step.device, non_blocking=True)
                 reference = self._reference_losses(step, batch)
-                self._reference.append(reference)
+                micro_batch.answers.reference = reference.detach().cpu()  # travels with the micro-batch
                 if self.settings.name != "kto":
                     continue
                 assert batch.answers is not None
                 kl = (batch.answers.role == ROLE_KL).nonzero().squeeze(1)
-                if kl.numel():
-                    with step.autocast():
-                        policy = answer_losses(step.model, batch).float()
-                    ratio = (reference[kl] - policy[kl]).double()  # log pi - log ref, per KL answer
-                    kl_sum += torch.stack([ratio.sum(), ratio.new_tensor(float(kl.numel()))])
+                # every rank runs this forward, also without a KL answer: FSDP gathers each layer with all of them
+                with step.autocast():
+                    policy = answer_losses(step.model, batch).float()
+                ratio = (reference[kl] - policy[kl]).double()  # log pi - log ref, per KL answer
+                kl_sum += torch.stack([ratio.sum(), ratio.new_tensor(float(kl.numel()))])
         if self.settings.name == "kto":
             total = step.dist.all_reduce_sum(kl_sum).tolist() if step.dist.world_size > 1 else kl_sum.tolist()
             self._z = max(0.0, total[0] / total[1]) if total[1] > 0 else 0.0
@@ -359,10 +358,15 @@ class PreferenceObjective(Objective):
         return {"dpo": loss.sum()}
 
     def _reference_logp(self, index: int, batch: MicroBatch) -> torch.Tensor:
-        if index >= len(self._reference):
+        """``log ref`` of each answer of ``batch`` (S,), as the step's statistics pass put it on the micro-batch."""
+        assert batch.answers is not None
+        reference = batch.answers.reference
+        if reference is None:
             raise RuntimeError(f"no reference log-probabilities for micro-batch {index}: begin_step did not run")
-        reference = self._reference[index]
         return -reference.to(batch.inputs.device)
+
+    def _no_answers(self) -> str:
+        return f"--objective {self.settings.name} reads answers ({self.settings.reads}); this data has none"
 
     def _kto(self, batch: MicroBatch, logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         assert batch.answers is not None

@@ -280,8 +280,13 @@ def filler(batch: MicroBatch) -> MicroBatch:
     """A micro-batch with no target and no token of ``batch``: a rank left without micro-batches trains it, and its
     gradient is exactly zero (DDP and FSDP2 need every rank's backward)."""
     positions = None if batch.positions is None else torch.zeros_like(batch.positions)
+    answers = None if batch.answers is None else batch.answers.none()  # an objective over answers: none of them
     return MicroBatch(
-        torch.zeros_like(batch.inputs), torch.full_like(batch.targets, IGNORE_INDEX), positions, batch.inputs.numel()
+        torch.zeros_like(batch.inputs),
+        torch.full_like(batch.targets, IGNORE_INDEX),
+        positions,
+        batch.inputs.numel(),
+        answers=answers,
     )
 
 

@@ -38,6 +38,7 @@ from bigbatch.engine.preference import (
 from bigbatch.errors import ConfigError
 from bigbatch.files.atomic import write_atomically
 from bigbatch.models import LanguageModel
+from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
 from bigbatch.run.build.engine_phase import resolve_router_balance
@@ -118,6 +119,11 @@ def build_objective(
             router_balance=resolve_router_balance(config, model),
             router_aux_coef=config.model.router_aux_coef or None,
             router_z_coef=config.model.router_z_coef or None,
+        )
+    if router_recorder(model) is not None:
+        raise ConfigError(
+            f"--objective {settings.name} on a mixture of experts: its router's balancing terms are not part of the "
+            "preference objectives yet, and training without them lets the experts collapse; use a dense model"
         )
     reference = None
     if settings.needs_reference:
