@@ -13,7 +13,9 @@ adapters; full: every parameter; goal: at most 1e-5):
 
 * one answer a row (``--pack off``): micro-batch 8 x K 1 (the reference), 2 x K 4, and 2 processes of 4 x K 1;
 * packed rows (``--pack on``): 4 x K 2 (the reference) and 2 processes of 4 x K 1 (the loader deals the same
-  packed micro-batches to the ranks as to one process's K).
+  packed micro-batches to the ranks as to one process's K);
+* and ``bigbatch verify --objective NAME --nproc 2`` for each objective: each term across two ranks holding uneven
+  pairs (rank 0 one, then micro-batches of none).
 
 A pair (a KTO row) is two rows when unpacked, so 2 x K 4 holds one pair a micro-batch and 8 x K 1 all four.
 """
@@ -159,6 +161,26 @@ def main() -> None:
                         weights = "LoRA" if lora else "full"
                         rows = "packed" if pack == "on" else "unpacked"
                         print(f"{objective:<9} {weights:<7} {rows:<8} {label:<26} {shown:>9}", flush=True)
+        if not args.no_processes:
+            verify_across_ranks(args.objectives.split(","))
+
+
+def verify_across_ranks(objectives: list[str]) -> None:
+    """``bigbatch verify --objective NAME --nproc 2``: each term after DDP's one sync, rank 0 holding one pair and
+    then micro-batches of none, against one process holding every pair."""
+    print("bigbatch verify --model pico --seq-len 32 --nproc 2: each term across two ranks, uneven (goal <= 1e-5)")
+    for objective in objectives:
+        done = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "bigbatch"),
+                *("verify", "--model", "pico", "--objective", objective, "--seq-len", "32", "--nproc", "2"),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        lines = [line.strip() for line in done.stdout.splitlines() if "split ranks" in line or "verdict" in line]
+        print(f"  {objective:<6} " + " | ".join(lines), flush=True)
 
 
 if __name__ == "__main__":

@@ -130,14 +130,6 @@ def test_what_a_preference_run_cannot_mean_is_refused_in_one_line(
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
-@pytest.mark.slow
-def test_verify_checks_each_term_across_two_processes_with_a_rank_of_empty_micro_batches() -> None:
-    done = run_cli(["verify", "--model", "pico", "--objective", "orpo", "--seq-len", "32", "--nproc", "2"])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "term nll         split ranks" in done.stdout and "term odds_ratio  split ranks" in done.stdout
-    assert "verdict: EQUIVALENT" in done.stdout
-
-
 def test_eval_says_what_it_scores_on_a_dpo_run_and_critical_batch_refuses_one(
     data: dict[str, Path], tmp_path: Path
 ) -> None:
