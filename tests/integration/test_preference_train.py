@@ -102,10 +102,15 @@ def test_a_kto_run_records_the_steps_kl_point_and_validates_the_objective(
         ("pairs", ["--objective", "dpo", "--batch-ramp", "256:2048"], "--objective dpo does not take --batch-ramp"),
         ("pairs", ["--objective", "dpo", "--token-budget", "512"], "--objective dpo does not take --token-budget"),
         ("pairs", ["--objective", "orpo", "--micro-batch", "auto"], "does not take --micro-batch auto"),
-        ("pairs", ["--beta", "0.2"], "--beta set the parameters of a preference objective"),
+        ("pairs", ["--beta", "0.2"], "--beta sets the parameters of a preference objective"),
         ("pairs", ["--objective", "simpo", "--label-smoothing", "0.1"], "are DPO's"),
         ("pairs", ["--objective", "orpo", "--reference", "elsewhere"], "--objective orpo has no reference policy"),
         ("pairs", ["--objective", "dpo", "--robust"], "--robust corrects for --label-smoothing"),
+        ("pairs", ["--objective", "ipo", "--robust"], "are DPO's"),
+        ("pairs", ["--objective", "dpo", "--simpo-gamma", "2"], "--simpo-gamma is SimPO's"),
+        ("pairs", ["--objective", "dpo", "--desirable-weight", "2"], "--desirable-weight is KTO's"),
+        ("pairs", ["--objective", "dpo", "--schedule", "seesaw"], "does not take --schedule seesaw"),
+        ("pairs", ["--objective", "dpo", "--reference", "missing"], "--reference missing: no such directory"),
     ],
     ids=[
         "kto-rows-for-lm",
@@ -118,6 +123,11 @@ def test_a_kto_run_records_the_steps_kl_point_and_validates_the_objective(
         "smoothing-for-simpo",
         "reference-for-orpo",
         "robust-alone",
+        "robust-for-ipo",
+        "gamma-for-dpo",
+        "kto-weight-for-dpo",
+        "seesaw",
+        "missing-reference",
     ],
 )
 def test_what_a_preference_run_cannot_mean_is_refused_in_one_line(

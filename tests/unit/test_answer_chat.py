@@ -143,3 +143,31 @@ def test_the_loader_marks_the_chosen_answer_s_targets_as_answer_0(tmp_path: Path
     for answer, text in enumerate(("Blue.<|im_end|>", "Green.<|im_end|>")):
         picked = batch.targets[batch.answers.segment == answer].tolist()
         assert tokenizer.decode(picked, skip_special_tokens=False) == text
+
+
+def test_a_pair_the_template_renders_the_same_is_a_bad_row(families: dict[str, Path], tmp_path: Path) -> None:
+    """Llama 3's template trims each message: answers differing only by trailing spaces render to the same tokens,
+    a pair that prefers nothing (refused in one line; --bad-rows drop leaves it out, counted)."""
+    from bigbatch.data.answers import AnswerSettings
+    from bigbatch.errors import DataError
+
+    rows = [
+        {"prompt": [FIRST], "chosen": [assistant("Blue.  ")], "rejected": [assistant("Blue.")]},
+        {"prompt": [FIRST], "chosen": [assistant("Green.")], "rejected": [assistant("Blue.")]},
+    ]
+    with pytest.raises(DataError, match=r"out\.jsonl:1: 'chosen' and 'rejected' are the same tokens once rendered"):
+        prepare(tmp_path, families["llama3"], rows)
+    assert not (tmp_path / "out").exists()
+    data = tmp_path / "drop.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    out = tmp_path / "drop"
+    prepare_dataset(
+        str(data),
+        out,
+        f"file:{families['llama3']}",
+        val_fraction=0.0,
+        mode="auto",
+        chat=ChatSettings(),
+        answers=AnswerSettings(bad_rows="drop"),
+    )
+    assert len(read(out)) == 2  # one pair left: its two documents

@@ -190,7 +190,7 @@ def test_the_prepared_answers_are_read_by_the_loader_of_answers_train_and_valida
         if windows.epoch:
             break
     assert len(set(held)) == 3
-    assert windows.describe() == "3 micro-batches of 2 x 16 holding whole pairs groups (the whole split)"
+    assert windows.describe() == "3 micro-batches of 2 x 16 holding whole pairs (the whole split)"
 
 
 def test_the_cache_keys_rows_of_answers_by_their_settings(tmp_path: Path) -> None:

@@ -138,3 +138,20 @@ def test_a_mismatched_objective_is_refused_naming_the_fix(answers: str, objectiv
     with pytest.raises(DataError, match=fix) as caught:
         check_answers_for_objective(answers, objective)
     assert "\n" not in str(caught.value)
+
+
+def test_ultrafeedback_binarized_rows_read_their_prompt_from_the_conversations() -> None:
+    """UltraFeedback-binarized: 'prompt' as text beside answers that are whole conversations (the user turn
+    included), and fields of its own: the prompt is the conversations' shared beginning, as TRL reads it."""
+    record = {
+        "prompt": USER["content"],
+        "prompt_id": "0",
+        "chosen": [USER, assistant("4")],
+        "rejected": [USER, assistant("5")],
+        "messages": [USER, assistant("4")],
+        "score_chosen": 8.0,
+        "score_rejected": 3.5,
+    }
+    row = answer_row(record, "uf.jsonl:1")
+    assert row.bad is None and row.kind == PAIRS and row.conversational
+    assert list(row.prompt) == [USER] and row.answers == (assistant("4"), assistant("5"))

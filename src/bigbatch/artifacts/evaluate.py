@@ -88,9 +88,10 @@ class EvalResult:
             f"perplexity {self.perplexity:,.2f}"
         )
         if self.answers or self.objective != "lm":  # say what the number is, and where the objective's is
+            watched = "val_rewards/desirable, val_kl" if self.objective == "kto" else "val_rewards/accuracy"
             line += (
                 f" | the next-token loss of every answer's tokens, not the {self.objective} objective (its "
-                "validation is the run's eval records: val_loss, val_rewards/accuracy)"
+                f"validation is the run's eval records: val_loss, {watched})"
                 if self.objective != "lm"
                 else " | the next-token loss of every answer's tokens"
             )

@@ -150,6 +150,7 @@ def _verify_objective(args: argparse.Namespace) -> int:
     from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings
     from bigbatch.errors import ConfigError
     from bigbatch.models.lora import LoraSettings, add_lora
+    from bigbatch.models.routing import router_recorder
     from bigbatch.parallel.distributed import launched_by_torchrun, resolve_device
     from bigbatch.parallel.launch import relaunch_under_torchrun
     from bigbatch.verify.command import build_case, model_vocab_size
@@ -173,6 +174,11 @@ def _verify_objective(args: argparse.Namespace) -> int:
         args.seq_len,
         False,
     )
+    if router_recorder(case.model) is not None:
+        raise ConfigError(
+            f"--objective {args.objective} on a mixture of experts: its router's balancing terms are not part of the "
+            "preference objectives yet (train refuses it too); verify a dense model"
+        )
     if args.lora_rank:
         add_lora(case.model, LoraSettings(rank=args.lora_rank), random_init=True)
     beta = None if args.beta in (0, "auto") else float(args.beta)

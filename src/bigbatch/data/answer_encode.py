@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bigbatch.data.answer_rows import EMPTY, MALFORMED, AnswerRow, BadRow
+from bigbatch.data.answer_rows import EMPTY, IDENTICAL, MALFORMED, AnswerRow, BadRow
 from bigbatch.data.answers import KTO, PAIRS, ROLE_DESIRABLE, ROLE_KL, ROLE_NAMES, AnswerSettings
 from bigbatch.data.chat import TRAINED_CLOSE, TRAINED_OPEN, ChatEncoder, Conversation, without_oldest_round
 from bigbatch.data.corpus import Document
@@ -143,10 +143,25 @@ class AnswerEncoder:
         rows = self._checked(documents)
         encoded = self._text_groups(rows) if self.chat is None else (self._chat_group(row) for row in rows)
         for group in encoded:
-            if group is None:
+            if group is None or self._same_answers(group):
                 continue
             self._count(group)
             yield group
+
+    def _same_answers(self, group: EncodedGroup) -> bool:
+        """A pair whose answers are the same tokens once rendered and tokenized (a template that trims the
+        whitespace they differ by) prefers nothing: a bad row, like identical text."""
+        if group.row.kind != PAIRS:
+            return False
+        chosen, rejected = group.documents
+
+        def answer(document: EncodedAnswer) -> list[int]:
+            return [int(t) for t, m in zip(document.ids.tolist(), document.mask.tolist(), strict=True) if m]
+
+        if answer(chosen) != answer(rejected):
+            return False
+        self.bad(BadRow(IDENTICAL, f"{group.row.name}: 'chosen' and 'rejected' are the same tokens once rendered"))
+        return True
 
     def bad(self, bad: BadRow) -> None:
         """A bad row: refused in one line, or (``--bad-rows drop``) left out and counted."""

@@ -138,6 +138,10 @@ def _pair(record: dict[str, Any], where: str, conversational: bool) -> AnswerRow
             raise _Bad(EMPTY, "the prompt is empty: the answer's first token would have nothing to follow")
         return AnswerRow(where, PAIRS, False, prompt, texts)
     tools = _tools(record, where)
+    if isinstance(prompt, str) and _repeats_the_prompt(chosen) and _repeats_the_prompt(rejected):
+        # UltraFeedback-binarized's layout: the prompt as text beside answers that are whole conversations, their
+        # user turn included; the prompt is their shared beginning, as TRL reads it
+        prompt = None
     if prompt is None:
         shared, chosen, rejected = implicit_messages_prompt(
             _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
@@ -151,6 +155,11 @@ def _pair(record: dict[str, Any], where: str, conversational: bool) -> AnswerRow
     if answers[0] == answers[1]:
         raise _Bad(IDENTICAL, "'chosen' and 'rejected' are identical: the pair prefers nothing")
     return AnswerRow(where, PAIRS, True, messages, answers, tools=tools)
+
+
+def _repeats_the_prompt(answer: Any) -> bool:
+    """Whether an answer is a whole conversation: a list of messages holding a user turn."""
+    return isinstance(answer, list) and any(isinstance(m, dict) and m.get("role") == "user" for m in answer)
 
 
 def _kto(record: dict[str, Any], where: str, conversational: bool) -> AnswerRow:

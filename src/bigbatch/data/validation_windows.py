@@ -81,7 +81,8 @@ class ValidationWindows:
         if isinstance(self.source, TokenStreamWindows):
             kind = "window"
         elif isinstance(self.source, AnswerGroupLoader):
-            shape = f"of {self.source.micro_batch} x {self.seq_len} holding whole {self.source.answers} groups"
+            held = "pairs" if self.source.answers == "pairs" else "KTO rows"
+            shape = f"of {self.source.micro_batch} x {self.seq_len} holding whole {held}"
             if self.whole:
                 return f"{plural(self.windows, 'micro-batch', 'micro-batches')} {shape} (the whole split)"
             available = plural(self.available, "micro-batch", "micro-batches")

@@ -249,6 +249,7 @@ class PreferenceObjective(Objective):
         else:
             self.terms = (Term(settings.name, "pair"),)
         self.table: ReferenceTable | None = None  # the reference computed once (--reference-logps once)
+        self.reference_weights = ""  # a fingerprint of the reference's weights, for the table's key
         self._z = 0.0  # KTO: the step's reference point
         # This rank's sums of the step's rewards (on the device: no sync per micro-batch): pairs: chosen, rejected,
         # chosen over rejected, pairs; KTO: desirable, how many, undesirable, how many.

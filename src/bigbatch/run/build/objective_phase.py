@@ -65,14 +65,27 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
             if value != default
         ]
         if given:
+            verb = "sets" if len(given) == 1 else "set"
             raise ConfigError(
-                f"{', '.join(given)} set the parameters of a preference objective; give --objective dpo, ipo, simpo, "
-                "orpo or kto, or drop them"
+                f"{', '.join(given)} {verb} the parameters of a preference objective; give --objective dpo, ipo, "
+                "simpo, orpo or kto, or drop them"
             )
         return None
     if section.reference and section.name not in ("dpo", "ipo", "kto"):
         raise ConfigError(f"--reference: --objective {section.name} has no reference policy; drop --reference")
-    if section.robust and not section.label_smoothing:
+    foreign = [
+        flag
+        for flag, value, default, owner in (
+            ("--simpo-gamma", section.simpo_gamma, 1.0, "simpo"),
+            ("--desirable-weight", section.desirable_weight, 1.0, "kto"),
+            ("--undesirable-weight", section.undesirable_weight, 1.0, "kto"),
+        )
+        if value != default and section.name != owner
+    ]
+    if foreign:
+        owner = "SimPO's" if foreign[0] == "--simpo-gamma" else "KTO's"
+        raise ConfigError(f"{foreign[0]} is {owner}; drop it for --objective {section.name}")
+    if section.name == "dpo" and section.robust and not section.label_smoothing:
         raise ConfigError("--robust corrects for --label-smoothing; give --label-smoothing E (0 < E < 0.5)")
     return PreferenceSettings(
         section.name,
@@ -100,6 +113,10 @@ def check_objective(config: TrainConfig) -> None:
         ),
         (bool(config.batch.token_budget), "--token-budget: a preference step is K micro-batches of whole pairs"),
         (config.batch.micro_batch == 0, "--micro-batch auto: it measures next-token steps; give --micro-batch N"),
+        (
+            config.optim.schedule == "seesaw",
+            "--schedule seesaw: its batch doubles in tokens per step of a next-token loss",
+        ),
     ]
     for refused_here, why in refused:
         if refused_here:
@@ -128,8 +145,11 @@ def build_objective(
     reference = None
     if settings.needs_reference:
         reference = reference_policy(config, model, dataset, device)
-        say("reference | %s", reference.describe(model))
+        where = f" {config.objective.reference}" if config.objective.reference else ""
+        say("reference | %s%s", reference.describe(model), where)
     objective = PreferenceObjective(settings, reference)
+    if reference is not None and config.objective.reference_logps == "once":  # before any wrapping shards them
+        objective.reference_weights = weights_fingerprint(reference.module if reference.module is not None else model)
     for line in objective.describe():
         say("%s", line)
     return objective
@@ -144,6 +164,7 @@ def reference_policy(
     if directory:
         from bigbatch.run.build.model_phase import model_from_config
 
+        check_reference_directory(Path(directory), model.config.vocab_size)
         section = replace(config.model, preset=f"hf:{directory}", init_from="", lora_rank=0)
         reference = model_from_config(replace(config, model=section), dataset.vocab_size, dataset.meta.tokenizer)
         if reference.config.vocab_size != model.config.vocab_size:
@@ -155,6 +176,30 @@ def reference_policy(
     if config.model.lora_rank:
         return ReferencePolicy()
     return ReferencePolicy(copy.deepcopy(model).to(device))
+
+
+def check_reference_directory(directory: Path, vocab_size: int) -> None:
+    """``--reference DIR`` is a Hugging Face model directory of the trained model's vocabulary, or a one-line error
+    that names the flag."""
+    if not directory.is_dir():
+        raise ConfigError(f"--reference {directory}: no such directory; give a Hugging Face model directory")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        hint = (
+            " (a bigbatch run: bigbatch export RUN --format hf OUT makes one)"
+            if (directory / "checkpoints").is_dir()
+            else ""
+        )
+        raise ConfigError(f"--reference {directory} has no config.json: give a Hugging Face model directory{hint}")
+    try:
+        vocab = int(json.loads(config_file.read_text(encoding="utf-8")).get("vocab_size") or 0)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--reference {directory}: its config.json is not readable ({exc})") from exc
+    if vocab and vocab != vocab_size:
+        raise ConfigError(
+            f"--reference {directory} has vocabulary {vocab:,}, the trained model {vocab_size:,}; give a reference "
+            "of the same tokenizer"
+        )
 
 
 def check_answers(objective: str, dataset: Dataset) -> None:
@@ -169,13 +214,26 @@ REFERENCE_TABLE_FILE = "reference_logps.pt"
 """Where ``--reference-logps once`` keeps the reference's log-probabilities in the run directory."""
 
 
-def reference_table_key(config: TrainConfig, fingerprints: dict[str, str]) -> str:
-    """What a table of reference log-probabilities was computed for: the reference (the model section and seed that
-    make the starting model, or ``--reference``) and the data's tokens (the chat template is in them)."""
+def weights_fingerprint(module: nn.Module) -> str:
+    """A sha256 of a reference's weights (a LoRA model's base: its adapters left out), read once."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        if "lora_" in name or not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def reference_table_key(config: TrainConfig, fingerprints: dict[str, str], weights: str = "") -> str:
+    """What a table of reference log-probabilities was computed for: the reference (its weights, and the model
+    section and seed that make the starting model, or ``--reference``) and the data's tokens (the chat template
+    is in them)."""
     payload = {
         "model": asdict(config.model),
         "seed": config.run.seed,
         "reference": config.objective.reference,
+        "weights": weights,
         "data": fingerprints.get("data", ""),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -204,7 +262,7 @@ def prepare_reference_table(
         raise ConfigError(
             f"--reference-logps once: --objective {config.objective.name} has no reference policy; drop it"
         )
-    key = reference_table_key(config, fingerprints)
+    key = reference_table_key(config, fingerprints, objective.reference_weights)
     path = run_dir / REFERENCE_TABLE_FILE
     table = _read_table(path, key)
     if table is None:

@@ -4,6 +4,7 @@ that the first step compiles."""
 from __future__ import annotations
 
 from bigbatch import __version__
+from bigbatch.data.answer_encode import answer_audit_lines
 from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.chat import audit_lines
 from bigbatch.data.data_mode import conversations_note
@@ -61,6 +62,9 @@ def header_lines(parts: RunParts) -> list[str]:
         lines.append(f"chat | {conversations_note('--data-mode')}")
     if isinstance(chat, dict):  # conversations: the audit prepare made of them
         lines.extend(f"chat | {line.removeprefix('chat: ')}" for line in audit_lines(chat, str(chat.get("loss_on"))))
+    answer_rows = meta.extra.get("answer_rows")
+    if meta.answers and isinstance(answer_rows, dict):  # pairs, KTO rows: what prepare kept, cut and left out
+        lines.extend(f"rows | {line}" for line in answer_audit_lines(answer_rows))
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"documents | {describe_positions(parts.train_loader)}")
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
