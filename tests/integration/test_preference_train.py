@@ -149,6 +149,10 @@ def test_eval_says_what_it_scores_on_a_dpo_run_and_critical_batch_refuses_one(
     code, out, err = run_main(["eval", str(run)])
     assert code == 0, err
     assert "the next-token loss of every answer's tokens, not the dpo objective" in out
+    code, out, err = run_main(["report", str(run), "--out", str(tmp_path / "report")])
+    assert code == 0, err
+    summary = (tmp_path / "report" / "summary.txt").read_text()
+    assert "(the objective)" in summary and "perplexity" not in summary and "reward accuracy" in summary
     code, out, err = run_main(["critical-batch", str(run), "--tokens-per-step", "384,768", "--budget", "1536"])
     line = assert_one_line_error(code, out, err)
     assert "trained with --objective dpo" in line and "branch a run of --objective lm" in line

@@ -80,6 +80,7 @@ class RunSummary:
     positions: Positions | None = None  # documents runs: padding and masked-prompt shares
     noise_scale: str = ""  # the measured noise scale, or why there is none
     experts: str = ""  # a mixture of experts: its last step's router loss and expert load
+    preference: str = ""  # a preference objective's rewards (its loss is the objective's, not per token)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -98,10 +99,8 @@ class RunSummary:
         if self.best_val_loss is None:
             lines.append("  best val loss      n/a (no eval records)")
         else:
-            lines.append(
-                f"  best val loss      {self.best_val_loss:.4f} at step {self.best_val_step} "
-                f"(perplexity {_perplexity(self.best_val_loss)})"
-            )
+            said = f" (perplexity {_perplexity(self.best_val_loss)})" if not self.preference else " (the objective)"
+            lines.append(f"  best val loss      {self.best_val_loss:.4f} at step {self.best_val_step}{said}")
             lines.append(f"  final val loss     {number(self.final_val_loss, '.4f')}")
         if self.throughput is None:
             lines.append("  tok/s              n/a (no applied step)")
@@ -116,6 +115,8 @@ class RunSummary:
             lines.append(f"  noise scale        {self.noise_scale}")
         if self.experts:
             lines.append(f"  experts            {self.experts}")
+        if self.preference:
+            lines.append(f"  preference         {self.preference}")
         lines.append(f"  skipped steps      {self.skipped}")
         return "\n".join(lines)
 
@@ -214,6 +215,28 @@ def summarize(run: RunMetrics) -> RunSummary:
         positions=positions(run),
         noise_scale=describe_noise_scale(run),
         experts=describe_experts(trained),
+        preference=describe_preference(trained, evals),
+    )
+
+
+def describe_preference(trained: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
+    """``reward accuracy 0.95, margin 0.48 (last step) | val reward accuracy 1.000`` for a preference run (KTO: its
+    rewards and KL point); empty for a next-token run."""
+    last = next((r for r in reversed(trained) if "rewards/accuracy" in r or "kl" in r), None)
+    if last is None:
+        return ""
+    if "rewards/accuracy" in last:
+        text = (
+            f"reward accuracy {float(last['rewards/accuracy']):.2f}, margin {float(last['rewards/margin']):.3f} "
+            "(last step)"
+        )
+        val = next((r for r in reversed(evals) if _finite(r.get("val_rewards/accuracy"))), None)
+        if val is not None:
+            text += f" | val reward accuracy {float(val['val_rewards/accuracy']):.3f}"
+        return text
+    return (
+        f"rewards desirable {float(last.get('rewards/desirable', math.nan)):.3f}, undesirable "
+        f"{float(last.get('rewards/undesirable', math.nan)):.3f}, kl {float(last['kl']):.3f} (last step)"
     )
 
 
@@ -270,14 +293,14 @@ def _plots(runs: list[RunMetrics]) -> list[_Plot]:
             "loss_vs_step.png",
             "Loss",
             "optimizer step",
-            "loss (nats per token)",
+            "loss (nats per token; a preference run: its objective)",
             lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=False),
         ),
         _Plot(
             "loss_vs_tokens.png",
             "Loss",
             "tokens (valid targets, cumulative)",
-            "loss (nats per token)",
+            "loss (nats per token; a preference run: its objective)",
             lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=True),
         ),
         _Plot("lr.png", "Learning rate", "optimizer step", "learning rate", _draw_key("lr")),
