@@ -186,20 +186,7 @@ def _build_parts(
     train_loader, val_loader = build_loaders(config, data.dataset, plan, dist, built.pack)
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
-    prepare_reference_table(
-        config,
-        objective,
-        wrapped.train_model,
-        data.dataset,
-        plan,
-        data.fingerprints,
-        run_dir,
-        built.pack,
-        dist,
-        device,
-        precision,
-        say,
-    )
+    prepare_reference_table(config, objective, wrapped.train_model, data, plan, run_dir, built.pack, dist, device, say)
     optimizer, cosine = build_optimizer(config, model, resume_from, say)
     seesaw = build_seesaw(config, plan, cosine)
     schedule = seesaw or cosine

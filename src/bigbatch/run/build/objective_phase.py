@@ -25,7 +25,7 @@ import torch.nn as nn
 from bigbatch.data.answers import check_answers_for_objective
 from bigbatch.data.dataset import Dataset
 from bigbatch.data.loader import loader_for
-from bigbatch.engine.accumulate import autocast_for
+from bigbatch.engine.accumulate import autocast_for, resolve_precision
 from bigbatch.engine.language_model import LanguageModelObjective
 from bigbatch.engine.objective import Objective
 from bigbatch.engine.preference import (
@@ -37,10 +37,12 @@ from bigbatch.engine.preference import (
 )
 from bigbatch.errors import ConfigError
 from bigbatch.files.atomic import write_atomically
+from bigbatch.files.json_text import to_json
 from bigbatch.models import LanguageModel
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
+from bigbatch.run.build.data_phase import RunData
 from bigbatch.run.build.engine_phase import resolve_router_balance
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
@@ -236,21 +238,19 @@ def reference_table_key(config: TrainConfig, fingerprints: dict[str, str], weigh
         "weights": weights,
         "data": fingerprints.get("data", ""),
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(to_json(payload).encode()).hexdigest()[:16]
 
 
 def prepare_reference_table(
     config: TrainConfig,
     objective: Objective,
     model: nn.Module,
-    dataset: Dataset,
+    data: RunData,
     plan: BatchPlan,
-    fingerprints: dict[str, str],
     run_dir: Path,
     pack: bool,
     dist: DistContext,
     device: torch.device,
-    precision: str,
     say: Say,
 ) -> None:
     """``--reference-logps once``: the reference's log-probabilities of every answer of the training and validation
@@ -262,7 +262,8 @@ def prepare_reference_table(
         raise ConfigError(
             f"--reference-logps once: --objective {config.objective.name} has no reference policy; drop it"
         )
-    key = reference_table_key(config, fingerprints, objective.reference_weights)
+    dataset, precision = data.dataset, resolve_precision(config.run.precision, device)
+    key = reference_table_key(config, data.fingerprints, objective.reference_weights)
     path = run_dir / REFERENCE_TABLE_FILE
     table = _read_table(path, key)
     if table is None:
