@@ -43,13 +43,11 @@ from bigbatch.engine.language_model import (
 )
 from bigbatch.engine.objective import (
     Objective,
-    ObjectiveMeasurement,
     StepPass,
     StepTotals,
     count_units,
     objective_value,
-    step_loss,
-    term_means,
+    summarize,
     term_scales,
 )
 from bigbatch.engine.router_balance import RouterBalance
@@ -374,10 +372,8 @@ class AccumulationEngine:
         reduced = self.dist.all_reduce_sum(local).tolist()
         if totals.empty:
             return math.nan, totals, {}
-        term_sums = reduced[: len(terms)]
-        values = {f"term/{name}": mean for name, mean in term_means(self.objective, term_sums, totals).items()}
-        values.update(self.objective.statistics(reduced[len(terms) :]))
-        return step_loss(self.objective, term_sums, totals), totals, values
+        loss, measurement = summarize(self.objective, reduced, totals)
+        return loss, totals, measurement.as_dict()
 
     def step(
         self, micro_batches: Sequence[Any], n_valid: int | None = None, tokens_per_step: int | None = None
@@ -418,13 +414,10 @@ class AccumulationEngine:
         measurements = {hook.name: m for hook in self.hooks if (m := hook.after_step(self, outcome)) is not None}
         loss = math.nan  # nothing of the step ran (every micro-batch left out)
         if not totals.empty and reduced:
-            n_terms = len(self.objective.terms)
-            term_sums, statistics = reduced[:n_terms], reduced[n_terms:]
-            loss = step_loss(self.objective, term_sums, totals)
+            loss, measurement = summarize(self.objective, reduced, totals)
             measurements.update(self.objective.end_step())
-            if self._reports_terms() or statistics:
-                means = term_means(self.objective, term_sums, totals)
-                measurements["objective"] = ObjectiveMeasurement(means, self.objective.statistics(statistics))
+            if self._reports_terms() or len(reduced) > len(self.objective.terms):  # terms, or statistics too
+                measurements["objective"] = measurement
         return StepRecord(
             step=attempted,
             loss=loss,

@@ -22,6 +22,7 @@ has a unit holds nothing to train on.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -46,6 +47,10 @@ class Term:
     unit: str
     weight: float = 1.0
     auxiliary: bool = False
+
+    def describe(self) -> str:
+        """``odds_ratio per pair x 0.1``."""
+        return f"{self.name} per {self.unit}" + (f" x {self.weight:g}" if self.weight != 1 else "")
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
@@ -105,7 +110,7 @@ class ObjectiveMeasurement:
         return out
 
 
-class Objective:
+class Objective(ABC):
     """Base of every objective (see the module docstring). A subclass sets :attr:`terms` (the first is the
     primary one), and implements :meth:`units` and :meth:`sums`; :meth:`begin_step` is its statistics pass."""
 
@@ -113,6 +118,7 @@ class Objective:
 
     def bind(self, model: nn.Module, dist: DistContext, device: torch.device) -> None:
         """Called once by the engine that will run it (an objective may depend on the model it trains)."""
+        return None  # an objective that does not is not told
 
     @property
     def primary(self) -> Term:
@@ -122,9 +128,9 @@ class Objective:
         """The units the terms use, each once, in the order of the terms (``none`` counted by the engine)."""
         return list(dict.fromkeys(term.unit for term in self.terms))
 
+    @abstractmethod
     def units(self, batch: Any) -> dict[str, float]:
         """What micro-batch ``batch`` holds of each unit its terms use (``none`` excepted)."""
-        raise NotImplementedError
 
     def targets(self, batch: Any) -> float:
         """The valid target tokens of ``batch`` (what throughput counts), whatever the terms' units."""
@@ -139,10 +145,11 @@ class Objective:
 
     def begin_step(self, step: StepPass) -> None:
         """The statistics pass before the first backward of a step (no gradients)."""
+        return None  # an objective without a statistic of the step has none to take
 
+    @abstractmethod
     def sums(self, model: nn.Module, batch: Any, index: int) -> dict[str, torch.Tensor]:
         """Micro-batch ``index``'s sum ``S_t`` of every term (0-d tensors with their graphs), by term name."""
-        raise NotImplementedError
 
     def kept(self) -> AbstractContextManager[Any]:
         """Around a re-run of a micro-batch (a replay, a check): what the step has measured stays as it was."""
@@ -153,10 +160,8 @@ class Objective:
         return {}
 
     def describe(self) -> list[str]:
-        """The header's lines: ``objective | lm (token)``, and any others the objective needs to say."""
-        parts = [
-            f"{t.name} x {t.weight:g} per {t.unit}" if t.weight != 1 else f"{t.name} per {t.unit}" for t in self.terms
-        ]
+        """The header's lines: ``objective | lm per token``, and any others the objective needs to say."""
+        parts = [term.describe() for term in self.terms]
         return [f"objective | {' + '.join(parts)}"]
 
     def statistics(self, values: Sequence[float]) -> dict[str, float]:
@@ -216,6 +221,15 @@ def step_loss(objective: Objective, term_sums: Sequence[float], totals: StepTota
         if not term.auxiliary and units > 0:
             loss += term.weight * value / units
     return loss
+
+
+def summarize(objective: Objective, reduced: Sequence[float], totals: StepTotals) -> tuple[float, ObjectiveMeasurement]:
+    """From the step's all-reduced sums (each term's, then the objective's statistics, as the engine reduces
+    them): the step's loss, and each term's mean with the objective's statistics."""
+    n_terms = len(objective.terms)
+    term_sums, statistics = reduced[:n_terms], reduced[n_terms:]
+    measurement = ObjectiveMeasurement(term_means(objective, term_sums, totals), objective.statistics(statistics))
+    return step_loss(objective, term_sums, totals), measurement
 
 
 def term_means(objective: Objective, term_sums: Sequence[float], totals: StepTotals) -> dict[str, float]:

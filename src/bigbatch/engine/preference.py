@@ -78,8 +78,17 @@ class PreferenceSettings:
             raise ConfigError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if (self.label_smoothing or self.robust) and self.name != "dpo":
             raise ConfigError(f"--label-smoothing and --robust are DPO's; drop them for --objective {self.name}")
+        if self.robust and not self.label_smoothing:
+            raise ConfigError("--robust corrects for --label-smoothing; give --label-smoothing E (0 < E < 0.5)")
         if self.desirable_weight <= 0 or self.undesirable_weight <= 0:
             raise ConfigError("--desirable-weight and --undesirable-weight must be positive")
+        for flag, value, owner, whose in (
+            ("--simpo-gamma", self.gamma, "simpo", "SimPO's"),
+            ("--desirable-weight", self.desirable_weight, "kto", "KTO's"),
+            ("--undesirable-weight", self.undesirable_weight, "kto", "KTO's"),
+        ):
+            if value != 1.0 and self.name != owner:  # another objective's parameter, moved from its default
+                raise ConfigError(f"{flag} is {whose}; drop it for --objective {self.name}")
 
     @property
     def b(self) -> float:
@@ -414,7 +423,7 @@ class PreferenceObjective(Objective):
 
     def describe(self) -> list[str]:
         s = self.settings
-        parts = [f"{t.name} per {t.unit}" + (f" x {t.weight:g}" if t.weight != 1 else "") for t in self.terms]
+        parts = [term.describe() for term in self.terms]
         extra = f"beta {s.b:g}"
         if s.name == "dpo" and s.label_smoothing:
             extra += f", label smoothing {s.label_smoothing:g}" + (" (robust)" if s.robust else "")

@@ -15,7 +15,7 @@ import copy
 import hashlib
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,8 @@ from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
 from bigbatch.run.build.data_phase import RunData
 from bigbatch.run.build.engine_phase import resolve_router_balance
-from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.configuration.objective_section import ObjectiveSection
+from bigbatch.run.configuration.train_config import TrainConfig, flag_of
 from bigbatch.sizing.plan import BatchPlan
 
 
@@ -52,19 +53,10 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
     """The preference objective's settings, or ``None`` for ``lm`` (whose parameters are refused when given)."""
     section = config.objective
     if section.name == "lm":
-        given = [
-            flag
-            for flag, value, default in (
-                ("--beta", section.beta, 0.0),
-                ("--label-smoothing", section.label_smoothing, 0.0),
-                ("--robust", section.robust, False),
-                ("--simpo-gamma", section.simpo_gamma, 1.0),
-                ("--desirable-weight", section.desirable_weight, 1.0),
-                ("--undesirable-weight", section.undesirable_weight, 1.0),
-                ("--reference", section.reference, ""),
-                ("--reference-logps", section.reference_logps, "step"),
-            )
-            if value != default
+        given = [  # every field of the section but the objective's name, set to other than its default
+            f"--{flag_of(f)}"
+            for f in fields(ObjectiveSection)
+            if f.name != "name" and getattr(section, f.name) != f.default
         ]
         if given:
             verb = "sets" if len(given) == 1 else "set"
@@ -75,21 +67,7 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
         return None
     if section.reference and section.name not in ("dpo", "ipo", "kto"):
         raise ConfigError(f"--reference: --objective {section.name} has no reference policy; drop --reference")
-    foreign = [
-        flag
-        for flag, value, default, owner in (
-            ("--simpo-gamma", section.simpo_gamma, 1.0, "simpo"),
-            ("--desirable-weight", section.desirable_weight, 1.0, "kto"),
-            ("--undesirable-weight", section.undesirable_weight, 1.0, "kto"),
-        )
-        if value != default and section.name != owner
-    ]
-    if foreign:
-        owner = "SimPO's" if foreign[0] == "--simpo-gamma" else "KTO's"
-        raise ConfigError(f"{foreign[0]} is {owner}; drop it for --objective {section.name}")
-    if section.name == "dpo" and section.robust and not section.label_smoothing:
-        raise ConfigError("--robust corrects for --label-smoothing; give --label-smoothing E (0 < E < 0.5)")
-    return PreferenceSettings(
+    return PreferenceSettings(  # which objective each parameter belongs to is checked there
         section.name,
         beta=section.beta or None,
         label_smoothing=section.label_smoothing,
