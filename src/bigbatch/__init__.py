@@ -20,6 +20,8 @@ _PUBLIC = {
     "MicroBatch": "bigbatch.engine.batch",
     "build_adamw": "bigbatch.engine.optim",
     "CosineSchedule": "bigbatch.engine.optim",
+    "build_muon": "bigbatch.engine.muon",
+    "MuonSettings": "bigbatch.engine.muon",
     "GPT": "bigbatch.models",
     "GPTConfig": "bigbatch.models",
     "Llama": "bigbatch.models",
@@ -41,6 +43,8 @@ __all__ = [
     "MicroBatch",
     "build_adamw",
     "CosineSchedule",
+    "build_muon",
+    "MuonSettings",
     "GPT",
     "GPTConfig",
     "Llama",
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
     from bigbatch.engine.accumulate import AccumulationEngine, StepRecord, token_loss_sum
     from bigbatch.engine.batch import MicroBatch
     from bigbatch.engine.hooks import StepHook
+    from bigbatch.engine.muon import MuonSettings, build_muon
     from bigbatch.engine.optim import CosineSchedule, build_adamw
     from bigbatch.models import GPT, GPTConfig, Llama, LlamaConfig, model_preset, preset
     from bigbatch.run.configuration.train_config import TrainConfig

@@ -101,7 +101,7 @@ def test_follow_refuses_a_ratio_that_is_not_positive_and_finite(ratio: float) ->
 
 def test_resolve_auto_is_sqrt_with_beta2() -> None:
     rule = BatchChangeRule.resolve("auto")
-    assert rule == BatchChangeRule("sqrt", "beta2", "keep")
+    assert rule == BatchChangeRule("sqrt", "beta2", "keep", "tokens")
     assert rule.changes_anything
 
 
@@ -235,7 +235,7 @@ def test_an_old_checkpoint_turns_auto_off_but_keeps_a_named_rule() -> None:
 
     named = make_follower("sqrt")
     named.load_state_dict(None)
-    assert named.rule == BatchChangeRule("sqrt", "beta2")
+    assert named.rule == BatchChangeRule("sqrt", "beta2", "keep", "tokens")
     assert named.reference_tokens == REF
 
 

@@ -14,6 +14,7 @@ from bigbatch.cli.common import (
     add_seq_len,
     add_vocab_size,
 )
+from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.train_config import ModelSection
 from bigbatch.settings.ranges import AUTO, MEMORY_K, POSITIVE_INT
 
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_vocab_size(parser)
     add_config_flag(parser, ModelSection, "activation_checkpointing")
     add_config_flag(parser, ModelSection, "chunked_loss")
+    add_config_flag(parser, OptimSection, "optimizer", note="; memory: the state the measured step holds")
     add_precision(parser)
     add_device(parser)
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (a new file)")
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         precision=resolve_precision(args.precision, device),
         activation_checkpointing=args.activation_checkpointing,
         chunked_loss=args.chunked_loss,
+        optimizer=args.optimizer,
     )
     print(sweep.format())
     if args.plot:

@@ -17,6 +17,7 @@ from bigbatch.cli.common import (
     config_default,
 )
 from bigbatch.errors import BigBatchError, PlanError
+from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.train_config import BatchSection, ModelSection
 from bigbatch.settings.ranges import AUTO, POSITIVE_INT
 
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_vocab_size(parser, note="; plan: 256 without --model, the demo's byte tokens")
     parser.add_argument("--measure", action="store_true", help="measure memory and time of a micro-step here")
+    add_config_flag(
+        parser, OptimSection, "optimizer", note="; plan: its state in the memory table, and Newton-Schulz's FLOPs"
+    )
     add_precision(parser)
     add_device(parser)
     add_config_flag(
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
         ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
-    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure))
+    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure, args.optimizer))
     if ramp:
         print(ramp)
     return 0
@@ -134,5 +138,5 @@ def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     seq_len = None if args.seq_len == AUTO else args.seq_len  # None: the run's
     solved, lines = plan_from_run(args.from_run, args.micro_batch, seq_len, args.devices)
     print("\n".join(lines))
-    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure))
+    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure, args.optimizer))
     return 0

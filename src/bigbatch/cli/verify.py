@@ -18,6 +18,7 @@ from bigbatch.cli.common import (
     add_vocab_size,
 )
 from bigbatch.files.atomic import write_json_atomically
+from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.train_config import ModelSection, ObjectiveSection, RunSection
 from bigbatch.settings.ranges import (
     AUTO,
@@ -78,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "control",
     )
     add_config_flag(parser, ObjectiveSection, "beta")
+    add_config_flag(
+        parser,
+        OptimSection,
+        "optimizer",
+        note="; verify: the update after one step of it is compared (one process; --nproc compares gradients)",
+    )
     add_precision(parser, default="fp32")
     parser.add_argument(
         "--splits",
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         router_balance=args.router_balance,
         lora_rank=args.lora_rank,
+        optimizer=args.optimizer,
     )
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
         distributed, is_main = verify_across_ranks(settings)

@@ -158,15 +158,21 @@ def parent_settings(document: dict[str, Any], step: int) -> OptimSettings:
     (a checkpoint without param groups)."""
     groups = document.get("optimizer_param_groups") or (document.get("optimizer") or {}).get("param_groups") or []
     optim = (document.get("config") or {}).get("optim") or {}
-    if groups and all(key in groups[0] for key in ("lr", "betas")):
-        beta1, beta2 = (float(beta) for beta in groups[0]["betas"])
-        decay = max(float(group.get("weight_decay", 0.0)) for group in groups)
-        return OptimSettings(float(groups[0]["lr"]), beta1, beta2, decay)
+    muon = [group for group in groups if group.get("muon")]  # --optimizer muon: its momentum follows the batch
+    adamw = [group for group in groups if not group.get("muon")]
+    momentum = float(muon[0]["momentum"]) if muon and "momentum" in muon[0] else None
+    if adamw and all(key in adamw[0] for key in ("lr", "betas")):
+        beta1, beta2 = (float(beta) for beta in adamw[0]["betas"])
+        decay = max(float(group.get("weight_decay", 0.0)) for group in adamw)
+        return OptimSettings(float(adamw[0]["lr"]), beta1, beta2, decay, momentum)
+    if optim.get("optimizer") == "muon" and momentum is None:
+        momentum = float(optim.get("muon_momentum", 0.95))
     return OptimSettings(
         saved_schedule(document)(step),
         float(optim.get("beta1", 0.9)),
         float(optim.get("beta2", 0.95)),
         float(optim.get("weight_decay", 0.1)),
+        momentum,
     )
 
 
@@ -190,6 +196,10 @@ def branch_config(
     config.batch.total_batch_tokens, config.batch.micro_batch = plan.tokens_per_step, plan.micro_batch
     config.batch.batch_ramp = ""  # every branch trains at its own fixed size, whatever the parent's ramp
     optim, settings = config.optim, parent.settings
+    if optim.optimizer == "muon":  # Muon's rate keeps its ratio to --lr; its momentum is the parent's last
+        optim.muon_lr = optim.muon_lr * settings.lr / optim.lr if optim.muon_lr else 0.0
+        optim.muon_momentum = settings.momentum if settings.momentum is not None else optim.muon_momentum
+        optim.batch_change_momentum = rule.momentum
     optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.decay_steps = settings.lr, 1.0, 0, 0  # constant lr
     optim.beta1, optim.beta2, optim.weight_decay = settings.beta1, settings.beta2, settings.weight_decay
     optim.batch_change_rule, optim.batch_change_betas = rule.rule, rule.betas

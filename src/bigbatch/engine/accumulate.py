@@ -220,16 +220,20 @@ class AccumulationEngine:
         follower = self.follower
         if follower is None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)  # a Muon group's rate is a multiple of --lr
             return lr
         tokens = follower.last_tokens or follower.reference_tokens
         settings = follower.settings(lr, tokens)
         base_decay = follower.base.weight_decay
         decay_factor = settings.weight_decay / base_decay if base_decay > 0 else 1.0
         for group, weight_decay in zip(self.optimizer.param_groups, self._base_weight_decays, strict=True):
-            group["lr"] = settings.lr
-            group["betas"] = (settings.beta1, settings.beta2)
+            group["lr"] = settings.lr * group.get("lr_scale", 1.0)
             group["weight_decay"] = weight_decay * decay_factor
+            if group.get("muon"):
+                if settings.momentum is not None:
+                    group["momentum"] = settings.momentum
+            else:
+                group["betas"] = (settings.beta1, settings.beta2)
         return settings.lr
 
     def step_totals(self, micro_batches: Sequence[Any], n_valid: int | StepTotals | None = None) -> StepTotals:

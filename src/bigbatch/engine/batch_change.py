@@ -8,6 +8,7 @@ it started). A step of ``B`` tokens (a ramp's, a Seesaw doubling's, a branch's, 
     lr     = schedule(step) x f(r)      f = 1 (none), sqrt(r) (sqrt), r (linear)
     beta2  = beta2 ** r                 the moving average's half-life stays the same number of tokens
     beta1  = beta1 ** r                 (only with --batch-change-betas both)
+    mu     = mu ** r                    Muon's momentum (--optimizer muon; unless --batch-change-momentum keep)
     wd     = wd x r / f(r)              (only with --batch-change-weight-decay timescale: B / (lr x wd) stays)
 
 An EMA with factor ``beta`` per step forgets half of what it holds in ``ln(1/2) / ln(beta)`` steps; a step ``r``
@@ -27,6 +28,7 @@ from bigbatch.errors import ConfigError
 
 RULES = ("none", "sqrt", "linear")
 BETAS = ("none", "beta2", "both")
+MOMENTUM = ("keep", "tokens")
 WEIGHT_DECAY = ("keep", "timescale")
 AUTO = "auto"
 
@@ -39,9 +41,14 @@ class OptimSettings:
     beta1: float
     beta2: float
     weight_decay: float
+    momentum: float | None = None  # Muon's momentum (None: the run has no Muon group)
 
     def describe(self) -> str:
-        return f"lr {self.lr:.3e}, beta1 {self.beta1:.4g}, beta2 {self.beta2:.5g}, weight decay {self.weight_decay:.4g}"
+        muon = "" if self.momentum is None else f", Muon momentum {self.momentum:.5g}"
+        return (
+            f"lr {self.lr:.3e}, beta1 {self.beta1:.4g}, beta2 {self.beta2:.5g}, weight decay {self.weight_decay:.4g}"
+            + muon
+        )
 
 
 @dataclass(frozen=True)
@@ -51,28 +58,33 @@ class BatchChangeRule:
     rule: str = "sqrt"  # the learning rate: none, sqrt or linear
     betas: str = "beta2"  # which betas keep their half-life in tokens: none, beta2 or both
     weight_decay: str = "keep"  # keep, or timescale (B / (lr x wd) fixed)
+    momentum: str = "keep"  # Muon's momentum: keep, or tokens (its half-life in tokens kept; auto resolves to it)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("--batch-change-rule", self.rule, RULES),
             ("--batch-change-betas", self.betas, BETAS),
             ("--batch-change-weight-decay", self.weight_decay, WEIGHT_DECAY),
+            ("--batch-change-momentum", self.momentum, MOMENTUM),
         ):
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
     @classmethod
-    def resolve(cls, rule: str, betas: str = AUTO, weight_decay: str = "keep") -> BatchChangeRule:
+    def resolve(cls, rule: str, betas: str = AUTO, weight_decay: str = "keep", momentum: str = AUTO) -> BatchChangeRule:
         """The rule the settings ask for: ``auto`` is ``sqrt``; betas ``auto`` is ``beta2``, or ``none`` with the
-        rule ``none`` (which then changes nothing, as bigbatch did before the rule)."""
+        rule ``none`` (which then changes nothing, as bigbatch did before the rule); momentum ``auto`` is
+        ``tokens``, or ``keep`` with the rule ``none``."""
         rule = "sqrt" if rule == AUTO else rule
         if betas == AUTO:
             betas = "none" if rule == "none" else "beta2"
-        return cls(rule, betas, weight_decay)
+        if momentum == AUTO:
+            momentum = "keep" if rule == "none" else "tokens"
+        return cls(rule, betas, weight_decay, momentum)
 
     @property
     def changes_anything(self) -> bool:
-        return self.rule != "none" or self.betas != "none" or self.weight_decay != "keep"
+        return self.rule != "none" or self.betas != "none" or self.weight_decay != "keep" or self.momentum != "keep"
 
     def lr_factor(self, ratio: float) -> float:
         if self.rule == "sqrt":
@@ -89,10 +101,14 @@ class BatchChangeRule:
         beta2 = base.beta2**ratio if self.betas in ("beta2", "both") else base.beta2
         beta1 = base.beta1**ratio if self.betas == "both" else base.beta1
         weight_decay = base.weight_decay * ratio / factor if self.weight_decay == "timescale" else base.weight_decay
-        return OptimSettings(base.lr * factor, beta1, beta2, weight_decay)
+        momentum = base.momentum
+        if momentum is not None and self.momentum == "tokens":
+            momentum = momentum**ratio
+        return OptimSettings(base.lr * factor, beta1, beta2, weight_decay, momentum)
 
-    def describe(self) -> str:
-        """E.g. ``sqrt: lr x sqrt(B/B0), beta2 ** (B/B0)``."""
+    def describe(self, muon: bool = False) -> str:
+        """E.g. ``sqrt: lr x sqrt(B/B0), beta2 ** (B/B0)`` (``muon``: the run has a Muon group, whose momentum
+        the rule may move too)."""
         parts = {"none": "lr kept", "sqrt": "lr x sqrt(B/B0)", "linear": "lr x B/B0"}[self.rule]
         if self.betas == "beta2":
             parts += ", beta2 ** (B/B0)"
@@ -100,6 +116,8 @@ class BatchChangeRule:
             parts += ", beta1 and beta2 ** (B/B0)"
         if self.weight_decay == "timescale":
             parts += ", weight decay keeping B/(lr x wd)"
+        if muon and self.momentum == "tokens":
+            parts += ", Muon momentum ** (B/B0)"
         return f"{self.rule}: {parts}"
 
     def label(self) -> str:
@@ -135,7 +153,9 @@ class BatchChange:
                     ("beta1", "beta1", ".5g"),
                     ("beta2", "beta2", ".5g"),
                     ("weight decay", "weight_decay", ".4g"),
+                    ("Muon momentum", "momentum", ".5g"),
                 )
+                if getattr(b, key) is not None
             )
         )
 
@@ -147,8 +167,8 @@ class BatchChange:
             "cause": self.cause,
             "tokens_per_step_before": self.tokens_before,
             "tokens_per_step_after": self.tokens_after,
-            **{f"{name}_before": value for name, value in vars(self.before).items()},
-            **{f"{name}_after": value for name, value in vars(self.after).items()},
+            **{f"{name}_before": value for name, value in vars(self.before).items() if value is not None},
+            **{f"{name}_after": value for name, value in vars(self.after).items() if value is not None},
         }
 
 
@@ -172,7 +192,7 @@ class BatchFollower:
 
     def settings(self, lr: float, tokens_per_step: int) -> OptimSettings:
         """The settings of a step of ``tokens_per_step`` whose schedule gives ``lr`` (at the reference size)."""
-        base = OptimSettings(lr, self.base.beta1, self.base.beta2, self.base.weight_decay)
+        base = OptimSettings(lr, self.base.beta1, self.base.beta2, self.base.weight_decay, self.base.momentum)
         if tokens_per_step == self.reference_tokens:
             return base
         return self.rule.follow(base, tokens_per_step / self.reference_tokens)

@@ -44,6 +44,20 @@ def build_adamw(
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None)
 
 
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """One line: the optimizer and its settings as built (a Muon optimizer describes its two halves)."""
+    describe = getattr(optimizer, "describe", None)
+    if callable(describe):
+        return str(describe())
+    groups = optimizer.param_groups
+    beta1, beta2 = groups[0].get("betas", (0.0, 0.0))
+    decay = max(float(g.get("weight_decay", 0.0)) for g in groups)
+    return (
+        f"{type(optimizer).__name__} lr {groups[0]['lr']:g}, betas ({beta1:g}, {beta2:g}), eps "
+        f"{groups[0].get('eps', 0.0):g}, weight decay {decay:g} on matrices and embeddings"
+    )
+
+
 @dataclass(frozen=True)
 class CosineSchedule:
     """Linear warmup to ``max_lr`` over ``warmup_steps``, cosine decay to ``min_lr`` at ``decay_steps``.

@@ -19,9 +19,9 @@ from typing import Any
 import torch.nn as nn
 
 from bigbatch.errors import ConfigError, require_package
+from bigbatch.models.routing import is_router_path
 
 ADAPTER = "default"  # peft's name for the one adapter
-ROUTER_NAMES = ("gate", "router")
 
 
 @dataclass(frozen=True)
@@ -69,25 +69,17 @@ def adapted_module(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
-def _is_router(name: str, module: nn.Linear, n_experts: set[int]) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    named = last in ROUTER_NAMES or last.endswith(("_gate", "_router"))  # gate_proj is an MLP projection, not these
-    return named or module.out_features in n_experts
-
-
 def auto_targets(model: nn.Module) -> list[str]:
     """The full names (inside :func:`adapted_module`) of every linear map in the model's blocks, routers left out."""
     inner = adapted_module(model)
     listed = getattr(model, "blocks", None)
     blocks = set(map(id, listed())) if callable(listed) else set()
-    config = getattr(model, "config", None)
-    experts = {int(getattr(config, "experts", 0) or getattr(config, "n_expert", 0) or 0)} - {0}
     names = []
     for block_name, block in inner.named_modules():
         if id(block) not in blocks:
             continue
         for name, module in block.named_modules():
-            if isinstance(module, nn.Linear) and not _is_router(name, module, experts):
+            if isinstance(module, nn.Linear) and not is_router_path(name):
                 names.append(f"{block_name}.{name}")
     return names
 

@@ -32,6 +32,15 @@ losses averaged over layers: bigbatch's family) or ``pooled`` (every layer's tok
 ``P``: transformers' ``load_balancing_loss_func`` for Mixtral, Qwen2/3-MoE and OLMoE)."""
 
 
+ROUTER_NAMES = ("gate", "router")
+
+
+def is_router_path(path: str) -> bool:
+    """Whether the module at ``path`` (dotted, inside a block) is a mixture's router or a part of one: a part of
+    the path named ``gate`` or ``router``, or ending in ``_gate`` or ``_router`` (``gate_proj``, an MLP
+    projection, is neither). By name, never by width: a projection may be as wide as there are experts."""
+    return any(part in ROUTER_NAMES or part.endswith(("_gate", "_router")) for part in path.split("."))
+
 @dataclass(frozen=True)
 class RouterSpec:
     """How a model's balancing loss is defined: ``n_expert`` routed experts, ``top_k`` per token, over

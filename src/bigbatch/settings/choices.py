@@ -5,6 +5,7 @@ This module imports nothing heavy (no torch), so the command line can build its 
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from bigbatch.errors import ConfigError, did_you_mean
@@ -21,13 +22,19 @@ class Choices:
 
     setting: str  # the name used in messages, e.g. "precision"
     values: tuple[str, ...]
+    others: tuple[tuple[str, str], ...] = ()  # values people try that are not offered, and what to use instead
 
     def check(self, value: object, name: str = "") -> str:
         """``value`` when allowed; else a one-line error naming the setting (``name``: where it was set, e.g.
-        ``t.toml: run.compile``) and the choices."""
+        ``t.toml: run.compile``), the choices, and the nearest choice or (a value of ``others`` near it) what to
+        use instead."""
         if value not in self.values:
             allowed = self.listed() if len(self.values) <= 2 else f"one of {', '.join(self.values)}"
             hint = did_you_mean(value, self.values) if isinstance(value, str) else ""
+            if not hint and isinstance(value, str) and self.others:
+                instead = dict(self.others)
+                near = difflib.get_close_matches(value.lower(), list(instead), n=1)
+                hint = f"; {near[0]} is not offered: {instead[near[0]]}" if near else ""
             raise ConfigError(f"{name or self.setting} must be {allowed}, got {value!r}{hint}")
         return str(value)
 
@@ -58,6 +65,21 @@ PACK = Choices("pack", ("auto", "on", "off"))
 BATCH_CHANGE_RULE = Choices("batch_change_rule", ("auto", "none", "sqrt", "linear"))
 BATCH_CHANGE_BETAS = Choices("batch_change_betas", ("auto", "none", "beta2", "both"))
 BATCH_CHANGE_WEIGHT_DECAY = Choices("batch_change_weight_decay", ("keep", "timescale"))
+BATCH_CHANGE_MOMENTUM = Choices("batch_change_momentum", ("auto", "keep", "tokens"))
+OPTIMIZER = Choices(
+    "optimizer",
+    ("adamw", "muon"),
+    others=(
+        ("sgd", "muon is momentum SGD with orthogonalised updates; adamw with --beta2 near 0 is close to signed SGD"),
+        ("adam", "use adamw (--weight-decay 0 is Adam)"),
+        ("lion", "use adamw or muon"),
+        ("shampoo", "muon orthogonalises each matrix's update, as Shampoo without its accumulators does"),
+        ("soap", "use muon or adamw"),
+        ("adafactor", "use adamw or muon (one buffer per matrix weight)"),
+    ),
+)
+MUON_COEFFICIENTS = Choices("muon_coefficients", ("quintic", "polar-express"))
+MUON_SCALE = Choices("muon_scale", ("rms", "spectral"))
 SCHEDULE = Choices("schedule", ("cosine", "seesaw"))
 ROUTER_BALANCE = Choices("router_balance", ("auto", "exact", "running", "micro", "off"))
 LOSS_ON = Choices("loss_on", ("assistant", "last-assistant", "all"))

@@ -28,6 +28,7 @@ import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
+from bigbatch.engine.muon import MuonSettings, build_muon, muon_parameters, newton_schulz_flops
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
@@ -45,8 +46,10 @@ MiB = 2**20
 class MemoryEstimate:
     params: int  # bytes
     grads: int
-    optimizer: int  # AdamW: two fp32 moments
+    optimizer: int  # AdamW: two fp32 moments per parameter; Muon: one momentum per hidden-matrix parameter
     activations: int  # one micro-batch, kept for backward
+    optimizer_name: str = "adamw"
+    orthogonalise_flops: int = 0  # Muon: Newton-Schulz per optimizer step (all matrices, all ranks together)
 
     @property
     def fixed(self) -> int:
@@ -54,22 +57,38 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    config: ModelShape, micro_batch: int, seq_len: int, precision: str = "fp32", chunked_loss: bool = True
+    config: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "fp32",
+    chunked_loss: bool = True,
+    optimizer: str = "adamw",
+    ns_steps: int = 5,
 ) -> MemoryEstimate:
-    """Shapes-only estimate: fp32 parameters, gradients and AdamW moments; activations of one micro-batch, the
-    layers' (the family's ``layer_bytes_per_token``) plus the head and loss (:func:`head_loss_bytes`). Not for a
-    family without a per-layer count (``hf:DIR``: a :class:`ConfigError`): its layers are only measured."""
+    """Shapes-only estimate: fp32 parameters, gradients and the optimizer's state (AdamW: two moments per
+    parameter; ``muon``: one momentum per hidden-matrix parameter, AdamW's two for the rest, and Newton-Schulz's
+    FLOPs per step); activations of one micro-batch, the layers' (the family's ``layer_bytes_per_token``) plus the
+    head and loss (:func:`head_loss_bytes`). Not for a family without a per-layer count (``hf:DIR``: a
+    :class:`ConfigError`): its layers are only measured."""
     family = family_of(config)
     if family.layer_bytes_per_token is None:
         raise ConfigError(family.no_estimate_reason)
     with torch.device("meta"):
-        n = build_model(config).num_params(non_embedding=False)
+        model = build_model(config)
+        n = model.num_params(non_embedding=False)
+        matrices = [p for _, p in muon_parameters(model)] if optimizer == "muon" else []
+    n_muon = sum(p.numel() for p in matrices)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     per_token = family.layer_bytes_per_token(config, act_bytes)
     tokens = micro_batch * seq_len
     head = head_loss_bytes(config, tokens, chunked_loss)
     return MemoryEstimate(
-        params=4 * n, grads=4 * n, optimizer=8 * n, activations=config.n_layer * per_token * tokens + head
+        params=4 * n,
+        grads=4 * n,
+        optimizer=8 * (n - n_muon) + 4 * n_muon,
+        activations=config.n_layer * per_token * tokens + head,
+        optimizer_name=optimizer,
+        orthogonalise_flops=sum(newton_schulz_flops(p.shape, ns_steps) for p in matrices),
     )
 
 
@@ -94,7 +113,7 @@ class MicroStepMeasurement:
     """Peaks in bytes above the state before each phase; times in seconds."""
 
     micro_batch: int
-    fixed: int  # parameters + AdamW state, counted from the tensors (gradients are part of each phase's peak)
+    fixed: int  # parameters + optimizer state, counted from the tensors (gradients are part of each phase's peak)
     forward_peak: int  # activations kept for backward, and transients
     backward_peak: int  # forward + backward, gradients included
     optimizer_peak: int
@@ -138,14 +157,19 @@ class _CudaPeak:
 
 
 def _model_and_optimizer(
-    config: ModelShape, device: torch.device, activation_checkpointing: bool, chunked_loss: bool
+    config: ModelShape, device: torch.device, activation_checkpointing: bool, chunked_loss: bool, optimizer_name: str
 ) -> tuple[DecoderLM, torch.optim.Optimizer, int]:
-    """The model on ``device`` and its AdamW with its moments already created (so the measured phases do not
-    create them), and the bytes both hold before every step (gradients appear during backward)."""
+    """The model on ``device`` and its optimizer (AdamW, or Muon with AdamW) with its state already created (so
+    the measured phases do not create it), and the bytes both hold before every step (gradients appear during
+    backward)."""
     model = build_model(config).to(device)
     model.activation_checkpointing = activation_checkpointing
     model.chunked_loss = chunked_loss
-    optimizer = build_adamw(model, lr=1e-4)
+    optimizer: torch.optim.Optimizer
+    if optimizer_name == "muon":
+        optimizer = build_muon(model, MuonSettings(lr=1e-4), lr=1e-4)
+    else:
+        optimizer = build_adamw(model, lr=1e-4)
     for p in model.parameters():  # create AdamW's moments now, so the phases below do not
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -181,6 +205,7 @@ def measure_in_process(
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
+    optimizer: str = "adamw",
 ) -> MicroStepMeasurement:
     """Measure one configuration in this process (on CPU, call it in a fresh process: see :func:`measure`).
 
@@ -188,8 +213,8 @@ def measure_in_process(
     generators (e.g. a trainer's, for ``--micro-batch auto`` on CUDA) are left exactly as they were."""
     peak_meter = _CudaPeak if device.type == "cuda" else _CpuPeak
     torch.manual_seed(0)
-    model, optimizer, fixed = _model_and_optimizer(config, device, activation_checkpointing, chunked_loss)
-    engine = AccumulationEngine(model, optimizer, constant_schedule(1e-4), device=device, precision=precision)
+    model, opt, fixed = _model_and_optimizer(config, device, activation_checkpointing, chunked_loss, optimizer)
+    engine = AccumulationEngine(model, opt, constant_schedule(1e-4), device=device, precision=precision)
     tokens = torch.randint(0, config.vocab_size, (max(k, 2), micro_batch, seq_len + 1))
     batches = [MicroBatch(t[:, :-1], t[:, 1:]).to(device) for t in tokens]
     n_valid = micro_batch * seq_len
@@ -208,7 +233,7 @@ def measure_in_process(
     backward_peak = forward.peak + backward.peak
     del loss
     with peak_meter() as opt_phase:
-        optimizer.step()
+        opt.step()
     model.zero_grad(set_to_none=True)
     with peak_meter() as step2:
         engine.step(batches[:2])
@@ -217,7 +242,7 @@ def measure_in_process(
         engine.step(batches[:k])
     model.zero_grad(set_to_none=True)
     micro_seconds = _timed(lambda: micro_step().backward(), device)
-    opt_seconds = _timed(optimizer.step, device)
+    opt_seconds = _timed(opt.step, device)
     return MicroStepMeasurement(
         micro_batch=micro_batch,
         fixed=fixed,
@@ -241,12 +266,13 @@ def measure(
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
+    optimizer: str = "adamw",
 ) -> MicroStepMeasurement:
     """Measure one micro-batch size: in this process on CUDA, in a fresh process on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
         return measure_in_process(
-            config, micro_batch, seq_len, k, device, precision, activation_checkpointing, chunked_loss
+            config, micro_batch, seq_len, k, device, precision, activation_checkpointing, chunked_loss, optimizer
         )
     request = {
         "family": family_of(config).name,
@@ -257,6 +283,7 @@ def measure(
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
         "chunked_loss": chunked_loss,
+        "optimizer": optimizer,
     }
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
@@ -290,6 +317,7 @@ def _probe_main() -> None:
         request["precision"],
         request["activation_checkpointing"],
         request["chunked_loss"],
+        request.get("optimizer", "adamw"),
     )
     sys.stdout.write(to_json(asdict(result)) + "\n")  # the parent reads this line
 
@@ -339,7 +367,7 @@ def plot_memory(rows: list[MicroStepMeasurement], path: Path, title: str) -> Pat
 
     xs = [r.micro_batch for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot(xs, [r.fixed / MiB for r in rows], "s--", label="fixed: params + AdamW state")
+    ax.plot(xs, [r.fixed / MiB for r in rows], "s--", label="fixed: params + optimizer state")
     ax.plot(xs, [r.forward_peak / MiB for r in rows], "o-", label="activations (forward peak)")
     ax.plot(xs, [(r.fixed + r.step_peak_k) / MiB for r in rows], "^-", label=f"total peak of a step (K={rows[0].k})")
     ax.set_xlabel("micro-batch (sequences)")
@@ -397,6 +425,7 @@ def measure_sizes(
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
     stream: TextIO | None = None,
+    optimizer: str = "adamw",
 ) -> list[MicroStepMeasurement]:
     """:func:`measure` at each micro-batch size, with progress on ``stream`` (default: stderr), since a size can
     take minutes (GPT-2 on CPU): first what is measured, then a redrawn bar on a terminal, else a line per size."""
@@ -420,6 +449,7 @@ def measure_sizes(
                     precision=precision,
                     activation_checkpointing=activation_checkpointing,
                     chunked_loss=chunked_loss,
+                    optimizer=optimizer,
                 )
             )
             if bar.enabled:
@@ -441,6 +471,7 @@ def sweep_memory(
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
     stream: TextIO | None = None,
+    optimizer: str = "adamw",
 ) -> MemorySweep:
     """Measure a training micro-step of preset ``model`` at micro-batch sizes 1, 2, 4, ... ``max_micro_batch``.
 
@@ -464,6 +495,7 @@ def sweep_memory(
         activation_checkpointing=activation_checkpointing,
         chunked_loss=chunked_loss,
         stream=stream,
+        optimizer=optimizer,
     )
     estimates = (
         {}

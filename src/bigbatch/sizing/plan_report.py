@@ -35,6 +35,7 @@ def format_plan(
     model_config: ModelShape | None = None,
     precision: str = "fp32",
     measured: MicroStepMeasurement | None = None,
+    optimizer: str = "adamw",
 ) -> str:
     plan = solved.plan
     rows: list[tuple[str, str]] = [
@@ -62,15 +63,29 @@ def format_plan(
         rows.append((f"model {model_name}", f"{family.name} {family.hf_class_name(model_config)}"))
         notes.append(unavailable + ("; --measure measures it" if measured is None else ""))
     elif model_config is not None:
-        estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision)
+        estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision, optimizer=optimizer)
+        state = "AdamW state" if optimizer == "adamw" else "Muon + AdamW state (1 buffer per matrix weight, 2 else)"
         rows += [
             (f"model {model_name}", model_size(model_config)),
             ("parameters (fp32)", _mib(estimate.params)),
             ("gradients (fp32)", _mib(estimate.grads)),
-            ("AdamW state", _mib(estimate.optimizer)),
+            (state, _mib(estimate.optimizer)),
             (f"activations per micro-batch ({precision}, estimate)", _mib(estimate.activations)),
             ("peak per device (estimate)", _mib(estimate.fixed + estimate.activations)),
         ]
+        if estimate.orthogonalise_flops:
+            # the step's training FLOPs: 6 N per token (forward + backward) with attention, every device's tokens
+            with torch.device("meta"):
+                train_flops = build_model(model_config).flops_per_token(plan.seq_len) * plan.tokens_per_step
+            flops = estimate.orthogonalise_flops
+            devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
+            rows.append(
+                (
+                    "Newton-Schulz per step (5 iterations)",
+                    f"{flops / 1e9:,.2f} GFLOP, {flops / train_flops:.2%} of the step's training FLOPs (split "
+                    f"across {devices})",
+                )
+            )
     if measured is not None:
         step = plan.accumulation_steps * measured.micro_step_seconds + measured.optimizer_seconds
         rows += [
@@ -93,11 +108,12 @@ def report_plan(
     precision: str = "auto",
     device_name: str = "auto",
     measure_step: bool = False,
+    optimizer: str = "adamw",
 ) -> str:
     """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
     ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
     if not model_name:
-        return format_plan(solved, model_name, None, "fp32", None)
+        return format_plan(solved, model_name, None, "fp32", None, optimizer)
     device = resolve_device(device_name)
     resolved = resolve_precision(precision, device)
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
@@ -119,5 +135,6 @@ def report_plan(
             k=min(solved.plan.accumulation_steps, 4),
             device=device,
             precision=resolved,
+            optimizer=optimizer,
         )[0]
-    return format_plan(solved, model_name, model_config, resolved, measured)
+    return format_plan(solved, model_name, model_config, resolved, measured, optimizer)

@@ -155,6 +155,7 @@ class VerifySettings:
     device: str = "cpu"
     router_balance: str = "auto"  # a mixture of experts' balancing loss (auto: exact); refused for a dense model
     lora_rank: int = 0  # LoRA adapters (A and B drawn at random) on the model; only they are compared
+    optimizer: str = "adamw"  # the update compared after one step: adamw or muon
 
     @property
     def balance(self) -> str:
@@ -184,6 +185,7 @@ def verify_here(settings: VerifySettings) -> EquivalenceReport:
             splits=list(s.splits),
             unpacked=case.unpacked,
             router_balance=s.balance,
+            optimizer=s.optimizer,
         )
     except ValueError as exc:
         raise BigBatchError(str(exc)) from exc

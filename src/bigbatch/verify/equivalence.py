@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from bigbatch.engine.accumulate import AccumulationEngine, resolve_precision
+from bigbatch.engine.muon import MuonSettings, build_muon
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.models.routing import router_recorder
@@ -63,7 +64,7 @@ class _Runner:
         precision: str,
         device: torch.device,
         seed: int,
-        make_optimizer: OptimizerFactory,
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
         router_balance: str = "exact",
     ) -> None:
         self.base, self.loss_fn, self.precision, self.device, self.seed = base, loss_fn, precision, device, seed
@@ -85,7 +86,7 @@ class _Runner:
         replica = copy.deepcopy(self.base)
         engine = AccumulationEngine(
             replica,
-            self.make_optimizer(replica.parameters()),
+            self.make_optimizer(replica),
             constant_schedule(1.0),
             grad_clip=0.0,
             precision=self.precision,
@@ -106,6 +107,17 @@ class _Runner:
         return _Pass(replica, engine, recorder, float(loss_sum[0]), grads, flat(list(grads.values())))
 
 
+def _optimizer_maker(optimizer: str, factory: OptimizerFactory | None) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """The optimizer each pass steps with, made from the pass's copy of the model."""
+    if factory is not None:
+        return lambda module: factory(module.parameters())
+    if optimizer == "muon":
+        return lambda module: build_muon(module, MuonSettings(lr=1e-3, weight_decay=0.0), lr=1e-3, weight_decay=0.0)
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer must be adamw or muon, got {optimizer!r}")
+    return lambda module: torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
+
+
 @preserved_rng()  # it seeds every pass alike: the caller's generators are left as they were
 def check_equivalence(
     model: nn.Module,
@@ -120,6 +132,7 @@ def check_equivalence(
     splits: Sequence[str] = SPLITS,
     unpacked: Sequence[torch.Tensor] | None = None,
     router_balance: str = "exact",
+    optimizer: str = "adamw",
 ) -> EquivalenceReport:
     """Compare the full-batch gradient with the engine's accumulated gradient (see :mod:`bigbatch.verify`).
 
@@ -131,6 +144,9 @@ def check_equivalence(
     full-batch gradients of the two are compared too (:attr:`EquivalenceReport.packing_rel_diff`; different valid
     counts are one of its :attr:`~EquivalenceReport.packing_problems`). ``router_balance``: a mixture of experts'
     balancing loss mode (:mod:`bigbatch.engine.router_balance`); one that is not exact is named as the coupling.
+    ``optimizer``: the update after one step is taken with AdamW (lr 1e-3, no weight decay) or ``muon`` (Muon
+    for the hidden matrices, AdamW for the rest, both lr 1e-3, no weight decay); ``optimizer_factory`` (given the
+    model's parameters) replaces either.
     """
     started = time.perf_counter()
     tensors, splits = _checked_inputs(batch, k, splits)
@@ -141,10 +157,8 @@ def check_equivalence(
 
     base = copy.deepcopy(model).to(device).train()
     dropout_disabled = disable_dropout(base)
-    default_optimizer: OptimizerFactory = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)  # noqa: E731
-    runner = _Runner(
-        base, loss_fn or lm_loss, precision, device, seed, optimizer_factory or default_optimizer, router_balance
-    )
+    make_optimizer = _optimizer_maker(optimizer, optimizer_factory)
+    runner = _Runner(base, loss_fn or lm_loss, precision, device, seed, make_optimizer, router_balance)
     full_batch = TensorBatch(tensors)
     n_total = runner.count(full_batch)
     if n_total == 0:
@@ -176,6 +190,7 @@ def check_equivalence(
         max_abs_diff=results[0].max_abs_diff,
         mistakes=_classic_mistakes(runner, tensors, split_indices(samples, k, splits[0], seed), full),
         update_rel_diff=update_rel_diff,
+        optimizer="custom" if optimizer_factory is not None else optimizer,
         findings=findings,
         dropout_disabled=dropout_disabled,
         seconds=time.perf_counter() - started,

@@ -81,6 +81,7 @@ class EquivalenceReport:
     max_abs_diff: float
     mistakes: list[Mistake]
     update_rel_diff: float  # ||Δp_acc - Δp_full|| / ||Δp_full|| after one optimizer step
+    optimizer: str = "adamw"  # the step's: adamw, muon or custom (a factory's)
     findings: list[Finding] = field(default_factory=list)
     dropout_disabled: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -140,6 +141,7 @@ class EquivalenceReport:
             "total_rel_diff": self.total_rel_diff,
             "total_cosine": self.total_cosine,
             "update_rel_diff": self.update_rel_diff,
+            "optimizer": self.optimizer,
             "seconds": self.seconds,
             "packing_rel_diff": self.packing_rel_diff,
             "packing_problems": self.packing_problems,
@@ -204,9 +206,17 @@ class EquivalenceReport:
                     f"  buffer {b.name}: full batch {b.full_value}, accumulated {b.accumulated_value} "
                     f"(relative difference {b.rel_diff:.2e})"
                 )
+        why = {
+            "muon": "Muon orthogonalised the accumulated gradient once per hidden matrix, AdamW the rest; "
+            "informational: AdamW divides by |g| + eps, so coordinates whose exact gradient is zero move by rounding",
+            "custom": "informational: the optimizer the factory gave",
+        }.get(
+            self.optimizer,
+            "informational: AdamW divides by |g| + eps, so coordinates whose exact gradient is zero move by rounding",
+        )
         lines.append(
-            f"parameter update after one optimizer step: relative difference {self.update_rel_diff:.2e} "
-            "(informational: AdamW divides by |g| + eps, so coordinates whose exact gradient is zero move by rounding)"
+            f"parameter update after one {self.optimizer if self.optimizer != 'custom' else 'optimizer'} step: "
+            f"relative difference {self.update_rel_diff:.2e} ({why})"
         )
         for m in self.mistakes:
             lines.append(

@@ -36,6 +36,7 @@ from bigbatch.run.build.engine_phase import (
     bad_step_settings,
     build_follower,
     build_optimizer,
+    check_optimizer,
     wrap_for_training,
 )
 from bigbatch.run.build.model_phase import build_run_model
@@ -149,6 +150,7 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
     data_mode_auto = config.data.data_mode == "auto"
     config = check_config(config)
     check_objective(config)
+    check_optimizer(config)
     check_batch(config, dist.world_size)  # before the run directory is made
     seed_everything(config.run.seed)
     if device.type == "cuda":

@@ -13,9 +13,11 @@ import torch.nn as nn
 
 from bigbatch.engine.bad_steps import BadStepSettings
 from bigbatch.engine.batch_change import BatchChangeRule, BatchFollower, OptimSettings
+from bigbatch.engine.muon import MuonSettings, build_muon
 from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.errors import ConfigError
 from bigbatch.models.decoder import LanguageModel, fsdp_units
+from bigbatch.models.lora import has_lora
 from bigbatch.models.registry import family_of
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import (
@@ -72,13 +74,34 @@ def wrap_for_training(
     return WrappedModel(train_model, wrapped, grad_sync, parallel, compiled=compile_model)
 
 
+MUON_LORA_REFUSAL = (
+    "--optimizer muon does not train LoRA adapters: it orthogonalises a weight's whole update, and orthogonal "
+    "updates of the two low-rank factors do not make an orthogonal update of their product (nor one of known size); "
+    "train adapters with --optimizer adamw, or Muon without --lora-rank"
+)
+
+
+def check_optimizer(config: TrainConfig) -> None:
+    """Optimizer settings that cannot train this run, refused in one line before anything is made."""
+    if config.optim.optimizer == "muon" and config.model.lora_rank:
+        raise ConfigError(MUON_LORA_REFUSAL)
+
+
 def build_optimizer(
     config: TrainConfig, model: LanguageModel, resume_from: Path | None, say: Say
 ) -> tuple[torch.optim.Optimizer, CosineSchedule]:
-    """AdamW over ``model``'s parameters (after wrapping: FSDP2 replaces them with sharded ones) and the warmup +
-    cosine schedule of this run's length."""
+    """AdamW (or Muon with AdamW: ``--optimizer muon``) over ``model``'s parameters (after wrapping: FSDP2 replaces
+    them with sharded ones) and the warmup + cosine schedule of this run's length."""
     opt = config.optim
-    optimizer = build_adamw(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    betas = (opt.beta1, opt.beta2)
+    optimizer: torch.optim.Optimizer
+    if opt.optimizer == "muon":
+        if has_lora(model):  # check_optimizer refused --lora-rank; adapters that came another way
+            raise ConfigError(MUON_LORA_REFUSAL)
+        muon = muon_settings(config)
+        optimizer = build_muon(model, muon, lr=opt.lr, weight_decay=opt.weight_decay, betas=betas, eps=opt.eps)
+    else:
+        optimizer = build_adamw(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=betas, eps=opt.eps)
     schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)
     if opt.warmup_steps > schedule.warmup_steps and resume_from is None:
         say(
@@ -91,12 +114,30 @@ def build_optimizer(
     return optimizer, schedule
 
 
+def muon_settings(config: TrainConfig) -> MuonSettings:
+    """Muon's settings from ``[optim]``: its learning rate ``auto`` is ``--lr`` with the RMS-matched scale (the
+    update's size is AdamW's) and 0.02 with the spectral one."""
+    opt = config.optim
+    lr = opt.muon_lr or (opt.lr if opt.muon_scale == "rms" else 0.02)
+    return MuonSettings(
+        lr=lr,
+        momentum=opt.muon_momentum,
+        weight_decay=opt.muon_weight_decay,
+        ns_steps=opt.muon_ns_steps,
+        coefficients=opt.muon_coefficients,
+        scale=opt.muon_scale,
+    )
+
+
 def build_follower(config: TrainConfig, reference_tokens: int) -> BatchFollower:
     """How the optimizer follows a change of the tokens per step (``--batch-change-rule``), from the configured
     settings, which hold at ``reference_tokens`` (the plan's; a resumed run restores its first one)."""
     opt = config.optim
-    rule = BatchChangeRule.resolve(opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay)
-    base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay)
+    rule = BatchChangeRule.resolve(
+        opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay, opt.batch_change_momentum
+    )
+    momentum = opt.muon_momentum if opt.optimizer == "muon" else None
+    base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay, momentum)
     return BatchFollower(rule, base, reference_tokens, requested=opt.batch_change_rule)
 
 

@@ -9,6 +9,7 @@ from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.chat import audit_lines
 from bigbatch.data.data_mode import conversations_note
 from bigbatch.data.documents import DocumentLoader
+from bigbatch.engine.optim import describe_optimizer
 from bigbatch.models.registry import family_of
 from bigbatch.parallel.launch import worker_threads_note
 from bigbatch.progress import plural
@@ -44,12 +45,14 @@ def header_lines(parts: RunParts) -> list[str]:
     unit = parts.plan.tokens_per_k
     if parts.seesaw is not None:
         lines.append(f"seesaw | {parts.seesaw.describe(unit)}")
+    lines.append(f"optimizer | {describe_optimizer(parts.engine.optimizer)}")
     follower = parts.engine.follower
     if follower is not None and (
         parts.ramp is not None or parts.seesaw is not None or follower.reference_tokens != parts.planned_tokens_per_step
     ):
+        rule = follower.rule.describe(muon=follower.base.momentum is not None)
         lines.append(
-            f"batch change | {follower.rule.describe()} | B0 = {follower.reference_tokens:,} tokens/step, where lr "
+            f"batch change | {rule} | B0 = {follower.reference_tokens:,} tokens/step, where lr "
             f"{follower.base.lr:.3g}, betas ({follower.base.beta1:g}, {follower.base.beta2:g}) and weight decay "
             f"{follower.base.weight_decay:g} hold"
         )

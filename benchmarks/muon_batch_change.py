@@ -1,0 +1,145 @@
+"""A 4x batch change in the middle of a ``--optimizer muon`` run: Muon's momentum moved with the tokens per step
+(``--batch-change-momentum tokens``) against kept (``keep``), paired seeds, on CPU.
+
+    python benchmarks/muon_batch_change.py            # 5 paired seeds x 200 steps, about 6 minutes on one thread
+    python benchmarks/muon_batch_change.py --quick    # 2 seeds x 80 steps: a smoke check (about 2 minutes)
+
+As benchmarks/batch_change.py's "change": pico at seq_len 64 on tiny Shakespeare (or its stand-in, said so), the
+byte tokenizer, ``--optimizer muon`` at its defaults (Muon lr = --lr = 2e-3 with the rms scale, momentum 0.95),
+warmup 5, cosine to 0.1x over all the steps (``decay_steps``). 100 steps of 1,024 tokens (8 x 64 x K 2), then the
+run is resumed in its own directory with ``total_batch_tokens`` 4,096 and ``allow_batch_change`` for 100 more.
+Both arms use the rule sqrt (lr x 2, AdamW's beta2 ** 4 for the embeddings, head, gains and biases); they differ
+only in Muon's momentum at the change: ``tokens`` sets it to 0.95 ** 4 = 0.8145 (the momentum's half-life stays
+the same number of tokens: 13.5 steps of 1,024 = 3.4 steps of 4,096), ``keep`` leaves it at 0.95 (a half-life
+4x longer in tokens). Same seed: the same weights and windows, so the first halves are the same computation (the
+script checks their losses at the change agree bitwise).
+
+Reported: the mean training loss of the first 5 and 20 steps after the change (``metrics.jsonl``), the validation
+loss at the end (the whole split), the mean paired difference tokens - keep with its 95% interval (Student's t).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_change import QUICK, Bench, Sizes, paired, quiet, records, spread, step_losses, train  # noqa: E402
+from bench_config import bench_corpus  # noqa: E402
+
+ARMS = ("keep", "tokens")
+
+
+def bench_muon_change(b: Bench) -> None:
+    steps, mb, before = b.sizes.change_steps, 8, 1024
+    after, half = 4 * before, steps // 2
+    print(
+        f"muon change | pico, --optimizer muon, {half} steps of {before:,} tokens, then resumed at {after:,} (x4, "
+        f"--allow-batch-change) for {half} more; cosine over all {steps} (lr 2e-3, warmup 5); rule sqrt in both arms; "
+        f"--batch-change-momentum tokens (0.95 -> {0.95**4:.4f}) vs keep, same seed"
+    )
+    windows = b.sizes.after
+    head = " ".join(f"{f'+1..+{n} keep':>13} {f'+1..+{n} tokens':>15}" for n in windows)
+    print(f"  {'seed':>4} {head} {'val keep':>9} {'val tokens':>10} {'diff':>8}")
+    losses: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in windows} for arm in ARMS}
+    vals: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    changes, mismatched = {}, []
+    for seed in b.seeds:
+        at_change = {}
+        for arm in ARMS:
+            out = b.work / f"muon_change_{arm}_{seed}"
+            for total, n_steps in ((before, half), (after, steps)):
+                config = b.config(out, mb, total, n_steps, seed, eval_every=half)
+                config.optim.optimizer = "muon"
+                config.optim.decay_steps = steps
+                config.optim.batch_change_rule = "sqrt"
+                config.optim.batch_change_momentum = arm
+                if total == after:
+                    config.run.allow_batch_change = True
+                    result, _ = train(config)
+                else:
+                    with quiet():  # "changes nothing in this run": this session's tokens per step do not change
+                        train(config)
+            if result.val_loss is None:
+                raise SystemExit(f"seed {seed} {arm}: no validation loss")
+            vals[arm].append(result.val_loss)
+            loss = step_losses(out)
+            at_change[arm] = loss[half]
+            for n in windows:
+                losses[arm][n].append(statistics.fmean(loss[s] for s in range(half + 1, half + n + 1)))
+            found = records(out, "batch_change")
+            if len(found) != 1 or found[0]["step"] != half + 1:
+                raise SystemExit(f"seed {seed} {arm}: expected one batch change at step {half + 1}: {found}")
+            changes[arm] = found[0]
+        if at_change["keep"] != at_change["tokens"]:
+            mismatched.append(seed)
+        cells = " ".join(f"{losses['keep'][n][-1]:>13.4f} {losses['tokens'][n][-1]:>15.4f}" for n in windows)
+        print(
+            f"  {seed:>4} {cells} {vals['keep'][-1]:>9.4f} {vals['tokens'][-1]:>10.4f} "
+            f"{vals['tokens'][-1] - vals['keep'][-1]:>+8.4f}"
+        )
+    for arm, c in changes.items():
+        momentum = (
+            f" | Muon momentum {c['momentum_before']:.4g} -> {c['momentum_after']:.4g}" if "momentum_before" in c else ""
+        )
+        print(
+            f"  {arm}: step {c['step']} {c['tokens_per_step_before']:,} -> {c['tokens_per_step_after']:,} tokens/step | "
+            f"lr {c['lr_before']:.3e} -> {c['lr_after']:.3e} | beta2 {c['beta2_before']:.4g} -> {c['beta2_after']:.4g}"
+            + momentum
+        )
+    for n in windows:
+        diffs = [t - k for k, t in zip(losses["keep"][n], losses["tokens"][n], strict=True)]
+        print(f"  train loss, steps +1..+{n} after the change: keep {spread(losses['keep'][n])}")
+        print(f"  {'':>40}  tokens {spread(losses['tokens'][n])}")
+        print(f"  {'':>40}  tokens - keep {paired(diffs)}")
+    diffs = [t - k for k, t in zip(vals["keep"], vals["tokens"], strict=True)]
+    print(f"  final val loss: keep   {spread(vals['keep'])}")
+    print(f"                  tokens {spread(vals['tokens'])}")
+    print(f"                  tokens - keep {paired(diffs)}")
+    print(
+        "  first halves (the same computation in both arms): "
+        + ("loss at the change bitwise equal for every seed" if not mismatched else f"DIFFER for seeds {mismatched}")
+    )
+    first = windows[0]
+    early = statistics.fmean(t - k for k, t in zip(losses["keep"][first], losses["tokens"][first], strict=True))
+    b.summary.append(
+        f"muon change x4: tokens - keep, train loss over the {first} steps after the change {early:+.4f}, final val "
+        f"loss {paired(diffs)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, help="paired seeds (default 5; --quick 2)")
+    parser.add_argument("--quick", action="store_true", help="2 seeds x 80 steps")
+    parser.add_argument("--corpus", help="raw text (default: tiny Shakespeare beside the checkout, else its stand-in)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    torch.set_num_threads(args.threads)
+    logging.getLogger("bigbatch").setLevel(logging.WARNING)
+    sizes: Sizes = QUICK if args.quick else Sizes()
+    seeds = list(range(args.seeds or (2 if args.quick else 5)))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bigbatch-muon-change-") as tmp:
+        work = Path(tmp)
+        corpus, line, _ = bench_corpus(args.corpus, work)
+        print(f"{line} | {args.threads} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+        bench = Bench(corpus, work, seeds, sizes)
+        bench_muon_change(bench)
+    print("summary")
+    for line in bench.summary:
+        print(f"  {line}")
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
