@@ -31,8 +31,9 @@ from bigbatch.errors import ConfigError
 from bigbatch.models.routing import is_router_path
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
-"""Jordan's quintic: steep at zero, so five iterations move every singular value above about 1e-2 of the largest
-into roughly 0.68-1.2 (never to exactly 1: it trades the limit for speed)."""
+"""Jordan's quintic: steep at zero, so five iterations move every singular value above about 1e-2 of the matrix's
+Frobenius norm (by which it is first divided) into roughly 0.68-1.2 (never to exactly 1: it trades the limit for
+speed)."""
 
 POLAR_EXPRESS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -42,7 +43,7 @@ POLAR_EXPRESS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 """Amsel et al., 2025 ("The Polar Express", arXiv 2505.16932): a different minimax-optimal quintic per iteration
-for singular values in [1e-3, 1]; five leave them in about 0.86-1.14."""
+for singular values in [1e-3, 1] after the division by the Frobenius norm; five leave those in about 0.86-1.14."""
 
 CONVERGENT = (15 / 8, -10 / 8, 3 / 8)
 """The classical quintic Newton-Schulz step: 1 is a fixed point with zero first and second derivatives, so from
@@ -402,7 +403,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a sharded tensor (FSDP2's DTensor), the tensor itself otherwise."""
-    return tensor.to_local() if _is_sharded(tensor) else tensor
+    local: torch.Tensor = tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    return local
 
 
 def build_muon(
@@ -440,8 +442,10 @@ def build_muon(
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    transposed = [
-        module.weight for module in model.modules() if type(module).__name__ == "Conv1D" and id(module.weight) in chosen
+    transposed: list[torch.Tensor] = [
+        module.weight  # type: ignore[misc]
+        for module in model.modules()
+        if type(module).__name__ == "Conv1D" and id(module.weight) in chosen
     ]
     return MuonAdamW(
         [g for g in groups if g["params"]],

@@ -41,6 +41,7 @@ def is_router_path(path: str) -> bool:
     projection, is neither). By name, never by width: a projection may be as wide as there are experts."""
     return any(part in ROUTER_NAMES or part.endswith(("_gate", "_router")) for part in path.split("."))
 
+
 @dataclass(frozen=True)
 class RouterSpec:
     """How a model's balancing loss is defined: ``n_expert`` routed experts, ``top_k`` per token, over

@@ -66,8 +66,9 @@ class OptimSection:
     muon_ns_steps: int = _opt(5, "Newton-Schulz iterations per matrix and step", range=POSITIVE_INT)
     muon_coefficients: str = _opt(
         "quintic",
-        "Newton-Schulz polynomial: quintic (Jordan's, 5 iterations leave singular values in about 0.7-1.2) or "
-        "polar-express (Amsel et al.'s per-iteration coefficients, about 0.86-1.14 after 5; more iterations "
+        "Newton-Schulz polynomial: quintic (Jordan's, 5 iterations leave singular values above 1e-2 of the "
+        "Frobenius norm in about 0.7-1.2) or polar-express (Amsel et al.'s per-iteration coefficients: above 1e-3, "
+        "about 0.86-1.14 after 5; more iterations "
         "converge to the polar factor)",
         choices=MUON_COEFFICIENTS,
     )
