@@ -23,8 +23,9 @@ from launch import SUPPORT, support_pythonpath, torchrun
 from reliability_runs import assert_same_final_model, cli_args, final_model, run_cli, step_losses
 
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.muon import balanced_owners, muon_parameters, orthogonalise
+from bigbatch.engine.muon import muon_parameters, orthogonalise
 from bigbatch.engine.optim import constant_schedule
+from bigbatch.parallel.matrix_owners import balanced_owners
 from bigbatch.run.checkpoints import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # multi-process, as tests/integration/test_distributed.py
@@ -49,7 +50,7 @@ def reference(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, list
     matrix is orthogonalised in this process)."""
     model = dist_worker.make_model().to(dtype)
     optimizer = muon_dist_worker.muon_optimizer(model)
-    assert optimizer.sharing.world_size == 1
+    assert optimizer.owners.world_size == 1
     engine = AccumulationEngine(model, optimizer, constant_schedule(muon_dist_worker.ADAMW_LR), grad_clip=1.0)
     records = [engine.step(dist_worker.global_step_batches(s, 2, ragged=False)) for s in range(dist_worker.STEPS)]
     assert optimizer.orthogonalisations == dist_worker.STEPS * len(muon_parameters(model))
@@ -164,7 +165,7 @@ def golden_muon(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("golden_muon") / "run"
     done = run_cli(cli_args(corpus, out, "--nproc", "2", *MUON_FSDP))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "each matrix orthogonalised by one of 2 ranks" in done.stdout
+    assert "each orthogonalised by one of 2 ranks" in done.stdout
     return out
 
 

@@ -7,7 +7,7 @@
     in each step.
 
 ``torchrun --nproc-per-node 3 tests/support/muon_dist_worker.py shards OUT``
-    ``MatrixSharing.orthogonalised`` on DTensors sharded by rows (``Shard(0)``) where a rank holds no rows (an
+    ``MatrixOwners.compute_once`` on DTensors sharded by rows (``Shard(0)``) where a rank holds no rows (an
     owner among them), beside a plain replicated tensor. Rank 0 writes every rank's pieces of the results, the
     same rows of ``orthogonalise`` of the whole matrix computed here, and each rank's Newton-Schulz runs.
 
@@ -30,10 +30,10 @@ import torch
 MUON_LR, ADAMW_LR = 3e-3, 1e-3
 
 
-def muon_optimizer(model: torch.nn.Module) -> Any:
+def muon_optimizer(model: torch.nn.Module, world_size: int = 1, rank: int = 0) -> Any:
     from bigbatch.engine.muon import MuonSettings, build_muon
 
-    return build_muon(model, MuonSettings(lr=MUON_LR), lr=ADAMW_LR)
+    return build_muon(model, MuonSettings(lr=MUON_LR), lr=ADAMW_LR, world_size=world_size, rank=rank)
 
 
 # ---- train: DDP and FSDP2 against one process ---------------------------------------------------------------
@@ -49,7 +49,8 @@ def train(parallel: str, dist_ctx: Any, device: torch.device) -> dict[str, Any]:
 
     model = dist_worker.make_model()
     wrapped, grad_sync = wrap_model(model, parallel, dist_ctx, device, units=fsdp_units(model))
-    optimizer = muon_optimizer(model)  # after wrapping: FSDP2 has replaced the parameters with sharded ones
+    # after wrapping: FSDP2 has replaced the parameters with sharded ones
+    optimizer = muon_optimizer(model, dist_ctx.world_size, dist_ctx.rank)
     engine = AccumulationEngine(
         wrapped, optimizer, constant_schedule(ADAMW_LR), grad_clip=1.0, grad_sync=grad_sync, dist=dist_ctx
     )
@@ -104,8 +105,9 @@ def run_shards(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from bigbatch.engine.muon import MatrixSharing, orthogonalise
+    from bigbatch.engine.muon import orthogonalise
     from bigbatch.parallel.distributed import distributed_session
+    from bigbatch.parallel.matrix_owners import MatrixOwners
 
     with distributed_session("cpu") as (dist_ctx, _device):
         world, rank = dist_ctx.world_size, dist_ctx.rank
@@ -115,12 +117,12 @@ def run_shards(out: str) -> None:
         locals_ = [distribute_tensor(x, mesh, [Shard(0)]).to_local() for x in inputs]
         runs = [0]
 
-        def compute(matrix: torch.Tensor) -> torch.Tensor:
+        def compute(index: int, matrix: torch.Tensor) -> torch.Tensor:
             runs[0] += 1
             return orthogonalise(matrix)
 
-        sharing = MatrixSharing(world, rank)
-        got = sharing.orthogonalised([*sharded, plain_param], [*locals_, plain_input], compute)
+        owners = MatrixOwners([*sharded, plain_param], world, rank)
+        got = owners.compute_once(range(len(sharded) + 1), [*locals_, plain_input], compute)
         expected = [orthogonalise(x).chunk(world)[rank] if rank < len(x.chunk(world)) else None for x in inputs]
         mine = {
             "rank": rank,
@@ -132,7 +134,7 @@ def run_shards(out: str) -> None:
             ]
             + [orthogonalise(plain_input)],
             "runs": runs[0],
-            "owners": sharing.owners([*sharded, plain_param]),
+            "owners": owners.owners,
         }
         everyone = dist_ctx.all_gather_object(mine)
         if dist_ctx.is_main:

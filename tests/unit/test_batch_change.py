@@ -229,7 +229,7 @@ def test_an_old_checkpoint_turns_auto_off_but_keeps_a_named_rule() -> None:
     name is applied."""
     auto = make_follower("auto")
     auto.load_state_dict(None)
-    assert auto.rule == BatchChangeRule("none", "none", "keep")
+    assert auto.rule == BatchChangeRule("none", "none", "keep", "keep")
     assert not auto.rule.changes_anything
     assert auto.settings(1e-3, 4 * REF) == OptimSettings(1e-3, BASE.beta1, BASE.beta2, BASE.weight_decay)
 

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"smallest's; 0: no higher at all (default: {DEFAULT_LOSS_TOLERANCE}, i.e. "
         f"{DEFAULT_LOSS_TOLERANCE * 100:g}%%)",
     )
-    for name in ("batch_change_rule", "batch_change_betas", "batch_change_weight_decay"):
+    for name in ("batch_change_rule", "batch_change_betas", "batch_change_weight_decay", "batch_change_momentum"):
         add_config_flag(parser, OptimSection, name, note="; critical-batch: from the run's size to each branch's")
     parser.add_argument("--lr-rule", help=argparse.SUPPRESS)  # renamed: refused in one line below
     add_micro_batch(
@@ -112,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.every is not None and args.step is not None:
         raise ConfigError("--every measures at several checkpoints and --step at one; give one of them")
-    rule = BatchChangeRule.resolve(args.batch_change_rule, args.batch_change_betas, args.batch_change_weight_decay)
+    rule = BatchChangeRule.resolve(
+        args.batch_change_rule, args.batch_change_betas, args.batch_change_weight_decay, args.batch_change_momentum
+    )
     common = {
         "tolerance": args.tolerance,
         "rule": rule,

@@ -196,8 +196,13 @@ def branch_config(
     config.batch.total_batch_tokens, config.batch.micro_batch = plan.tokens_per_step, plan.micro_batch
     config.batch.batch_ramp = ""  # every branch trains at its own fixed size, whatever the parent's ramp
     optim, settings = config.optim, parent.settings
-    if optim.optimizer == "muon":  # Muon's rate keeps its ratio to --lr; its momentum is the parent's last
-        optim.muon_lr = optim.muon_lr * settings.lr / optim.lr if optim.muon_lr else 0.0
+    if optim.optimizer == "muon":  # Muon's rate, weight decay and momentum as the parent's last step had them
+        groups = parent.document.get("optimizer_param_groups") or []
+        muon = next((group for group in groups if group.get("muon")), None)
+        if muon is not None:
+            optim.muon_lr, optim.muon_weight_decay = float(muon["lr"]), float(muon["weight_decay"])
+        elif optim.muon_lr:  # a checkpoint without param groups: the configured ratio to --lr
+            optim.muon_lr = optim.muon_lr * settings.lr / optim.lr
         optim.muon_momentum = settings.momentum if settings.momentum is not None else optim.muon_momentum
         optim.batch_change_momentum = rule.momentum
     optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.decay_steps = settings.lr, 1.0, 0, 0  # constant lr
@@ -223,7 +228,7 @@ def _check_branch_record(branch_dir: Path, record: dict[str, Any]) -> None:
             saved = from_json(path.read_text())
         except (OSError, json.JSONDecodeError):
             saved = {}
-        keys = ("parent_sha256", "tokens_per_step", "batch_change_rule", "lr", "beta2")
+        keys = ("parent_sha256", "tokens_per_step", "batch_change_rule", "lr", "beta2", "momentum")
         diffs = [f"{k} {saved.get(k)!r} -> {record[k]!r}" for k in keys if saved.get(k) != record[k]]
         if diffs:
             raise CheckpointError(
@@ -276,7 +281,7 @@ def measure_critical_batch(
     ``result.json`` (and the plot) in ``RUN/critical-batch/step_SSSSSSS-RULE/``. ``rule``: how each branch's
     optimizer follows its size (default: sqrt with beta2's half-life in tokens). Every check runs before any
     training."""
-    rule = rule or BatchChangeRule()
+    rule = rule or BatchChangeRule.resolve("auto")
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ConfigError(f"--tolerance must be a fraction >= 0 (e.g. 0.01 for 1%), got {tolerance}")
     sizes = sorted(set(sizes))
@@ -431,6 +436,7 @@ def _train_and_score_branch(
         "batch_change_rule": rule.label(),
         "lr": settings.lr,
         "beta2": settings.beta2,
+        "momentum": settings.momentum,  # Muon's (None: the parent trains with AdamW alone)
     }
     _check_branch_record(branch_dir, record)
     config = branch_config(parent, branch_dir, plan, rule, steps, eval_batches, device)
@@ -463,7 +469,7 @@ def measure_over_run(
 ) -> tuple[CriticalBatchOverRun, Path]:
     """``--every N``: :func:`measure_critical_batch` at each of RUN's checkpoints at a multiple of ``every`` steps,
     then the critical batch against tokens seen (``over-run-RULE.json`` and its plot in ``RUN/critical-batch/``)."""
-    rule = rule or BatchChangeRule()
+    rule = rule or BatchChangeRule.resolve("auto")
     if not run_dir.is_dir():
         find_parent(run_dir)  # its one-line error
     steps = checkpoints_every([checkpoint_step(p) for p in list_checkpoints(run_dir)], every, run_dir)

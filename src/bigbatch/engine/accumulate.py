@@ -224,8 +224,7 @@ class AccumulationEngine:
             return lr
         tokens = follower.last_tokens or follower.reference_tokens
         settings = follower.settings(lr, tokens)
-        base_decay = follower.base.weight_decay
-        decay_factor = settings.weight_decay / base_decay if base_decay > 0 else 1.0
+        decay_factor = follower.weight_decay_factor(tokens)
         for group, weight_decay in zip(self.optimizer.param_groups, self._base_weight_decays, strict=True):
             group["lr"] = settings.lr * group.get("lr_scale", 1.0)
             group["weight_decay"] = weight_decay * decay_factor

@@ -58,9 +58,11 @@ class BatchChangeRule:
     rule: str = "sqrt"  # the learning rate: none, sqrt or linear
     betas: str = "beta2"  # which betas keep their half-life in tokens: none, beta2 or both
     weight_decay: str = "keep"  # keep, or timescale (B / (lr x wd) fixed)
-    momentum: str = "keep"  # Muon's momentum: keep, or tokens (its half-life in tokens kept; auto resolves to it)
+    momentum: str = ""  # Muon's: tokens (half-life in tokens kept) or keep; "": keep with rule none, else tokens
 
     def __post_init__(self) -> None:
+        if not self.momentum:  # as resolve's auto: a rule that changes nothing leaves the momentum too
+            object.__setattr__(self, "momentum", "keep" if self.rule == "none" else "tokens")
         for name, value, allowed in (
             ("--batch-change-rule", self.rule, RULES),
             ("--batch-change-betas", self.betas, BETAS),
@@ -93,6 +95,11 @@ class BatchChangeRule:
             return ratio
         return 1.0
 
+    def weight_decay_factor(self, ratio: float) -> float:
+        """What every weight decay is multiplied by at ``ratio`` times the reference tokens per step: ``r / f(r)``
+        with ``timescale`` (``B / (lr x wd)`` kept), else 1."""
+        return ratio / self.lr_factor(ratio) if self.weight_decay == "timescale" else 1.0
+
     def follow(self, base: OptimSettings, ratio: float) -> OptimSettings:
         """``base`` (the settings at the reference size) at ``ratio`` times the reference tokens per step."""
         if not (ratio > 0 and math.isfinite(ratio)):
@@ -100,7 +107,7 @@ class BatchChangeRule:
         factor = self.lr_factor(ratio)
         beta2 = base.beta2**ratio if self.betas in ("beta2", "both") else base.beta2
         beta1 = base.beta1**ratio if self.betas == "both" else base.beta1
-        weight_decay = base.weight_decay * ratio / factor if self.weight_decay == "timescale" else base.weight_decay
+        weight_decay = base.weight_decay * self.weight_decay_factor(ratio)
         momentum = base.momentum
         if momentum is not None and self.momentum == "tokens":
             momentum = momentum**ratio
@@ -123,7 +130,10 @@ class BatchChangeRule:
     def label(self) -> str:
         """A short name for directories: ``sqrt-beta2``, ``none``, ``linear-both-timescale``."""
         words = [self.rule] + ([self.betas] if self.betas != "none" else [])
-        return "-".join(words + (["timescale"] if self.weight_decay == "timescale" else []))
+        words += ["timescale"] if self.weight_decay == "timescale" else []
+        if self.momentum != ("keep" if self.rule == "none" else "tokens"):  # not what auto gives: named
+            words.append(f"momentum-{self.momentum}")
+        return "-".join(words)
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,11 @@ class BatchFollower:
             return base
         return self.rule.follow(base, tokens_per_step / self.reference_tokens)
 
+    def weight_decay_factor(self, tokens_per_step: int) -> float:
+        """What every param group's configured weight decay is multiplied by at this size (AdamW's and Muon's
+        alike, whichever is zero)."""
+        return self.rule.weight_decay_factor(tokens_per_step / self.reference_tokens)
+
     def change(self, step: int, tokens_seen: int, lr: float, tokens_per_step: int, cause: str) -> BatchChange | None:
         """The change a step of ``tokens_per_step`` makes after the last one trained, or ``None``; a fresh run's first
         step is compared with the reference."""
@@ -222,7 +237,7 @@ class BatchFollower:
         settings: unless a rule was asked for by name, it goes on doing so."""
         if not state:
             if self.requested == AUTO:
-                self.rule = BatchChangeRule("none", "none", "keep")
+                self.rule = BatchChangeRule("none", "none", "keep", "keep")
             return
         self.reference_tokens = int(state.get("reference_tokens") or self.reference_tokens)
         last = state.get("last_tokens")

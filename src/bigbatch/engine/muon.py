@@ -6,11 +6,12 @@ matrix polynomial. The orthogonalisation is not linear in the gradient, so it mu
 here it runs inside :meth:`MuonAdamW.step`, which the engine calls once after the last backward, the one gradient
 sync and the clip; the momentum is built from that gradient. Nothing runs per micro-batch or in a backward hook.
 
-Across processes each matrix has one *owner* rank (owners balanced by size). Under DDP every rank holds the whole
-reduced gradient, so each orthogonalises only the matrices it owns and one all-reduce of the updates (zeros where
-a rank is not the owner: adding zero is exact) gives every rank all of them. Under FSDP2 a matrix is sharded by
-rows: its owner gathers the rows, orthogonalises the whole matrix and scatters the update's rows back. Either way
-the update equals one process's on the same gradient.
+Across processes each matrix has one *owner* rank (owners balanced by size,
+:mod:`bigbatch.parallel.matrix_owners`). Under DDP every rank holds the whole reduced gradient, so each
+orthogonalises only the matrices it owns and one all-reduce of the updates (zeros where a rank is not the owner:
+adding zero is exact) gives every rank all of them. Under FSDP2 a matrix is sharded by rows: its owner gathers the
+rows, orthogonalises the whole matrix and scatters the update's rows back. Either way the update equals one
+process's on the same gradient.
 
 The momentum lives in the optimizer state like AdamW's moments, created at construction (zeros), so every rank
 has the same keys from step 0 and a distributed checkpoint saves and reshards it like any other state.
@@ -27,8 +28,11 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
 
+from bigbatch.engine.optim import fused_adamw_supported
 from bigbatch.errors import ConfigError
+from bigbatch.models.lora import has_lora
 from bigbatch.models.routing import is_router_path
+from bigbatch.parallel.matrix_owners import MatrixOwners, local_part
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 """Jordan's quintic: steep at zero, so five iterations move every singular value above about 1e-2 of the matrix's
@@ -139,144 +143,127 @@ class MuonSettings:
         )
 
 
-# ---- which parameters Muon trains ----------------------------------------------------------------------------
+# ---- which parameters Muon trains, and how each holds its matrices ---------------------------------------------
+
+LORA_REFUSAL = (
+    "--optimizer muon does not train LoRA adapters: it orthogonalises a weight's whole update, and orthogonal "
+    "updates of the two low-rank factors do not make an orthogonal update of their product (nor one of known size); "
+    "train adapters with --optimizer adamw, or Muon without --lora-rank"
+)
 
 
-def muon_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The hidden matrices Muon trains, by role and shape, for every family: trainable parameters of two or more
-    dimensions (an MoE's expert stacks (E, m, n) are E matrices) inside the model's repeated blocks, each dimension
-    above 1, routers left out. Embeddings, position tables, the head and every gain and bias are outside the blocks
-    or one-dimensional: AdamW trains them."""
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How one weight holds its matrices: ``parts`` matrices fused along ``dim`` (-2: stacked rows, as q, k and v
+    in GPT's ``c_attn`` or gate and up in ``gate_up_proj``; -1: side by side, as in transformers' Conv1D ``c_attn``),
+    each orthogonalised on its own as if they were separate weights (as nanochat's separate q, k, v are);
+    ``transposed``: stored (in, out), as transformers' Conv1D stores its weight."""
+
+    parts: int = 1
+    dim: int = -2
+    transposed: bool = False
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., m, n) -> (..., parts, m', n'): each fused matrix in the last two dimensions."""
+        if self.parts == 1:
+            return x
+        if self.dim == -2:
+            return x.unflatten(-2, (self.parts, x.size(-2) // self.parts))
+        return x.unflatten(-1, (self.parts, x.size(-1) // self.parts)).movedim(-2, -3)
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`split`."""
+        if self.parts == 1:
+            return x
+        if self.dim == -2:
+            return x.flatten(-3, -2)
+        return x.movedim(-3, -2).flatten(-2, -1)
+
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """(out, in) of each of the weight's matrices."""
+        m, n = int(shape[-2]), int(shape[-1])
+        if self.dim == -2:
+            m //= self.parts
+        else:
+            n //= self.parts
+        return (n, m) if self.transposed else (m, n)
+
+
+def _widths(model: nn.Module) -> set[int]:
+    """The MLP widths the model's configs name: a fused gate-and-up weight holds two of one of them."""
+    widths = set()
+    for config in (getattr(model, "config", None), getattr(getattr(model, "hf_model", None), "config", None)):
+        for key in ("ffn_hidden", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                widths.add(value)
+    return widths
+
+
+def matrix_layout(
+    module: nn.Module, module_name: str, name: str, param: torch.Tensor, widths: set[int]
+) -> MatrixLayout:
+    """The layout of ``param`` (``name`` in ``module``): transformers' Conv1D is stored (in, out); ``c_attn`` holds
+    q, k and v (three equal parts along the output); ``gate_up_proj`` gate then up (two halves of the output rows,
+    when the output is twice an MLP width of the config: not gpt-oss's interleaved (E, in, 2F)). Any other weight
+    is one matrix (or an expert stack of them); other fused layouts (Phi-3's ``qkv_proj`` of unequal parts) are
+    orthogonalised whole."""
+    conv1d = type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight (in, out)
+    last = module_name.rsplit(".", 1)[-1]
+    rows, cols = int(param.shape[-2]), int(param.shape[-1])
+    if last == "c_attn" and name == "weight":
+        if conv1d and cols == 3 * rows:
+            return MatrixLayout(3, -1, transposed=True)
+        if not conv1d and rows == 3 * cols:
+            return MatrixLayout(3, -2)
+    if "gate_up_proj" in (name, last) and rows % 2 == 0 and rows // 2 in widths:
+        return MatrixLayout(2, -2, transposed=conv1d)
+    return MatrixLayout(transposed=conv1d)
+
+
+def muon_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter, MatrixLayout]]:
+    """The hidden matrices Muon trains, by role and shape, for every family, with their layouts: trainable
+    parameters of two or more dimensions (an MoE's expert stacks (E, m, n) are E matrices) inside the model's
+    repeated blocks, each dimension above 1; routers (by name: :func:`is_router_path`) and any embedding table
+    left out. Embeddings, position tables, the head and every gain and bias are outside the blocks or
+    one-dimensional: AdamW trains them."""
     listed = getattr(model, "blocks", None)
     blocks = listed() if callable(listed) else []
-    found: list[tuple[str, nn.Parameter]] = []
+    widths = _widths(model)
+    found: list[tuple[str, nn.Parameter, MatrixLayout]] = []
     seen: set[int] = set()
     for index, block in enumerate(blocks):
         for module_name, module in block.named_modules():
-            if is_router_path(module_name):
+            if is_router_path(module_name) or isinstance(module, nn.Embedding):
                 continue
             for name, param in module.named_parameters(recurse=False):
                 full = f"{index}.{module_name}.{name}" if module_name else f"{index}.{name}"
                 if param.requires_grad and param.dim() >= 2 and min(param.shape) > 1 and id(param) not in seen:
                     seen.add(id(param))
-                    found.append((full, param))
+                    found.append((full, param, matrix_layout(module, module_name, name, param, widths)))
     return found
 
 
-# ---- sharing the work across processes ------------------------------------------------------------------------
-
-
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
-
-
-def balanced_owners(sizes: Sequence[int], world_size: int) -> list[int]:
-    """An owner rank per matrix: largest first, each to the rank with the least work so far (ties: the lowest
-    rank), the same on every rank."""
-    load = [0] * world_size
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[index] = rank
-        load[rank] += sizes[index]
-    return owners
-
-
-def _row_counts(rows: int, world_size: int) -> list[int]:
-    """The rows each rank holds of a dimension FSDP2 shards: ``torch.chunk``'s pieces, then empty ones."""
-    pieces = [len(c) for c in torch.arange(rows).chunk(world_size)]
-    return pieces + [0] * (world_size - len(pieces))
-
-
-class MatrixSharing:
-    """Who orthogonalises which matrix, and how the updates reach every process (see the module's doc)."""
-
-    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
-        self.world_size, self.rank = world_size, rank
-
-    @classmethod
-    def from_process_group(cls) -> MatrixSharing:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_world_size(), dist.get_rank())
-        return cls()
-
-    def owners(self, params: Sequence[torch.Tensor]) -> list[int]:
-        return balanced_owners([p.numel() for p in params], self.world_size)
-
-    def orthogonalised(
-        self,
-        params: Sequence[torch.Tensor],
-        inputs: Sequence[torch.Tensor],
-        compute: Callable[[torch.Tensor], torch.Tensor],
-    ) -> list[torch.Tensor]:
-        """``compute`` of each whole matrix ``inputs[i]`` (this rank's piece of it, shaped like ``params[i]``'s),
-        run once in the job by its owner; this rank's piece of each result."""
-        if self.world_size == 1:
-            return [compute(x) for x in inputs]
-        owners = self.owners(params)
-        results: list[torch.Tensor | None] = [None] * len(inputs)
-        replicated = [i for i, p in enumerate(params) if not _is_sharded(p)]
-        for i, param in enumerate(params):
-            if _is_sharded(param):
-                results[i] = self._through_owner(param, inputs[i], owners[i], compute)
-        if replicated:
-            pieces = [compute(inputs[i]) if owners[i] == self.rank else torch.zeros_like(inputs[i]) for i in replicated]
-            flat = torch.cat([piece.reshape(-1) for piece in pieces])
-            import torch.distributed as dist
-
-            dist.all_reduce(flat)  # one owner each, zeros elsewhere: the sum is the owner's update, exactly
-            for i, piece in zip(replicated, flat.split([p.numel() for p in pieces]), strict=True):
-                results[i] = piece.view_as(inputs[i])
-        return [r for r in results if r is not None]  # every index was filled above
-
-    def _through_owner(
-        self, param: torch.Tensor, local: torch.Tensor, owner: int, compute: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """A row-sharded matrix: its rows gathered on ``owner`` (padded to one size), ``compute`` there on the whole,
-        the result's rows scattered back; this rank's rows of it."""
-        import torch.distributed as dist
-
-        placements = param.placements  # type: ignore[attr-defined]
-        if len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
-            raise ValueError(f"Muon takes parameters sharded by rows (FSDP2's Shard(0)), got {placements}")
-        counts = _row_counts(int(param.shape[0]), self.world_size)
-        if local.shape[0] != counts[self.rank]:
-            shape = tuple(param.shape)
-            raise ValueError(f"expected {counts[self.rank]} rows of a {shape} matrix, got {local.shape[0]}")
-        width = max(counts)
-        padded = local.new_zeros((width, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        mine = self.rank == owner
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)] if mine else None
-        dist.gather(padded, gathered, dst=owner)
-        pieces: list[torch.Tensor] | None = None
-        if mine and gathered is not None:
-            whole = torch.cat([g[:count] for g, count in zip(gathered, counts, strict=True)])
-            result = compute(whole)
-            pieces = []
-            for count, chunk in zip(counts, _split_rows(result, counts), strict=True):
-                piece = result.new_zeros((width, *result.shape[1:]))
-                piece[:count] = chunk
-                pieces.append(piece)
-        received = torch.empty_like(padded)
-        dist.scatter(received, pieces, src=owner)
-        return received[: local.shape[0]]
-
-
-def _split_rows(tensor: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
-    return list(tensor.split(list(counts)))
+def muon_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """:func:`muon_matrices` without the layouts."""
+    return [(name, param) for name, param, _ in muon_matrices(model)]
 
 
 # ---- the optimizer --------------------------------------------------------------------------------------------
+
+
+CONFIGURED_KEYS = ("muon", "lr_scale", "ns_steps", "coefficients", "scale", "eps")
+"""Param-group keys that are the run's settings rather than its state: a loaded checkpoint does not replace them
+(the learning rate, betas, momentum and weight decay are set by the engine before every step anyway)."""
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the param groups marked ``muon: True``, AdamW for the others, as one optimizer (one ``step``, one
     state for checkpoints, one GradScaler). A Muon group's keys: ``lr``, ``momentum``, ``weight_decay``,
     ``ns_steps``, ``coefficients``, ``scale``; an AdamW group's: ``lr``, ``betas``, ``eps``, ``weight_decay``.
-    Both decay decoupled from the gradient (``p <- p (1 - lr wd)``)."""
+    Both decay decoupled from the gradient (``p <- p (1 - lr wd)``). ``layouts``: how a Muon weight holds its
+    matrices (default: one); ``world_size`` and ``rank``: the processes the matrices' owners are spread over (one
+    process unless given: the optimizer never looks for a process group itself)."""
 
     def __init__(
         self,
@@ -286,8 +273,10 @@ class MuonAdamW(torch.optim.Optimizer):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        sharing: MatrixSharing | None = None,
-        stored_transposed: Iterable[torch.Tensor] = (),
+        layouts: dict[int, MatrixLayout] | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        fused: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -301,10 +290,12 @@ class MuonAdamW(torch.optim.Optimizer):
             "scale": muon.scale,
         }
         super().__init__(list(groups), defaults)
-        self.settings, self.peak_lr = muon, lr
-        # weights stored (in, out), as transformers' Conv1D (GPT-2) stores them: the spectral scale reads (out, in)
-        self._transposed = {id(p) for p in stored_transposed}
-        self.sharing = sharing or MatrixSharing.from_process_group()
+        self.settings, self.peak_lr, self.fused = muon, lr, fused
+        self.matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        given = layouts or {}
+        self.layouts = [given.get(id(p), MatrixLayout()) for p in self.matrices]
+        self._index = {id(p): i for i, p in enumerate(self.matrices)}
+        self.owners = MatrixOwners(self.matrices, world_size, rank)
         self.orthogonalisations = 0  # Newton-Schulz runs on this process (a test counts them per step)
         for group in self.param_groups:  # every state now: the same keys on every rank from step 0
             for param in group["params"]:
@@ -312,27 +303,35 @@ class MuonAdamW(torch.optim.Optimizer):
                     buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
                     self.state[param] = {"momentum_buffer": buffer}
                 else:
+                    step_device = param.device if fused else torch.device("cpu")  # as torch's AdamW keeps it
                     self.state[param] = {
-                        "step": torch.tensor(0.0, dtype=torch.float32),
+                        "step": torch.zeros((), dtype=torch.float32, device=step_device),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved state (momentum, moments, steps, learning rates), the configured keys
+        (:data:`CONFIGURED_KEYS`) kept as this optimizer was built."""
+        configured = [{k: g[k] for k in CONFIGURED_KEYS if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, keys in zip(self.param_groups, configured, strict=True):
+            group.update(keys)
+
     def describe(self) -> str:
         """The header's line: what each half trains and with what."""
-        muon = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         adamw = [g for g in self.param_groups if not g["muon"]]
         rest = [p for g in adamw for p in g["params"]]
         decay = max((float(g["weight_decay"]) for g in adamw), default=0.0)
         beta1, beta2 = self.defaults["betas"]
-        shared = (
-            f", each matrix orthogonalised by one of {self.sharing.world_size} ranks (owners balanced by size)"
-            if self.sharing.world_size > 1
-            else ""
-        )
+        fused = sum(layout.parts > 1 for layout in self.layouts)
+        split = f", {fused} of them fused weights orthogonalised per part (q, k, v; gate, up)" if fused else ""
+        world = self.owners.world_size
+        shared = f", each orthogonalised by one of {world} ranks (owners balanced by size)" if world > 1 else ""
+        muon_size = sum(p.numel() for p in self.matrices) / 1e6
         return (
-            f"{self.settings.describe()}: {len(muon)} hidden matrices ({sum(p.numel() for p in muon) / 1e6:,.2f}M "
-            f"parameters){shared} | AdamW lr {self.peak_lr:g}, betas ({beta1:g}, {beta2:g}), eps "
+            f"{self.settings.describe()}: {len(self.matrices)} hidden matrices ({muon_size:,.2f}M parameters)"
+            f"{split}{shared} | AdamW lr {self.peak_lr:g}, betas ({beta1:g}, {beta2:g}), eps "
             f"{self.defaults['eps']:g}, weight decay {decay:g} (not on gains and biases): {len(rest)} other tensors "
             f"(embeddings, head, routers, gains, biases; {sum(p.numel() for p in rest) / 1e6:,.2f}M)"
         )
@@ -350,33 +349,41 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._adamw_step(group)
         return loss
 
+    def _orthogonalised(self, index: int, whole: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Newton-Schulz of matrix ``index``'s whole update, each of its fused matrices on its own."""
+        self.orthogonalisations += 1
+        layout = self.layouts[index]
+        steps, coefficients = int(group["ns_steps"]), str(group["coefficients"])
+        return layout.join(orthogonalise(layout.split(whole), steps, coefficients))
+
+    def _nesterov(self, param: torch.Tensor, momentum: float) -> torch.Tensor:
+        """The momentum updated with this step's gradient (this rank's part), and the update's direction."""
+        grad = local_part(param.grad)  # type: ignore[arg-type]
+        buffer = local_part(self.state[param]["momentum_buffer"])
+        buffer.lerp_(grad, 1 - momentum)  # an average of past gradients, its weights summing to one
+        return grad.lerp(buffer, momentum)  # Nesterov: the gradient pulled toward where the momentum goes
+
+    def _apply(self, param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+        lr, decay = float(group["lr"]), float(group["weight_decay"])
+        weights = local_part(param)
+        if decay:
+            weights.mul_(1 - lr * decay)
+        out, into = self.layouts[self._index[id(param)]].matrix_shape(param.shape)
+        weights.add_(update.to(weights.dtype), alpha=-lr * update_scale((out, into), str(group["scale"])))
+
     def _muon_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
+        momentum = float(group["momentum"])
+        if self.owners.world_size == 1:  # one matrix at a time: one update in memory, not all of them
+            for param in params:
+                index = self._index[id(param)]
+                self._apply(param, self._orthogonalised(index, self._nesterov(param, momentum), group), group)
             return
-        momentum, lr, decay = float(group["momentum"]), float(group["lr"]), float(group["weight_decay"])
-        inputs = []
-        for param in params:
-            grad = _local(param.grad)
-            buffer = _local(self.state[param]["momentum_buffer"])
-            buffer.lerp_(grad, 1 - momentum)  # an average of past gradients, its weights summing to one
-            inputs.append(grad.lerp(buffer, momentum))  # Nesterov: the gradient pulled toward where momentum goes
-
-        steps, coefficients = int(group["ns_steps"]), str(group["coefficients"])
-
-        def compute(matrix: torch.Tensor) -> torch.Tensor:
-            self.orthogonalisations += 1
-            return orthogonalise(matrix, steps, coefficients)
-
-        updates = self.sharing.orthogonalised(params, inputs, compute)
+        indices = [self._index[id(p)] for p in params]  # the same on every rank: gradients are synced
+        inputs = [self._nesterov(p, momentum) for p in params]
+        updates = self.owners.compute_once(indices, inputs, lambda i, x: self._orthogonalised(i, x, group))
         for param, update in zip(params, updates, strict=True):
-            weights = _local(param)
-            if decay:
-                weights.mul_(1 - lr * decay)
-            shape = tuple(param.shape)
-            if id(param) in self._transposed:
-                shape = (*shape[:-2], shape[-1], shape[-2])
-            weights.add_(update.to(weights.dtype), alpha=-lr * update_scale(shape, str(group["scale"])))
+            self._apply(param, update, group)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -391,6 +398,7 @@ class MuonAdamW(torch.optim.Optimizer):
             [s["exp_avg_sq"] for s in states],
             [],
             [s["step"] for s in states],
+            fused=self.fused or None,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -401,12 +409,6 @@ class MuonAdamW(torch.optim.Optimizer):
         )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a sharded tensor (FSDP2's DTensor), the tensor itself otherwise."""
-    local: torch.Tensor = tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined]
-    return local
-
-
 def build_muon(
     model: nn.Module,
     settings: MuonSettings,
@@ -414,18 +416,24 @@ def build_muon(
     weight_decay: float = 0.1,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
-    sharing: MatrixSharing | None = None,
+    world_size: int = 1,
+    rank: int = 0,
 ) -> MuonAdamW:
-    """:class:`MuonAdamW` over ``model``: Muon for :func:`muon_parameters` (its learning rate ``settings.lr``, held as
+    """:class:`MuonAdamW` over ``model``: Muon for :func:`muon_matrices` (its learning rate ``settings.lr``, held as
     a multiple ``lr_scale`` of ``lr`` so the schedule and batch changes move both alike), AdamW for the rest with
-    weight decay on the tensors of two or more dimensions (embeddings, the head), none on gains and biases."""
-    matrices = [param for _, param in muon_parameters(model)]
-    if not matrices:
+    weight decay on the tensors of two or more dimensions (embeddings, the head), none on gains and biases; fused
+    AdamW where :func:`~bigbatch.engine.optim.fused_adamw_supported`. ``world_size``, ``rank``: the processes
+    that share the orthogonalisations (each matrix's owner computes it once)."""
+    if has_lora(model):
+        raise ConfigError(LORA_REFUSAL)
+    found = muon_matrices(model)
+    if not found:
         raise ConfigError(
             "--optimizer muon found no hidden matrix in the model's blocks to orthogonalise (it trains 2-D "
             "projections inside the repeated blocks); use --optimizer adamw"
         )
-    chosen = set(map(id, matrices))
+    matrices = [param for _, param, _ in found]
+    chosen = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
     groups: list[dict[str, Any]] = [
         {
@@ -442,17 +450,14 @@ def build_muon(
         {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
-    transposed: list[torch.Tensor] = [
-        module.weight  # type: ignore[misc]
-        for module in model.modules()
-        if type(module).__name__ == "Conv1D" and id(module.weight) in chosen
-    ]
     return MuonAdamW(
         [g for g in groups if g["params"]],
         muon=settings,
         lr=lr,
         betas=betas,
         eps=eps,
-        sharing=sharing,
-        stored_transposed=transposed,
+        layouts={id(param): layout for _, param, layout in found},
+        world_size=world_size,
+        rank=rank,
+        fused=fused_adamw_supported(model),
     )

@@ -93,7 +93,7 @@ class _Runner:
             device=self.device,
             objective=tensor_batch_objective(self.loss_fn, self.count, router_balance or self.router_balance),
         )
-        lr = float(engine.optimizer.param_groups[0]["lr"])  # the optimizer's own learning rate applies
+        lr = float(engine.optimizer.defaults["lr"])  # the optimizer's own (the engine has set the schedule's)
         engine.schedule = constant_schedule(lr)
         engine._set_step_settings(lr)
         torch.manual_seed(self.seed)

@@ -189,7 +189,7 @@ def _build_parts(
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
     prepare_reference_table(config, objective, wrapped.train_model, data, plan, run_dir, built.pack, dist, device, say)
-    optimizer, cosine = build_optimizer(config, model, resume_from, say)
+    optimizer, cosine = build_optimizer(config, model, resume_from, dist, say)
     seesaw = build_seesaw(config, plan, cosine)
     schedule = seesaw or cosine
     follower = build_follower(config, config.batch.token_budget or plan.tokens_per_step)

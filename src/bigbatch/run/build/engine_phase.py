@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -13,11 +13,10 @@ import torch.nn as nn
 
 from bigbatch.engine.bad_steps import BadStepSettings
 from bigbatch.engine.batch_change import BatchChangeRule, BatchFollower, OptimSettings
-from bigbatch.engine.muon import MuonSettings, build_muon
+from bigbatch.engine.muon import LORA_REFUSAL, MuonSettings, build_muon
 from bigbatch.engine.optim import CosineSchedule, build_adamw
 from bigbatch.errors import ConfigError
 from bigbatch.models.decoder import LanguageModel, fsdp_units
-from bigbatch.models.lora import has_lora
 from bigbatch.models.registry import family_of
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import (
@@ -30,6 +29,7 @@ from bigbatch.parallel.distributed import (
 )
 from bigbatch.progress import plural
 from bigbatch.run.checkpoints.resume import initial_schedule
+from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.train_config import TrainConfig
 
 
@@ -74,21 +74,28 @@ def wrap_for_training(
     return WrappedModel(train_model, wrapped, grad_sync, parallel, compiled=compile_model)
 
 
-MUON_LORA_REFUSAL = (
-    "--optimizer muon does not train LoRA adapters: it orthogonalises a weight's whole update, and orthogonal "
-    "updates of the two low-rank factors do not make an orthogonal update of their product (nor one of known size); "
-    "train adapters with --optimizer adamw, or Muon without --lora-rank"
-)
-
-
 def check_optimizer(config: TrainConfig) -> None:
-    """Optimizer settings that cannot train this run, refused in one line before anything is made."""
-    if config.optim.optimizer == "muon" and config.model.lora_rank:
-        raise ConfigError(MUON_LORA_REFUSAL)
+    """Optimizer settings that cannot train this run, or that would change nothing in it, refused in one line
+    before anything is made."""
+    opt = config.optim
+    if opt.optimizer == "muon" and config.model.lora_rank:
+        raise ConfigError(LORA_REFUSAL)
+    if opt.optimizer != "muon":
+        defaults = OptimSection()
+        given = [
+            f"--{field.name.replace('_', '-')} {getattr(opt, field.name)}"
+            for field in fields(OptimSection)
+            if field.name.startswith("muon_") and getattr(opt, field.name) != getattr(defaults, field.name)
+        ]
+        if given:
+            raise ConfigError(
+                f"{given[0]} applies to --optimizer muon, and this run trains with {opt.optimizer}; add "
+                "--optimizer muon or leave it out"
+            )
 
 
 def build_optimizer(
-    config: TrainConfig, model: LanguageModel, resume_from: Path | None, say: Say
+    config: TrainConfig, model: LanguageModel, resume_from: Path | None, dist: DistContext, say: Say
 ) -> tuple[torch.optim.Optimizer, CosineSchedule]:
     """AdamW (or Muon with AdamW: ``--optimizer muon``) over ``model``'s parameters (after wrapping: FSDP2 replaces
     them with sharded ones) and the warmup + cosine schedule of this run's length."""
@@ -96,10 +103,17 @@ def build_optimizer(
     betas = (opt.beta1, opt.beta2)
     optimizer: torch.optim.Optimizer
     if opt.optimizer == "muon":
-        if has_lora(model):  # check_optimizer refused --lora-rank; adapters that came another way
-            raise ConfigError(MUON_LORA_REFUSAL)
         muon = muon_settings(config)
-        optimizer = build_muon(model, muon, lr=opt.lr, weight_decay=opt.weight_decay, betas=betas, eps=opt.eps)
+        optimizer = build_muon(
+            model,
+            muon,
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            betas=betas,
+            eps=opt.eps,
+            world_size=dist.world_size,
+            rank=dist.rank,
+        )
     else:
         optimizer = build_adamw(model, lr=opt.lr, weight_decay=opt.weight_decay, betas=betas, eps=opt.eps)
     schedule = initial_schedule(opt.lr, opt.min_lr_ratio, opt.warmup_steps, opt.decay_steps, config.run.max_steps)

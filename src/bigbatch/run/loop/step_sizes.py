@@ -53,6 +53,7 @@ def check_batch_change_rule(parts: RunParts, branched: bool, say: Say) -> None:
             ("batch-change-rule", opt.batch_change_rule, "auto"),
             ("batch-change-betas", opt.batch_change_betas, "auto"),
             ("batch-change-weight-decay", opt.batch_change_weight_decay, "keep"),
+            ("batch-change-momentum", opt.batch_change_momentum, "auto"),
         )
         if value != default
     ]
