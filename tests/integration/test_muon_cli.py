@@ -84,6 +84,11 @@ REFUSED = [
     pytest.param(("--optimizer", "muon", "--muon-lr", "-1"), ("--muon-lr",), id="muon-lr-negative"),
     pytest.param(("--batch-change-momentum", "halve"), ("batch_change_momentum",), id="batch-change-momentum"),
     pytest.param(
+        ("--muon-lr", "0.02"),
+        ("--muon-lr 0.02 applies to --optimizer muon", "trains with adamw"),
+        id="muon-flag-without-muon",
+    ),
+    pytest.param(
         ("--optimizer", "muon", "--lora-rank", "4"),
         ("--optimizer muon does not train LoRA adapters", "--optimizer adamw"),
         id="muon-with-lora",
@@ -172,3 +177,10 @@ def test_a_stopped_muon_run_resumes_bitwise(tmp_path: Path) -> None:
     assert len(step_losses(golden)) == 4
     assert step_losses(out) == step_losses(golden)  # bitwise: == on floats
     assert_same_final_model(out, golden)
+
+
+def test_verify_refuses_muon_on_lora_adapters_as_train_does() -> None:
+    line = assert_one_line_error(
+        *run_main(["verify", "--model", "pico", "--seq-len", "16", "--optimizer", "muon", "--lora-rank", "4"])
+    )
+    assert "--optimizer muon does not train LoRA adapters" in line, line

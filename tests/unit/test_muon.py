@@ -25,10 +25,13 @@ from bigbatch.engine.muon import (
     NORM_EPS,
     POLAR_EXPRESS,
     QUINTIC,
+    MatrixLayout,
     MuonAdamW,
     MuonSettings,
     build_muon,
     iteration_coefficients,
+    matrix_layout,
+    muon_matrices,
     muon_parameters,
     orthogonalise,
     update_scale,
@@ -630,3 +633,118 @@ def test_the_state_exists_from_construction_and_checkpoints_the_same_keys() -> N
     for index, state in saved["state"].items():
         for key, value in state.items():
             assert torch.equal(optimizer.state_dict()["state"][index][key], value), (index, key)
+
+
+# ---- fused weights, embeddings in blocks, loaded checkpoints, weight decay at a batch change -----------------
+
+
+def test_a_fused_weight_is_orthogonalised_part_by_part() -> None:
+    """GPT's c_attn holds q, k and v (three equal parts of its rows), an MoE's gate_up_proj gate and up (two halves
+    of its rows per expert), transformers' Conv1D c_attn q, k and v side by side (stored (in, out)): each part is
+    orthogonalised on its own, as separate q, k and v weights would be (nanochat's), scaled by its own shape."""
+    gen = torch.Generator().manual_seed(3)
+    layouts = {
+        "gpt c_attn": (MatrixLayout(3, -2), (96, 32), [slice(0, 32), slice(32, 64), slice(64, 96)], -2),
+        "conv1d c_attn": (
+            MatrixLayout(3, -1, transposed=True),
+            (32, 96),
+            [slice(0, 32), slice(32, 64), slice(64, 96)],
+            -1,
+        ),
+        "gate_up": (MatrixLayout(2, -2), (4, 24, 16), [slice(0, 12), slice(12, 24)], -2),
+    }
+    for name, (layout, shape, parts, dim) in layouts.items():
+        x = torch.randn(shape, generator=gen, dtype=F64)
+        whole = layout.join(orthogonalise(layout.split(x), 5, "quintic"))
+        for part in parts:
+            index = (..., part, slice(None)) if dim == -2 else (..., part)
+            torch.testing.assert_close(whole[index], orthogonalise(x[index], 5, "quintic"), msg=name)
+    assert MatrixLayout(3, -2).matrix_shape((96, 32)) == (32, 32)
+    assert MatrixLayout(3, -1, transposed=True).matrix_shape((32, 96)) == (32, 32)
+    assert MatrixLayout(2, -2).matrix_shape((4, 24, 16)) == (12, 16)
+    assert MatrixLayout(transposed=True).matrix_shape((32, 128)) == (128, 32)
+
+
+def test_the_families_fused_weights_are_found_by_role() -> None:
+    gpt = {name.split(".", 1)[1]: layout for name, _, layout in muon_matrices(tiny_gpt())}
+    assert gpt["attn.c_attn.weight"] == MatrixLayout(3, -2) and gpt["mlp.c_fc.weight"] == MatrixLayout()
+    moe = {
+        name.split(".", 1)[1]: layout for name, _, layout in muon_matrices(MoE(moe_preset("moe-pico", vocab_size=64)))
+    }
+    assert moe["mlp.experts.gate_up_proj"] == MatrixLayout(2, -2) and moe["mlp.experts.down_proj"] == MatrixLayout()
+    hf_gpt2 = {name.split(".", 1)[1]: layout for name, _, layout in muon_matrices(hf_model("gpt2"))}
+    assert hf_gpt2["attn.c_attn.weight"] == MatrixLayout(3, -1, transposed=True)
+    assert hf_gpt2["mlp.c_fc.weight"] == MatrixLayout(transposed=True)
+    mixtral = {name.split(".", 1)[1]: layout for name, _, layout in muon_matrices(hf_model("mixtral"))}
+    assert mixtral["mlp.experts.gate_up_proj"] == MatrixLayout(2, -2)
+    # gpt-oss stores (E, in, 2F) with gate and up interleaved: not two halves of its rows, so kept whole
+    odd = nn.Linear(8, 8)
+    assert matrix_layout(odd, "mlp.experts", "gate_up_proj", torch.empty(4, 16, 20), {10}) == MatrixLayout()
+
+
+def test_the_update_of_gpt_c_attn_is_the_three_parts_own() -> None:
+    """One Muon step with momentum 0: c_attn moves by each of q, k, v's own orthogonalised gradient, x 0.2 sqrt(32)."""
+    model = tiny_gpt(F64)
+    optimizer = build_muon(model, MuonSettings(lr=0.02, momentum=0.0, weight_decay=0.0), lr=1e-3, weight_decay=0.0)
+    weight = model.transformer.h[0].attn.c_attn.weight  # (96, 32)
+    start = weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    grad = torch.randn_like(weight)
+    weight.grad = grad
+    optimizer.step()
+    expected = torch.cat([orthogonalise(g, 5, "quintic") for g in grad.split(32)]) * 0.2 * math.sqrt(32) * 0.02
+    torch.testing.assert_close(start - weight.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_an_embedding_inside_a_block_is_left_to_adamw() -> None:
+    model = tiny_gpt()
+    model.transformer.h[0].extra = nn.Embedding(10, 8)  # a per-layer table (some hf: models have one)
+    chosen = {id(p) for _, p in muon_parameters(model)}
+    assert id(model.transformer.h[0].extra.weight) not in chosen
+
+
+def test_a_loaded_checkpoint_keeps_the_optimizer_s_configured_settings() -> None:
+    """The state (momentum, moments) comes back; lr_scale, ns_steps, coefficients and scale stay as built: a run
+    or branch with other Muon settings is not silently given the saved ones."""
+    saved_model = tiny_gpt()
+    saved = build_muon(saved_model, MuonSettings(lr=0.02, ns_steps=5), lr=1e-3)
+    for p in saved_model.parameters():
+        p.grad = torch.randn_like(p)
+    saved.step()
+    model = copy.deepcopy(saved_model)
+    fresh = build_muon(
+        model, MuonSettings(lr=0.05, ns_steps=7, coefficients="polar-express", scale="spectral"), lr=1e-3
+    )
+    state = saved.state_dict()
+    fresh.load_state_dict(state)
+    group = fresh.param_groups[0]
+    assert (group["lr_scale"], group["ns_steps"], group["coefficients"], group["scale"]) == (
+        pytest.approx(50.0),
+        7,
+        "polar-express",
+        "spectral",
+    )
+    key = next(iter(fresh.state))
+    assert torch.equal(fresh.state[key]["momentum_buffer"], saved.state[next(iter(saved.state))]["momentum_buffer"])
+
+
+def test_muon_s_weight_decay_follows_the_timescale_rule_when_adamw_has_none() -> None:
+    """nanochat's setting: AdamW's weight decay 0, Muon's 0.1. At 4x the reference tokens with sqrt and timescale,
+    every group's decay is multiplied by r / sqrt(r) = 2, Muon's included."""
+    model = tiny_gpt()
+    optimizer = build_muon(model, MuonSettings(lr=1e-3, weight_decay=0.1), lr=1e-3, weight_decay=0.0)
+    rule = BatchChangeRule("sqrt", "beta2", "timescale")
+    follower = BatchFollower(rule, OptimSettings(1e-3, 0.9, 0.95, 0.0, 0.95), reference_tokens=1024)
+    follower.last_tokens = 4096
+    engine = AccumulationEngine(model, optimizer, constant_schedule(1e-3), follower=follower)
+    assert engine.optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.2)
+    assert engine.optimizer.param_groups[0]["momentum"] == pytest.approx(0.95**4)
+    assert all(group["weight_decay"] == 0.0 for group in engine.optimizer.param_groups[1:])
+
+
+def test_the_critical_batch_label_names_a_momentum_rule_that_is_not_auto_s() -> None:
+    assert BatchChangeRule("sqrt", "beta2").label() == "sqrt-beta2"
+    assert BatchChangeRule("sqrt", "beta2", "keep", "keep").label() == "sqrt-beta2-momentum-keep"
+    assert BatchChangeRule("none", "none").label() == "none"
+    assert BatchChangeRule.resolve("auto") == BatchChangeRule("sqrt", "beta2")
