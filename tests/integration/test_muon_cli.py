@@ -83,6 +83,13 @@ REFUSED = [
     pytest.param(("--optimizer", "muon", "--muon-scale", "frobenius"), ("muon_scale",), id="scale"),
     pytest.param(("--optimizer", "muon", "--muon-lr", "-1"), ("--muon-lr",), id="muon-lr-negative"),
     pytest.param(("--batch-change-momentum", "halve"), ("batch_change_momentum",), id="batch-change-momentum"),
+    pytest.param(("--optimizer", "MUON"), ("did you mean muon?",), id="optimizer-upper-case"),
+    pytest.param(("--optimizer", "muon", "--muon-ns-steps", "100"), ("--muon-ns-steps", "[1, 50]"), id="ns-steps-100"),
+    pytest.param(
+        ("--batch-change-momentum", "keep"),
+        ("--batch-change-momentum keep applies to --optimizer muon",),
+        id="momentum-rule-without-muon",
+    ),
     pytest.param(
         ("--muon-lr", "0.02"),
         ("--muon-lr 0.02 applies to --optimizer muon", "trains with adamw"),
@@ -184,3 +191,11 @@ def test_verify_refuses_muon_on_lora_adapters_as_train_does() -> None:
         *run_main(["verify", "--model", "pico", "--seq-len", "16", "--optimizer", "muon", "--lora-rank", "4"])
     )
     assert "--optimizer muon does not train LoRA adapters" in line, line
+
+
+@pytest.mark.parametrize("extra", [("--nproc", "2"), ("--objective", "dpo")])
+def test_verify_refuses_muon_where_it_would_not_compare_the_muon_update(extra: tuple[str, ...]) -> None:
+    line = assert_one_line_error(
+        *run_main(["verify", "--model", "pico", "--seq-len", "16", "--optimizer", "muon", *extra])
+    )
+    assert "verify --optimizer muon compares the update of one process" in line and f"leave out {extra[0]}" in line

@@ -748,3 +748,51 @@ def test_the_critical_batch_label_names_a_momentum_rule_that_is_not_auto_s() -> 
     assert BatchChangeRule("sqrt", "beta2", "keep", "keep").label() == "sqrt-beta2-momentum-keep"
     assert BatchChangeRule("none", "none").label() == "none"
     assert BatchChangeRule.resolve("auto") == BatchChangeRule("sqrt", "beta2")
+
+
+def test_a_batch_change_says_and_records_muon_s_own_rate_decay_and_momentum() -> None:
+    base = OptimSettings(1e-3, 0.9, 0.95, 0.0, momentum=0.95, muon_lr=0.02, muon_weight_decay=0.1)
+    follower = BatchFollower(BatchChangeRule("sqrt", "beta2", "timescale"), base, reference_tokens=1024)
+    change = follower.change(step=5, tokens_seen=4096, lr=1e-3, tokens_per_step=4096, cause="batch ramp")
+    assert change is not None
+    record = change.record()
+    assert record["muon_lr_before"] == pytest.approx(0.02) and record["muon_lr_after"] == pytest.approx(0.04)
+    assert record["muon_weight_decay_after"] == pytest.approx(0.2) and record["momentum_after"] == pytest.approx(
+        0.95**4
+    )
+    line = change.line()
+    assert "Muon lr 2.000e-02 -> 4.000e-02" in line and "Muon weight decay 0.1 -> 0.2" in line
+    # at half the schedule's peak, Muon's rate is half its own peak
+    assert follower.settings(5e-4, 1024).muon_lr == pytest.approx(0.01)
+
+
+def test_a_step_record_carries_the_muon_rate_beside_adamw_s() -> None:
+    model = tiny_gpt()
+    optimizer = build_muon(model, MuonSettings(lr=0.02), lr=1e-3)
+    engine = AccumulationEngine(model, optimizer, constant_schedule(1e-3))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    record = engine.step([MicroBatch(tokens[:, :-1], tokens[:, 1:])])
+    assert record.lr == pytest.approx(1e-3) and record.muon_lr == pytest.approx(0.02)
+    from bigbatch.observe.metrics import format_step
+    from bigbatch.observe.scalars import step_values
+
+    assert step_values(record)["muon_lr"] == pytest.approx(0.02)
+    assert "| muon lr 2.0e-02" in format_step(record)
+
+
+def test_a_resume_refusal_names_auto_as_auto() -> None:
+    from bigbatch.run.configuration.identity import settings_diff
+    from bigbatch.run.configuration.train_config import TrainConfig
+
+    saved, now = TrainConfig(), TrainConfig()
+    saved.optim.optimizer = now.optim.optimizer = "muon"
+    now.optim.muon_lr = 0.002
+    assert settings_diff(saved.to_dict(), now) == ["optim.muon_lr 'auto' -> 0.002"]
+
+
+def test_the_header_names_the_kinds_of_fused_weights_it_splits() -> None:
+    gpt = build_muon(tiny_gpt(), MuonSettings(lr=0.02), lr=1e-3).describe()
+    assert "2 of them fused weights orthogonalised per part (q, k, v)" in gpt
+    moe = build_muon(MoE(moe_preset("moe-pico", vocab_size=64)), MuonSettings(lr=0.02), lr=1e-3).describe()
+    assert "fused weights orthogonalised per part (gate, up)" in moe

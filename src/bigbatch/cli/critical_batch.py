@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.every is not None and args.step is not None:
         raise ConfigError("--every measures at several checkpoints and --step at one; give one of them")
+    if args.batch_change_momentum != "auto":
+        _check_muon_run(Path(args.run), args.batch_change_momentum)
     rule = BatchChangeRule.resolve(
         args.batch_change_rule, args.batch_change_betas, args.batch_change_weight_decay, args.batch_change_momentum
     )
@@ -139,3 +141,18 @@ def run(args: argparse.Namespace) -> int:
     base = Path(result.branches[0].run_dir).parent
     print(f"wrote {base / RESULT_FILE}" + ("" if args.no_plot else f" and {base / 'critical-batch.png'}"))
     return 0
+
+
+def _check_muon_run(run: Path, momentum: str) -> None:
+    """``--batch-change-momentum`` moves Muon's momentum: refused in one line for a run that trains without Muon."""
+    import tomllib
+
+    try:
+        optimizer = tomllib.loads((run / "config.toml").read_text()).get("optim", {}).get("optimizer", "adamw")
+    except (OSError, tomllib.TOMLDecodeError):
+        return  # no readable run here: the measurement says so in its own line
+    if optimizer != "muon":
+        raise ConfigError(
+            f"--batch-change-momentum {momentum} applies to a run trained with --optimizer muon, and {run} trains "
+            f"with {optimizer}; leave it out"
+        )

@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(
         parser, OptimSection, "optimizer", note="; plan: its state in the memory table, and Newton-Schulz's FLOPs"
     )
+    add_config_flag(parser, OptimSection, "muon_ns_steps", note="; plan: with --optimizer muon, its FLOPs per step")
     add_precision(parser)
     add_device(parser)
     add_config_flag(
@@ -121,7 +122,18 @@ def run(args: argparse.Namespace) -> int:
 
         spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
         ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
-    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure, args.optimizer))
+    print(
+        report_plan(
+            solved,
+            args.model,
+            vocab_size,
+            args.precision,
+            args.device,
+            args.measure,
+            args.optimizer,
+            args.muon_ns_steps,
+        )
+    )
     if ramp:
         print(ramp)
     return 0
@@ -138,5 +150,32 @@ def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     seq_len = None if args.seq_len == AUTO else args.seq_len  # None: the run's
     solved, lines = plan_from_run(args.from_run, args.micro_batch, seq_len, args.devices)
     print("\n".join(lines))
-    print(report_plan(solved, args.model, vocab_size, args.precision, args.device, args.measure, args.optimizer))
+    print(
+        report_plan(
+            solved,
+            args.model,
+            vocab_size,
+            args.precision,
+            args.device,
+            args.measure,
+            args.optimizer,
+            args.muon_ns_steps,
+        )
+    )
     return 0
+
+
+def _report(args: argparse.Namespace, solved: object, vocab_size: int) -> str:
+    """The plan's table for the flags given (the optimizer's state and cost among them)."""
+    from bigbatch.sizing.plan_report import report_plan
+
+    return report_plan(
+        solved,  # type: ignore[arg-type]
+        args.model,
+        vocab_size,
+        args.precision,
+        args.device,
+        args.measure,
+        args.optimizer,
+        args.muon_ns_steps,
+    )

@@ -107,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bigbatch.errors import ConfigError
     from bigbatch.files.outputs import require_new_file
     from bigbatch.parallel.distributed import launched_by_torchrun
     from bigbatch.parallel.launch import relaunch_under_torchrun
@@ -116,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
         require_new_file(args.json, "--json", args.overwrite)
     if not args.factory:
         _check_seq_len(args.model, args.seq_len)  # before torchrun starts, and with the flag that fixes it
+    if args.optimizer == "muon" and (args.objective != "lm" or args.nproc > 1):
+        raise ConfigError(
+            "verify --optimizer muon compares the update of one process on the next-token loss; leave out "
+            f"{'--objective' if args.objective != 'lm' else '--nproc'} (the Muon update across ranks is checked by "
+            "tests/integration/test_muon_distributed.py and benchmarks/muon_exactness.py)"
+        )
     if args.objective != "lm":
         return _verify_objective(args)
     if args.nproc > 1 and not launched_by_torchrun():
@@ -144,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
         distributed, is_main = verify_across_ranks(settings)
         if is_main:
             print(distributed.format())
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                write_json_atomically(Path(args.json), distributed.to_dict())
         return 0 if distributed.equivalent else 1
     report = verify_here(settings)
     print(report.format(top=args.top))

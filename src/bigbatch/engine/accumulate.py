@@ -107,6 +107,7 @@ class StepRecord:
     padding_share: float | None = None
     prompt_share: float | None = None
     bad: BadStep | None = None  # a bad step found by the guard, and what was done (engine/step_guard.py)
+    muon_lr: float | None = None  # --optimizer muon: the Muon group's learning rate (lr is AdamW's)
 
     @property
     def tokens_per_s(self) -> float:
@@ -389,6 +390,7 @@ class AccumulationEngine:
         if self.follower is not None and tokens_per_step:
             self.follower.last_tokens = tokens_per_step
         lr = self._set_step_settings(self.schedule(self.step_count))
+        muon_lr = next((float(g["lr"]) for g in self.optimizer.param_groups if g.get("muon")), None)
         for hook in self.hooks:
             hook.before_step(self, self.step_count + 1, len(micro_batches))
         bad = None
@@ -432,6 +434,7 @@ class AccumulationEngine:
             skipped=skipped,
             measurements=measurements,
             bad=bad,
+            muon_lr=muon_lr,
         )
 
     def _reports_terms(self) -> bool:

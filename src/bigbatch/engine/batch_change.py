@@ -42,9 +42,13 @@ class OptimSettings:
     beta2: float
     weight_decay: float
     momentum: float | None = None  # Muon's momentum (None: the run has no Muon group)
+    muon_lr: float | None = None  # Muon's learning rate (moved by the rule as lr is)
+    muon_weight_decay: float | None = None  # Muon's weight decay (moved by the rule as weight_decay is)
 
     def describe(self) -> str:
         muon = "" if self.momentum is None else f", Muon momentum {self.momentum:.5g}"
+        if self.muon_lr is not None:
+            muon += f", Muon lr {self.muon_lr:.3e}, Muon weight decay {self.muon_weight_decay or 0.0:.4g}"
         return (
             f"lr {self.lr:.3e}, beta1 {self.beta1:.4g}, beta2 {self.beta2:.5g}, weight decay {self.weight_decay:.4g}"
             + muon
@@ -111,7 +115,11 @@ class BatchChangeRule:
         momentum = base.momentum
         if momentum is not None and self.momentum == "tokens":
             momentum = momentum**ratio
-        return OptimSettings(base.lr * factor, beta1, beta2, weight_decay, momentum)
+        muon_lr = None if base.muon_lr is None else base.muon_lr * factor
+        muon_decay = base.muon_weight_decay
+        if muon_decay is not None:
+            muon_decay *= self.weight_decay_factor(ratio)
+        return OptimSettings(base.lr * factor, beta1, beta2, weight_decay, momentum, muon_lr, muon_decay)
 
     def describe(self, muon: bool = False) -> str:
         """E.g. ``sqrt: lr x sqrt(B/B0), beta2 ** (B/B0)`` (``muon``: the run has a Muon group, whose momentum
@@ -163,7 +171,9 @@ class BatchChange:
                     ("beta1", "beta1", ".5g"),
                     ("beta2", "beta2", ".5g"),
                     ("weight decay", "weight_decay", ".4g"),
+                    ("Muon lr", "muon_lr", ".3e"),
                     ("Muon momentum", "momentum", ".5g"),
+                    ("Muon weight decay", "muon_weight_decay", ".4g"),
                 )
                 if getattr(b, key) is not None
             )
@@ -202,7 +212,9 @@ class BatchFollower:
 
     def settings(self, lr: float, tokens_per_step: int) -> OptimSettings:
         """The settings of a step of ``tokens_per_step`` whose schedule gives ``lr`` (at the reference size)."""
-        base = OptimSettings(lr, self.base.beta1, self.base.beta2, self.base.weight_decay, self.base.momentum)
+        muon_lr = None if self.base.muon_lr is None else self.base.muon_lr * lr / self.base.lr  # the same schedule
+        b = self.base
+        base = OptimSettings(lr, b.beta1, b.beta2, b.weight_decay, b.momentum, muon_lr, b.muon_weight_decay)
         if tokens_per_step == self.reference_tokens:
             return base
         return self.rule.follow(base, tokens_per_step / self.reference_tokens)

@@ -137,8 +137,9 @@ class MuonSettings:
         scale = "update x sqrt(max(1, m/n))"
         if self.scale == "rms":
             scale = "update RMS matched to AdamW's (0.2 sqrt(max(m, n)))"
+        momentum = f"momentum {self.momentum:g} (Nesterov)" if self.momentum else "no momentum"
         return (
-            f"Muon lr {self.lr:g}, momentum {self.momentum:g} (Nesterov), weight decay {self.weight_decay:g}, "
+            f"Muon lr {self.lr:g}, {momentum}, weight decay {self.weight_decay:g}, "
             f"{self.ns_steps} {self.coefficients} Newton-Schulz iterations, {scale}"
         )
 
@@ -252,6 +253,9 @@ def muon_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 # ---- the optimizer --------------------------------------------------------------------------------------------
 
 
+FUSED_PARTS = {3: "q, k, v", 2: "gate, up"}
+"""What a fused weight's parts are, by their number (:func:`matrix_layout` splits only these two kinds)."""
+
 CONFIGURED_KEYS = ("muon", "lr_scale", "ns_steps", "coefficients", "scale", "eps")
 """Param-group keys that are the run's settings rather than its state: a loaded checkpoint does not replace them
 (the learning rate, betas, momentum and weight decay are set by the engine before every step anyway)."""
@@ -324,8 +328,9 @@ class MuonAdamW(torch.optim.Optimizer):
         rest = [p for g in adamw for p in g["params"]]
         decay = max((float(g["weight_decay"]) for g in adamw), default=0.0)
         beta1, beta2 = self.defaults["betas"]
-        fused = sum(layout.parts > 1 for layout in self.layouts)
-        split = f", {fused} of them fused weights orthogonalised per part (q, k, v; gate, up)" if fused else ""
+        fused = [layout.parts for layout in self.layouts if layout.parts > 1]
+        kinds = "; ".join(sorted({FUSED_PARTS.get(parts, f"{parts} parts") for parts in fused}))
+        split = f", {len(fused)} of them fused weights orthogonalised per part ({kinds})" if fused else ""
         world = self.owners.world_size
         shared = f", each orthogonalised by one of {world} ranks (owners balanced by size)" if world > 1 else ""
         muon_size = sum(p.numel() for p in self.matrices) / 1e6

@@ -81,6 +81,8 @@ def format_step(
         f"step {record.step} | loss {record.loss:.4f} | norm {record.grad_norm:.2f} | lr {record.lr:.1e} | "
         f"dt {record.dt * 1000:.0f} ms | tok/s {record.tokens_per_s:,.0f}"
     )
+    if record.muon_lr is not None and record.muon_lr != record.lr:  # the Muon group's own rate (lr is AdamW's)
+        line += f" | muon lr {record.muon_lr:.1e}"
     if mfu_value is not None:
         line += f" | mfu {mfu_value:.1%}"
     if show_k:

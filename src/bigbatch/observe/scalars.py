@@ -39,7 +39,7 @@ def step_values(record: StepRecord, mfu: float | None = None) -> dict[str, Any]:
     del values["bad"]  # a bad step has a record of its own (kind: bad_step); the step says what was done
     if record.bad is not None:
         values["bad_step"] = record.bad.action
-    for share in ("padding_share", "prompt_share"):  # documents only
+    for share in ("padding_share", "prompt_share", "muon_lr"):  # documents only; Muon only
         if values[share] is None:
             del values[share]
     values["tokens_per_s"] = record.tokens_per_s

@@ -31,6 +31,8 @@ class Choices:
         if value not in self.values:
             allowed = self.listed() if len(self.values) <= 2 else f"one of {', '.join(self.values)}"
             hint = did_you_mean(value, self.values) if isinstance(value, str) else ""
+            if isinstance(value, str) and value.lower() in self.values:  # MUON: the choices are lower case
+                hint = f"; did you mean {value.lower()}?"
             if not hint and isinstance(value, str) and self.others:
                 instead = dict(self.others)
                 near = difflib.get_close_matches(value.lower(), list(instead), n=1)

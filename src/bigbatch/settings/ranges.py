@@ -131,4 +131,5 @@ NON_NEGATIVE = Range(float, 0)
 FRACTION = Range(float, 0, 1)  # [0, 1]
 PROBABILITY = Range(float, 0, 1, high_open=True)  # [0, 1): dropout, held-out share, AdamW betas
 POSITIVE_INT_OR_OFF = Range(int, 1, off=True)
+NS_STEPS = Range(int, 1, 50)  # Newton-Schulz iterations: 10 already give the polar factor to 1e-6
 MEMORY_K = Range(int, 2)  # bigbatch memory compares the peak of K micro-steps with one

@@ -28,7 +28,7 @@ import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
-from bigbatch.engine.muon import MuonSettings, build_muon, muon_parameters, newton_schulz_flops
+from bigbatch.engine.muon import MuonSettings, build_muon, muon_matrices, newton_schulz_flops
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
@@ -76,8 +76,8 @@ def estimate_memory(
     with torch.device("meta"):
         model = build_model(config)
         n = model.num_params(non_embedding=False)
-        matrices = [p for _, p in muon_parameters(model)] if optimizer == "muon" else []
-    n_muon = sum(p.numel() for p in matrices)
+        matrices = muon_matrices(model) if optimizer == "muon" else []
+    n_muon = sum(p.numel() for _, p, _ in matrices)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     per_token = family.layer_bytes_per_token(config, act_bytes)
     tokens = micro_batch * seq_len
@@ -88,7 +88,10 @@ def estimate_memory(
         optimizer=8 * (n - n_muon) + 4 * n_muon,
         activations=config.n_layer * per_token * tokens + head,
         optimizer_name=optimizer,
-        orthogonalise_flops=sum(newton_schulz_flops(p.shape, ns_steps) for p in matrices),
+        orthogonalise_flops=sum(  # a fused weight's parts each on their own
+            newton_schulz_flops((*p.shape[:-2], layout.parts, *layout.matrix_shape(p.shape)), ns_steps)
+            for _, p, layout in matrices
+        ),
     )
 
 

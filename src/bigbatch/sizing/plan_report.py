@@ -36,6 +36,7 @@ def format_plan(
     precision: str = "fp32",
     measured: MicroStepMeasurement | None = None,
     optimizer: str = "adamw",
+    ns_steps: int = 5,
 ) -> str:
     plan = solved.plan
     rows: list[tuple[str, str]] = [
@@ -63,7 +64,9 @@ def format_plan(
         rows.append((f"model {model_name}", f"{family.name} {family.hf_class_name(model_config)}"))
         notes.append(unavailable + ("; --measure measures it" if measured is None else ""))
     elif model_config is not None:
-        estimate = estimate_memory(model_config, plan.micro_batch, plan.seq_len, precision, optimizer=optimizer)
+        estimate = estimate_memory(
+            model_config, plan.micro_batch, plan.seq_len, precision, optimizer=optimizer, ns_steps=ns_steps
+        )
         state = "AdamW state" if optimizer == "adamw" else "Muon + AdamW state (1 buffer per matrix weight, 2 else)"
         rows += [
             (f"model {model_name}", model_size(model_config)),
@@ -81,7 +84,7 @@ def format_plan(
             devices = f"{plan.world_size} device{'s' if plan.world_size > 1 else ''}"
             rows.append(
                 (
-                    "Newton-Schulz per step (5 iterations)",
+                    f"Newton-Schulz per step ({ns_steps} iterations)",
                     f"{flops / 1e9:,.2f} GFLOP, {flops / train_flops:.2%} of the step's training FLOPs (split "
                     f"across {devices})",
                 )
@@ -109,11 +112,12 @@ def report_plan(
     device_name: str = "auto",
     measure_step: bool = False,
     optimizer: str = "adamw",
+    ns_steps: int = 5,
 ) -> str:
     """The table of ``bigbatch plan``; with a preset ``model_name``, its memory (the context grown to the plan's
     ``seq_len`` when that is longer) and, with ``measure_step``, a micro-step measured on ``device_name``."""
     if not model_name:
-        return format_plan(solved, model_name, None, "fp32", None, optimizer)
+        return format_plan(solved, model_name, None, "fp32", None, optimizer, ns_steps)
     device = resolve_device(device_name)
     resolved = resolve_precision(precision, device)
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
@@ -137,4 +141,4 @@ def report_plan(
             precision=resolved,
             optimizer=optimizer,
         )[0]
-    return format_plan(solved, model_name, model_config, resolved, measured, optimizer)
+    return format_plan(solved, model_name, model_config, resolved, measured, optimizer, ns_steps)

@@ -259,6 +259,10 @@ class DistributedReport:
             and not self.packing_problems
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The report as ``--json`` writes it."""
+        return {**asdict(self), "equivalent": self.equivalent}
+
     def format(self) -> str:
         lines = [
             f"verify | DDP | world {self.world_size} x K {self.k} | valid targets per rank {self.valid_counts} "

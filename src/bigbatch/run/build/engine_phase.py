@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -85,7 +85,8 @@ def check_optimizer(config: TrainConfig) -> None:
         given = [
             f"--{field.name.replace('_', '-')} {getattr(opt, field.name)}"
             for field in fields(OptimSection)
-            if field.name.startswith("muon_") and getattr(opt, field.name) != getattr(defaults, field.name)
+            if field.name.startswith(("muon_", "batch_change_momentum"))
+            and getattr(opt, field.name) != getattr(defaults, field.name)
         ]
         if given:
             raise ConfigError(
@@ -150,8 +151,10 @@ def build_follower(config: TrainConfig, reference_tokens: int) -> BatchFollower:
     rule = BatchChangeRule.resolve(
         opt.batch_change_rule, opt.batch_change_betas, opt.batch_change_weight_decay, opt.batch_change_momentum
     )
-    momentum = opt.muon_momentum if opt.optimizer == "muon" else None
-    base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay, momentum)
+    base = OptimSettings(opt.lr, opt.beta1, opt.beta2, opt.weight_decay)
+    if opt.optimizer == "muon":
+        muon = muon_settings(config)
+        base = replace(base, momentum=muon.momentum, muon_lr=muon.lr, muon_weight_decay=muon.weight_decay)
     return BatchFollower(rule, base, reference_tokens, requested=opt.batch_change_rule)
 
 

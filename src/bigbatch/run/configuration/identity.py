@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,7 @@ def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     if saved_flat.get("data.data_mode") == "auto":  # a config saved unresolved: auto as it resolves for this data
         saved_flat["data.data_mode"] = resolve_data_mode(config).data.data_mode
     diffs = []
+    auto = _auto_settings()
     for key, value in identity_settings(config).items():
         if key in RESUME_CHECKED:
             continue
@@ -159,5 +161,21 @@ def settings_diff(saved: dict[str, Any], config: TrainConfig) -> list[str]:
         if before != value and not (
             isinstance(before, (int, float)) and isinstance(value, (int, float)) and float(before) == float(value)
         ):
-            diffs.append(f"{key} {before!r} -> {value!r}")
+            diffs.append(f"{key} {_shown(key, before, auto)!r} -> {_shown(key, value, auto)!r}")
     return diffs
+
+
+def _auto_settings() -> set[str]:
+    """``section.key`` of the settings that take ``auto``, stored as 0."""
+    config = TrainConfig()
+    return {
+        f"{section.name}.{f.name}"
+        for section in fields(config)
+        for f in fields(getattr(config, section.name))
+        if f.metadata.get("auto")
+    }
+
+
+def _shown(key: str, value: Any, auto: set[str]) -> Any:
+    """A setting's value as the user gives it: ``auto`` rather than the 0 it is stored as."""
+    return "auto" if key in auto and value in (0, 0.0) and not isinstance(value, bool) else value

@@ -19,8 +19,8 @@ from bigbatch.settings.ranges import (
     FRACTION,
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
+    NS_STEPS,
     POSITIVE,
-    POSITIVE_INT,
     POSITIVE_INT_OR_AUTO,
     POSITIVE_OR_AUTO,
     PROBABILITY,
@@ -63,7 +63,9 @@ class OptimSection:
     muon_weight_decay: float = _opt(
         0.1, "Muon's decoupled weight decay on the hidden matrices; 0 disables", range=NON_NEGATIVE
     )
-    muon_ns_steps: int = _opt(5, "Newton-Schulz iterations per matrix and step", range=POSITIVE_INT)
+    muon_ns_steps: int = _opt(
+        5, "Newton-Schulz iterations per matrix and step (at most 50: 10 reach the polar factor)", range=NS_STEPS
+    )
     muon_coefficients: str = _opt(
         "quintic",
         "Newton-Schulz polynomial: quintic (Jordan's, 5 iterations leave singular values above 1e-2 of the "

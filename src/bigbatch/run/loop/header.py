@@ -50,11 +50,14 @@ def header_lines(parts: RunParts) -> list[str]:
     if follower is not None and (
         parts.ramp is not None or parts.seesaw is not None or follower.reference_tokens != parts.planned_tokens_per_step
     ):
-        rule = follower.rule.describe(muon=follower.base.momentum is not None)
+        base = follower.base
+        rule = follower.rule.describe(muon=base.momentum is not None)
+        muon = ""
+        if base.muon_lr is not None:
+            muon = f", Muon lr {base.muon_lr:.3g}, momentum {base.momentum:g}, weight decay {base.muon_weight_decay:g}"
         lines.append(
-            f"batch change | {rule} | B0 = {follower.reference_tokens:,} tokens/step, where lr "
-            f"{follower.base.lr:.3g}, betas ({follower.base.beta1:g}, {follower.base.beta2:g}) and weight decay "
-            f"{follower.base.weight_decay:g} hold"
+            f"batch change | {rule} | B0 = {follower.reference_tokens:,} tokens/step, where lr {base.lr:.3g}, betas "
+            f"({base.beta1:g}, {base.beta2:g}) and weight decay {base.weight_decay:g}{muon} hold"
         )
     if parts.engine.router is not None:
         lines.append(f"router | {parts.engine.router.describe()}")
