@@ -1,7 +1,7 @@
 """A 4x batch change in the middle of a ``--optimizer muon`` run: Muon's momentum moved with the tokens per step
 (``--batch-change-momentum tokens``) against kept (``keep``), paired seeds, on CPU.
 
-    python benchmarks/muon_batch_change.py            # 5 paired seeds x 200 steps, about 6 minutes on one thread
+    python benchmarks/muon_batch_change.py            # 5 paired seeds x 200 steps, about 2.5 CPU-minutes (7.5 min wall, shared)
     python benchmarks/muon_batch_change.py --quick    # 2 seeds x 80 steps: a smoke check (about 2 minutes)
 
 As benchmarks/batch_change.py's "change": pico at seq_len 64 on tiny Shakespeare (or its stand-in, said so), the
@@ -88,7 +88,9 @@ def bench_muon_change(b: Bench) -> None:
         )
     for arm, c in changes.items():
         momentum = (
-            f" | Muon momentum {c['momentum_before']:.4g} -> {c['momentum_after']:.4g}" if "momentum_before" in c else ""
+            f" | Muon momentum {c['momentum_before']:.4g} -> {c['momentum_after']:.4g}"
+            if "momentum_before" in c
+            else ""
         )
         print(
             f"  {arm}: step {c['step']} {c['tokens_per_step_before']:,} -> {c['tokens_per_step_after']:,} tokens/step | "

@@ -41,7 +41,8 @@ from bench_config import bench_corpus  # noqa: E402
 import bigbatch.engine.muon as muon_module  # noqa: E402
 from bigbatch.engine.accumulate import AccumulationEngine  # noqa: E402
 from bigbatch.engine.batch import MicroBatch  # noqa: E402
-from bigbatch.engine.muon import MuonSettings, build_muon, muon_parameters  # noqa: E402
+from bigbatch.engine.muon import MuonSettings, build_muon  # noqa: E402
+from bigbatch.engine.muon_matrices import muon_parameters  # noqa: E402
 from bigbatch.engine.optim import constant_schedule  # noqa: E402
 from bigbatch.models import GPT, GPTConfig  # noqa: E402
 
@@ -56,7 +57,9 @@ def rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], names: list[s
     return (num / den) ** 0.5
 
 
-def rel_change(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor], names: list[str]) -> float:
+def rel_change(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor], names: list[str]
+) -> float:
     """||a - b|| / ||b - start||: the difference as a share of what the steps moved (a harder measure)."""
     num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in names)
     den = sum(float((b[n].double() - start[n].double()).pow(2).sum()) for n in names)
@@ -127,15 +130,15 @@ class Counter:
         self.original = muon_module.orthogonalise
 
     def __enter__(self) -> Counter:
-        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def counting(*args: object, **kwargs: object) -> torch.Tensor:
             self.calls += 1
             return self.original(*args, **kwargs)
 
-        muon_module.orthogonalise = counting  # type: ignore[assignment]
+        muon_module.orthogonalise = counting
         return self
 
     def __exit__(self, *exc: object) -> None:
-        muon_module.orthogonalise = self.original  # type: ignore[assignment]
+        muon_module.orthogonalise = self.original
 
 
 def float64_loss(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
@@ -213,7 +216,9 @@ def main() -> None:
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )
     summary = []
     with tempfile.TemporaryDirectory(prefix="bigbatch-muon-exact-") as tmp:
         root = Path(tmp)

@@ -2,7 +2,7 @@
 
     python benchmarks/muon_learning.py                       # both parts at the defaults below (long: see timing)
     python benchmarks/muon_learning.py --only recipe --steps 600
-    python benchmarks/muon_learning.py --quick               # 2 seeds, 100 + 20 steps: a smoke check (about 4 min)
+    python benchmarks/muon_learning.py --quick               # 2 seeds, 100 + 8 steps: a smoke check (about 6 CPU-min)
 
 Every comparison trains both arms at the same seed (the same initial weights and the same window order: only the
 optimizer differs), so the differences are paired; each table gives the per-seed numbers, then the mean paired
@@ -15,16 +15,18 @@ difference (Muon - AdamW) with its standard deviation and 95% interval (Student'
   loss on the same 48 micro-batches (36,864 tokens, a third of the split) 10 times in the run, the last at the end.
 * demo: ``bigbatch train`` at its defaults (nano on the built-in corpus, 16,384 tokens a step, lr 2e-3) for
   ``--demo-steps`` steps (default 200), AdamW against ``--optimizer muon``; validation as the demo does it (auto
-  batches) every quarter of the run.
+  batches) at half of the run and at the end.
 
 Reported: the validation loss at a few points and at the end, the mean paired difference, and the steps each arm
 needs to reach AdamW's final validation loss (the first evaluation at or below it on the same windows; "-" if
 none).
 
-Timing, one thread, on an unloaded core: a recipe step costs about 0.15 s (forward, backward and Newton-Schulz
-alike), so 2,000 steps x 10 runs is about 50 minutes plus evaluation, over the 20 minutes this benchmark should
-fit in: run ``--steps 600`` (about 15 minutes for 5 seeds) and say so. A demo step is about 21 recipe steps
-(3 s): 200 steps x 10 runs is about 100 minutes; ``--demo-seeds`` and ``--demo-steps`` make it smaller.
+Timing, one thread: a recipe step costs about 0.15 CPU-s and an evaluation of the 48 micro-batches about 2.5, so
+2,000 steps x 10 runs is about 55 CPU-minutes, over the 20 minutes this benchmark should fit in: run ``--steps
+600`` (about 20 CPU-minutes for 5 seeds) or fewer, and say so. A demo step is about 21 recipe steps (3 CPU-s) and
+its evaluation is larger: 200 steps x 10 runs is well over 100 minutes; ``--demo-seeds`` and ``--demo-steps`` make
+it smaller. Measured on a shared 2-core machine (wall clock): a 100-step recipe run 27-100 s, an 8-step demo run
+130-160 s.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def compare(name: str, configs: dict[int, dict[str, TrainConfig]], points: list[
         )
     for p in points:
         diffs = [m - a for a, m in zip(at["adamw"][p], at["muon"][p], strict=True)]
-        print(f"  val loss at step {p:>5} (fixed windows): adamw {spread(at['adamw'][p])}; muon {spread(at['muon'][p])}")
+        print(
+            f"  val loss at step {p:>5} (fixed windows): adamw {spread(at['adamw'][p])}; muon {spread(at['muon'][p])}"
+        )
         print(f"  {'':>42}muon - adamw {paired(diffs)}")
     diffs = [m - a for a, m in zip(finals["adamw"], finals["muon"], strict=True)]
     print(f"  final val loss: adamw {spread(finals['adamw'])}; muon {spread(finals['muon'])}")
@@ -117,21 +121,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["recipe", "demo"])
     parser.add_argument("--seeds", type=int, help="paired seeds of the recipe (default 5; --quick 2)")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="the first seed (two processes can split the seeds: 0 and 3)"
+    )
     parser.add_argument("--steps", type=int, help="recipe steps (default 2,000; --quick 100)")
     parser.add_argument("--lr", type=float, default=1e-3, help="the recipe's lr, both arms (default 1e-3)")
     parser.add_argument("--demo-seeds", type=int, help="paired seeds of the demo (default --seeds)")
-    parser.add_argument("--demo-steps", type=int, help="demo steps (default 200; --quick 20)")
-    parser.add_argument("--quick", action="store_true", help="2 seeds, 100 recipe and 20 demo steps")
+    parser.add_argument("--demo-steps", type=int, help="demo steps (default 200; --quick 8)")
+    parser.add_argument("--quick", action="store_true", help="2 seeds, 100 recipe and 8 demo steps")
     parser.add_argument("--corpus", help="raw text (default: tiny Shakespeare beside the checkout, else its stand-in)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     torch.set_num_threads(args.threads)
     logging.getLogger("bigbatch").setLevel(logging.WARNING)
-    seeds = list(range(args.seeds or (2 if args.quick else 5)))
+    seeds = list(range(args.first_seed, args.first_seed + (args.seeds or (2 if args.quick else 5))))
     demo_seeds = list(range(args.demo_seeds or len(seeds)))
     steps = args.steps or (100 if args.quick else 2000)
-    demo_steps = args.demo_steps or (20 if args.quick else 200)
+    demo_steps = args.demo_steps or (8 if args.quick else 200)
     started = time.perf_counter()
     summary: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bigbatch-muon-learning-") as tmp:
@@ -161,7 +168,7 @@ def main() -> None:
             compare("recipe", configs, points, summary)
             print(f"  (recipe: {time.perf_counter() - part_started:.0f} s)")
         if args.only in (None, "demo"):
-            every = max(1, demo_steps // 4)
+            every = max(1, demo_steps // 2)
             print(
                 f"demo | bigbatch train defaults (nano, built-in corpus, 16,384 tokens a step, lr 2e-3) for "
                 f"{demo_steps} steps, adamw vs muon; {len(demo_seeds)} paired seeds; val loss every {every} steps"
@@ -177,7 +184,7 @@ def main() -> None:
                     config.run.eval_every, config.run.sample_tokens = every, 0
                     config.run.device = "cpu"
                     configs[seed][arm] = config
-            points = sorted({every * 2, demo_steps})
+            points = sorted({every, demo_steps})
             part_started = time.perf_counter()
             compare("demo", configs, points, summary)
             print(f"  (demo: {time.perf_counter() - part_started:.0f} s)")

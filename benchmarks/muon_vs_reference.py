@@ -70,10 +70,23 @@ def one_seed(
 
     def run_reference() -> None:
         result = train_reference_muon(
-            reference, tokens, steps=steps, micro_batch=B, seq_len=T, accum=K, order="sequential",
-            lr=opt.lr, muon_lr=opt.muon_lr or opt.lr, momentum=opt.muon_momentum, min_lr_ratio=opt.min_lr_ratio,
-            warmup_steps=opt.warmup_steps, weight_decay=opt.weight_decay, muon_weight_decay=opt.muon_weight_decay,
-            betas=(opt.beta1, opt.beta2), eps=opt.eps, grad_clip=opt.grad_clip,
+            reference,
+            tokens,
+            steps=steps,
+            micro_batch=B,
+            seq_len=T,
+            accum=K,
+            order="sequential",
+            lr=opt.lr,
+            muon_lr=opt.muon_lr or opt.lr,
+            momentum=opt.muon_momentum,
+            min_lr_ratio=opt.min_lr_ratio,
+            warmup_steps=opt.warmup_steps,
+            weight_decay=opt.weight_decay,
+            muon_weight_decay=opt.muon_weight_decay,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            grad_clip=opt.grad_clip,
             on_step=lambda step, loss: theirs_ends.append(now()),
         )
         theirs.extend(result.losses)
@@ -120,7 +133,9 @@ def main() -> None:
         wall, cpu, param_diffs = [], [], []
         print("training loss, bigbatch (b) and reference (r), and b - r, at steps:")
         for seed in range(seeds):
-            ours, theirs, rate_b, rate_r, pdiff = one_seed(dataset, tokens, root / f"run-{seed}", steps, seed, seed % 2 == 0)
+            ours, theirs, rate_b, rate_r, pdiff = one_seed(
+                dataset, tokens, root / f"run-{seed}", steps, seed, seed % 2 == 0
+            )
             if len(ours) != steps or len(theirs) != steps:
                 raise SystemExit(f"seed {seed}: {len(ours)} and {len(theirs)} steps logged, expected {steps}")
             cells = []

@@ -15,7 +15,9 @@ optimizer for hidden layers in neural networks", and the ``muon`` package's ``Mu
 
 AdamW (torch's, its default kernel) for everything else: embeddings (weight decay), the tied head, LayerNorm
 gains and every bias (no decay). The split is by position, not by shape: the 2-D parameters inside the
-transformer's blocks (``transformer.h.*``) get Muon, as bigbatch does. The loop is :func:`reference_gpt.train_reference`'s
+transformer's blocks (``transformer.h.*``) get Muon, as bigbatch does. The fused ``attn.c_attn`` weight (q, k and v
+stacked, 3C x C) is three matrices, each orthogonalised and scaled on its own, as nanochat's separate ``c_q``,
+``c_k`` and ``c_v`` would be. The loop is :func:`reference_gpt.train_reference`'s
 (learning rate of both groups from the same warmup + cosine schedule, zero grads, ``(loss / accum).backward()``
 per micro-batch, clip, step) with this optimizer pair in place of the single AdamW.
 """
@@ -55,9 +57,16 @@ class ReferenceMuon(torch.optim.Optimizer):
     weight decay."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], lr: float, momentum: float = 0.95, weight_decay: float = 0.1, ns_steps: int = 5
+        self,
+        params: Sequence[nn.Parameter],
+        lr: float,
+        momentum: float = 0.95,
+        weight_decay: float = 0.1,
+        ns_steps: int = 5,
+        stacked: dict[int, int] | None = None,
     ) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        self.stacked = stacked or {}  # id(param) -> how many matrices its rows stack (c_attn: q, k, v)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -71,8 +80,14 @@ class ReferenceMuon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"])
-                update = zeropower_via_newtonschulz5(update, group["ns_steps"])
-                update = update * (0.2 * math.sqrt(max(p.size(0), p.size(1))))
+                pieces = update.chunk(self.stacked.get(id(p), 1), dim=0)
+                update = torch.cat(
+                    [
+                        zeropower_via_newtonschulz5(piece, group["ns_steps"])
+                        * (0.2 * math.sqrt(max(piece.size(0), piece.size(1))))
+                        for piece in pieces
+                    ]
+                )
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"])
 
@@ -93,15 +108,24 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 
 
 def make_optimizers(
-    model: nn.Module, lr: float, muon_lr: float, weight_decay: float = 0.1, muon_weight_decay: float = 0.1,
-    momentum: float = 0.95, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+    model: nn.Module,
+    lr: float,
+    muon_lr: float,
+    weight_decay: float = 0.1,
+    muon_weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
 ) -> tuple[ReferenceMuon, torch.optim.AdamW]:
     muon, decay, no_decay = split_parameters(model)
     adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=betas, eps=eps,
+        lr=lr,
+        betas=betas,
+        eps=eps,
     )
-    return ReferenceMuon(muon, muon_lr, momentum, muon_weight_decay), adamw
+    stacked = {id(p): 3 for name, p in model.named_parameters() if name.endswith("attn.c_attn.weight")}
+    return ReferenceMuon(muon, muon_lr, momentum, muon_weight_decay, stacked=stacked), adamw
 
 
 def train_reference_muon(

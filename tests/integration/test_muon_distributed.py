@@ -23,7 +23,8 @@ from launch import SUPPORT, support_pythonpath, torchrun
 from reliability_runs import assert_same_final_model, cli_args, final_model, run_cli, step_losses
 
 from bigbatch.engine.accumulate import AccumulationEngine
-from bigbatch.engine.muon import muon_parameters, orthogonalise
+from bigbatch.engine.muon_matrices import muon_parameters
+from bigbatch.engine.newton_schulz import orthogonalise
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.parallel.matrix_owners import balanced_owners
 from bigbatch.run.checkpoints import checkpoint as ckpt

@@ -105,7 +105,7 @@ def run_shards(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from bigbatch.engine.muon import orthogonalise
+    from bigbatch.engine.newton_schulz import orthogonalise
     from bigbatch.parallel.distributed import distributed_session
     from bigbatch.parallel.matrix_owners import MatrixOwners
 

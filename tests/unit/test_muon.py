@@ -20,19 +20,14 @@ import bigbatch.engine.muon as muon_module
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.engine.batch_change import BatchChange, BatchChangeRule, BatchFollower, OptimSettings
-from bigbatch.engine.muon import (
+from bigbatch.engine.muon import MuonAdamW, MuonSettings, build_muon
+from bigbatch.engine.muon_matrices import MatrixLayout, matrix_layout, muon_matrices, muon_parameters
+from bigbatch.engine.newton_schulz import (
     CONVERGENT,
     NORM_EPS,
     POLAR_EXPRESS,
     QUINTIC,
-    MatrixLayout,
-    MuonAdamW,
-    MuonSettings,
-    build_muon,
     iteration_coefficients,
-    matrix_layout,
-    muon_matrices,
-    muon_parameters,
     orthogonalise,
     update_scale,
 )

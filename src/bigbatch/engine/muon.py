@@ -19,8 +19,7 @@ has the same keys from step 0 and a distributed checkpoint saves and reshards it
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,85 +27,42 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
 
+from bigbatch.engine.muon_matrices import MatrixLayout, matrix_layout, muon_matrices, muon_parameters
+from bigbatch.engine.newton_schulz import (
+    COEFFICIENTS,
+    SCALES,
+    iteration_coefficients,
+    newton_schulz_flops,
+    orthogonalise,
+    update_scale,
+)
 from bigbatch.engine.optim import fused_adamw_supported
 from bigbatch.errors import ConfigError
 from bigbatch.models.lora import has_lora
-from bigbatch.models.routing import is_router_path
 from bigbatch.parallel.matrix_owners import MatrixOwners, local_part
 
-QUINTIC = (3.4445, -4.7750, 2.0315)
-"""Jordan's quintic: steep at zero, so five iterations move every singular value above about 1e-2 of the matrix's
-Frobenius norm (by which it is first divided) into roughly 0.68-1.2 (never to exactly 1: it trades the limit for
-speed)."""
+__all__ = [  # the optimizer here; Newton-Schulz and the choice of matrices from their own modules
+    "COEFFICIENTS",
+    "LORA_REFUSAL",
+    "SCALES",
+    "MatrixLayout",
+    "MuonAdamW",
+    "MuonSettings",
+    "build_muon",
+    "iteration_coefficients",
+    "matrix_layout",
+    "muon_matrices",
+    "muon_parameters",
+    "newton_schulz_flops",
+    "orthogonalise",
+    "update_scale",
+]
 
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+LORA_REFUSAL = (
+    "--optimizer muon does not train LoRA adapters: it orthogonalises a weight's whole update, and orthogonal "
+    "updates of the two low-rank factors do not make an orthogonal update of their product (nor one of known size); "
+    "train adapters with --optimizer adamw, or Muon without --lora-rank"
 )
-"""Amsel et al., 2025 ("The Polar Express", arXiv 2505.16932): a different minimax-optimal quintic per iteration
-for singular values in [1e-3, 1] after the division by the Frobenius norm; five leave those in about 0.86-1.14."""
-
-CONVERGENT = (15 / 8, -10 / 8, 3 / 8)
-"""The classical quintic Newton-Schulz step: 1 is a fixed point with zero first and second derivatives, so from
-the band above each iteration roughly cubes the distance to 1. ``polar-express`` runs it after its five."""
-
-COEFFICIENTS = ("quintic", "polar-express")
-SCALES = ("rms", "spectral")
-NORM_EPS = 1e-7  # keeps a zero gradient's update zero
-
-
-def iteration_coefficients(name: str, steps: int) -> list[tuple[float, float, float]]:
-    """The ``(a, b, c)`` of each of ``steps`` iterations ``X <- a X + b (X X^T) X + c (X X^T)^2 X``."""
-    if steps < 1:
-        raise ValueError(f"Newton-Schulz needs at least one iteration, got {steps}")
-    if name == "quintic":
-        return [QUINTIC] * steps
-    if name == "polar-express":
-        return list(POLAR_EXPRESS[:steps]) + [CONVERGENT] * max(0, steps - len(POLAR_EXPRESS))
-    raise ValueError(f"unknown Newton-Schulz coefficients {name!r}; choose one of {', '.join(COEFFICIENTS)}")
-
-
-def orthogonalise(matrix: torch.Tensor, steps: int = 5, coefficients: str = "quintic") -> torch.Tensor:
-    """An approximately orthogonal matrix with ``matrix``'s singular vectors: ``matrix`` (..., m, n), each trailing
-    (m, n) matrix on its own (an MoE's expert stack (E, m, n) gives E of them). Computed in fp32 (float64 stays
-    float64), normalised by the Frobenius norm first (which bounds the spectral norm), on the wide orientation so
-    the Gram matrix is the smaller one; the result has ``matrix``'s dtype."""
-    x = matrix if matrix.dtype == torch.float64 else matrix.float()
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NORM_EPS)
-    for a, b, c in iteration_coefficients(coefficients, steps):
-        gram = x @ x.mT  # (..., min, min)
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    if tall:
-        x = x.mT
-    return x.to(matrix.dtype)
-
-
-def update_scale(shape: Sequence[int], scale: str) -> float:
-    """The factor on an orthogonalised update of a matrix of ``shape`` (..., m, n). ``rms``: 0.2 sqrt(max(m, n)),
-    which gives the update the RMS of a typical AdamW update (Liu et al., 2025, "Muon is scalable"), so AdamW's
-    learning rate and weight decay carry over. ``spectral``: sqrt(max(1, m / n)) (Jordan's; its learning rate is
-    about 0.02)."""
-    m, n = int(shape[-2]), int(shape[-1])
-    if scale == "rms":
-        return 0.2 * math.sqrt(max(m, n))
-    if scale == "spectral":
-        return math.sqrt(max(1.0, m / n))
-    raise ValueError(f"unknown Muon update scale {scale!r}; choose one of {', '.join(SCALES)}")
-
-
-def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
-    """The multiply-add FLOPs (2 per multiply-add) of ``steps`` iterations on a matrix of ``shape`` (..., m, n),
-    with ``s = min(m, n)``, ``l = max(m, n)``: the Gram matrix (s x l x s), its square (s^3) and the product with
-    ``X`` (s x s x l), each iteration."""
-    *batch, m, n = (int(d) for d in shape)
-    small, large = min(m, n), max(m, n)
-    return math.prod(batch) * steps * 2 * (2 * small * small * large + small**3)
 
 
 @dataclass(frozen=True)
@@ -142,112 +98,6 @@ class MuonSettings:
             f"Muon lr {self.lr:g}, {momentum}, weight decay {self.weight_decay:g}, "
             f"{self.ns_steps} {self.coefficients} Newton-Schulz iterations, {scale}"
         )
-
-
-# ---- which parameters Muon trains, and how each holds its matrices ---------------------------------------------
-
-LORA_REFUSAL = (
-    "--optimizer muon does not train LoRA adapters: it orthogonalises a weight's whole update, and orthogonal "
-    "updates of the two low-rank factors do not make an orthogonal update of their product (nor one of known size); "
-    "train adapters with --optimizer adamw, or Muon without --lora-rank"
-)
-
-
-@dataclass(frozen=True)
-class MatrixLayout:
-    """How one weight holds its matrices: ``parts`` matrices fused along ``dim`` (-2: stacked rows, as q, k and v
-    in GPT's ``c_attn`` or gate and up in ``gate_up_proj``; -1: side by side, as in transformers' Conv1D ``c_attn``),
-    each orthogonalised on its own as if they were separate weights (as nanochat's separate q, k, v are);
-    ``transposed``: stored (in, out), as transformers' Conv1D stores its weight."""
-
-    parts: int = 1
-    dim: int = -2
-    transposed: bool = False
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., m, n) -> (..., parts, m', n'): each fused matrix in the last two dimensions."""
-        if self.parts == 1:
-            return x
-        if self.dim == -2:
-            return x.unflatten(-2, (self.parts, x.size(-2) // self.parts))
-        return x.unflatten(-1, (self.parts, x.size(-1) // self.parts)).movedim(-2, -3)
-
-    def join(self, x: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`split`."""
-        if self.parts == 1:
-            return x
-        if self.dim == -2:
-            return x.flatten(-3, -2)
-        return x.movedim(-3, -2).flatten(-2, -1)
-
-    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int]:
-        """(out, in) of each of the weight's matrices."""
-        m, n = int(shape[-2]), int(shape[-1])
-        if self.dim == -2:
-            m //= self.parts
-        else:
-            n //= self.parts
-        return (n, m) if self.transposed else (m, n)
-
-
-def _widths(model: nn.Module) -> set[int]:
-    """The MLP widths the model's configs name: a fused gate-and-up weight holds two of one of them."""
-    widths = set()
-    for config in (getattr(model, "config", None), getattr(getattr(model, "hf_model", None), "config", None)):
-        for key in ("ffn_hidden", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-            value = getattr(config, key, None)
-            if isinstance(value, int) and value > 0:
-                widths.add(value)
-    return widths
-
-
-def matrix_layout(
-    module: nn.Module, module_name: str, name: str, param: torch.Tensor, widths: set[int]
-) -> MatrixLayout:
-    """The layout of ``param`` (``name`` in ``module``): transformers' Conv1D is stored (in, out); ``c_attn`` holds
-    q, k and v (three equal parts along the output); ``gate_up_proj`` gate then up (two halves of the output rows,
-    when the output is twice an MLP width of the config: not gpt-oss's interleaved (E, in, 2F)). Any other weight
-    is one matrix (or an expert stack of them); other fused layouts (Phi-3's ``qkv_proj`` of unequal parts) are
-    orthogonalised whole."""
-    conv1d = type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight (in, out)
-    last = module_name.rsplit(".", 1)[-1]
-    rows, cols = int(param.shape[-2]), int(param.shape[-1])
-    if last == "c_attn" and name == "weight":
-        if conv1d and cols == 3 * rows:
-            return MatrixLayout(3, -1, transposed=True)
-        if not conv1d and rows == 3 * cols:
-            return MatrixLayout(3, -2)
-    if "gate_up_proj" in (name, last) and rows % 2 == 0 and rows // 2 in widths:
-        return MatrixLayout(2, -2, transposed=conv1d)
-    return MatrixLayout(transposed=conv1d)
-
-
-def muon_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter, MatrixLayout]]:
-    """The hidden matrices Muon trains, by role and shape, for every family, with their layouts: trainable
-    parameters of two or more dimensions (an MoE's expert stacks (E, m, n) are E matrices) inside the model's
-    repeated blocks, each dimension above 1; routers (by name: :func:`is_router_path`) and any embedding table
-    left out. Embeddings, position tables, the head and every gain and bias are outside the blocks or
-    one-dimensional: AdamW trains them."""
-    listed = getattr(model, "blocks", None)
-    blocks = listed() if callable(listed) else []
-    widths = _widths(model)
-    found: list[tuple[str, nn.Parameter, MatrixLayout]] = []
-    seen: set[int] = set()
-    for index, block in enumerate(blocks):
-        for module_name, module in block.named_modules():
-            if is_router_path(module_name) or isinstance(module, nn.Embedding):
-                continue
-            for name, param in module.named_parameters(recurse=False):
-                full = f"{index}.{module_name}.{name}" if module_name else f"{index}.{name}"
-                if param.requires_grad and param.dim() >= 2 and min(param.shape) > 1 and id(param) not in seen:
-                    seen.add(id(param))
-                    found.append((full, param, matrix_layout(module, module_name, name, param, widths)))
-    return found
-
-
-def muon_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """:func:`muon_matrices` without the layouts."""
-    return [(name, param) for name, param, _ in muon_matrices(model)]
 
 
 # ---- the optimizer --------------------------------------------------------------------------------------------

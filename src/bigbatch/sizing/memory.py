@@ -28,7 +28,9 @@ import torch
 
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import MicroBatch
-from bigbatch.engine.muon import MuonSettings, build_muon, muon_matrices, newton_schulz_flops
+from bigbatch.engine.muon import MuonSettings, build_muon
+from bigbatch.engine.muon_matrices import muon_matrices
+from bigbatch.engine.newton_schulz import newton_schulz_flops
 from bigbatch.engine.optim import build_adamw, constant_schedule
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import BigBatchError, ConfigError
