@@ -17,6 +17,10 @@ under DDP with NCCL in one process (a process group of world size 1: the wrappin
 multi-GPU run pays), and the plain loop of ``benchmarks/reference_gpt.py`` (the same GPT-2 shape at the same
 vocabulary, the same bf16 autocast, compile, flash attention and fused AdamW), with each one's MFU and the
 ratios engine / plain loop. Goal: MFU >= 50% on an H200, engine >= 1.02x the plain loop.
+
+Last, ``--optimizer muon``'s step on GPT-2 124M against fused AdamW's (the same random gradients, medians of 10
+after 3 warm-ups): Newton-Schulz for its 72 hidden matrices (fp32 with TF32, as the Trainer runs it), to set
+beside a step's compute time above.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from reference_gpt import ReferenceGPT, make_adamw  # noqa: E402
 
 from bigbatch.engine.accumulate import AccumulationEngine  # noqa: E402
 from bigbatch.engine.batch import MicroBatch  # noqa: E402
+from bigbatch.engine.muon import MuonSettings, build_muon  # noqa: E402
 from bigbatch.engine.optim import build_adamw, constant_schedule  # noqa: E402
 from bigbatch.models import GPT, preset  # noqa: E402
 from bigbatch.observe.metrics import device_peak_flops, mfu  # noqa: E402
@@ -178,6 +183,30 @@ def side_by_side(micro_batch: int, device: torch.device, peak: float | None) -> 
     )
 
 
+def optimizer_steps(device: torch.device) -> None:
+    """Fused AdamW's step and Muon's (with its AdamW half) on GPT-2 124M's parameters, random gradients."""
+    torch.manual_seed(0)
+    model = GPT(preset("gpt2")).to(device)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    times = {}
+    for name, optimizer in (
+        ("AdamW (fused)", build_adamw(model, lr=6e-4)),
+        ("Muon + AdamW", build_muon(model, MuonSettings(lr=6e-4), lr=6e-4)),
+    ):
+        samples = []
+        for i in range(13):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            optimizer.step()
+            torch.cuda.synchronize()
+            if i >= 3:
+                samples.append(time.perf_counter() - started)
+        times[name] = statistics.median(samples)
+    line = " | ".join(f"{name} {seconds * 1000:.1f} ms" for name, seconds in times.items())
+    print(f"optimizer step, GPT-2 124M: {line} | Muon / AdamW {times['Muon + AdamW'] / times['AdamW (fused)']:.1f}x")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_throughput: CUDA is not available on this machine; skipped (run benchmarks/gpu.sh on a CUDA GPU)")
@@ -235,6 +264,13 @@ def main() -> int:
         except Exception as exc:
             failures += 1
             print(f"side by side failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        optimizer_steps(device)
+    except Exception as exc:
+        failures += 1
+        print(f"optimizer steps failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
     return 1 if failures or not results else 0
 
 
