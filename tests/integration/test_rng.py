@@ -109,10 +109,19 @@ def in_process_measure(
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     chunked_loss: bool = True,
+    optimizer: str = "adamw",
 ) -> Any:
     """:func:`bigbatch.sizing.memory.measure` as it runs on CUDA: in this process."""
     return bigbatch.sizing.memory.measure_in_process(
-        config, micro_batch, seq_len, k, torch.device(device), precision, activation_checkpointing, chunked_loss
+        config,
+        micro_batch,
+        seq_len,
+        k,
+        torch.device(device),
+        precision,
+        activation_checkpointing,
+        chunked_loss,
+        optimizer,
     )
 
 

@@ -306,6 +306,12 @@ RUNS: dict[str, Run] = {
         quote=("docs/noise-scale.md", "batch ramp: 4,096 -> 16,384")
     ),
     "bigbatch train --help": Run(prints=(r"--total-batch-tokens INT",)),
+    "bigbatch plan --tokens-per-step 512Ki --seq-len 1024 --micro-batch 16 --model gpt2 --optimizer muon": Run(
+        prints=(  # docs/optimizers.md: "1.6 TFLOP, 0.36%"; one buffer per hidden-matrix weight, two for the rest
+            r"Muon \+ AdamW state \(1 buffer per matrix weight, 2 else\)\s+625\.7 MiB",
+            r"Newton-Schulz per step \(5 iterations\)\s+1,630\.75 GFLOP, 0\.36% of the step's training FLOPs",
+        )
+    ),
     "bigbatch verify --model moe-pico": Run(prints=(r"verdict: EQUIVALENT",), slow=True),  # "is EQUIVALENT with exact"
     "bigbatch verify --model pico --objective dpo --seq-len 32": Run(
         prints=(r"term dpo\s+split empty", r"negative control .* differs, as it must", r"verdict: EQUIVALENT")
@@ -325,7 +331,7 @@ EXEMPT: list[tuple[str, str]] = [
     (r"^bigbatch train ", "trains a model: the demo's run takes minutes (its flags resolve into a config here)"),
     (r"--factory", "a factory in the reader's own package (mypkg, yourpkg)"),
     (r"^bigbatch verify --model gpt2", "GPT-2 124M's gradients, full and accumulated, on a CPU: minutes"),
-    (r"^bigbatch verify( --packed| --lora-rank \S+)?$", "nano at GPT-2's vocabulary: 26 s of CPU"),
+    (r"^bigbatch verify( --packed| --lora-rank \S+| --optimizer muon)?$", "nano at GPT-2's vocabulary: 26 s of CPU"),
     (r"^bigbatch verify --model llama-nano --packed", "Llama nano, packed: 9 s of CPU"),
     (r"^bigbatch verify --model nano --objective", "nano's terms at GPT-2's vocabulary under four splits: 10 s of CPU"),
     (r"^bigbatch memory", "a fresh process per micro-batch size: a minute or more"),
