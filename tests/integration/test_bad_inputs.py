@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import io
 import logging
 import os
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import corpus_bytes, run_main
+from helpers import corpus_bytes, run_main, snapshot
 
 from bigbatch.data.cache import ensure_prepared
 
@@ -273,20 +272,6 @@ CASES = [
     Case("export-out-is-a-file", ("export", "run", "notes.txt"), "notes.txt"),
     Case("export-run-missing", ("export", "no-run", "new-export"), "does not exist"),
 ]
-
-
-def snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root``: its SHA-256 and mtime (ns); every directory, so an empty one made counts too."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_dir():
-            found[str(path.relative_to(root)) + "/"] = ("directory", 0)
-        elif path.is_file():
-            found[str(path.relative_to(root))] = (
-                hashlib.sha256(path.read_bytes()).hexdigest(),
-                path.stat().st_mtime_ns,
-            )
-    return found
 
 
 @pytest.fixture(scope="module")

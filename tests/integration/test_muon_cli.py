@@ -5,32 +5,16 @@ refused by name."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import assert_one_line_error, corpus_bytes, run_main
-from reliability_runs import assert_same_final_model, make_config, step_losses
+from helpers import assert_one_line_error, corpus_bytes, run_main, snapshot
+from reliability_runs import Crash, assert_same_final_model, crash_at, make_config, step_losses
 
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.run.loop.trainer import Trainer
-
-
-def snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root`` (SHA-256, mtime ns) and every directory, so that anything made or changed shows."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_dir():
-            found[str(path.relative_to(root)) + "/"] = ("directory", 0)
-        elif path.is_file():
-            found[str(path.relative_to(root))] = (
-                hashlib.sha256(path.read_bytes()).hexdigest(),
-                path.stat().st_mtime_ns,
-            )
-    return found
 
 
 def train_args(root: Path, out: str, *extra: str, cache: str = "cache") -> list[str]:
@@ -134,26 +118,6 @@ def test_resuming_with_another_optimizer_is_refused_by_name(workspace: tuple[Pat
 
 
 # ---- resume ----------------------------------------------------------------------------------------------------
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def crash_at(trainer: Trainer, step: int, micro: int) -> None:
-    """Make the trainer fail inside micro-batch ``micro`` of optimizer step ``step`` (1-based)."""
-    inner = trainer.engine.loss_fn
-    seen = {"step": 0, "micro": -1}
-
-    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
-        current = trainer.engine.step_count + 1
-        seen["micro"] = seen["micro"] + 1 if seen["step"] == current else 0
-        seen["step"] = current
-        if model.training and current == step and seen["micro"] == micro:
-            raise Crash(f"injected crash in step {step}")
-        return inner(model, batch)
-
-    trainer.engine.loss_fn = failing
 
 
 def muon_config(corpus: Path, out: Path) -> TrainConfig:

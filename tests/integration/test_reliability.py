@@ -12,8 +12,10 @@ import torch
 from helpers import corpus_bytes
 from reliability_runs import (
     STEPS,
+    Crash,
     assert_same_final_model,
     cli_args,
+    crash_at,
     make_config,
     run_cli,
     step_losses,
@@ -40,26 +42,6 @@ def golden(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("golden") / "run"
     Trainer(make_config(corpus, out)).train()
     return out
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def crash_at(trainer: Trainer, step: int, micro: int) -> None:
-    """Make the trainer fail inside micro-batch ``micro`` of optimizer step ``step`` (1-based)."""
-    inner = trainer.engine.loss_fn
-    seen = {"step": 0, "micro": -1}
-
-    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
-        current = trainer.engine.step_count + 1
-        seen["micro"] = seen["micro"] + 1 if seen["step"] == current else 0
-        seen["step"] = current
-        if model.training and current == step and seen["micro"] == micro:
-            raise Crash(f"injected crash in step {step}")
-        return inner(model, batch)
-
-    trainer.engine.loss_fn = failing
 
 
 @pytest.mark.parametrize(

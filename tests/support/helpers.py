@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
+from pathlib import Path
 
 import torch
 from text_corpus import text_corpus
@@ -52,3 +54,18 @@ def mean_loss(
     """The mean next-token loss over valid targets, from bigbatch's one loss definition (a sum); ``positions`` for
     rows packed with several documents."""
     return token_loss_sum(model, MicroBatch(inputs, targets, positions)) / (targets != IGNORE_INDEX).sum()
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``root``: its SHA-256 and mtime (ns); every directory, so an empty one made counts too
+    (compare two snapshots to see that a refused command made or changed nothing)."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_dir():
+            found[str(path.relative_to(root)) + "/"] = ("directory", 0)
+        elif path.is_file():
+            found[str(path.relative_to(root))] = (
+                hashlib.sha256(path.read_bytes()).hexdigest(),
+                path.stat().st_mtime_ns,
+            )
+    return found

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,3 +113,23 @@ def torchrun_cli(
     if "--collective-timeout" not in args:
         command += ["--collective-timeout", "60"]  # a stuck rendezvous fails within a minute, not ten
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class Crash(RuntimeError):
+    """The failure :func:`crash_at` injects."""
+
+
+def crash_at(trainer: Any, step: int, micro: int) -> None:
+    """Make the trainer fail inside micro-batch ``micro`` of optimizer step ``step`` (1-based)."""
+    inner = trainer.engine.loss_fn
+    seen = {"step": 0, "micro": -1}
+
+    def failing(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        current = trainer.engine.step_count + 1
+        seen["micro"] = seen["micro"] + 1 if seen["step"] == current else 0
+        seen["step"] = current
+        if model.training and current == step and seen["micro"] == micro:
+            raise Crash(f"injected crash in step {step}")
+        return inner(model, batch)
+
+    trainer.engine.loss_fn = failing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bigbatch.cli.common import (
     add_config_flag,
@@ -20,6 +21,9 @@ from bigbatch.errors import BigBatchError, PlanError
 from bigbatch.run.configuration.optim_section import OptimSection
 from bigbatch.run.configuration.train_config import BatchSection, ModelSection
 from bigbatch.settings.ranges import AUTO, POSITIVE_INT
+
+if TYPE_CHECKING:
+    from bigbatch.sizing.plan import SolvedPlan
 
 HELP = "derive K (or micro-batch, or devices) from a token budget; memory and step time"
 DESCRIPTION = (
@@ -84,7 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bigbatch.sizing.plan import solve_plan
-    from bigbatch.sizing.plan_report import report_plan
 
     vocab_size = 0 if args.vocab_size == AUTO else args.vocab_size  # 0: the preset's
     if args.from_run is not None:
@@ -122,18 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec = check_ramp_settings(args.batch_ramp, solved.plan.tokens_per_step, 0)
         ramp = format_ramp_table(BatchRamp(spec, solved.plan)) if spec is not None else None
-    print(
-        report_plan(
-            solved,
-            args.model,
-            vocab_size,
-            args.precision,
-            args.device,
-            args.measure,
-            args.optimizer,
-            args.muon_ns_steps,
-        )
-    )
+    print(_report(args, solved, vocab_size))
     if ramp:
         print(ramp)
     return 0
@@ -142,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
 def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     """``--from-run``: tokens per step from the run's measured noise scale; K derived for the devices given."""
     from bigbatch.observe.noise_report import plan_from_run
-    from bigbatch.sizing.plan_report import report_plan
 
     for given, flag in ((args.total_batch_tokens, "--tokens-per-step"), (args.k, "--k")):
         if given is not None:
@@ -150,27 +141,16 @@ def _from_run(args: argparse.Namespace, vocab_size: int) -> int:
     seq_len = None if args.seq_len == AUTO else args.seq_len  # None: the run's
     solved, lines = plan_from_run(args.from_run, args.micro_batch, seq_len, args.devices)
     print("\n".join(lines))
-    print(
-        report_plan(
-            solved,
-            args.model,
-            vocab_size,
-            args.precision,
-            args.device,
-            args.measure,
-            args.optimizer,
-            args.muon_ns_steps,
-        )
-    )
+    print(_report(args, solved, vocab_size))
     return 0
 
 
-def _report(args: argparse.Namespace, solved: object, vocab_size: int) -> str:
+def _report(args: argparse.Namespace, solved: SolvedPlan, vocab_size: int) -> str:
     """The plan's table for the flags given (the optimizer's state and cost among them)."""
     from bigbatch.sizing.plan_report import report_plan
 
     return report_plan(
-        solved,  # type: ignore[arg-type]
+        solved,
         args.model,
         vocab_size,
         args.precision,
