@@ -21,7 +21,7 @@ from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
 from bigbatch.engine.batch_change import BatchChange, BatchChangeRule, BatchFollower, OptimSettings
 from bigbatch.engine.muon import MuonAdamW, MuonSettings, build_muon
-from bigbatch.engine.muon_matrices import MatrixLayout, matrix_layout, muon_matrices, muon_parameters
+from bigbatch.engine.muon_matrices import muon_matrices, muon_parameters
 from bigbatch.engine.newton_schulz import (
     CONVERGENT,
     NORM_EPS,
@@ -34,6 +34,8 @@ from bigbatch.engine.newton_schulz import (
 from bigbatch.engine.optim import CosineSchedule, constant_schedule
 from bigbatch.errors import ConfigError
 from bigbatch.models import GPT, GPTConfig, build_model, model_preset
+from bigbatch.models.hf.fused_weights import hf_matrix_layout
+from bigbatch.models.matrix_layout import MatrixLayout
 from bigbatch.models.moe.config import moe_preset
 from bigbatch.models.moe.model import MoE
 
@@ -674,7 +676,7 @@ def test_the_families_fused_weights_are_found_by_role() -> None:
     assert mixtral["mlp.experts.gate_up_proj"] == MatrixLayout(2, -2)
     # gpt-oss stores (E, in, 2F) with gate and up interleaved: not two halves of its rows, so kept whole
     odd = nn.Linear(8, 8)
-    assert matrix_layout(odd, "mlp.experts", "gate_up_proj", torch.empty(4, 16, 20), {10}) == MatrixLayout()
+    assert hf_matrix_layout(odd, "mlp.experts", "gate_up_proj", torch.empty(4, 16, 20), {10}) == MatrixLayout()
 
 
 def test_the_update_of_gpt_c_attn_is_the_three_parts_own() -> None:

@@ -30,7 +30,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,21 +158,25 @@ def parent_settings(document: dict[str, Any], step: int) -> OptimSettings:
     (a checkpoint without param groups)."""
     groups = document.get("optimizer_param_groups") or (document.get("optimizer") or {}).get("param_groups") or []
     optim = (document.get("config") or {}).get("optim") or {}
-    muon = [group for group in groups if group.get("muon")]  # --optimizer muon: its momentum follows the batch
     adamw = [group for group in groups if not group.get("muon")]
-    momentum = float(muon[0]["momentum"]) if muon and "momentum" in muon[0] else None
     if adamw and all(key in adamw[0] for key in ("lr", "betas")):
         beta1, beta2 = (float(beta) for beta in adamw[0]["betas"])
         decay = max(float(group.get("weight_decay", 0.0)) for group in adamw)
-        return OptimSettings(float(adamw[0]["lr"]), beta1, beta2, decay, momentum)
-    if optim.get("optimizer") == "muon" and momentum is None:
-        momentum = float(optim.get("muon_momentum", 0.95))
-    return OptimSettings(
+        settings = OptimSettings(float(adamw[0]["lr"]), beta1, beta2, decay)
+        muon = next((group for group in groups if group.get("muon")), None)  # --optimizer muon: its own group
+        if muon is None:
+            return settings
+        return replace(
+            settings,
+            momentum=float(muon["momentum"]),
+            muon_lr=float(muon["lr"]),
+            muon_weight_decay=float(muon["weight_decay"]),
+        )
+    return OptimSettings(  # a checkpoint without param groups (from before Muon: AdamW's alone)
         saved_schedule(document)(step),
         float(optim.get("beta1", 0.9)),
         float(optim.get("beta2", 0.95)),
         float(optim.get("weight_decay", 0.1)),
-        momentum,
     )
 
 
@@ -196,13 +200,8 @@ def branch_config(
     config.batch.total_batch_tokens, config.batch.micro_batch = plan.tokens_per_step, plan.micro_batch
     config.batch.batch_ramp = ""  # every branch trains at its own fixed size, whatever the parent's ramp
     optim, settings = config.optim, parent.settings
-    if optim.optimizer == "muon":  # Muon's rate, weight decay and momentum as the parent's last step had them
-        groups = parent.document.get("optimizer_param_groups") or []
-        muon = next((group for group in groups if group.get("muon")), None)
-        if muon is not None:
-            optim.muon_lr, optim.muon_weight_decay = float(muon["lr"]), float(muon["weight_decay"])
-        elif optim.muon_lr:  # a checkpoint without param groups: the configured ratio to --lr
-            optim.muon_lr = optim.muon_lr * settings.lr / optim.lr
+    if settings.muon_lr is not None:  # Muon's rate, weight decay and momentum as the parent's last step had them
+        optim.muon_lr, optim.muon_weight_decay = settings.muon_lr, settings.muon_weight_decay or 0.0
         optim.muon_momentum = settings.momentum if settings.momentum is not None else optim.muon_momentum
         optim.batch_change_momentum = rule.momentum
     optim.lr, optim.min_lr_ratio, optim.warmup_steps, optim.decay_steps = settings.lr, 1.0, 0, 0  # constant lr

@@ -84,9 +84,7 @@ class BatchChangeRule:
         rule = "sqrt" if rule == AUTO else rule
         if betas == AUTO:
             betas = "none" if rule == "none" else "beta2"
-        if momentum == AUTO:
-            momentum = "keep" if rule == "none" else "tokens"
-        return cls(rule, betas, weight_decay, momentum)
+        return cls(rule, betas, weight_decay, "" if momentum == AUTO else momentum)  # "": the default's choice
 
     @property
     def changes_anything(self) -> bool:

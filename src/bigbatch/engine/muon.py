@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_update
 
-from bigbatch.engine.muon_matrices import MatrixLayout, matrix_layout, muon_matrices, muon_parameters
+from bigbatch.engine.muon_matrices import muon_matrices, muon_parameters
 from bigbatch.engine.newton_schulz import (
     COEFFICIENTS,
     SCALES,
@@ -36,9 +36,10 @@ from bigbatch.engine.newton_schulz import (
     orthogonalise,
     update_scale,
 )
-from bigbatch.engine.optim import fused_adamw_supported
+from bigbatch.engine.optim import fused_adamw_supported, param_groups
 from bigbatch.errors import ConfigError
 from bigbatch.models.lora import has_lora
+from bigbatch.models.matrix_layout import MatrixLayout
 from bigbatch.parallel.matrix_owners import MatrixOwners, local_part
 
 __all__ = [  # the optimizer here; Newton-Schulz and the choice of matrices from their own modules
@@ -50,7 +51,6 @@ __all__ = [  # the optimizer here; Newton-Schulz and the choice of matrices from
     "MuonSettings",
     "build_muon",
     "iteration_coefficients",
-    "matrix_layout",
     "muon_matrices",
     "muon_parameters",
     "newton_schulz_flops",
@@ -104,7 +104,7 @@ class MuonSettings:
 
 
 FUSED_PARTS = {3: "q, k, v", 2: "gate, up"}
-"""What a fused weight's parts are, by their number (:func:`matrix_layout` splits only these two kinds)."""
+"""What a fused weight's parts are, by their number (the families fuse only these two kinds)."""
 
 CONFIGURED_KEYS = ("muon", "lr_scale", "ns_steps", "coefficients", "scale", "eps")
 """Param-group keys that are the run's settings rather than its state: a loaded checkpoint does not replace them
@@ -288,8 +288,6 @@ def build_muon(
             "projections inside the repeated blocks); use --optimizer adamw"
         )
     matrices = [param for _, param, _ in found]
-    chosen = {id(p) for p in matrices}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
     groups: list[dict[str, Any]] = [
         {
             "params": matrices,
@@ -302,8 +300,7 @@ def build_muon(
             "coefficients": settings.coefficients,
             "scale": settings.scale,
         },
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        *param_groups(model, weight_decay, leave_out={id(p) for p in matrices}),  # AdamW's, as build_adamw's
     ]
     return MuonAdamW(
         [g for g in groups if g["params"]],

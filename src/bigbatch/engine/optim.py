@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Decay matrices and embeddings (dim >= 2); never biases or LayerNorm gains (dim < 2)."""
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+def param_groups(model: nn.Module, weight_decay: float, leave_out: Collection[int] = ()) -> list[dict[str, object]]:
+    """Decay matrices and embeddings (dim >= 2); never biases or LayerNorm gains (dim < 2). ``leave_out``: ids of
+    parameters another optimizer trains (Muon's matrices)."""
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in leave_out]  # tied ones appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return [

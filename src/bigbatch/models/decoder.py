@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bigbatch.models.lm_output import logits_or_loss
+from bigbatch.models.matrix_layout import MatrixLayout
 
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -82,6 +83,11 @@ class DecoderLM(nn.Module, abc.ABC):
     def inactive_parameters(self) -> int:
         """Parameters a token does not use (a mixture's experts it is not routed to): not in the FLOPs."""
         return 0
+
+    def matrix_layout(self, path: str, module: nn.Module, name: str, param: torch.Tensor) -> MatrixLayout:
+        """How parameter ``name`` of ``module`` (at ``path`` inside a block) holds its matrices: one matrix stored
+        (out, in), unless a family says its weight fuses several (GPT's q, k and v) or is stored (in, out)."""
+        return MatrixLayout()
 
     def fsdp_units(self) -> list[nn.Module]:
         """What FSDP2 shards as units before the root (see :func:`fsdp_units`): the blocks; the embeddings, final

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
 from bigbatch.models.gpt.config import MODEL_PRESETS, GPTConfig, pad_vocab, preset
+from bigbatch.models.matrix_layout import MatrixLayout
 
 __all__ = ["GPT", "MODEL_PRESETS", "GPTConfig", "pad_vocab", "preset"]
 
@@ -124,6 +125,10 @@ class GPT(StackedDecoderLM):
 
     def blocks(self) -> nn.ModuleList:
         return self.transformer.h
+
+    def matrix_layout(self, path: str, module: nn.Module, name: str, param: torch.Tensor) -> MatrixLayout:
+        """``attn.c_attn`` stacks the q, k and v maps in its rows: three matrices."""
+        return MatrixLayout(3, -2) if (path, name) == ("attn.c_attn", "weight") else MatrixLayout()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.transformer.ln_f(x)

@@ -20,9 +20,11 @@ from bigbatch.errors import CheckpointError, ConfigError
 from bigbatch.models.coupling import set_dropout
 from bigbatch.models.decoder import DecoderLM
 from bigbatch.models.hf.config import HFConfig, require_transformers
+from bigbatch.models.hf.fused_weights import hf_matrix_layout, mlp_widths
 from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
 from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
 from bigbatch.models.lm_output import logits_loss, logits_or_loss, segment_logits_losses
+from bigbatch.models.matrix_layout import MatrixLayout
 from bigbatch.models.routing import RouterRecorder, route_tokens
 
 log = logging.getLogger(__name__)
@@ -284,6 +286,11 @@ class HFCausalLM(DecoderLM):
             if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
                 return module
         return nn.ModuleList()
+
+    def matrix_layout(self, path: str, module: nn.Module, name: str, param: torch.Tensor) -> MatrixLayout:
+        """Read from transformers' layer types and names (:func:`~bigbatch.models.hf.fused_weights.hf_matrix_layout`)
+        and the MLP widths of its config."""
+        return hf_matrix_layout(module, path, name, param, mlp_widths(self.hf_model.config))
 
     def lookup_only_parameters(self) -> int:
         """An input embedding that is not also the output head (a lookup, not a matmul). A mixture of experts'

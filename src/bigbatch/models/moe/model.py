@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from bigbatch.models.llama.config import LlamaConfig
 from bigbatch.models.llama.model import MLP, Attention, LlamaModel, RMSNorm, RotaryDecoderLM
+from bigbatch.models.matrix_layout import MatrixLayout
 from bigbatch.models.moe.config import MOE_PRESETS, MoEConfig, moe_preset
 from bigbatch.models.routing import RouterRecorder, RouterSpec, route_tokens
 
@@ -144,6 +145,10 @@ class MoE(RotaryDecoderLM):
         if isinstance(module, Experts):
             nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
             nn.init.normal_(module.down_proj, mean=0.0, std=0.02 * (2 * self.config.n_layer) ** -0.5)
+
+    def matrix_layout(self, path: str, module: nn.Module, name: str, param: torch.Tensor) -> MatrixLayout:
+        """Each expert's ``gate_up_proj`` stacks gate then up in its rows: two matrices per expert."""
+        return MatrixLayout(2, -2) if isinstance(module, Experts) and name == "gate_up_proj" else MatrixLayout()
 
     def inactive_parameters(self) -> int:
         """The experts a token does not reach: ``(E - k)`` experts in every layer."""
