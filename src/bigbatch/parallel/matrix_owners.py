@@ -68,10 +68,6 @@ class MatrixOwners:
                     f"whole-matrix work takes tensors sharded by rows (FSDP2's Shard(0)), got {placements}"
                 )
 
-    def owned(self) -> list[int]:
-        """The indices of the matrices this rank computes."""
-        return [i for i, owner in enumerate(self.owners) if owner == self.rank]
-
     def compute_once(
         self, indices: Sequence[int], inputs: Sequence[torch.Tensor], compute: Compute
     ) -> list[torch.Tensor]:
@@ -80,22 +76,12 @@ class MatrixOwners:
         if self.world_size == 1:
             return [compute(i, x) for i, x in zip(indices, inputs, strict=True)]
         results: list[torch.Tensor | None] = [None] * len(indices)
-        sharded = [k for k, i in enumerate(indices) if self._sharded[i]]
-        replicated = [k for k, i in enumerate(indices) if not self._sharded[i]]
-        if sharded:
-            for k, part in zip(
-                sharded,
-                self._through_owners([indices[k] for k in sharded], [inputs[k] for k in sharded], compute),
-                strict=True,
-            ):
-                results[k] = part
-        if replicated:
-            for k, part in zip(
-                replicated,
-                self._shared([indices[k] for k in replicated], [inputs[k] for k in replicated], compute),
-                strict=True,
-            ):
-                results[k] = part
+        for sharded, run in ((True, self._through_owners), (False, self._shared)):
+            chosen = [k for k, i in enumerate(indices) if self._sharded[i] is sharded]
+            if chosen:  # every rank has the same: the collectives match
+                parts = run([indices[k] for k in chosen], [inputs[k] for k in chosen], compute)
+                for k, part in zip(chosen, parts, strict=True):
+                    results[k] = part
         done = [r for r in results if r is not None]
         assert len(done) == len(indices), "every matrix is sharded or replicated"
         return done

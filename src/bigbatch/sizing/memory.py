@@ -50,7 +50,6 @@ class MemoryEstimate:
     grads: int
     optimizer: int  # AdamW: two fp32 moments per parameter; Muon: one momentum per hidden-matrix parameter
     activations: int  # one micro-batch, kept for backward
-    optimizer_name: str = "adamw"
     orthogonalise_flops: int = 0  # Muon: Newton-Schulz per optimizer step (all matrices, all ranks together)
 
     @property
@@ -89,7 +88,6 @@ def estimate_memory(
         grads=4 * n,
         optimizer=8 * (n - n_muon) + 4 * n_muon,
         activations=config.n_layer * per_token * tokens + head,
-        optimizer_name=optimizer,
         orthogonalise_flops=sum(  # a fused weight's parts each on their own
             newton_schulz_flops((*p.shape[:-2], layout.parts, *layout.matrix_shape(p.shape)), ns_steps)
             for _, p, layout in matrices
