@@ -48,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -255,81 +255,138 @@ def bench_seesaw(b: Bench) -> None:
 # ---- a 4x batch change in the middle of a run --------------------------------------------------------------
 
 
-def bench_change(b: Bench) -> None:
+@dataclass
+class ChangeRuns:
+    """Two arms of a 4x batch change at every seed: the mean training loss of each window of steps after the
+    change, the final validation loss, each arm's ``batch_change`` record, and the seeds whose first halves (the
+    same computation in both arms) did not end bitwise alike."""
+
+    arms: tuple[str, str]  # (the reference arm, the one compared with it)
+    windows: tuple[int, ...]
+    losses: dict[str, dict[int, list[float]]]
+    vals: dict[str, list[float]]
+    changes: dict[str, dict[str, Any]]
+    mismatched: list[int]
+
+    def diffs(self, window: int | None = None) -> list[float]:
+        """Second arm minus first, per seed: the training loss over ``window`` steps after the change, or (None)
+        the final validation loss."""
+        first, second = self.arms
+        a, c = (
+            (self.vals[first], self.vals[second])
+            if window is None
+            else (
+                self.losses[first][window],
+                self.losses[second][window],
+            )
+        )
+        return [y - x for x, y in zip(a, c, strict=True)]
+
+    def report(self) -> None:
+        """Each arm's change line, each window's and the final loss with the paired difference, and whether the
+        first halves agreed."""
+        first, second = self.arms
+        for arm, c in self.changes.items():
+            momentum = (
+                f" | Muon momentum {c['momentum_before']:.4g} -> {c['momentum_after']:.4g}"
+                if "momentum_before" in c
+                else ""
+            )
+            print(
+                f"  {arm}: step {c['step']} {c['tokens_per_step_before']:,} -> {c['tokens_per_step_after']:,} "
+                f"tokens/step | lr {c['lr_before']:.3e} -> {c['lr_after']:.3e} | beta2 {c['beta2_before']:.4g} -> "
+                f"{c['beta2_after']:.4g}" + momentum
+            )
+        for n in self.windows:
+            print(f"  train loss, steps +1..+{n} after the change: {first} {spread(self.losses[first][n])}")
+            print(f"  {'':>40}  {second} {spread(self.losses[second][n])}")
+            print(f"  {'':>40}  {second} - {first} {paired(self.diffs(n))}")
+        print(f"  final val loss: {first} {spread(self.vals[first])}")
+        print(f"                  {second} {spread(self.vals[second])}")
+        print(f"                  {second} - {first} {paired(self.diffs())}")
+        print(
+            "  first halves (the same computation in both arms): "
+            + (
+                "loss at the change bitwise equal for every seed"
+                if not self.mismatched
+                else f"DIFFER for seeds {self.mismatched}"
+            )
+        )
+
+
+def run_change(b: Bench, name: str, arms: dict[str, Callable[[TrainConfig], None]]) -> ChangeRuns:
+    """Each of the two ``arms`` (its settings applied to both halves of the run) at each seed: half the steps at
+    1,024 tokens per step, then the run resumed in its own directory at 4,096 (``allow_batch_change``) for the
+    other half, the cosine over all of them; a row per seed as it goes."""
     steps, mb, before = b.sizes.change_steps, 8, 1024
     after, half = 4 * before, steps // 2
-    print(
-        f"change | {MODEL}, {half} steps of {before:,} tokens, then resumed at {after:,} (x4, --allow-batch-change) "
-        f"for {half} more; cosine over all {steps} (lr 2e-3, warmup {WARMUP}); rule sqrt (lr x2, beta2 0.95 -> "
-        f"{0.95**4:.4f}) vs none, same seed"
-    )
     windows = b.sizes.after
-    head = " ".join(f"{f'+1..+{n} none':>13} {f'+1..+{n} sqrt':>13}" for n in windows)
-    print(f"  {'seed':>4} {head} {'val none':>9} {'val sqrt':>9} {'diff':>8}")
-    losses: dict[str, dict[int, list[float]]] = {rule: {n: [] for n in windows} for rule in ("none", "sqrt")}
-    vals: dict[str, list[float]] = {"none": [], "sqrt": []}
+    first, second = names = tuple(arms)
+    head = " ".join(f"{f'+1..+{n} {first}':>13} {f'+1..+{n} {second}':>15}" for n in windows)
+    print(f"  {'seed':>4} {head} {f'val {first}':>9} {f'val {second}':>10} {'diff':>8}")
+    losses: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in windows} for arm in arms}
+    vals: dict[str, list[float]] = {arm: [] for arm in arms}
     changes, mismatched = {}, []
     for seed in b.seeds:
         at_change = {}
-        for rule in ("none", "sqrt"):
-            out = b.work / f"change_{rule}_{seed}"
-            config = b.config(out, mb, before, half, seed, eval_every=half)
-            config.optim.decay_steps = steps
-            config.optim.batch_change_rule = rule
-            with quiet():  # "changes nothing in this run": this session's tokens per step do not change
-                train(config)
-            config = b.config(out, mb, after, steps, seed, eval_every=half)
-            config.optim.decay_steps = steps
-            config.optim.batch_change_rule = rule
-            config.run.allow_batch_change = True
-            result, _ = train(config)
-            if result.val_loss is None:
-                raise SystemExit(f"change seed {seed} {rule}: no validation loss")
-            vals[rule].append(result.val_loss)
+        for arm, settings in arms.items():
+            out = b.work / f"{name}_{arm}_{seed}"
+            result = None
+            for total, n_steps in ((before, half), (after, steps)):
+                config = b.config(out, mb, total, n_steps, seed, eval_every=half)
+                config.optim.decay_steps = steps
+                settings(config)
+                if total == after:
+                    config.run.allow_batch_change = True
+                    result, _ = train(config)
+                else:
+                    with quiet():  # "changes nothing in this run": this session's tokens per step do not change
+                        train(config)
+            if result is None or result.val_loss is None:
+                raise SystemExit(f"{name} seed {seed} {arm}: no validation loss")
+            vals[arm].append(result.val_loss)
             loss = step_losses(out)
-            at_change[rule] = loss[half]
+            at_change[arm] = loss[half]
             for n in windows:
-                losses[rule][n].append(statistics.fmean(loss[s] for s in range(half + 1, half + n + 1)))
+                losses[arm][n].append(statistics.fmean(loss[s] for s in range(half + 1, half + n + 1)))
             found = records(out, "batch_change")
             if len(found) != 1 or found[0]["step"] != half + 1:
-                raise SystemExit(f"change seed {seed} {rule}: expected one batch change at step {half + 1}: {found}")
-            changes[rule] = found[0]
-        if at_change["none"] != at_change["sqrt"]:
+                raise SystemExit(f"{name} seed {seed} {arm}: expected one batch change at step {half + 1}: {found}")
+            changes[arm] = found[0]
+        if at_change[first] != at_change[second]:
             mismatched.append(seed)
-        cells = " ".join(f"{losses['none'][n][-1]:>13.4f} {losses['sqrt'][n][-1]:>13.4f}" for n in windows)
+        cells = " ".join(f"{losses[first][n][-1]:>13.4f} {losses[second][n][-1]:>15.4f}" for n in windows)
         print(
-            f"  {seed:>4} {cells} {vals['none'][-1]:>9.4f} {vals['sqrt'][-1]:>9.4f} "
-            f"{vals['sqrt'][-1] - vals['none'][-1]:>+8.4f}"
+            f"  {seed:>4} {cells} {vals[first][-1]:>9.4f} {vals[second][-1]:>10.4f} "
+            f"{vals[second][-1] - vals[first][-1]:>+8.4f}"
         )
-    for rule, c in changes.items():
-        print(
-            f"  {rule}: step {c['step']} {c['tokens_per_step_before']:,} -> {c['tokens_per_step_after']:,} tokens/step | "
-            f"lr {c['lr_before']:.3e} -> {c['lr_after']:.3e} | beta2 {c['beta2_before']:.4g} -> {c['beta2_after']:.4g}"
-        )
-    for n in windows:
-        diffs = [s - x for x, s in zip(losses["none"][n], losses["sqrt"][n], strict=True)]
-        print(f"  train loss, steps +1..+{n} after the change: none {spread(losses['none'][n])}")
-        print(f"  {'':>40}  sqrt {spread(losses['sqrt'][n])}")
-        print(f"  {'':>40}  sqrt - none {paired(diffs)}")
-    diffs = [s - x for x, s in zip(vals["none"], vals["sqrt"], strict=True)]
-    print(f"  final val loss: none {spread(vals['none'])}")
-    print(f"                  sqrt {spread(vals['sqrt'])}")
-    print(f"                  sqrt - none {paired(diffs)}")
+    return ChangeRuns(names, windows, losses, vals, changes, mismatched)  # type: ignore[arg-type]
+
+
+def bench_change(b: Bench) -> None:
+    steps, before = b.sizes.change_steps, 1024
+    half = steps // 2
     print(
-        "  first halves (the same computation in both arms): "
-        + ("loss at the change bitwise equal for every seed" if not mismatched else f"DIFFER for seeds {mismatched}")
+        f"change | {MODEL}, {half} steps of {before:,} tokens, then resumed at {4 * before:,} (x4, "
+        f"--allow-batch-change) for {half} more; cosine over all {steps} (lr 2e-3, warmup {WARMUP}); rule sqrt (lr "
+        f"x2, beta2 0.95 -> {0.95**4:.4f}) vs none, same seed"
     )
+
+    def rule(name: str) -> Callable[[TrainConfig], None]:
+        def apply(config: TrainConfig) -> None:
+            config.optim.batch_change_rule = name
+
+        return apply
+
+    runs = run_change(b, "change", {"none": rule("none"), "sqrt": rule("sqrt")})
+    runs.report()
     first = b.sizes.after[0]
-    early = statistics.fmean(s - x for x, s in zip(losses["none"][first], losses["sqrt"][first], strict=True))
-    final = statistics.fmean(diffs)
+    early, final = statistics.fmean(runs.diffs(first)), statistics.fmean(runs.diffs())
     b.summary.append(
         f"change x4: sqrt - none, train loss over the {first} steps after the change {early:+.4f}, final val loss "
-        f"{final:+.4f} (sqrt {statistics.fmean(vals['sqrt']):.4f}, none {statistics.fmean(vals['none']):.4f}; "
+        f"{final:+.4f} (sqrt {statistics.fmean(runs.vals['sqrt']):.4f}, none {statistics.fmean(runs.vals['none']):.4f}; "
         f"goal, sqrt no worse: {'yes' if early <= 0 and final <= 0 else 'NO'})"
     )
-
-
-# ---- the critical batch over a run, and the ramps that follow it -------------------------------------------
 
 
 def prune_to(run_dir: Path, keep: tuple[int, ...]) -> None:

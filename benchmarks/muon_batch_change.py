@@ -27,94 +27,44 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_change import QUICK, Bench, Sizes, paired, quiet, records, spread, step_losses, train  # noqa: E402
+from batch_change import QUICK, Bench, Sizes, paired, run_change  # noqa: E402
 from bench_config import bench_corpus  # noqa: E402
+
+from bigbatch.run.configuration.train_config import TrainConfig  # noqa: E402
 
 ARMS = ("keep", "tokens")
 
 
 def bench_muon_change(b: Bench) -> None:
-    steps, mb, before = b.sizes.change_steps, 8, 1024
-    after, half = 4 * before, steps // 2
+    steps, before = b.sizes.change_steps, 1024
+    half = steps // 2
     print(
-        f"muon change | pico, --optimizer muon, {half} steps of {before:,} tokens, then resumed at {after:,} (x4, "
-        f"--allow-batch-change) for {half} more; cosine over all {steps} (lr 2e-3, warmup 5); rule sqrt in both arms; "
-        f"--batch-change-momentum tokens (0.95 -> {0.95**4:.4f}) vs keep, same seed"
+        f"muon change | pico, --optimizer muon, {half} steps of {before:,} tokens, then resumed at {4 * before:,} "
+        f"(x4, --allow-batch-change) for {half} more; cosine over all {steps} (lr 2e-3, warmup 5); rule sqrt in both "
+        f"arms; --batch-change-momentum tokens (0.95 -> {0.95**4:.4f}) vs keep, same seed"
     )
-    windows = b.sizes.after
-    head = " ".join(f"{f'+1..+{n} keep':>13} {f'+1..+{n} tokens':>15}" for n in windows)
-    print(f"  {'seed':>4} {head} {'val keep':>9} {'val tokens':>10} {'diff':>8}")
-    losses: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in windows} for arm in ARMS}
-    vals: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    changes, mismatched = {}, []
-    for seed in b.seeds:
-        at_change = {}
-        for arm in ARMS:
-            out = b.work / f"muon_change_{arm}_{seed}"
-            for total, n_steps in ((before, half), (after, steps)):
-                config = b.config(out, mb, total, n_steps, seed, eval_every=half)
-                config.optim.optimizer = "muon"
-                config.optim.decay_steps = steps
-                config.optim.batch_change_rule = "sqrt"
-                config.optim.batch_change_momentum = arm
-                if total == after:
-                    config.run.allow_batch_change = True
-                    result, _ = train(config)
-                else:
-                    with quiet():  # "changes nothing in this run": this session's tokens per step do not change
-                        train(config)
-            if result.val_loss is None:
-                raise SystemExit(f"seed {seed} {arm}: no validation loss")
-            vals[arm].append(result.val_loss)
-            loss = step_losses(out)
-            at_change[arm] = loss[half]
-            for n in windows:
-                losses[arm][n].append(statistics.fmean(loss[s] for s in range(half + 1, half + n + 1)))
-            found = records(out, "batch_change")
-            if len(found) != 1 or found[0]["step"] != half + 1:
-                raise SystemExit(f"seed {seed} {arm}: expected one batch change at step {half + 1}: {found}")
-            changes[arm] = found[0]
-        if at_change["keep"] != at_change["tokens"]:
-            mismatched.append(seed)
-        cells = " ".join(f"{losses['keep'][n][-1]:>13.4f} {losses['tokens'][n][-1]:>15.4f}" for n in windows)
-        print(
-            f"  {seed:>4} {cells} {vals['keep'][-1]:>9.4f} {vals['tokens'][-1]:>10.4f} "
-            f"{vals['tokens'][-1] - vals['keep'][-1]:>+8.4f}"
-        )
-    for arm, c in changes.items():
-        momentum = (
-            f" | Muon momentum {c['momentum_before']:.4g} -> {c['momentum_after']:.4g}"
-            if "momentum_before" in c
-            else ""
-        )
-        print(
-            f"  {arm}: step {c['step']} {c['tokens_per_step_before']:,} -> {c['tokens_per_step_after']:,} tokens/step | "
-            f"lr {c['lr_before']:.3e} -> {c['lr_after']:.3e} | beta2 {c['beta2_before']:.4g} -> {c['beta2_after']:.4g}"
-            + momentum
-        )
-    for n in windows:
-        diffs = [t - k for k, t in zip(losses["keep"][n], losses["tokens"][n], strict=True)]
-        print(f"  train loss, steps +1..+{n} after the change: keep {spread(losses['keep'][n])}")
-        print(f"  {'':>40}  tokens {spread(losses['tokens'][n])}")
-        print(f"  {'':>40}  tokens - keep {paired(diffs)}")
-    diffs = [t - k for k, t in zip(vals["keep"], vals["tokens"], strict=True)]
-    print(f"  final val loss: keep   {spread(vals['keep'])}")
-    print(f"                  tokens {spread(vals['tokens'])}")
-    print(f"                  tokens - keep {paired(diffs)}")
-    print(
-        "  first halves (the same computation in both arms): "
-        + ("loss at the change bitwise equal for every seed" if not mismatched else f"DIFFER for seeds {mismatched}")
-    )
-    first = windows[0]
-    early = statistics.fmean(t - k for k, t in zip(losses["keep"][first], losses["tokens"][first], strict=True))
+
+    def momentum(rule: str) -> Callable[[TrainConfig], None]:
+        def apply(config: TrainConfig) -> None:
+            config.optim.optimizer = "muon"
+            config.optim.batch_change_rule = "sqrt"
+            config.optim.batch_change_momentum = rule
+
+        return apply
+
+    runs = run_change(b, "muon_change", {arm: momentum(arm) for arm in ARMS})
+    runs.report()
+    first = b.sizes.after[0]
+    early = statistics.fmean(runs.diffs(first))
     b.summary.append(
         f"muon change x4: tokens - keep, train loss over the {first} steps after the change {early:+.4f}, final val "
-        f"loss {paired(diffs)}"
+        f"loss {paired(runs.diffs())}"
     )
 
 
