@@ -216,12 +216,15 @@ def train_reference(
     val_windows: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     eval_every: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    optimizers: Sequence[tuple[torch.optim.Optimizer, float]] = (),
 ) -> ReferenceResult:
     """Train ``model`` in place for ``steps`` optimizer steps of ``accum`` micro-batches of ``micro_batch`` x
     ``seq_len`` tokens; ``order`` is ``random`` or ``sequential``. With ``val_windows`` and ``eval_every``,
     evaluates every ``eval_every`` steps and after the last. ``on_step(step, loss)`` is called after each step
     (1-based). The schedule is bigbatch's default: ``decay_steps`` 0 means ``steps``; warmup at most that.
-    ``fused`` picks torch's fused AdamW kernel (default: torch's default, the for-loop one on CPU)."""
+    ``fused`` picks torch's fused AdamW kernel (default: torch's default, the for-loop one on CPU).
+    ``optimizers``: (optimizer, its learning rate as a multiple of ``lr``) pairs that share the parameters between
+    them, stepped in order, instead of one AdamW over all of them (reference_muon.py's Muon and AdamW)."""
     if order not in ("random", "sequential"):
         raise ValueError(f"order must be random or sequential, got {order!r}")
     decay = decay_steps or steps
@@ -231,15 +234,17 @@ def train_reference(
         if order == "random"
         else sequential_windows(tokens, micro_batch, seq_len)
     )
-    optimizer = make_adamw(model, lr, weight_decay, betas, eps, fused)
+    optimizers = optimizers or [(make_adamw(model, lr, weight_decay, betas, eps, fused), 1.0)]
     result = ReferenceResult(tokens_per_step=micro_batch * seq_len * accum)
     device = next(model.parameters()).device
     model.train()
     for step in range(steps):
         started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr, lr * min_lr_ratio, warmup, decay)
-        optimizer.zero_grad(set_to_none=True)
+        now = lr_at(step, lr, lr * min_lr_ratio, warmup, decay)
+        for optimizer, scale in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = now * scale
+        model.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for _ in range(accum):
             x, y = next(windows)
@@ -248,7 +253,8 @@ def train_reference(
             (loss / accum).backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
+        for optimizer, _ in optimizers:
+            optimizer.step()
         result.step_times.append(time.perf_counter() - started)
         result.losses.append(loss_sum / accum)
         if on_step is not None:

@@ -25,13 +25,12 @@ per micro-batch, clip, step) with this optimizer pair in place of the single Ada
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
-from reference_gpt import ReferenceResult, evaluate, lr_at, random_windows, sequential_windows
+from reference_gpt import ReferenceResult, train_reference
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -156,39 +155,23 @@ def train_reference_muon(
     """:func:`reference_gpt.train_reference` with Muon on the blocks' matrices (``muon_lr``, default ``lr``) and
     AdamW on the rest; both learning rates follow the same schedule."""
     muon_lr = lr if muon_lr is None else muon_lr
-    decay = decay_steps or steps
-    warmup = min(warmup_steps, decay)
-    windows = (
-        random_windows(tokens, micro_batch, seq_len, seed)
-        if order == "random"
-        else sequential_windows(tokens, micro_batch, seq_len)
-    )
     muon, adamw = make_optimizers(model, lr, muon_lr, weight_decay, muon_weight_decay, momentum, betas, eps)
-    result = ReferenceResult(tokens_per_step=micro_batch * seq_len * accum)
-    device = next(model.parameters()).device
-    model.train()
-    for step in range(steps):
-        started = time.perf_counter()
-        now = lr_at(step, lr, lr * min_lr_ratio, warmup, decay)
-        for group in adamw.param_groups:
-            group["lr"] = now
-        for group in muon.param_groups:
-            group["lr"] = now * (muon_lr / lr)
-        model.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for _ in range(accum):
-            x, y = next(windows)
-            _, loss = model(x.to(device), y.to(device))
-            assert loss is not None
-            (loss / accum).backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        muon.step()
-        adamw.step()
-        result.step_times.append(time.perf_counter() - started)
-        result.losses.append(loss_sum / accum)
-        if on_step is not None:
-            on_step(step + 1, loss_sum / accum)
-        if val_windows and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            result.val_losses[step + 1] = evaluate(model, val_windows)  # type: ignore[arg-type]
-    return result
+    return train_reference(
+        model,  # type: ignore[arg-type]
+        tokens,
+        steps=steps,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        accum=accum,
+        order=order,
+        seed=seed,
+        lr=lr,
+        min_lr_ratio=min_lr_ratio,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        grad_clip=grad_clip,
+        val_windows=val_windows,
+        eval_every=eval_every,
+        on_step=on_step,
+        optimizers=[(muon, muon_lr / lr), (adamw, 1.0)],
+    )
