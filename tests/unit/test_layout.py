@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"engine"},
     {"data"},
+    {"rewards"},
     {"sizing"},
     {"noise"},
     {"observe"},

@@ -81,10 +81,52 @@ def window_starts(start: int, windows: int, seq_len: int) -> list[int]:
     return [start + w * seq_len for w in range(windows)]
 
 
-ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL = 0, 1, 2, 3, 4
+ROLE_CHOSEN, ROLE_REJECTED, ROLE_DESIRABLE, ROLE_UNDESIRABLE, ROLE_KL, ROLE_COMPLETION = 0, 1, 2, 3, 4, 5
 """What an answer is to the objective: a preference pair's chosen and rejected answers; a KTO row's completion,
-desirable or undesirable; and a KTO row's prompt followed by another row's completion (``ROLE_KL``: only its
-reference point, the step's KL estimate, is read from it, never trained)."""
+desirable or undesirable; a KTO row's prompt followed by another row's completion (``ROLE_KL``: only its
+reference point, the step's KL estimate, is read from it, never trained); and a sampled completion of a prompt
+(``ROLE_COMPLETION``: learning from rewards, scored by :class:`RolloutScores`)."""
+
+
+@dataclass
+class RolloutScores:
+    """What learning from rewards knows of each completion of a micro-batch (its answers, numbered as in
+    :class:`Answers`) before the step trains on it: facts of the whole rollout, the same on every rank, so a
+    completion carries them wherever it lands. ``old_logp`` and ``ref_logp`` are per target, like ``segment``:
+    the behaviour policy's and the reference's log-probability of each completion token (0 elsewhere)."""
+
+    advantage: torch.Tensor  # (S,) float32: the completion's advantage (group-relative, or given)
+    reward: torch.Tensor  # (S,) float32
+    member: torch.Tensor  # (S,) int64: its place in its group (0: the group's first, which counts the group)
+    group_tokens: torch.Tensor  # (S,) float32: the tokens of all completions of its group in the step
+    old_logp: torch.Tensor | None = None  # (B, T) float32
+    ref_logp: torch.Tensor | None = None  # (B, T) float32
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutScores:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return RolloutScores(
+            self.advantage.to(device, non_blocking=non_blocking),
+            self.reward.to(device, non_blocking=non_blocking),
+            self.member.to(device, non_blocking=non_blocking),
+            self.group_tokens.to(device, non_blocking=non_blocking),
+            move(self.old_logp),
+            move(self.ref_logp),
+        )
+
+    def pin_memory(self) -> RolloutScores:
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return RolloutScores(
+            self.advantage.pin_memory(),
+            self.reward.pin_memory(),
+            self.member.pin_memory(),
+            self.group_tokens.pin_memory(),
+            pin(self.old_logp),
+            pin(self.ref_logp),
+        )
 
 
 @dataclass
@@ -105,6 +147,7 @@ class Answers:
     # Each answer's -log ref(answer | prompt) (S,) fp32, set by the step's statistics pass on the micro-batch as read:
     # it travels with the micro-batch, so a re-run of it anywhere (a replay on another rank) reads its own.
     reference: torch.Tensor | None = None
+    rollout: RolloutScores | None = None  # sampled completions (learning from rewards): what each one scored
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Answers:
         return Answers(
@@ -114,6 +157,7 @@ class Answers:
             self.document,  # an index into a table on the host: stays there
             self.source,
             None if self.reference is None else self.reference.to(device, non_blocking=non_blocking),
+            None if self.rollout is None else self.rollout.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Answers:
@@ -124,11 +168,25 @@ class Answers:
             self.document,
             self.source,
             self.reference,
+            None if self.rollout is None else self.rollout.pin_memory(),
         )
 
     def none(self) -> Answers:
         """The same shapes holding no answer (a filler micro-batch's)."""
-        return Answers(torch.full_like(self.segment, -1), self.group[:0], self.role[:0], None, self.source)
+        rollout = None
+        if self.rollout is not None:
+            r = self.rollout
+            zeros = torch.zeros_like(self.segment, dtype=torch.float32)
+            rollout = RolloutScores(
+                r.advantage[:0],
+                r.reward[:0],
+                r.member[:0],
+                r.group_tokens[:0],
+                None if r.old_logp is None else zeros,
+                None if r.ref_logp is None else zeros.clone(),
+            )
+        empty = torch.full_like(self.segment, -1)
+        return Answers(empty, self.group[:0], self.role[:0], None, self.source, rollout=rollout)
 
     @property
     def count(self) -> int:

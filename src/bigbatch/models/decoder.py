@@ -38,10 +38,60 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float
 ) -> torch.Tensor:
     """SDPA over (B, heads, T, head_dim): within documents when ``mask`` (from :func:`document_causal_mask`) is
-    given, else plain causal. Every query sees at least itself, so no row of the mask is empty."""
+    given, else plain causal. Every query sees at least itself, so no row of the mask is empty.
+
+    Fewer queries (T) than keys (S): the queries are the last T positions after S - T cached keys
+    (:class:`KVCache`), each seeing the keys up to its own position (SDPA's ``is_causal`` would align them with the
+    first T keys instead)."""
+    T, S = q.size(-2), k.size(-2)
+    if mask is None and T != S:
+        if T == 1:  # one new token sees every key
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # (T, S)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+class LayerCache:
+    """One layer's keys and values (B, kv_heads, length, head_dim) of the tokens seen so far, for decoding one token
+    at a time without recomputing the earlier ones. The buffers hold ``capacity`` positions and are allocated at the
+    first :meth:`append` (their shape, dtype and device are the layer's, which only its attention knows)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self.keys: torch.Tensor | None = None  # (B, kv_heads, capacity, head_dim)
+        self.values: torch.Tensor | None = None  # (B, kv_heads, capacity, head_dim)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' ``k`` and ``v`` (B, kv_heads, T, head_dim) after the cached ones; return all the
+        keys and values so far (B, kv_heads, length + T, head_dim), views of the buffers."""
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the key/value cache holds {self.capacity} positions; {end} asked")
+        if self.keys is None or self.values is None:
+            B, H, _, D = k.shape
+            self.keys = k.new_empty(B, H, self.capacity, D)
+            self.values = v.new_empty(B, H, self.capacity, v.size(-1))
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """The :class:`LayerCache` of every block of a model, for :meth:`StackedDecoderLM.decode`: rows of one
+    document each (no packing), at most ``capacity`` tokens long."""
+
+    def __init__(self, n_layer: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.layers = [LayerCache(capacity) for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        """How many tokens of each row the cache holds: the position of the next one."""
+        return self.layers[0].length if self.layers else 0
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -58,7 +108,8 @@ class DecoderLM(nn.Module, abc.ABC):
     logits (B, T, vocab); ``forward(idx, targets)`` the summed next-token loss over the targets that are not -100
     (:func:`~bigbatch.models.lm_output.logits_or_loss`: in chunks of rows, never the whole logits, unless
     ``chunked_loss`` is off); ``positions`` (B, T), for rows packed with several documents, restarts positions at
-    each document and confines attention to it; ``last_only`` returns the last position's logits (B, 1, vocab).
+    each document and confines attention to it; ``last_only`` returns the last position's logits (B, 1, vocab);
+    ``forward(idx, targets, per_token=True)`` each target's cross-entropy and softmax entropy (B, T, 2).
 
     Here: the parameter and FLOP counts and the FSDP2 units, from :meth:`blocks` and
     :meth:`lookup_only_parameters`. bigbatch's own families run their forward on :class:`StackedDecoderLM`; an
@@ -126,6 +177,13 @@ class StackedDecoderLM(DecoderLM):
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
         """The hidden states (B, T, C) entering the first block, and the extra arguments every block takes."""
 
+    supports_kv_cache = False  # a family whose blocks take ``cache=`` and which has :meth:`embed_at` says True
+
+    def embed_at(self, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """:meth:`embed` for tokens at positions ``start`` ... ``start + T - 1`` of unpacked rows, after ``start``
+        cached ones (:meth:`decode`); only a family with :attr:`supports_kv_cache` has it."""
+        raise NotImplementedError(f"{type(self).__name__} has no key/value cache")
+
     @abc.abstractmethod
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden states (B, T, C) after the last block, normalised for the head."""
@@ -138,6 +196,21 @@ class StackedDecoderLM(DecoderLM):
         """The whole logits (B, T, vocab) of the final hidden states ``x`` (B, T, C)."""
         return F.linear(x, self.head_weight())
 
+    def decode(self, idx: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """The logits (B, T, vocab) of ``idx`` (B, T), the tokens after the ``cache.length`` ones whose keys and
+        values ``cache`` holds (none: the prompt's prefill), as the full forward of the whole rows gives them for
+        these positions; their keys and values join the cache. ``last_only``: the last position's (B, 1, vocab)."""
+        start = cache.length
+        if start + idx.size(1) > self.config.block_size:
+            raise ValueError(
+                f"sequence length {start + idx.size(1)} exceeds the model's block_size {self.config.block_size}"
+            )
+        x, extras = self.embed_at(idx, start)  # (B, T, C)
+        for block, layer_cache in zip(self.blocks(), cache.layers, strict=True):
+            x = block(x, *extras, cache=layer_cache)
+        x = self.final_norm(x[:, -1:] if last_only else x)  # (B, T or 1, C)
+        return self.logits(x)
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -145,6 +218,7 @@ class StackedDecoderLM(DecoderLM):
         positions: torch.Tensor | None = None,
         last_only: bool = False,
         segments: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence length {idx.size(1)} exceeds the model's block_size {self.config.block_size}")
@@ -158,7 +232,13 @@ class StackedDecoderLM(DecoderLM):
         if targets is None and not last_only:
             return self.logits(x)
         return logits_or_loss(
-            x, self.head_weight(), targets, chunked=self.chunked_loss, last_only=last_only, segments=segments
+            x,
+            self.head_weight(),
+            targets,
+            chunked=self.chunked_loss,
+            last_only=last_only,
+            segments=segments,
+            per_token=per_token,
         )
 
 

@@ -10,6 +10,10 @@ Only the gradients (``N x C`` for the rows, ``V x C`` and ``V`` for the head) ar
 scales them by the incoming gradient. Beyond the gradients (which the plain path makes too), peak extra memory is
 one chunk of logits, turned into its softmax in place; the matmul FLOPs are those of the plain forward + backward
 (no recompute); rows whose target is ``IGNORE_INDEX`` never reach the head.
+
+:func:`linear_cross_entropy_tokens` gives each row's cross-entropy and softmax entropy instead of their sum (for
+learning from rewards). Its incoming gradient differs per row, so its backward recomputes each chunk's logits from
+the saved rows and head: one more head matmul per chunk, still never the ``(N, V)`` logits.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
 """A target without loss (padding, a masked prompt): ``F.cross_entropy``'s ``ignore_index``. The loss's convention,
@@ -187,3 +192,155 @@ def linear_cross_entropy_sum(
             return _chunked_loss(hidden.to(dtype), weight.to(dtype), b, targets, chunk_rows)
         loss: torch.Tensor = _LinearCrossEntropySum.apply(hidden, weight, bias, targets, chunk_rows, dtype, needs)
         return loss
+
+
+def _token_values(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``h`` (n, C) (all valid, already in the matmul dtype), in float32: the cross-entropy, the
+    log-sum-exp of the logits and the entropy of their softmax, each (n,). Two (V, n) float32 buffers of one chunk
+    at a time, never the (N, V) logits."""
+    n = h.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=h.device)  # (n,)
+    lse = torch.empty(n, dtype=torch.float32, device=h.device)  # (n,)
+    entropy = torch.empty(n, dtype=torch.float32, device=h.device)  # (n,)
+    for start, stop in _chunks(n, chunk_rows):
+        in_dtype, z = _chunk_logits(h, weight, bias, start, stop)  # (V, n): matmul dtype, float32
+        del in_dtype  # only the float32 logits are read from here on
+        target_logit = z.gather(0, targets[None, start:stop]).squeeze(0)  # (n,), read before z is overwritten
+        col_max = z.amax(dim=0)  # (n,)
+        s = z.sub_(col_max)  # (V, n) shifted logits s = z - max, in place: exp cannot overflow
+        e = s.exp()  # (V, n) unnormalized softmax
+        total = e.sum(dim=0)  # (n,)
+        # H = lse - E_p[z] = log(total) - E_p[s]: the max cancels, and E_p[s] = sum(e * s) / total. s is not
+        # needed after, so the product overwrites it (no third (V, n) buffer).
+        weighted = s.mul_(e).sum(dim=0)  # (n,)
+        log_total = total.log()  # (n,)
+        lse[start:stop] = log_total + col_max
+        loss[start:stop] = lse[start:stop] - target_logit
+        entropy[start:stop] = log_total - weighted / total
+        del z, s, e  # one chunk in memory at a time
+    return loss, lse, entropy
+
+
+class _LinearCrossEntropyTokens(torch.autograd.Function):
+    """Per-row cross-entropy and entropy of rows that all have a target, (n, 2) float32. Unlike the sum version,
+    whose backward only scales gradients computed in forward (its incoming gradient is one number), the incoming
+    gradient here differs per row and per column, so backward recomputes each chunk's logits from the saved rows
+    and head (one more head matmul per chunk) instead of keeping anything logits-sized."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # (n_valid, C)
+        weight: torch.Tensor,  # (V, C)
+        bias: torch.Tensor | None,  # (V,)
+        targets: torch.Tensor,  # (n_valid,) int64, none ignored
+        chunk_rows: int,
+        dtype: torch.dtype,  # the head matmul's
+    ) -> torch.Tensor:
+        h, w = hidden.to(dtype), weight.to(dtype)  # (n_valid, C), (V, C)
+        b = None if bias is None else bias.to(dtype)  # (V,)
+        loss, lse, entropy = _token_values(h, w, b, targets, chunk_rows)  # (n_valid,) each
+        # The inputs as given (no copies; cast again in backward) and two floats per row: backward gets the
+        # softmax as exp(z - lse) and E_p[z] as lse - H without a reduction over the vocabulary.
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.chunk_rows, ctx.dtype = chunk_rows, dtype
+        return torch.stack((loss, entropy), dim=1)  # (n_valid, 2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        dtype: torch.dtype = ctx.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        # backward may run inside the caller's autocast region: the matmul dtype was chosen in forward, so autocast
+        # must not recast the products below.
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)  # (n_valid, C), (V, C)
+            b = None if bias is None else bias.to(dtype)  # (V,)
+            g = grad_output.float()  # (n_valid, 2)
+            g_loss, g_ent = g[:, 0], g[:, 1]  # (n_valid,) each
+            # As in the sum version: the rows' gradient in the matmul dtype, the head's accumulated in float32.
+            grad_h = torch.empty(h.shape, dtype=dtype, device=h.device) if need_h else None  # (n_valid, C)
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None  # (V, C)
+            grad_b = torch.zeros(w.shape[0], dtype=torch.float32, device=h.device) if need_b else None  # (V,)
+            for start, stop in _chunks(h.shape[0], ctx.chunk_rows):
+                in_dtype, z = _chunk_logits(h, w, b, start, stop)  # (V, n): matmul dtype, float32
+                del in_dtype
+                gl, ge = g_loss[start:stop], g_ent[start:stop]  # (n,) each
+                # dloss/dz = p - onehot; dH/dz_k = -p_k (z_k - E_p[z]), and z - E_p[z] = log p + H. So
+                # dlogits = p * (g_loss - g_ent * (log p + H)) - g_loss * onehot, built in two (V, n) buffers.
+                log_p = z.sub_(lse[start:stop])  # (V, n) in place
+                p = log_p.exp()  # (V, n)
+                factor = log_p.add_(entropy[start:stop]).mul_(-ge).add_(gl)  # (V, n), in place over log p
+                dlogits = p.mul_(factor)  # (V, n), in place over p
+                dlogits.scatter_add_(0, targets[None, start:stop], -gl[None])  # the one-hot term
+                del z, log_p, factor
+                # The products run in the forward matmul's dtype, as autocast's backward would run them.
+                d = dlogits if dtype == torch.float32 else dlogits.to(dtype)  # (V, n)
+                if grad_h is not None:
+                    torch.mm(d.t(), w, out=grad_h[start:stop])  # (n, C)
+                if grad_w is not None:
+                    if d.dtype == torch.float32:
+                        grad_w.addmm_(d, h[start:stop])  # (V, C) in place, no (V, C) temporary
+                    else:
+                        grad_w.add_(torch.mm(d, h[start:stop]))  # (V, C), promoted to float32 as it is added
+                if grad_b is not None:
+                    grad_b += d.sum(dim=1, dtype=torch.float32)  # (V,)
+                del p, dlogits, d  # before the next chunk's logits exist
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+@torch.compiler.disable  # dynamo graph-breaks around it: the chunk loop and the Function run eagerly
+def linear_cross_entropy_tokens(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Each row's cross-entropy and softmax entropy, (N, 2) float32, without ever holding the ``(N, V)`` logits:
+    column 0 is ``-log softmax(z)[target]``, column 1 is ``H = logsumexp(z) - sum_j p_j z_j``, for the logits
+    ``z = hidden @ weight.T + bias`` of that row (what learning from rewards needs: log-probabilities, which are
+    minus column 0, and entropies, per token).
+
+    ``hidden`` (N, C) (leading dimensions are flattened), ``weight`` (V, C), ``targets`` (N,) int64 with
+    ``IGNORE_INDEX`` for none, ``bias`` (V,) or None. Rows whose target is ``IGNORE_INDEX`` get 0 in both columns
+    and no gradient (they never enter the head). Gradients reach ``hidden``, ``weight`` and ``bias`` from both
+    columns, whatever their incoming gradients. Under autocast the head matmuls run in autocast's dtype and the
+    softmax in float32, as for the plain path. ``chunk_rows``: rows of logits per chunk (default
+    :func:`default_chunk_rows`). Column 0 sums to :func:`linear_cross_entropy_sum` to rounding."""
+    width = hidden.shape[-1]
+    hidden, targets = hidden.reshape(-1, width), targets.reshape(-1)  # (N, C), (N,)
+    n_rows = targets.numel()
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # (n_valid,)
+    some_ignored = rows.numel() < n_rows
+    if some_ignored:
+        # Only the rows with a target enter the head; index_select's backward scatters the rows' gradient back
+        # into zeros for the others.
+        hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)  # (n_valid, C), (n_valid,)
+    dtype = _compute_dtype(hidden)
+    with torch.autocast(hidden.device.type, enabled=False):  # the matmul dtype is chosen here: nothing casts twice
+        needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        if not (torch.is_grad_enabled() and any(needs)):  # evaluation: the values alone, nothing saved
+            b = None if bias is None else bias.to(dtype)
+            loss, _, entropy = _token_values(hidden.to(dtype), weight.to(dtype), b, targets, chunk_rows)
+            values = torch.stack((loss, entropy), dim=1)  # (n_valid, 2)
+        else:
+            values = _LinearCrossEntropyTokens.apply(hidden, weight, bias, targets, chunk_rows, dtype)
+    if not some_ignored:
+        return values
+    # Zeros for the ignored rows; index_copy's backward hands the valid rows their gradient, the others none.
+    return values.new_zeros(n_rows, 2).index_copy(0, rows, values)  # (N, 2)

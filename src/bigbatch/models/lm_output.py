@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.head_loss import IGNORE_INDEX, linear_cross_entropy_sum
+from bigbatch.models.head_loss import IGNORE_INDEX, linear_cross_entropy_sum, linear_cross_entropy_tokens
 
 
 def computes_loss(model: nn.Module) -> bool:
@@ -39,11 +39,16 @@ def logits_or_loss(
     chunked: bool = True,
     last_only: bool = False,
     segments: torch.Tensor | None = None,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """From ``hidden`` (B, T, C) and the head ``weight`` (V, C): the logits (B, T, V) when ``targets`` is None
     (only the last position's, (B, 1, V), with ``last_only``), else the 0-d fp32 sum of cross-entropies over the
     targets (B, T) that are not -100, in chunks of rows (``chunked``) or from the whole logits. With ``segments``
-    (B, T) int64 (each target's segment 0..S-1, -1 for none): the (S,) fp32 sums per segment instead."""
+    (B, T) int64 (each target's segment 0..S-1, -1 for none): the (S,) fp32 sums per segment instead. With
+    ``per_token``: each target's cross-entropy and softmax entropy, (B, T, 2) fp32, 0 where the target is -100
+    (:func:`~bigbatch.models.head_loss.linear_cross_entropy_tokens`)."""
+    if per_token and segments is not None:
+        raise ValueError("per_token and segments exclude each other: per-token values need no segment sums")
     if targets is None:
         if last_only:
             hidden = hidden[:, -1:]  # (B, 1, C)
@@ -52,6 +57,11 @@ def logits_or_loss(
     flat_targets = targets.reshape(-1)  # (B*T,)
     if segments is not None:
         return segment_losses(flat_hidden, weight, flat_targets, segments.reshape(-1), bias, chunked)
+    if per_token:
+        if chunked:
+            values = linear_cross_entropy_tokens(flat_hidden, weight, flat_targets, bias)  # (B*T, 2)
+            return values.reshape(*targets.shape, 2)  # (B, T, 2)
+        return token_losses_from_logits(F.linear(hidden, weight, bias), targets)  # (B, T, 2)
     if chunked:
         return linear_cross_entropy_sum(flat_hidden, weight, flat_targets, bias)
     return logits_loss(F.linear(flat_hidden, weight, bias), flat_targets)
@@ -104,3 +114,17 @@ def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def token_losses_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's cross-entropy and the entropy of its softmax from whole ``logits`` (..., V) and ``targets``
+    (...): (..., 2) fp32, both 0 (and without gradient) where the target is -100. The per-token counterpart of
+    :func:`logits_loss`, for models whose head cannot be taken apart from the trunk."""
+    flat_logits = logits.float().reshape(-1, logits.size(-1))  # (N, V)
+    flat_targets = targets.reshape(-1)  # (N,)
+    log_p = F.log_softmax(flat_logits, dim=-1)  # (N, V)
+    losses = F.nll_loss(log_p, flat_targets, ignore_index=IGNORE_INDEX, reduction="none")  # (N,), 0 where ignored
+    entropy = -(log_p.exp() * log_p).sum(dim=-1)  # (N,)
+    # masked_fill, not a product with the mask: an ignored row gets exactly 0 and a zero gradient
+    entropy = entropy.masked_fill(flat_targets == IGNORE_INDEX, 0.0)
+    return torch.stack((losses, entropy), dim=-1).reshape(*targets.shape, 2)  # (..., 2)

@@ -93,7 +93,12 @@ def format_step(
     objective = record.measurements.get("objective")
     if objective is not None:  # a preference objective: its reward margin and accuracy over the step
         values = objective.values
-        if "rewards/accuracy" in values:
+        if "reward/mean" in values:  # learning from rewards: the step's rewards, clipped share and KL
+            line += f" | reward {values['reward/mean']:.3f} ± {values.get('reward/std', 0.0):.3f}"
+            line += f" | clipped {values.get('clipped', 0.0):.1%}"
+            if "kl" in values:
+                line += f" | kl {values['kl']:.4f}"
+        elif "rewards/accuracy" in values:
             line += f" | margin {values['rewards/margin']:.3f} | acc {values['rewards/accuracy']:.2f}"
         elif "kl" in values:
             line += f" | kl {values['kl']:.3f}"

@@ -116,7 +116,12 @@ class RunSummary:
         if self.experts:
             lines.append(f"  experts            {self.experts}")
         if self.preference:
-            lines.append(f"  preference         {self.preference}")
+            label = (
+                "rewards   "
+                if self.preference.startswith("reward ") and "accuracy" not in self.preference
+                else "preference"
+            )
+            lines.append(f"  {label}         {self.preference}")
         lines.append(f"  skipped steps      {self.skipped}")
         return "\n".join(lines)
 
@@ -222,6 +227,15 @@ def summarize(run: RunMetrics) -> RunSummary:
 def describe_preference(trained: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     """``reward accuracy 0.95, margin 0.48 (last step) | val reward accuracy 1.000`` for a preference run (KTO: its
     rewards and KL point); empty for a next-token run."""
+    rewarded = [r for r in trained if _finite(r.get("reward/mean"))]
+    if rewarded:  # learning from rewards: the reward's first and last steps, and what the last step clipped
+        first, last_step = rewarded[0], rewarded[-1]
+        text = (
+            f"reward {float(first['reward/mean']):.3f} (step {first['step']}) -> {float(last_step['reward/mean']):.3f} "
+            f"(step {last_step['step']}) | clipped {float(last_step.get('clipped', 0.0)):.1%}, completion "
+            f"{float(last_step.get('completion/tokens', 0.0)):.1f} tokens (last step)"
+        )
+        return text + (f", kl {float(last_step['kl']):.4f}" if _finite(last_step.get("kl")) else "")
     last = next((r for r in reversed(trained) if "rewards/accuracy" in r or "kl" in r), None)
     if last is None:
         return ""
@@ -293,14 +307,14 @@ def _plots(runs: list[RunMetrics]) -> list[_Plot]:
             "loss_vs_step.png",
             "Loss",
             "optimizer step",
-            "loss (nats per token; a preference run: its objective)",
+            "loss (nats per token; preference, rewards: the objective)",
             lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=False),
         ),
         _Plot(
             "loss_vs_tokens.png",
             "Loss",
             "tokens (valid targets, cumulative)",
-            "loss (nats per token; a preference run: its objective)",
+            "loss (nats per token; preference, rewards: the objective)",
             lambda ax, run, c, lw: _draw_loss(ax, run, c, lw, by_tokens=True),
         ),
         _Plot("lr.png", "Learning rate", "optimizer step", "learning rate", _draw_key("lr")),
@@ -337,6 +351,16 @@ def _plots(runs: list[RunMetrics]) -> list[_Plot]:
                 "optimizer step",
                 "router loss",
                 _draw_key("router_loss"),
+            )
+        )
+    if any(_finite(r.get("reward/mean")) for run in runs for r in run.steps):  # learning from rewards
+        plots.append(
+            _Plot(
+                "reward_vs_step.png",
+                "Reward: mean over each step's completions",
+                "optimizer step",
+                "mean reward",
+                _draw_key("reward/mean"),
             )
         )
     if any(_finite(r.get("mfu")) for run in runs for r in run.steps):

@@ -92,7 +92,31 @@ BAD_ROWS = Choices("bad_rows", ("refuse", "drop"))
 empty answer, a conversation the template refuses): ``refuse`` (one line naming the row; nothing is written) or
 ``drop`` (left out and counted). Over-long rows follow ``long_conversations`` instead."""
 REFERENCE_LOGPS = Choices("reference_logps", ("step", "once"))
-OBJECTIVE = Choices("objective", ("lm", "dpo", "ipo", "simpo", "orpo", "kto"))
+OBJECTIVE = Choices(
+    "objective",
+    ("lm", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"),
+    others=(
+        ("ppo", "--objective grpo is the clipped PPO loss over groups of completions, without a value model"),
+        ("dapo", "--objective grpo --clip-high 0.28 --loss-aggregation token-mean --flat-groups drop"),
+        ("dr-grpo", "--objective grpo --advantage-scale none --loss-aggregation seq-mean-token-sum-norm"),
+        ("cispo", "--objective grpo --policy-loss cispo"),
+        ("rloo", "--objective grpo --advantage-scale none (a group mean baseline)"),
+    ),
+)
+LOSS_AGGREGATION = Choices(
+    "loss_aggregation",
+    ("token-mean", "group-token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    others=(
+        ("bnpo", "token-mean over the whole step (TRL's bnpo averages each micro-batch's tokens)"),
+        ("dapo", "token-mean"),
+        ("grpo", "seq-mean-token-mean"),
+        ("dr_grpo", "seq-mean-token-sum-norm"),
+        ("seq-mean", "seq-mean-token-mean or seq-mean-token-sum"),
+    ),
+)
+POLICY_LOSS = Choices("policy_loss", ("ppo", "cispo"))
+ADVANTAGE_SCALE = Choices("advantage_scale", ("std", "none"))
+FLAT_GROUPS = Choices("flat_groups", ("keep", "drop"))
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

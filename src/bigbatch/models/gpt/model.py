@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.decoder import LayerCache, StackedDecoderLM, causal_attention, document_causal_mask
 from bigbatch.models.gpt.config import MODEL_PRESETS, GPTConfig, pad_vocab, preset
 from bigbatch.models.matrix_layout import MatrixLayout
 
@@ -29,13 +29,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True  # type: ignore[assignment]  # scaled init
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if cache is not None:  # the earlier tokens' keys and values first: (B, n_head, cached + T, head_dim)
+            k, v = cache.append(k, v)
         y = causal_attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -62,8 +66,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -87,6 +93,8 @@ class GPT(StackedDecoderLM):
     The embedding table is padded to a multiple of 64 for speed, but the padded
     columns are cut off so they never enter a softmax.
     """
+
+    supports_kv_cache = True  # the blocks take ``cache=``; :meth:`embed_at` offsets the learned positions
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -122,6 +130,11 @@ class GPT(StackedDecoderLM):
         mask = None if positions is None else document_causal_mask(positions)  # (B, 1, T, T)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         return self.transformer.drop(x), (mask,)
+
+    def embed_at(self, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple[torch.Tensor | None]]:
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)  # (T,): the learned positions after the cache
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        return self.transformer.drop(x), (None,)  # no mask: the attention orders queries after the cached keys
 
     def blocks(self) -> nn.ModuleList:
         return self.transformer.h

@@ -23,7 +23,7 @@ from bigbatch.models.hf.config import HFConfig, require_transformers
 from bigbatch.models.hf.fused_weights import hf_matrix_layout, mlp_widths
 from bigbatch.models.hf.router_probe import RouterProbe, probe_router, router_refusal
 from bigbatch.models.hf_files import has_weights, quiet_progress, read_config
-from bigbatch.models.lm_output import logits_loss, logits_or_loss, segment_logits_losses
+from bigbatch.models.lm_output import logits_loss, logits_or_loss, segment_logits_losses, token_losses_from_logits
 from bigbatch.models.matrix_layout import MatrixLayout
 from bigbatch.models.routing import RouterRecorder, route_tokens
 
@@ -235,6 +235,7 @@ class HFCausalLM(DecoderLM):
         positions: torch.Tensor | None = None,
         last_only: bool = False,
         segments: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
         parts = self._trunk_and_head()
         if self.head_detachable and parts is not None and (targets is not None or last_only):
@@ -247,10 +248,15 @@ class HFCausalLM(DecoderLM):
                 chunked=self.chunked_loss,
                 last_only=last_only,
                 segments=segments,
+                per_token=per_token,
             )
         logits = self._whole_logits(idx, positions)
         if targets is None:
             return logits[:, -1:] if last_only else logits
+        if per_token:
+            if segments is not None:  # as logits_or_loss refuses it on the detachable path
+                raise ValueError("per_token and segments exclude each other: per-token values need no segment sums")
+            return token_losses_from_logits(logits, targets)  # (B, T, 2)
         if segments is not None:
             return segment_logits_losses(logits, targets, segments)
         return logits_loss(logits, targets)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.models.decoder import StackedDecoderLM, causal_attention, document_causal_mask
+from bigbatch.models.decoder import LayerCache, StackedDecoderLM, causal_attention, document_causal_mask
 from bigbatch.models.llama.config import LLAMA_PRESETS, LlamaConfig, RopeScaling, llama_preset
 
 __all__ = ["LLAMA_PRESETS", "Llama", "LlamaConfig", "RopeScaling", "llama_preset"]
@@ -106,7 +106,12 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
@@ -116,12 +121,14 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # the earlier tokens' rotated keys and values first: (B, n_kv_head, cached + T, head_dim)
+            k, v = cache.append(k, v)  # cached before the grouping's repeat: n_kv_head heads, not n_head
         if self.n_kv_head != self.n_head:
             # Query head h reads key/value head h // group. Repeated explicitly rather than with SDPA's
             # enable_gqa, which needs torch 2.5 and not every attention kernel supports.
             group = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(group, dim=1)  # (B, n_head, T, head_dim)
-            v = v.repeat_interleave(group, dim=1)  # (B, n_head, T, head_dim)
+            k = k.repeat_interleave(group, dim=1)  # (B, n_head, S, head_dim), S keys (T, or cached + T)
+            v = v.repeat_interleave(group, dim=1)  # (B, n_head, S, head_dim)
         y = causal_attention(q, k, v, mask, self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.o_proj(y))  # (B, T, C)
@@ -152,9 +159,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -179,6 +191,7 @@ class RotaryDecoderLM(StackedDecoderLM):
 
     model: LlamaModel
     lm_head: nn.Linear
+    supports_kv_cache = True  # the layers take ``cache=``; :meth:`embed_at` rotates by the positions after the cache
 
     def rope_shape(self) -> LlamaConfig:
         """The shape whose rotary settings (base, scaling, head_dim) the positions use."""
@@ -210,6 +223,13 @@ class RotaryDecoderLM(StackedDecoderLM):
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim)
             mask = document_causal_mask(positions)  # (B, 1, T, T)
         return self.model.embed_tokens(idx), (cos, sin, mask)  # (B, T, C)
+
+    def embed_at(self, idx: torch.Tensor, start: int) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        # The angles of positions 0 ... start + T - 1, cut to the new tokens': each position's angles are computed
+        # alone, so they are those the full forward gives it, bit for bit.
+        cos, sin = rope_cos_sin(self.rope_shape(), start + idx.size(1), idx.device)  # (start + T, head_dim) each
+        mask = None  # the attention orders the new queries after the cached keys
+        return self.model.embed_tokens(idx), (cos[start:], sin[start:], mask)  # (B, T, C); (T, head_dim) each
 
     def blocks(self) -> nn.ModuleList:
         return self.model.layers

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bigbatch.models.decoder import LayerCache
 from bigbatch.models.llama.config import LlamaConfig
 from bigbatch.models.llama.model import MLP, Attention, LlamaModel, RMSNorm, RotaryDecoderLM
 from bigbatch.models.matrix_layout import MatrixLayout
@@ -102,9 +103,14 @@ class MoELayer(nn.Module):
         self.mlp = SparseMoE(config, recorder)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

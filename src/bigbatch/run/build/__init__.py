@@ -42,6 +42,7 @@ from bigbatch.run.build.engine_phase import (
 from bigbatch.run.build.model_phase import build_run_model
 from bigbatch.run.build.objective_phase import build_objective, check_objective, prepare_reference_table
 from bigbatch.run.build.observers import build_observers
+from bigbatch.run.build.rollout_phase import build_rollout_loader, connect_rollouts, rollout_pack, say_no_validation
 from bigbatch.run.build.sizing_phase import build_ramp, build_seesaw, plan_steps
 from bigbatch.run.checkpoints.resume import find_resume_checkpoint
 from bigbatch.run.configuration.identity import default_run_dir
@@ -165,6 +166,24 @@ def build_run(config: TrainConfig, dist: DistContext, device: torch.device, say:
         raise
 
 
+def _training_data(
+    config: TrainConfig,
+    dataset: Dataset,
+    plan: BatchPlan,
+    dist: DistContext,
+    device: torch.device,
+    pack: bool,
+    model: LanguageModel,
+    say: Say,
+) -> tuple[Loader, ValidationWindows | None]:
+    """The training loader and validation windows: the data's, or for learning from rewards the completions
+    sampled each step or read from a rollouts file (no validation split)."""
+    if config.objective.name != "grpo":
+        return build_loaders(config, dataset, plan, dist, pack)
+    say_no_validation(config, say)
+    return build_rollout_loader(config, dataset, plan, dist, device, rollout_pack(config, model), say), None
+
+
 def _build_parts(
     config: TrainConfig,
     dist: DistContext,
@@ -185,9 +204,10 @@ def _build_parts(
     precision = resolve_precision(config.run.precision, device)
     plan = plan_steps(config, model, dist, device, precision, say)
     policy = StepPolicy(plan.accumulation_steps, config.batch.token_budget, config.batch.last_window)
-    train_loader, val_loader = build_loaders(config, data.dataset, plan, dist, built.pack)
+    train_loader, val_loader = _training_data(config, data.dataset, plan, dist, device, built.pack, model, say)
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
+    connect_rollouts(train_loader, objective, wrapped.train_model, wrapped.parallel, dist, device, precision)
     prepare_reference_table(config, objective, wrapped.train_model, data, plan, run_dir, built.pack, dist, device, say)
     optimizer, cosine = build_optimizer(config, model, resume_from, dist, say)
     seesaw = build_seesaw(config, plan, cosine)

@@ -66,6 +66,8 @@ def check_batch(config: TrainConfig, world_size: int) -> None:
     budget): a total that does not divide, or a ramp that starts below one micro-batch, is refused before any
     directory is made."""
     batch = config.batch
+    if config.objective.name == "grpo":
+        return  # a step is its completions (K follows them): the total does not size it
     if batch.micro_batch and not batch.token_budget:
         full = plan_batch(batch.total_batch_tokens, batch.micro_batch, batch.seq_len, world_size=world_size)
         spec = parse_ramp(batch.batch_ramp)

@@ -17,6 +17,7 @@ from bigbatch.data.documents import DocumentLoader
 from bigbatch.data.fingerprint import dataset_fingerprints, tokenizer_fingerprint
 from bigbatch.data.loader import loader_for
 from bigbatch.data.prepare import default_answer_settings
+from bigbatch.data.rollout_loader import RolloutLoader
 from bigbatch.data.shards import check_requested_tokenizer
 from bigbatch.data.stream import TokenStreamLoader
 from bigbatch.data.tokenizers import carries_tokenizer_json, get_tokenizer, model_dir_tokenizer
@@ -28,7 +29,7 @@ from bigbatch.run.configuration.seq_len import model_directory, resolve_seq_len
 from bigbatch.run.configuration.train_config import TrainConfig
 from bigbatch.sizing.plan import BatchPlan
 
-Loader = TokenStreamLoader | DocumentLoader | AnswerGroupLoader
+Loader = TokenStreamLoader | DocumentLoader | AnswerGroupLoader | RolloutLoader
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from bigbatch.parallel.distributed import (
 from bigbatch.progress import plural
 from bigbatch.run.checkpoints.resume import initial_schedule
 from bigbatch.run.configuration.optim_section import OptimSection
-from bigbatch.run.configuration.train_config import TrainConfig
+from bigbatch.run.configuration.train_config import GuardSection, TrainConfig, field_of
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,21 @@ def bad_step_settings(config: TrainConfig, device: torch.device) -> BadStepSetti
         mode=guard.bad_step,
         replay_every=guard.replay_every,
         spike_window=guard.spike_window,
-        loss_spike=guard.loss_spike,
+        loss_spike=loss_spike_threshold(config),
         grad_spike=guard.grad_spike,
         spike_min_steps=min(20, guard.spike_window),
         seed=config.run.seed,
     )
+
+
+def loss_spike_threshold(config: TrainConfig) -> float:
+    """``--loss-spike``; off for ``--objective grpo`` unless given: a policy-gradient loss hovers near 0 and changes
+    sign from step to step (its value is not a loss bounded below), so its robust spread says nothing about a bad
+    batch; the gradient-norm spike still watches each step and micro-batch."""
+    guard = config.guard
+    if config.objective.name == "grpo" and guard.loss_spike == field_of(GuardSection, "loss_spike").default:
+        return 0.0
+    return guard.loss_spike
 
 
 def resolve_router_balance(config: TrainConfig, model: LanguageModel) -> str:

@@ -44,8 +44,9 @@ from bigbatch.parallel.distributed import DistContext, Say
 from bigbatch.progress import plural
 from bigbatch.run.build.data_phase import RunData
 from bigbatch.run.build.engine_phase import resolve_router_balance
+from bigbatch.run.build.rollout_phase import build_reward_objective, check_rewards
 from bigbatch.run.configuration.objective_section import ObjectiveSection
-from bigbatch.run.configuration.train_config import TrainConfig, flag_of
+from bigbatch.run.configuration.train_config import BatchSection, TrainConfig, field_of, flag_of
 from bigbatch.sizing.plan import BatchPlan
 
 
@@ -63,6 +64,22 @@ def preference_settings(config: TrainConfig) -> PreferenceSettings | None:
             raise ConfigError(
                 f"{', '.join(given)} {verb} the parameters of a preference objective; give --objective dpo, ipo, "
                 "simpo, orpo or kto, or drop them"
+            )
+        return None
+    if section.name == "grpo":
+        given = [
+            f"--{flag_of(f)}"
+            for f in fields(ObjectiveSection)
+            if f.name not in ("name", "reference") and getattr(section, f.name) != f.default
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} the parameters of a preference objective, "
+                "not of --objective grpo (its own are --kl-coef, --clip-low, --clip-high, ...); drop them"
+            )
+        if section.reference and not config.rewards.kl_coef:
+            raise ConfigError(
+                "--reference: --objective grpo reads a reference only for --kl-coef; give it or drop both"
             )
         return None
     if section.reference and section.name not in ("dpo", "ipo", "kto"):
@@ -84,14 +101,20 @@ def check_objective(config: TrainConfig) -> None:
     :func:`~bigbatch.run.build.sizing_phase.noise_unmeasurable`)."""
     name = config.objective.name
     preference_settings(config)
+    check_rewards(config)
     if name == "lm":
         return
+    sized = "its completions" if name == "grpo" else "K micro-batches of whole pairs"
     refused = [
         (
             config.batch.batch_ramp not in ("", "none"),
             "--batch-ramp: a ramp follows tokens per step of a next-token loss",
         ),
-        (bool(config.batch.token_budget), "--token-budget: a preference step is K micro-batches of whole pairs"),
+        (bool(config.batch.token_budget), f"--token-budget: a {name} step is {sized}"),
+        (
+            name == "grpo" and config.batch.total_batch_tokens != field_of(BatchSection, "total_batch_tokens").default,
+            "--total-batch-tokens: a grpo step is --prompts-per-step groups of completions (K follows them)",
+        ),
         (config.batch.micro_batch == 0, "--micro-batch auto: it measures next-token steps; give --micro-batch N"),
         (
             config.optim.schedule == "seesaw",
@@ -110,6 +133,8 @@ def build_objective(
     pairs for ``lm``), with its reference policy (before the model is wrapped: a frozen copy is the model as it
     starts)."""
     check_answers(config.objective.name, dataset)
+    if config.objective.name == "grpo":
+        return build_reward_objective(config, model, dataset, device, say)
     settings = preference_settings(config)
     if settings is None:
         return LanguageModelObjective(

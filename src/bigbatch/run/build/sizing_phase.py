@@ -23,7 +23,7 @@ def plan_steps(
     """K and the micro-batch (measured with ``--micro-batch auto``); one micro-batch per step's unit with a budget."""
     batch = config.batch
     micro_batch = batch.micro_batch or auto_micro_batch(config, model, dist, device, precision, say)
-    if batch.token_budget:
+    if batch.token_budget or config.objective.name == "grpo":  # K per step from the budget, or the completions
         return BatchPlan(micro_batch, batch.seq_len, accumulation_steps=1, world_size=dist.world_size)
     return plan_batch(batch.total_batch_tokens, micro_batch, batch.seq_len, world_size=dist.world_size)
 

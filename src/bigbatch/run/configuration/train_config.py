@@ -22,6 +22,7 @@ from bigbatch.run.configuration.guard_section import GuardSection
 from bigbatch.run.configuration.model_section import ModelSection
 from bigbatch.run.configuration.objective_section import ObjectiveSection
 from bigbatch.run.configuration.optim_section import OptimSection
+from bigbatch.run.configuration.rewards_section import RewardsSection
 from bigbatch.run.configuration.run_section import RunSection
 from bigbatch.run.configuration.seq_len import model_directory
 from bigbatch.settings.choices import Choices
@@ -36,6 +37,7 @@ __all__ = [
     "ModelSection",
     "ObjectiveSection",
     "OptimSection",
+    "RewardsSection",
     "RunSection",
     "TrainConfig",
     "field_of",
@@ -51,6 +53,7 @@ SECTIONS: dict[str, type] = {
     "run": RunSection,
     "guard": GuardSection,
     "objective": ObjectiveSection,
+    "rewards": RewardsSection,
 }
 
 
@@ -63,6 +66,7 @@ class TrainConfig:
     run: RunSection = field(default_factory=RunSection)
     guard: GuardSection = field(default_factory=GuardSection)
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    rewards: RewardsSection = field(default_factory=RewardsSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return asdict(self)

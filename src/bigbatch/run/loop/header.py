@@ -9,11 +9,13 @@ from bigbatch.data.answer_groups import AnswerGroupLoader
 from bigbatch.data.chat import audit_lines
 from bigbatch.data.data_mode import conversations_note
 from bigbatch.data.documents import DocumentLoader
+from bigbatch.data.rollout_loader import FileRollouts, RolloutLoader
 from bigbatch.engine.optim import describe_optimizer
 from bigbatch.models.registry import family_of
 from bigbatch.parallel.launch import worker_threads_note
 from bigbatch.progress import plural
 from bigbatch.run.build import RunParts
+from bigbatch.run.build.engine_phase import loss_spike_threshold
 from bigbatch.run.configuration.seq_len import INIT_FROM_AUTO_SEQ_LEN_CAP
 
 
@@ -74,7 +76,8 @@ def header_lines(parts: RunParts) -> list[str]:
     if isinstance(parts.train_loader, DocumentLoader):
         lines.append(f"documents | {describe_positions(parts.train_loader)}")
         lines.append(f"long documents | {describe_long_documents(parts.train_loader)}")
-    lines.append(f"order | {describe_order(parts)}")
+    if not isinstance(parts.train_loader, RolloutLoader):  # prompts: their own seeded order (docs/rewards.md)
+        lines.append(f"order | {describe_order(parts)}")
     if parts.val_loader is not None:
         every = parts.config.run.eval_every
         lines.append(f"validation | every {'step' if every == 1 else f'{every} steps'} | {parts.val_loader.describe()}")
@@ -93,6 +96,17 @@ def describe_plan(parts: RunParts) -> str:
             f"token budget {parts.policy.token_budget:,} valid targets/step | micro_batch {p.micro_batch} x seq_len "
             f"{p.seq_len} x world {p.world_size} per micro-batch | K varies (the micro-batch that reaches the "
             f"budget is included whole) | last window: {last_window}"
+        )
+    if isinstance(parts.train_loader, RolloutLoader):
+        rollouts = parts.train_loader
+        rows = "packed rows, positions restarting at each completion" if rollouts.pack else "one completion a row"
+        sampled = (
+            "" if isinstance(rollouts.source, FileRollouts) else f" x {parts.config.rewards.group_size} completions"
+        )
+        return (
+            f"{rollouts.prompts_per_step} prompts{sampled} per step | micro_batch {p.micro_batch} x seq_len "
+            f"{p.seq_len} x world {p.world_size} per micro-batch ({rows}) | K follows each step's completions | "
+            f"every term over the step's {parts.config.rewards.loss_aggregation} units"
         )
     if isinstance(parts.train_loader, AnswerGroupLoader):
         loader = parts.train_loader
@@ -167,7 +181,7 @@ def describe_guard(parts: RunParts) -> str:
     guard = parts.config.guard
     spikes = ", ".join(
         f"{name} {threshold:g}"
-        for name, threshold in (("loss", guard.loss_spike), ("gradient norm", guard.grad_spike))
+        for name, threshold in (("loss", loss_spike_threshold(parts.config)), ("gradient norm", guard.grad_spike))
         if threshold > 0
     )
     text = f"{guard.bad_step}" + (

@@ -32,7 +32,9 @@ class StartPoint:
 
 def prefetch_depth(parts: RunParts) -> int:
     """Micro-batches to read ahead: one step's (K, Seesaw's largest; with a token budget, as many as a step of full
-    micro-batches needs, plus one)."""
+    micro-batches needs, plus one); none for learning from rewards."""
+    if hasattr(parts.train_loader, "micro_batches_next_step"):
+        return 0  # a step's completions are sampled with the model: never in a thread beside the training
     budget = parts.policy.token_budget
     if budget:
         per_micro_batch = parts.plan.micro_batch * parts.plan.seq_len * parts.dist.world_size

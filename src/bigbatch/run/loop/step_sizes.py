@@ -12,7 +12,11 @@ from bigbatch.run.loop.step_log import StepLog
 
 
 def next_k(parts: RunParts, step: int, tokens_seen: int) -> int:
-    """K of the step after ``step`` steps and ``tokens_seen`` tokens: the ramp's, Seesaw's, else the plan's."""
+    """K of the step after ``step`` steps and ``tokens_seen`` tokens: the ramp's, Seesaw's, the micro-batches the
+    next step's completions fill (learning from rewards), else the plan's."""
+    own_k = getattr(parts.train_loader, "micro_batches_next_step", None)
+    if own_k is not None:
+        return int(own_k())
     if parts.ramp is not None:
         return parts.ramp.k(tokens_seen)
     if parts.seesaw is not None:
@@ -25,6 +29,8 @@ def planned_tokens(parts: RunParts, step: int, tokens_seen: int) -> int:
     last step counts at its size's: it is a partial step of that size, not another size)."""
     if parts.policy.token_budget:
         return parts.policy.token_budget
+    if hasattr(parts.train_loader, "micro_batches_next_step"):  # sized by its completions: the plan's, unchanging
+        return parts.plan.tokens_per_step
     k = parts.seesaw.size_k(step) if parts.seesaw is not None else next_k(parts, step, tokens_seen)
     return k * parts.plan.tokens_per_k
 

@@ -1,0 +1,195 @@
+"""Learning from rewards through ``bigbatch train --objective grpo`` (issue 55): a run on a rollouts file and a run
+that samples its own completions, each killed inside a step, resume bitwise (a sampled rollout of two steps
+included); the records carry the rollout's statistics; a reward function that fails, a malformed rollouts file and
+every setting without meaning are refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, run_main
+from reliability_runs import assert_same_final_model, run_cli, step_losses
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path / "env-cache"))
+    yield
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A text corpus (the tokenizer's data), a rollouts file of 12 groups of 4 uneven completions, a prompts file
+    of sums with answers, and a reward module (the answer's first digit right: a reward that varies early)."""
+    root = tmp_path_factory.mktemp("rewards")
+    gen = random.Random(0)
+    text = root / "text.txt"
+    text.write_text(" ".join(str(gen.randint(0, 99)) for _ in range(3000)) + "\n")
+    rollouts = root / "rollouts.jsonl"
+    lines = []
+    for g in range(12):
+        prompt = f"{gen.randint(0, 9)}+{gen.randint(0, 9)}="
+        for _ in range(4):
+            completion = str(gen.randint(0, 18)) * gen.randint(1, 4) + "\n"
+            lines.append({"group": f"g{g}", "prompt": prompt, "completion": completion, "reward": gen.random()})
+    rollouts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = root / "prompts.jsonl"
+    sums = [(gen.randint(0, 9), gen.randint(0, 9)) for _ in range(40)]
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in sums))
+    module = root / "digit_reward.py"
+    module.write_text(
+        "def first_digit(row, completion):\n"
+        "    return float(completion[:1] == row['answer'][:1])\n"
+        "def broken(row, completion):\n"
+        "    raise KeyError('score')\n"
+    )
+    return {"text": text, "rollouts": rollouts, "prompts": prompts, "module": module, "cache": root / "cache"}
+
+
+def args(data: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        *("train", "--data", str(data["text"]), "--tokenizer", "byte", "--model", "pico", "--seq-len", "24"),
+        *("--micro-batch", "4", "--max-steps", "4", "--sample-tokens", "0", "--cache-dir", str(data["cache"])),
+        *("--objective", "grpo", "--prompts-per-step", "3", "--out", str(out), *extra),
+    ]
+
+
+def offline(data: dict[str, Path]) -> list[str]:
+    return ["--rollouts", str(data["rollouts"]), "--loss-aggregation", "seq-mean-token-mean", "--dropout", "0.1"]
+
+
+def sampled(data: dict[str, Path]) -> list[str]:
+    return [
+        *("--prompts", str(data["prompts"]), "--reward", f"{data['module']}:first_digit", "--stop", "\\n"),
+        *("--group-size", "4", "--max-completion-tokens", "5", "--temperature", "1.0"),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["offline", "sampled"])
+def test_a_grpo_run_killed_inside_a_step_resumes_bitwise(data: dict[str, Path], tmp_path: Path, source: str) -> None:
+    """Killed inside a step, resumed, a run ends with the losses and parameters of a run that never stopped: a
+    rollouts file's run killed in step 3 (pico with dropout: the generators matter), and a sampled run killed in
+    the second step of a rollout of two, whose completions and old log-probabilities step 1's checkpoint holds."""
+    extra = offline(data) if source == "offline" else [*sampled(data), "--updates-per-rollout", "2"]
+    golden = tmp_path / "golden"
+    done = run_cli(args(data, golden, *extra))
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "run"
+    kill_at = "kill:step=3,micro=0" if source == "offline" else "kill:step=2,micro=0"
+    save = ["--save-every", "2" if source == "offline" else "1"]
+    killed = run_cli(args(data, out, *extra, *save), fault=kill_at)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = run_cli(args(data, out, *extra, *save))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    assert step_losses(out) == step_losses(golden)  # bitwise: == on floats
+    assert_same_final_model(out, golden)
+
+
+def test_a_sampled_run_records_its_rollouts(data: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code, stdout, err = run_main(args(data, out, *sampled(data), "--max-steps", "2", "--eval-every", "0"))
+    assert code == 0, err
+    assert "objective | grpo: policy per token" in stdout and "rollouts | 40 prompts" in stdout
+    assert "spikes: gradient norm" in stdout and "spikes: loss" not in stdout  # a policy loss is not judged
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert len(steps) == 2
+    for record in steps:
+        assert 0.0 <= record["reward/mean"] <= 1.0 and record["time/generation_s"] > 0
+        assert 1.0 <= record["completion/tokens"] <= 5.0
+        assert record["term/policy"] == pytest.approx(record["loss"])
+    assert steps[0]["ratio/abs_log"] == 0.0 and steps[0]["clipped"] == 0.0  # old policy = policy at the 1st update
+    report = run_main(["report", str(out)])
+    assert report[0] == 0 and (out / "report" / "reward_vs_step.png").is_file()
+    assert "rewards" in report[1] and "reward " in report[1]
+
+
+def test_a_reward_function_that_fails_is_one_line_naming_the_row(data: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    extra = [*sampled(data)]
+    extra[extra.index(f"{data['module']}:first_digit")] = f"{data['module']}:broken"
+    code, stdout, err = run_main(args(data, out, *extra))
+    line = assert_one_line_error(code, stdout, err)
+    assert "broken" in line and f"of {data['prompts']}" in line and "KeyError" in line, line
+    assert not (out / "checkpoints").exists()
+
+
+def write_rollouts(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+ROW = {"group": 0, "prompt": "1+1=", "completion": "2\n", "reward": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{k: v for k, v in ROW.items() if k != "group"}], "has no 'group'"),
+        ([{k: v for k, v in ROW.items() if k != "reward"}], "neither 'reward' nor 'advantage'"),
+        ([{**ROW, "reward": "high"}], "not a finite number"),
+        ([{**ROW, "completion_ids": [50, 300]}], "outside the model's vocabulary"),
+        ([{**ROW, "completion_ids": [51, 10]}], "are not the tokens of 'completion'"),
+        ([{**ROW, "logps": [-0.5]}], "one log-probability per completion token"),
+        ([ROW, {**ROW, "prompt": "2+2="}], "another prompt than its first line"),
+        ([{**ROW, "completion": "9" * 40}], "more than seq_len+1"),
+    ],
+    ids=["no-group", "no-reward", "bad-reward", "bad-id", "ids-not-text", "logps-length", "two-prompts", "too-long"],
+)
+def test_a_malformed_rollouts_file_is_refused_in_one_line(
+    data: dict[str, Path], tmp_path: Path, rows: list[dict[str, object]], message: str
+) -> None:
+    path = write_rollouts(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "refused"
+    code, stdout, err = run_main(args(data, out, "--rollouts", str(path)))
+    line = assert_one_line_error(code, stdout, err)
+    assert message in line and "line " in line, line
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--objective", "lm", "--group-size", "4"], "--group-size, --prompts-per-step set learning from rewards"),
+        ([], "give --prompts FILE"),
+        (["--prompts", "p.jsonl"], "--prompts needs --reward"),
+        (["--rollouts", "r.jsonl", "--temperature", "0.5"], "--temperature shapes sampling"),
+        (["--rollouts", "r.jsonl", "--batch-ramp", "256:2048"], "does not take --batch-ramp"),
+        (["--rollouts", "r.jsonl", "--token-budget", "512"], "does not take --token-budget"),
+        (["--rollouts", "r.jsonl", "--beta", "0.2"], "not of --objective grpo"),
+        (["--rollouts", "r.jsonl", "--norm-constant", "8"], "--norm-constant is the constant"),
+        (["--rollouts", "r.jsonl", "--loss-aggregation", "bnpo"], "token-mean over the whole step"),
+        (["--rollouts", "missing.jsonl"], "--rollouts missing.jsonl: no such file"),
+        (["--prompts", "missing.jsonl", "--reward", "builtin:format", "--stop", "\\n"], "no such file"),
+        (["--prompts", "p.jsonl", "--reward", "builtin:nope"], "--reward builtin:nope"),
+    ],
+    ids=[
+        "flag-without-grpo",
+        "no-source",
+        "no-reward",
+        "sampler-flag-offline",
+        "ramp",
+        "budget",
+        "beta",
+        "norm-constant",
+        "bnpo",
+        "missing-rollouts",
+        "missing-prompts",
+        "unknown-builtin",
+    ],
+)
+def test_what_a_grpo_run_cannot_mean_is_refused_in_one_line(
+    data: dict[str, Path], tmp_path: Path, extra: list[str], message: str
+) -> None:
+    out = tmp_path / "refused"
+    code, stdout, err = run_main(args(data, out, *extra))
+    line = assert_one_line_error(code, stdout, err)
+    assert message in line, line
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
