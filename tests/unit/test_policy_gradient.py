@@ -7,7 +7,8 @@
 * The gradient of a step is the same however its completions are split: one micro-batch, one row each, packed or
   not, groups split across micro-batches, two simulated ranks with uneven completions, a rank of padding alone.
 * Flat groups kept or dropped change the denominators exactly as defined; the step's facts count them.
-* The loader: K = ceil(units / world), every completion once across ranks, bitwise resume, padding past the end.
+* The loader: K = ceil(units / world), every completion once across ranks, bitwise resume, padding past the end;
+  a sampled rollout of two steps scored once, before its first update.
 * The rollout file's refusals, each one line naming the line.
 * The ratio is 1 at the first update (the old policy is the trainer's own forward).
 """
@@ -742,6 +743,69 @@ def test_a_completion_longer_than_a_row_is_the_readers_to_refuse() -> None:
         deal(too_long, 1, SEQ, pack=True)
 
 
+class FixedSampler:
+    """A RolloutMaker that hands out copies of the same groups (the sampler's stand-in)."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups = groups
+        self.made = 0
+
+    def make(self, prompts: int) -> tuple[list[Group], float]:
+        self.made += 1
+        return copy.deepcopy(self.groups[:prompts]), 1.5
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"made": self.made}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.made = state["made"]
+
+
+def test_a_rollout_of_two_steps_is_scored_once_before_its_first_update() -> None:
+    """updates_per_rollout 2: the old log-probabilities of both steps are the policy's as it sampled them (the
+    first step's ratio exactly 1), the second step reads them after an update, and a resume between the two steps
+    gives the second step bitwise without scoring again."""
+    policy, _ = models(12)
+    groups = make_groups(LOADER_SPEC[:6], seed=12)
+
+    def loader(sampler: FixedSampler, model: nn.Module | None) -> RolloutLoader:
+        out = RolloutLoader(sampler, 3, 2, SEQ, pack=True, updates_per_rollout=2)
+        if model is not None:
+            out.scorer = lambda batches: score_rollout(
+                model, batches, CPU, lambda: torch.autocast("cpu", enabled=False), None
+            )
+        return out
+
+    model = copy.deepcopy(policy)
+    straight = loader(FixedSampler(groups), model)
+    first = read_step_of(straight)
+    assert straight.step_facts() == {"groups/flat_share": pytest.approx(1 / 3), "time/generation_s": 1.5}
+    state = json.loads(json.dumps(straight.state_dict()))
+    for batch in first:  # scored by the model as it sampled: the training forward's own values, bitwise
+        with torch.no_grad():
+            own = -token_scores(model, batch)[..., 0]
+        assert torch.equal(batch.answers.rollout.old_logp, own)  # type: ignore[union-attr]
+    with torch.no_grad():  # an update
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    second = read_step_of(straight)
+    assert "time/generation_s" not in straight.step_facts()
+    sampling = copy.deepcopy(policy).double()
+    for batch in second:
+        scores = batch.answers.rollout  # type: ignore[union-attr]
+        for (prompt, tokens), (g, m) in zip(held(batch), completions_of(batch), strict=True):
+            completion = groups[3 + g].completions[m]
+            assert (prompt, tokens) == (completion.prompt, completion.tokens)
+            a = completions_of(batch).index((g, m))
+            old = scores.old_logp[batch.answers.segment == a]  # type: ignore[union-attr]
+            logp, _ = completion_scores(sampling, prompt, tokens)
+            assert torch.allclose(old.double(), logp, atol=1e-5)  # not the updated model's
+    resumed = loader(FixedSampler(groups), None)  # no scorer: a resume must not score again
+    resumed.load_state_dict(state)
+    assert same_batches(read_step_of(resumed), second)
+    assert resumed.source.made == 1 and (resumed.epoch, resumed.step_in_epoch) == (1, 0)  # type: ignore[union-attr]
+
+
 # -- 5. the rollout file's refusals ---------------------------------------------------------------------------------
 
 BYTE_VOCAB = 256
@@ -826,6 +890,14 @@ def test_a_document_of_exactly_seq_len_plus_one_tokens_is_read(tmp_path: Path) -
     assert groups[0].key == "1" and groups[0].completions[0].tokens == [50] * 13
     step, _ = step_completions(groups, "std", "keep")
     assert len(deal(step, 1, FILE_SEQ, pack=False)) == 1  # and it fills a row of seq_len positions exactly
+
+
+@pytest.mark.parametrize("extra", ['"reward": 1' + "0" * 400, '"reward": 0, "logps": [-1' + "0" * 400 + ", -1]"])
+def test_an_integer_too_large_for_a_float_is_refused_in_one_line(tmp_path: Path, extra: str) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"group": "a", "prompt": "1+1=", "completion": "2\\n", ' + extra + "}\n")
+    with pytest.raises(DataError, match=f"line 1 of {path}"):
+        read_rollout_file(path, encode, decode, BYTE_VOCAB, FILE_SEQ)
 
 
 def test_logps_on_some_lines_only_are_refused(tmp_path: Path) -> None:

@@ -323,8 +323,9 @@ def _completion_of(
     if kind not in row:
         raise DataError(f"{where} has neither 'reward' nor 'advantage'")
     value = row[kind]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise DataError(f"{where}: '{kind}' is {value!r}, not a finite number")
+    if not _finite_number(value):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise DataError(f"{where}: '{kind}' is {shown}, not a finite number")
     logps = row.get("logps")
     if logps is not None:
         if not isinstance(logps, list) or len(logps) != len(tokens):
@@ -333,14 +334,22 @@ def _completion_of(
                 f"{where}: 'logps' must be a list of one log-probability per completion token "
                 f"({len(tokens)}), got {got}"
             )
-        if not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 0 for v in logps
-        ):
+        if not all(_finite_number(v) and float(v) <= 0 for v in logps):
             raise DataError(f"{where}: 'logps' holds a value that is not a finite log-probability (<= 0)")
         logps = [float(v) for v in logps]
     reward = float(value) if kind == "reward" else 0.0
     advantage = float(value) if kind == "advantage" else None
     return Completion(prompt, tokens, reward, advantage, logps), kind
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number (not a boolean) that is finite as a float (an integer too large for one is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _token_ids(row: dict[str, Any], name: str, where: str, encode: Any, decode: Any, vocab_size: int) -> list[int]:
