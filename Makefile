@@ -53,14 +53,16 @@ format: $(DEV)
 bench: $(DEV)
 	$(BIN)/python benchmarks/run_all.py
 
-# bigbatch's DPO beside TRL's DPOTrainer (benchmarks/trl_dpo.py). TRL goes into .bench/trl, never into .venv: its
-# own dependencies (transformers, accelerate, datasets) are already the dev pins.
+# bigbatch beside TRL: DPO beside its DPOTrainer (benchmarks/trl_dpo.py), GRPO's loss types beside its GRPOTrainer
+# (benchmarks/trl_grpo.py). TRL goes into .bench/trl, never into .venv: its own dependencies (transformers,
+# accelerate, datasets) are already the dev pins.
 TRL_VERSION := 1.16.0
 .bench/trl/trl-$(TRL_VERSION).dist-info: | $(DEV)
 	$(BIN)/python -m pip install --quiet --no-deps --target .bench/trl trl==$(TRL_VERSION)
 
 bench-trl: $(DEV) .bench/trl/trl-$(TRL_VERSION).dist-info
 	PYTHONPATH=.bench/trl $(BIN)/python benchmarks/trl_dpo.py
+	PYTHONPATH=.bench/trl $(BIN)/python benchmarks/trl_grpo.py
 
 # Differential fuzzer (tests/support/fuzz.py): bigbatch's training step against one naive giant batch.
 # `make fuzz` runs CI's fixed seeds, `make fuzz N=200` 200 random seeds, `make fuzz SEED=1234` one seed.

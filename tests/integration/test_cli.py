@@ -370,7 +370,7 @@ def test_print_config_applies_overrides(tmp_path: Path, capsys: pytest.CaptureFi
     config = print_config(
         ["--model", "pico", "--seq-len", "32", "--lr", "0.003", "--compile", "--sample-prompt", 'say "hi"\n'], capsys
     )
-    assert set(config) == {"model", "data", "batch", "optim", "run", "guard", "objective"}
+    assert set(config) == {"model", "data", "batch", "optim", "run", "guard", "objective", "rewards"}
     assert config["model"]["preset"] == "pico"
     assert config["batch"]["seq_len"] == 32
     assert config["batch"]["micro_batch"] == 16  # default untouched

@@ -363,7 +363,7 @@ def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest
     (tmp_path / "c.txt").write_bytes(corpus_bytes(20_000))
     code, out, err = run_main(["train", "--data", str(tmp_path / "c.txt"), "--out", "run", *TRAIN, "--max-steps", "1"])
     assert code == 0, err
-    real, calls = sampling._next_token, []
+    real, calls = sampling._draw, []
 
     def next_token(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
@@ -371,7 +371,7 @@ def test_sigterm_ends_sampling_with_exit_143(tmp_path: Path, monkeypatch: pytest
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(sampling, "_next_token", next_token)
+    monkeypatch.setattr(sampling, "_draw", next_token)
     code, out, err = run_main(["sample", "--checkpoint", "run", "--max-new-tokens", "100000", "--prompt", "a"])
     assert code == 143 and err.strip() == "bigbatch: terminated" and len(calls) <= 4
 

@@ -193,3 +193,15 @@ def test_what_a_grpo_run_cannot_mean_is_refused_in_one_line(
     line = assert_one_line_error(code, stdout, err)
     assert message in line, line
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_a_rollouts_files_norm_constant_is_its_longest_completion(data: dict[str, Path], tmp_path: Path) -> None:
+    """seq-mean-token-sum-norm's C, auto: a rollouts file has no --max-completion-tokens, so its longest completion."""
+    rows = [json.loads(line) for line in data["rollouts"].read_text().splitlines()]
+    longest = max(len(row["completion"].encode()) for row in rows)  # byte tokens
+    out = tmp_path / "run"
+    extra = ["--rollouts", str(data["rollouts"]), "--loss-aggregation", "seq-mean-token-sum-norm", "--max-steps", "1"]
+    code, stdout, err = run_main(args(data, out, *extra))
+    assert code == 0, err
+    assert "(C = the longest completion)" in stdout
+    assert f"objective | C = {longest}, the rollouts file's longest completion" in stdout

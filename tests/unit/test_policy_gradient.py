@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -524,6 +525,21 @@ def test_a_rank_of_padding_alone_adds_nothing(aggregation: str) -> None:
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+def test_a_micro_batch_of_padding_carries_old_log_probabilities_when_the_step_does() -> None:
+    """Whether a micro-batch needs a scoring forward is the step's decision, the same on every rank: with a rollout
+    file's log-probabilities, a rank's micro-batch of padding alone carries zeros, so that it runs no forward the
+    other ranks do not (a DDP buffer broadcast or an FSDP gather would no longer pair up)."""
+    policy, _ = models(4)
+    groups = with_old_logps(make_groups(SPEC[:2], seed=4), policy)
+    per_rank = [step_batches(groups, 8, True, rank, 2)[0] for rank in range(2)]
+    padding = per_rank[1][0].answers
+    assert padding is not None and padding.count == 0 and padding.rollout is not None
+    assert padding.rollout.old_logp is not None and not padding.rollout.old_logp.any()
+    before = copy.deepcopy(padding.rollout.old_logp)
+    score_rollout(policy, per_rank[1], torch.device("cpu"), contextlib.nullcontext, None)
+    assert torch.equal(padding.rollout.old_logp, before)  # nothing to score: no forward ran
+
+
 # -- 3. flat groups ------------------------------------------------------------------------------------------------
 
 
@@ -1012,10 +1028,13 @@ def test_settings_and_objective_refusals() -> None:
         ({"clip_low": 1.0}, "--clip-low"),
         ({"clip_high": -0.1}, "--clip-low"),
         ({"clip_high": math.inf}, "--clip-low"),
-        ({"norm_constant": 0.0}, "must be positive"),
+        ({"norm_constant": -1.0}, "must be positive"),
     ):
         with pytest.raises(ConfigError, match=match):
             RewardLossSettings(**bad)
+    unset = RewardObjective(RewardLossSettings(aggregation="seq-mean-token-sum-norm", norm_constant=0.0))
+    with pytest.raises(RuntimeError, match="constant C was never set"):  # 0: a rollouts file's, set once it is read
+        unset.token_weights(step_batches(make_groups(SPEC[:1]), 8, True)[0][0])
     with pytest.raises(ConfigError, match="--kl-coef needs a reference"):
         RewardObjective(RewardLossSettings(kl_coef=0.1))
     objective = RewardObjective(settings_for("group-token-mean", "ppo"), ReferenceScorer(models()[1]))

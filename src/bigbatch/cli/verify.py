@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bigbatch.cli.common import (
     add_config_flag,
@@ -19,12 +21,16 @@ from bigbatch.cli.common import (
 )
 from bigbatch.files.atomic import write_json_atomically
 from bigbatch.run.configuration.optim_section import OptimSection
+from bigbatch.run.configuration.rewards_section import RewardsSection
 from bigbatch.run.configuration.train_config import ModelSection, ObjectiveSection, RunSection
+from bigbatch.settings.choices import LOSS_AGGREGATION, POLICY_LOSS, Choices
 from bigbatch.settings.ranges import (
     AUTO,
     NON_NEGATIVE_INT,
     POSITIVE,
 )
+
+# verify --objective grpo checks every aggregation and policy loss unless one is named (declared beside its flags)
 
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
 DESCRIPTION = (
@@ -76,9 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "name",
         note="; verify: a preference objective checks each of its terms on random pairs (KTO rows), K x "
         "micro-batch of them, split equal, unequal, permuted and empty, packed against unpacked, with a negative "
-        "control",
+        "control; grpo checks policy, kl and entropy on K x micro-batch random groups of completions, cut between "
+        "a group's completions",
     )
     add_config_flag(parser, ObjectiveSection, "beta")
+    _add_reward_flags(parser)
     add_config_flag(
         parser,
         OptimSection,
@@ -106,6 +114,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device(parser, default="cpu")
 
 
+def _choice(choices: Choices) -> Callable[[str], str]:
+    """An argparse type that refuses a value outside ``choices`` with the config's one line (and its hint)."""
+
+    def parse(value: str) -> str:
+        from bigbatch.errors import ConfigError
+
+        try:
+            return choices.check(value)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parse.__name__ = choices.setting  # what argparse names in its message
+    return parse
+
+
+def _add_reward_flags(parser: argparse.ArgumentParser) -> None:
+    """``--loss-aggregation`` and ``--policy-loss``: which of ``--objective grpo``'s the check covers."""
+    add_config_flag(
+        parser,
+        RewardsSection,
+        "loss_aggregation",
+        default=None,
+        note="; verify --objective grpo: the one checked (unset: all five)",
+        parse=_choice(LOSS_AGGREGATION),
+    )
+    add_config_flag(
+        parser,
+        RewardsSection,
+        "policy_loss",
+        default=None,
+        note="; verify --objective grpo: the one checked (unset: both)",
+        parse=_choice(POLICY_LOSS),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from bigbatch.errors import ConfigError
     from bigbatch.files.outputs import require_new_file
@@ -123,6 +166,12 @@ def run(args: argparse.Namespace) -> int:
             f"{'--objective' if args.objective != 'lm' else '--nproc'} (the Muon update across ranks is checked by "
             "tests/integration/test_muon_distributed.py and benchmarks/muon_exactness.py)"
         )
+    given = [flag for flag in ("loss_aggregation", "policy_loss") if getattr(args, flag) is not None]
+    if given and args.objective != "grpo":
+        flag = f"--{given[0].replace('_', '-')}"
+        raise ConfigError(f"{flag} is a setting of --objective grpo; add --objective grpo or leave {flag} out")
+    if args.objective == "grpo":
+        return _verify_rollout(args)
     if args.objective != "lm":
         return _verify_objective(args)
     if args.nproc > 1 and not launched_by_torchrun():
@@ -163,24 +212,19 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.equivalent else 1
 
 
-def _verify_objective(args: argparse.Namespace) -> int:
-    """``--objective`` other than lm: each term of the objective (see :mod:`bigbatch.verify.objective_terms`)."""
-    from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings
+def _objective_case(args: argparse.Namespace) -> tuple[Any, tuple[str, ...]]:
+    """The model an objective's check runs on (dense; LoRA adapters drawn under ``--lora-rank``) and its splits."""
     from bigbatch.errors import ConfigError
     from bigbatch.models.lora import LoraSettings, add_lora
     from bigbatch.models.routing import router_recorder
-    from bigbatch.parallel.distributed import launched_by_torchrun, resolve_device
-    from bigbatch.parallel.launch import relaunch_under_torchrun
-    from bigbatch.verify.command import build_case, model_vocab_size
-    from bigbatch.verify.objective_terms import SPLITS, check_objective_terms, verify_reference
+    from bigbatch.verify.command import build_case
+    from bigbatch.verify.objective_terms import SPLITS
 
-    if args.nproc > 1 and not launched_by_torchrun():
-        return relaunch_under_torchrun(args.nproc, "verify", args.argv)
     unknown = [name for name in args.splits.split(",") if name.strip() and name.strip() not in (*SPLITS, "")]
     if unknown:
         raise ConfigError(f"--splits {','.join(unknown)}: choose from {', '.join(SPLITS)}")
     splits = tuple(name.strip() for name in args.splits.split(",") if name.strip())
-    if args.splits == "equal,unequal,permuted":  # the default: a preference check also has a micro-batch of none
+    if args.splits == "equal,unequal,permuted":  # the default: an objective's check also has a micro-batch of none
         splits = SPLITS
     case = build_case(
         args.factory,
@@ -195,21 +239,42 @@ def _verify_objective(args: argparse.Namespace) -> int:
     if router_recorder(case.model) is not None:
         raise ConfigError(
             f"--objective {args.objective} on a mixture of experts: its router's balancing terms are not part of the "
-            "preference objectives yet (train refuses it too); verify a dense model"
+            f"{'reward objective' if args.objective == 'grpo' else 'preference objectives'} yet (train refuses it "
+            "too); verify a dense model"
         )
     if args.lora_rank:
         add_lora(case.model, LoraSettings(rank=args.lora_rank), random_init=True)
+    return case.model, splits
+
+
+def _write_json(args: argparse.Namespace, report: Any) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before verifying
+        write_json_atomically(Path(args.json), report.to_dict())
+
+
+def _verify_objective(args: argparse.Namespace) -> int:
+    """``--objective`` other than lm: each term of the objective (see :mod:`bigbatch.verify.objective_terms`)."""
+    from bigbatch.engine.preference import PreferenceObjective, PreferenceSettings
+    from bigbatch.parallel.distributed import launched_by_torchrun, resolve_device
+    from bigbatch.parallel.launch import relaunch_under_torchrun
+    from bigbatch.verify.command import model_vocab_size
+    from bigbatch.verify.objective_terms import check_objective_terms, verify_reference
+
+    if args.nproc > 1 and not launched_by_torchrun():
+        return relaunch_under_torchrun(args.nproc, "verify", args.argv)
+    model, splits = _objective_case(args)
     beta = None if args.beta in (0, "auto") else float(args.beta)
     settings = PreferenceSettings(args.objective, beta=beta)
     if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
-        return _verify_objective_across_ranks(args, case.model, settings)
+        return _verify_objective_across_ranks(args, model, settings)
     report = check_objective_terms(
-        case.model,
-        PreferenceObjective(settings, verify_reference(case.model, settings, args.seed)),
+        model,
+        PreferenceObjective(settings, verify_reference(model, settings, args.seed)),
         groups=args.k * args.micro_batch,
         k=args.k,
         seq_len=args.seq_len,
-        vocab_size=model_vocab_size(case.model) or 256,
+        vocab_size=model_vocab_size(model) or 256,
         seed=args.seed,
         device=resolve_device(args.device),
         precision=args.precision,
@@ -217,9 +282,63 @@ def _verify_objective(args: argparse.Namespace) -> int:
         splits=splits,
     )
     print(report.format())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(Path(args.json), report.to_dict())
+    _write_json(args, report)
+    return 0 if report.equivalent else 1
+
+
+def _verify_rollout(args: argparse.Namespace) -> int:
+    """``--objective grpo``: each term of the reward objective under each aggregation (see
+    :mod:`bigbatch.verify.rollout_terms`); under torchrun, across the ranks against one process."""
+    from bigbatch.engine.policy_gradient import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from bigbatch.errors import ConfigError
+    from bigbatch.parallel.distributed import distributed_session, launched_by_torchrun, resolve_device
+    from bigbatch.parallel.launch import relaunch_under_torchrun
+    from bigbatch.verify.command import model_vocab_size
+    from bigbatch.verify.rollout_terms import check_rollout_across_ranks, check_rollout_terms
+
+    if args.beta not in (0, "auto"):
+        raise ConfigError("--beta is a preference objective's; verify --objective grpo checks its KL term at 0.1")
+    if args.nproc > 1 and not launched_by_torchrun():
+        return relaunch_under_torchrun(args.nproc, "verify", args.argv)
+    model, splits = _objective_case(args)
+    modes = (args.loss_aggregation,) if args.loss_aggregation else LOSS_AGGREGATIONS
+    losses = (args.policy_loss,) if args.policy_loss else POLICY_LOSSES
+    vocab = model_vocab_size(model) or 256
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        with distributed_session(args.device) as (dist, device):
+            report = check_rollout_across_ranks(
+                model,
+                dist,
+                groups=args.k * args.micro_batch * dist.world_size,
+                k=args.k,
+                seq_len=args.seq_len,
+                vocab_size=vocab,
+                modes=modes,
+                policy_losses=losses,
+                seed=args.seed,
+                device=device,
+                tolerance=args.tolerance or 1e-5,
+            )
+            if dist.is_main:
+                print(report.format())
+                _write_json(args, report)
+        return 0 if report.equivalent else 1
+    report = check_rollout_terms(
+        model,
+        groups=args.k * args.micro_batch,
+        k=args.k,
+        seq_len=args.seq_len,
+        vocab_size=vocab,
+        modes=modes,
+        policy_losses=losses,
+        seed=args.seed,
+        device=resolve_device(args.device),
+        precision=args.precision,
+        tolerance=args.tolerance,
+        splits=splits,
+    )
+    print(report.format())
+    _write_json(args, report)
     return 0 if report.equivalent else 1
 
 

@@ -196,7 +196,9 @@ def build_micro_batch(
     targets = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
     segment = np.full((B, T), -1, dtype=np.int64)
     old = np.zeros((B, T), dtype=np.float32)
-    has_old = all(step.completions[i].old_logps is not None for i, _, _ in placed) and len(placed) > 0
+    # decided by the whole step (the same on every rank): a micro-batch of padding alone gets zeros, so that no
+    # rank runs a scoring forward the others do not (DDP's buffer broadcasts and FSDP's gathers must pair up)
+    has_old = bool(step.completions) and all(c.old_logps is not None for c in step.completions)
     positions = np.zeros((B, T), dtype=np.int64) if pack else None
     fill = np.zeros(B, dtype=np.int64)
     for answer, (i, r, c) in enumerate(placed):

@@ -101,7 +101,7 @@ class RewardLossSettings:
             raise ConfigError(
                 f"--clip-low must lie in [0, 1) and --clip-high be at least 0; got {self.clip_low}, {self.clip_high}"
             )
-        if not (self.norm_constant > 0 and math.isfinite(self.norm_constant)):
+        if not (self.norm_constant >= 0 and math.isfinite(self.norm_constant)):  # 0: set from the data before use
             raise ConfigError(f"the constant of seq-mean-token-sum-norm must be positive, got {self.norm_constant}")
 
     @property
@@ -243,6 +243,8 @@ class RewardObjective(Objective):
             lengths = torch.bincount(segment[segment >= 0], minlength=count)[:count].float()
             return 1.0 / lengths.clamp_min(1.0)
         if name == "seq-mean-token-sum-norm":
+            if not self.settings.norm_constant:
+                raise RuntimeError("seq-mean-token-sum-norm's constant C was never set")
             return torch.full((count,), 1.0 / self.settings.norm_constant, device=scores.advantage.device)
         return torch.ones(count, device=scores.advantage.device)
 
@@ -352,7 +354,7 @@ class RewardObjective(Objective):
         clip = f"clip {s.clip_low:g}/{s.clip_high:g}" if s.policy_loss == "ppo" else f"weight clip {s.clip_high:g}"
         extra = f"{s.policy_loss}, {clip}, aggregation {s.aggregation}"
         if s.aggregation == "seq-mean-token-sum-norm":
-            extra += f" (C = {s.norm_constant:g})"
+            extra += f" (C = {s.norm_constant:g})" if s.norm_constant else " (C = the longest completion)"
         return [f"objective | grpo: {' + '.join(parts)} | {extra}"]
 
 

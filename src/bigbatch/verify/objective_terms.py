@@ -16,7 +16,7 @@ import copy
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,7 @@ from bigbatch.models.lora import has_lora
 from bigbatch.verify.answer_batches import Group, answer_micro_batch, random_kto_rows, random_pairs, split_groups
 
 SPLITS = ("equal", "unequal", "permuted", "empty")
+Item = TypeVar("Item")  # what a check cuts: groups of answers, or completions
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def check_objective_terms(
     return report
 
 
-def rank_parts(groups: list[Group], world: int, rank: int, k: int) -> list[list[Group]]:
+def rank_parts(groups: list[Item], world: int, rank: int, k: int) -> list[list[Item]]:
     """This rank's micro-batches of ``groups`` across ``world`` ranks, each ``k`` micro-batches: uneven on purpose.
     Rank 0 holds one group and then empty micro-batches (a rank whose micro-batches hold no pair); the other ranks
     share the rest unevenly (1, 2, 3, ... groups a micro-batch)."""

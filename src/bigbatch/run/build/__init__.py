@@ -207,7 +207,7 @@ def _build_parts(
     train_loader, val_loader = _training_data(config, data.dataset, plan, dist, device, built.pack, model, say)
     ramp = build_ramp(config, plan)
     wrapped = wrap_for_training(config, model, dist, device, precision, say)
-    connect_rollouts(train_loader, objective, wrapped.train_model, wrapped.parallel, dist, device, precision)
+    connect_rollouts(config, train_loader, objective, wrapped.train_model, wrapped.parallel, dist, device, say)
     prepare_reference_table(config, objective, wrapped.train_model, data, plan, run_dir, built.pack, dist, device, say)
     optimizer, cosine = build_optimizer(config, model, resume_from, dist, say)
     seesaw = build_seesaw(config, plan, cosine)

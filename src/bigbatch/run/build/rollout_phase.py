@@ -10,7 +10,7 @@ many micro-batches of ``--micro-batch`` x ``--seq-len`` the step's completions f
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from bigbatch.data.dataset import Dataset
 from bigbatch.data.rollout_loader import FileRollouts, RolloutLoader
 from bigbatch.data.rollouts import describe_groups, read_rollout_file
 from bigbatch.data.tokenizers import get_tokenizer
-from bigbatch.engine.accumulate import autocast_for
+from bigbatch.engine.accumulate import autocast_for, resolve_precision
 from bigbatch.engine.policy_gradient import ReferenceScorer, RewardLossSettings, RewardObjective, score_rollout
 from bigbatch.errors import ConfigError
 from bigbatch.models import LanguageModel
@@ -88,7 +88,8 @@ def check_rewards(config: TrainConfig) -> None:
 
 def reward_loss_settings(config: TrainConfig) -> RewardLossSettings:
     section = config.rewards
-    constant = section.norm_constant or float(section.max_completion_tokens)
+    # auto: --max-completion-tokens; a rollouts file's longest completion (0 here: set once the file is read)
+    constant = section.norm_constant or (0.0 if section.rollouts else float(section.max_completion_tokens))
     return RewardLossSettings(
         aggregation=section.loss_aggregation,
         policy_loss=section.policy_loss,
@@ -250,13 +251,14 @@ def rollout_pack(config: TrainConfig, model: LanguageModel) -> bool:
 
 
 def connect_rollouts(
+    config: TrainConfig,
     loader: Any,
     objective: Any,
     train_model: torch.nn.Module,
     parallel: str,
     dist: DistContext,
     device: torch.device,
-    precision: str,
+    say: Say,
 ) -> None:
     """Once the model is wrapped: the sampler samples from it (DDP's module itself; under FSDP2 the sharded model,
     through its forward, without the key-value cache), a rollout of several steps is scored by it, and the
@@ -270,6 +272,7 @@ def connect_rollouts(
         loader.source.model = train_model if sharded else unwrap(train_model)
         loader.source.use_cache = not sharded
     reference = objective.reference if isinstance(objective, RewardObjective) else None
+    precision = resolve_precision(config.run.precision, device)
 
     def scorer(batches: Any) -> None:
         score_rollout(train_model, batches, device, lambda: autocast_for(precision, device), reference)
@@ -278,6 +281,12 @@ def connect_rollouts(
     loader.gather = dist.all_gather_object if dist.world_size > 1 else None
     if isinstance(objective, RewardObjective):
         objective.rollout_facts = loader.step_facts
+        if isinstance(loader.source, FileRollouts) and not config.rewards.norm_constant:
+            # a rollouts file has no --max-completion-tokens: C is its longest completion
+            longest = max(len(c.tokens) for g in loader.source.groups for c in g.completions)
+            objective.settings = replace(objective.settings, norm_constant=float(longest))
+            if objective.settings.aggregation == "seq-mean-token-sum-norm":
+                say("objective | C = %d, the rollouts file's longest completion (--norm-constant sets it)", longest)
 
 
 def say_no_validation(config: TrainConfig, say: Say) -> None:

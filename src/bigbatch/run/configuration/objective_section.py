@@ -18,7 +18,8 @@ class ObjectiveSection:
         "lm",
         "what the run optimises: lm, the next-token loss per trained token (text, or chat SFT on assistant replies); "
         "dpo, ipo, simpo, orpo on preference pairs (prompt/chosen/rejected rows); kto on rows with a label "
-        "(prompt/completion/label). Every term is normalised by its own units over the whole step",
+        "(prompt/completion/label); grpo on completions sampled and scored by rewards (or a rollouts file). Every term "
+        "is normalised by its own units over the whole step",
         flag="objective",
         choices=OBJECTIVE,
     )

@@ -42,9 +42,13 @@ class RewardsSection:
     max_completion_tokens: int = config_field(
         64, "grpo: the most tokens a sampled completion has (its stop token included)", range=POSITIVE_INT
     )
-    temperature: float = config_field(1.0, "grpo: the sampling temperature (0: greedy)", range=NON_NEGATIVE)
+    temperature: float = config_field(
+        1.0, "the sampling temperature, 0 samples greedily (grpo: its completions')", range=NON_NEGATIVE
+    )
     top_p: float = config_field(1.0, "grpo: nucleus sampling's probability mass (1: off)", range=TOP_P)
-    top_k: int = config_field(0, "grpo: sample from the k likeliest tokens only (0: off)", range=NON_NEGATIVE_INT)
+    top_k: int = config_field(
+        0, "keep the k most likely tokens; 0 disables top-k filtering (grpo: its completions')", range=NON_NEGATIVE_INT
+    )
     stop: str = config_field(
         "",
         "grpo: comma-separated texts, each one token, that end a completion (besides the tokenizer's end-of-text "
@@ -81,9 +85,14 @@ class RewardsSection:
         "the advantage and the log-probability)",
         choices=POLICY_LOSS,
     )
-    clip_low: float = config_field(0.2, "grpo ppo: the ratio's lower clip, 1 - clip_low", range=CLIP)
+    clip_low: float = config_field(
+        0.2, "grpo ppo: the ratio's lower clip, 1 - clip_low (0: a ratio below 1 is clipped at 1)", range=CLIP
+    )
     clip_high: float = config_field(
-        0.2, "grpo: the ratio's upper clip, 1 + clip_high (DAPO: 0.28; cispo: the weight's)", range=NON_NEGATIVE
+        0.2,
+        "grpo: the ratio's upper clip, 1 + clip_high (DAPO: 0.28; cispo: the weight's; 0: a ratio above 1 is clipped "
+        "at 1)",
+        range=NON_NEGATIVE,
     )
     kl_coef: float = config_field(
         0.0,
@@ -97,6 +106,6 @@ class RewardsSection:
     norm_constant: float = config_field(
         0.0,
         "grpo seq-mean-token-sum-norm: the constant C each completion's token sum is divided by; auto: "
-        "--max-completion-tokens",
+        "--max-completion-tokens (--rollouts: the file's longest completion)",
         range=POSITIVE_OR_AUTO,
     )
