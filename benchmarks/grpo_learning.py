@@ -1,12 +1,12 @@
 """Learning from rewards on the demo task: two named aggregations, and exact accumulation against the
 micro-batch-mean variant, over several seeds.
 
-    python benchmarks/grpo_learning.py                 # 5 seeds x 3 variants x 60 steps: about 25 minutes on 2 cores
-    python benchmarks/grpo_learning.py --seeds 2 --steps 20
+    python benchmarks/grpo_learning.py                 # 5 seeds x 3 variants x 150 steps: about 25 minutes, 2 cores
+    python benchmarks/grpo_learning.py --seeds 2 --steps 40
 
 The demo task (bigbatch.rewards.demo_task): two-number addition, "23+58=" -> "81\\n". A nano GPT (0.8M parameters,
 byte tokens) is trained on 4,000 supervised rows for ``--sft-steps`` steps (once, kept in ``--work``), exported,
-then trained by rewards alone with ``bigbatch train --objective grpo``: 8 prompts x 8 completions a step,
+then trained by rewards alone with ``bigbatch train --objective grpo`` on 64 prompts: 8 prompts x 8 completions a step,
 exact-answer reward plus 0.2 x format, AdamW, micro-batches of 8 rows (K 8 a step: the aggregation's split
 matters). Variants, each from the same start and with the same seeds:
 
@@ -15,9 +15,9 @@ matters). Variants, each from the same start and with the same seeds:
 * ``token-mean, micro-mean``: each micro-batch's own token mean, averaged over the K micro-batches (what a trainer
   that normalises per micro-batch computes; kept here only, by a subclass of the objective in a child process).
 
-Printed per variant over the seeds: the mean reward of the first and last 10 steps and their difference with a 95%
-interval (t over seeds). The reward is the training reward (temperature 1, on-policy), so it measures the policy's
-accuracy as it samples.
+Printed per variant over the seeds: the mean reward of the first and last 20 steps and their difference with a 95%
+interval (t over seeds). The reward is the training reward (temperature 1, on-policy) on the 64 prompts the run
+learns from: the policy's accuracy on them as it samples, not a held-out accuracy.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def supervised_start(work: Path, sft_steps: int) -> Path:
     exported = work / f"sft{sft_steps}-hf"
     if (exported / "config.json").is_file():
         return exported
-    write_task(work)
+    write_task(work, n_prompts=64)
     run = work / f"sft{sft_steps}"
     bigbatch(
         *data_args(work),
@@ -84,7 +84,7 @@ def reward_run(work: Path, start: Path, variant: str, seed: int, steps: int, lr:
         ),
         *("--reward", "builtin:exact-answer,builtin:format=0.2", "--stop", "\\n", "--group-size", "8"),
         *("--prompts-per-step", "8", "--max-completion-tokens", "5", "--micro-batch", "8", "--pack", "off"),
-        *("--max-steps", str(steps), "--lr", str(lr), "--warmup-steps", "5", "--sample-tokens", "0"),
+        *("--max-steps", str(steps), "--lr", str(lr), "--warmup-steps", "10", "--sample-tokens", "0"),
         *("--loss-aggregation", aggregation, "--seed", str(seed), "--out", str(out), "--overwrite"),
     ]
     child = [sys.executable, __file__, "--child", "micro-mean" if micro_mean else "exact", *args]
@@ -135,14 +135,14 @@ def main() -> None:
         raise SystemExit(child(sys.argv[2], sys.argv[3:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--sft-steps", type=int, default=700)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--work", type=Path, default=Path(".bench/grpo-learning"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     start = supervised_start(args.work, args.sft_steps)
-    window = min(10, max(1, args.steps // 3))
+    window = min(20, max(1, args.steps // 3))
     print(
         f"GRPO on the demo task: {args.seeds} seeds x {args.steps} steps of 8 prompts x 8 completions, K 8, lr "
         f"{args.lr:g}, from {args.sft_steps} supervised steps; reward = exact answer + 0.2 format"

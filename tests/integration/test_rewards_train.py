@@ -205,3 +205,88 @@ def test_a_rollouts_files_norm_constant_is_its_longest_completion(data: dict[str
     assert code == 0, err
     assert "(C = the longest completion)" in stdout
     assert f"objective | C = {longest}, the rollouts file's longest completion" in stdout
+
+
+def test_prompts_as_conversations_render_with_a_real_template_and_its_generation_prompt(tmp_path: Path) -> None:
+    """``messages`` prompts go through the tokenizer's own chat template (a byte copy of Qwen2.5's, which also
+    injects a default system prompt) with its generation prompt, so a completion starts where a reply does."""
+    from real_templates import real_chat_dir
+    from transformers import AutoTokenizer
+
+    from bigbatch.data.chat import ChatTemplate
+    from bigbatch.rewards.rollout_maker import read_prompts
+
+    model_dir = real_chat_dir(tmp_path / "qwen", "qwen2.5")
+    text = tmp_path / "text.txt"
+    text.write_text("The answer is four. " * 400)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {a}?"}], "answer": str(2 * a)} for a in range(6)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def short(row, completion):\n    return -float(len(completion))\n")
+    out = tmp_path / "run"
+    code, stdout, err = run_main(
+        [
+            *("train", "--data", str(text), "--tokenizer", f"file:{model_dir}", "--model", "pico", "--seq-len", "160"),
+            *("--block-size", "256"),
+            *("--micro-batch", "4", "--max-steps", "1", "--sample-tokens", "0", "--eval-every", "0"),
+            *("--objective", "grpo", "--prompts", str(prompts), "--reward", f"{reward}:short", "--group-size", "2"),
+            *("--prompts-per-step", "2", "--max-completion-tokens", "4", "--out", str(out)),
+        ]
+    )
+    assert code == 0, err
+    assert "rollouts | 6 prompts" in stdout
+    template = ChatTemplate(model_dir)
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    read = read_prompts(
+        prompts, lambda s: hf.encode(s, add_special_tokens=False), lambda m, w: template.render(w, m, None, True)
+    )
+    expected = hf.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=False)
+    assert expected.endswith("<|im_start|>assistant\n") and "You are Qwen" in expected
+    assert read[0].ids == hf.encode(expected, add_special_tokens=False)
+    assert read[0].row == rows[0]  # what the reward functions see: the row as read
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_an_hf_model_samples_its_completions_and_learns_from_them(
+    data: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """``--model hf:DIR``: transformers' own key-value cache samples, the chunked head scores per token; the KL's
+    reference is the base with the adapters off under LoRA (no second copy in memory), else a frozen copy."""
+    from hf_models import save_hf
+
+    save_hf(kind, tmp_path / kind)
+    out = tmp_path / "run"
+    lora = ["--lora-rank", "4"] if kind == "llama" else []  # transformers' GPT-2 Conv1D: no auto LoRA targets
+    extra = [*sampled(data), "--max-steps", "2", "--eval-every", "0", *lora, "--kl-coef", "0.05"]
+    argv = args(data, out, *extra)
+    argv[argv.index("pico")] = f"hf:{tmp_path / kind}"
+    code, stdout, err = run_main(argv)
+    assert code == 0, err
+    reference = "the base model, LoRA adapters off" if lora else "a frozen reference model"
+    assert f"reference | {reference}" in stdout
+    assert "objective | grpo: policy per token + kl per token x 0.05" in stdout
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 2 and steps[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters start at 0: policy = base
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in steps)
+
+
+def test_a_bad_micro_batch_is_left_out_and_its_completions_leave_the_denominators(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    """--bad-step skip-micro under grpo: a micro-batch whose gradient is not finite is dropped, and the step is
+    computed again over the others, its units counted without the dropped completions (the advantages of their
+    groups stay as the rollout computed them)."""
+    out = tmp_path / "run"
+    extra = [*offline(data), "--micro-batch", "2", "--pack", "off", "--max-steps", "3", "--eval-every", "0"]
+    done = run_cli(args(data, out, *extra), fault="inf-grad:step=2,micro=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bad step 2" in done.stdout and "micro-batch 1" in done.stdout
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 3 and not any(r["skipped"] for r in steps)
+    golden = tmp_path / "golden"
+    assert run_cli(args(data, golden, *extra)).returncode == 0
+    full = [r for r in map(json.loads, (golden / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    # step 2 trained on 2 fewer completions (one micro-batch of 2 rows): fewer tokens than the golden run's step
+    assert steps[1]["tokens"] < full[1]["tokens"] and steps[0]["tokens"] == full[0]["tokens"]
+    assert steps[1]["completion/tokens"] > 0
