@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from tiny import VOCAB
 
-from bigbatch.data.rollout_loader import FileRollouts, RolloutLoader
+from bigbatch.data.rollout_loader import RESAMPLE_ROUNDS, FileRollouts, RolloutLoader
 from bigbatch.data.rollouts import (
     ADVANTAGE_EPS,
     Completion,
@@ -1052,3 +1052,47 @@ def test_settings_and_objective_refusals() -> None:
         objective.units(lm_batch)
     with pytest.raises(ValueError, match="this micro-batch has none"):
         score_rollout(models()[0], [lm_batch], CPU, lambda: torch.autocast("cpu", enabled=False), None)
+
+
+class ScriptedMaker:
+    """A sampler whose groups' rewards follow a script: each call to ``make`` takes the next rewards per group."""
+
+    def __init__(self, rewards: list[list[float]]) -> None:
+        self.rewards = rewards
+        self.drawn = 0
+        self.calls: list[int] = []
+
+    def make(self, prompts: int) -> tuple[list[Group], float]:
+        self.calls.append(prompts)
+        groups = []
+        for _ in range(prompts):
+            rewards = self.rewards[min(self.drawn, len(self.rewards) - 1)]
+            groups.append(Group(f"p{self.drawn}", [Completion([1, 2], [3 + i, 4], r) for i, r in enumerate(rewards)]))
+            self.drawn += 1
+        return groups, 0.5
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drawn = int(state["drawn"])
+
+
+def test_resample_replaces_flat_groups_with_further_prompts_then_drops_what_stays_flat() -> None:
+    """--flat-groups resample (DAPO's dynamic sampling): each flat group is replaced by a group of the next prompt,
+    round after round; after RESAMPLE_ROUNDS, groups still flat are dropped, and the step's facts say so."""
+    varied, flat = [1.0, 0.0], [1.0, 1.0]
+    maker = ScriptedMaker([varied, flat, varied, flat, flat, varied])  # prompts 1, 3 and 4 flat
+    loader = RolloutLoader(maker, 3, 4, 8, flat_groups="resample")
+    loader.micro_batches_next_step()
+    assert maker.calls == [3, 1, 1, 1]  # prompt 1 -> prompt 3 (flat) -> prompt 4 (flat) -> prompt 5 (varied)
+    assert [g.key for g in loader.pending[0]] == ["p0", "p2", "p5"]
+    assert loader.step_facts() == {"groups/flat_share": 0.0, "groups/resampled": 3.0, "time/generation_s": 2.0}
+    always_flat = ScriptedMaker([varied, flat])
+    loader = RolloutLoader(always_flat, 2, 4, 8, flat_groups="resample")
+    loader.micro_batches_next_step()
+    assert always_flat.calls == [2] + [1] * RESAMPLE_ROUNDS
+    facts = loader.step_facts()
+    assert facts["groups/dropped"] == 1.0 and facts["groups/resampled"] == float(RESAMPLE_ROUNDS)
+    with pytest.raises(ConfigError, match="--flat-groups"):
+        step_completions(make_groups(SPEC[:1]), "std", "refill")

@@ -38,6 +38,8 @@ from bigbatch.errors import DataError
 log = logging.getLogger(__name__)
 
 STATE_KIND = "rollouts"
+RESAMPLE_ROUNDS = 4
+"""``--flat-groups resample``: at most this many rounds of sampling replacements; groups still flat are dropped."""
 
 
 class RolloutMaker(Protocol):
@@ -100,6 +102,7 @@ class RolloutLoader:
         self.step_in_epoch = 0  # the file's next step
         self.pending: list[list[Group]] = []  # the sampled rollout's steps not yet trained
         self.generation_s = 0.0
+        self.resampled = 0  # flat groups the last rollout replaced
         self.facts = StepFacts(0, 0, 0)
         self._ready: list[MicroBatch] = []
         self._step: StepCompletions | None = None
@@ -127,7 +130,7 @@ class RolloutLoader:
             first = self.step_in_epoch * self.prompts_per_step
             return self.source.groups[first : first + self.prompts_per_step], 0.0
         if not self.pending:
-            groups, seconds = self.source.make(self.prompts_per_step * self.updates_per_rollout)
+            groups, seconds = self._sample(self.prompts_per_step * self.updates_per_rollout)
             self.pending = [
                 groups[u * self.prompts_per_step : (u + 1) * self.prompts_per_step]
                 for u in range(self.updates_per_rollout)
@@ -138,12 +141,30 @@ class RolloutLoader:
             return self.pending[0], seconds
         return self.pending[0], 0.0
 
+    def _sample(self, prompts: int) -> tuple[list[Group], float]:
+        """A rollout of ``prompts`` groups; with ``resample``, each flat group replaced by a group of the next prompt,
+        round after round (at most :data:`RESAMPLE_ROUNDS`), as DAPO's dynamic sampling fills its batch. Every rank
+        holds every group, so every rank makes the same replacements."""
+        assert not isinstance(self.source, FileRollouts)
+        groups, seconds = self.source.make(prompts)
+        self.resampled = 0
+        for _ in range(RESAMPLE_ROUNDS if self.flat_groups == "resample" else 0):
+            flat = sum(group.flat for group in groups)
+            if not flat:
+                break
+            more, more_seconds = self.source.make(flat)
+            groups = [group for group in groups if not group.flat] + more
+            seconds += more_seconds
+            self.resampled += flat
+        return groups, seconds
+
     def _prepare(self) -> None:
         if self._ready:
             return
         groups, seconds = self._groups_of_next_step()
         step, facts = step_completions(groups, self.advantage_scale, self.flat_groups)
-        self.facts = StepFacts(facts.groups, facts.flat, facts.dropped, seconds)
+        resampled = self.resampled if seconds else 0  # the rollout's first step reports its sampling
+        self.facts = StepFacts(facts.groups, facts.flat, facts.dropped, seconds, resampled)
         self._step = step
         self._ready = self._micro_batches(step, self.epoch * 1_000_000 + self.step_in_epoch)
 

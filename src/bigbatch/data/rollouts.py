@@ -7,7 +7,8 @@ knows before its first backward, the same on every rank (every rank holds the wh
   deviation (``std``: GRPO; unbiased, plus ``eps``) or not (``none``: Dr. GRPO), unless the rollout gave it;
 * which groups are **flat** (every reward equal, so every advantage 0): ``keep`` trains on them (their KL and
   entropy terms still count, and their completions count in the denominators) or ``drop`` leaves them out of the
-  step, whose denominators are then counted without them;
+  step, whose denominators are then counted without them (``resample``: the sampler replaces them first, and
+  drops those still flat);
 * each group's completion tokens ``T_g`` (``group-token-mean`` divides by it).
 
 **Dealing.** The step's completions, group by group, each a document of its prompt and completion (targets on
@@ -36,7 +37,7 @@ from bigbatch.errors import ConfigError, DataError
 from bigbatch.progress import plural
 
 ADVANTAGE_SCALES = ("std", "none")
-FLAT_GROUPS = ("keep", "drop")
+FLAT_GROUPS = ("keep", "drop", "resample")
 ADVANTAGE_EPS = 1e-6
 """Added to a group's standard deviation before dividing (a group of nearly equal rewards stays finite)."""
 
@@ -104,11 +105,14 @@ class StepFacts:
     flat: int
     dropped: int
     generation_s: float = 0.0
+    resampled: int = 0  # flat groups replaced by groups of other prompts (--flat-groups resample)
 
     def as_dict(self) -> dict[str, float]:
         out = {"groups/flat_share": self.flat / self.groups if self.groups else 0.0}
         if self.dropped:
             out["groups/dropped"] = float(self.dropped)
+        if self.resampled:
+            out["groups/resampled"] = float(self.resampled)
         if self.generation_s:
             out["time/generation_s"] = self.generation_s
         return out
@@ -127,8 +131,9 @@ class StepCompletions:
 
 
 def step_completions(groups: Sequence[Group], scale: str, flat_groups: str) -> tuple[StepCompletions, StepFacts]:
-    """The step's completions from its groups: flat groups kept (advantage 0) or dropped, advantages computed
-    where the rollout gave none, each group's completion tokens counted (after any drop)."""
+    """The step's completions from its groups: flat groups kept (advantage 0) or dropped (``resample``: those left
+    after resampling), advantages computed where the rollout gave none, each group's completion tokens counted
+    (after any drop)."""
     if flat_groups not in FLAT_GROUPS:
         raise ConfigError(f"--flat-groups must be one of {', '.join(FLAT_GROUPS)}; got {flat_groups!r}")
     out = StepCompletions()
@@ -137,7 +142,7 @@ def step_completions(groups: Sequence[Group], scale: str, flat_groups: str) -> t
         given = [c.advantage for c in group.completions]
         is_flat = group.flat if any(a is None for a in given) else all(a == 0 for a in given)
         flat += int(is_flat)
-        if is_flat and flat_groups == "drop":
+        if is_flat and flat_groups in ("drop", "resample"):
             dropped += 1
             continue
         if any(a is None for a in given):

@@ -116,7 +116,11 @@ LOSS_AGGREGATION = Choices(
 )
 POLICY_LOSS = Choices("policy_loss", ("ppo", "cispo"))
 ADVANTAGE_SCALE = Choices("advantage_scale", ("std", "none"))
-FLAT_GROUPS = Choices("flat_groups", ("keep", "drop"))
+FLAT_GROUPS = Choices(
+    "flat_groups",
+    ("keep", "drop", "resample"),
+    others=(("dynamic-sampling", "resample (DAPO's dynamic sampling)"), ("filter", "drop")),
+)
 
 LAST_WINDOW_POLICIES = LAST_WINDOW.values
 

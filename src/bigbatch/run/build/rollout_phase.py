@@ -75,6 +75,11 @@ def check_rewards(config: TrainConfig) -> None:
                 f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling, and --rollouts trains on "
                 "completions generated elsewhere; drop them or give --prompts"
             )
+        if section.flat_groups == "resample":
+            raise ConfigError(
+                "--flat-groups resample samples more prompts, and --rollouts holds completions generated elsewhere; "
+                "use keep or drop"
+            )
     elif not section.reward:
         raise ConfigError(
             "--prompts needs --reward: the functions that score each completion (MODULE:FUNCTION or "

@@ -69,7 +69,8 @@ class RewardsSection:
     flat_groups: str = config_field(
         "keep",
         "grpo: groups whose rewards are all equal (advantage 0): keep them in the step (their tokens count in the "
-        "denominators) or drop them before the step's units are counted",
+        "denominators), drop them before the step's units are counted, or resample: replace them by groups of "
+        "further prompts (DAPO's dynamic sampling; up to 4 rounds, then drop)",
         choices=FLAT_GROUPS,
     )
     loss_aggregation: str = config_field(
