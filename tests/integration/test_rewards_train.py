@@ -60,7 +60,7 @@ def args(data: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 
 def offline(data: dict[str, Path]) -> list[str]:
-    return ["--rollouts", str(data["rollouts"]), "--loss-aggregation", "seq-mean-token-mean", "--dropout", "0.1"]
+    return ["--rollouts", str(data["rollouts"]), "--loss-aggregation", "seq-mean-token-mean"]
 
 
 def sampled(data: dict[str, Path]) -> list[str]:
@@ -74,7 +74,7 @@ def sampled(data: dict[str, Path]) -> list[str]:
 @pytest.mark.parametrize("source", ["offline", "sampled"])
 def test_a_grpo_run_killed_inside_a_step_resumes_bitwise(data: dict[str, Path], tmp_path: Path, source: str) -> None:
     """Killed inside a step, resumed, a run ends with the losses and parameters of a run that never stopped: a
-    rollouts file's run killed in step 3 (pico with dropout: the generators matter), and a sampled run killed in
+    rollouts file's run killed in step 3, and a sampled run killed in
     the second step of a rollout of two, whose completions and old log-probabilities step 1's checkpoint holds."""
     extra = offline(data) if source == "offline" else [*sampled(data), "--updates-per-rollout", "2"]
     golden = tmp_path / "golden"
@@ -160,7 +160,10 @@ def test_a_malformed_rollouts_file_is_refused_in_one_line(
         (["--objective", "lm", "--group-size", "4"], "--group-size, --prompts-per-step set learning from rewards"),
         ([], "give --prompts FILE"),
         (["--prompts", "p.jsonl"], "--prompts needs --reward"),
-        (["--rollouts", "r.jsonl", "--temperature", "0.5"], "--temperature shapes sampling"),
+        (["--rollouts", "r.jsonl", "--top-p", "0.5"], "--top-p shapes sampling"),
+        (["--prompts", "p.jsonl", "--reward", "builtin:format", "--group-size", "1"], "--group-size 1"),
+        (["--prompts", "p.jsonl", "--reward", "builtin:format", "--temperature", "0"], "--temperature 0 samples"),
+        (["--rollouts", "r.jsonl", "--dropout", "0.1"], "--dropout with --objective grpo"),
         (["--rollouts", "r.jsonl", "--flat-groups", "resample"], "--flat-groups resample samples more prompts"),
         (["--rollouts", "r.jsonl", "--batch-ramp", "256:2048"], "does not take --batch-ramp"),
         (["--rollouts", "r.jsonl", "--token-budget", "512"], "does not take --token-budget"),
@@ -176,6 +179,9 @@ def test_a_malformed_rollouts_file_is_refused_in_one_line(
         "no-source",
         "no-reward",
         "sampler-flag-offline",
+        "group-of-one",
+        "greedy",
+        "dropout",
         "resample-offline",
         "ramp",
         "budget",
@@ -216,7 +222,9 @@ def test_prompts_as_conversations_render_with_a_real_template_and_its_generation
     from transformers import AutoTokenizer
 
     from bigbatch.data.chat import ChatTemplate
+    from bigbatch.data.tokenizers import get_tokenizer
     from bigbatch.rewards.rollout_maker import read_prompts
+    from bigbatch.run.build.rollout_phase import _template_encoder
 
     model_dir = real_chat_dir(tmp_path / "qwen", "qwen2.5")
     text = tmp_path / "text.txt"
@@ -238,14 +246,21 @@ def test_prompts_as_conversations_render_with_a_real_template_and_its_generation
     )
     assert code == 0, err
     assert "rollouts | 6 prompts" in stdout
+    # the run's own encoders: a prompt text's special-token text stays text, a template's control tokens are tokens
+    tokenizer = get_tokenizer(f"file:{model_dir}")
     template = ChatTemplate(model_dir)
-    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     read = read_prompts(
-        prompts, lambda s: hf.encode(s, add_special_tokens=False), lambda m, w: template.render(w, m, None, True)
+        prompts,
+        lambda s: tokenizer.encode(s.encode()),
+        lambda m, w: template.render(w, m, None, True),
+        _template_encoder(tokenizer),
     )
+    hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     expected = hf.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=False)
     assert expected.endswith("<|im_start|>assistant\n") and "You are Qwen" in expected
-    assert read[0].ids == hf.encode(expected, add_special_tokens=False)
+    assert read[0].ids == hf.encode(expected, add_special_tokens=False)  # <|im_start|> one token, as Qwen reads it
+    assert read[0].ids[0] == hf.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.encode(b"<|im_start|>") != [read[0].ids[0]]  # in a prompt text, the same characters are text
     assert read[0].row == rows[0]  # what the reward functions see: the row as read
 
 

@@ -164,9 +164,12 @@ def test_top_k_one_or_a_tiny_nucleus_is_greedy() -> None:
 def test_a_request_beyond_block_size_is_refused() -> None:
     model = tiny("gpt")
     with pytest.raises(ValueError, match="block_size 48"):
-        sample_completions(model, PROMPT, 2, BLOCK - len(PROMPT) + 1)
-    rows = sample_completions(model, PROMPT, 2, BLOCK - len(PROMPT), temperature=0.0)  # exactly fits
-    assert [len(row) for row in rows] == [BLOCK - len(PROMPT)] * 2
+        sample_completions(model, PROMPT, 2, BLOCK - len(PROMPT) + 2)
+    # exactly fits: the last token drawn is never fed back, so a row of block_size + 1 tokens needs no more context
+    rows = sample_completions(model, PROMPT, 2, BLOCK - len(PROMPT) + 1, temperature=0.0)
+    assert [len(row) for row in rows] == [BLOCK - len(PROMPT) + 1] * 2
+    uncached = sample_completions(model, PROMPT, 2, BLOCK - len(PROMPT) + 1, temperature=0.0, use_cache=False)
+    assert uncached == rows
 
 
 def test_keep_going_runs_extra_steps_without_changing_the_tokens() -> None:

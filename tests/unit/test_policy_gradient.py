@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from tiny import VOCAB
 
-from bigbatch.data.rollout_loader import RESAMPLE_ROUNDS, FileRollouts, RolloutLoader
+from bigbatch.data.rollout_loader import MAX_EMPTY_ROLLOUTS, RESAMPLE_ROUNDS, FileRollouts, RolloutLoader
 from bigbatch.data.rollouts import (
     ADVANTAGE_EPS,
     Completion,
@@ -545,15 +545,21 @@ def test_a_micro_batch_of_padding_carries_old_log_probabilities_when_the_step_do
 
 def test_step_facts_count_flat_and_dropped_groups() -> None:
     groups = make_groups()
+    rewards = [c.reward for g in groups for c in g.completions]
+    every = {"reward_sum": sum(rewards), "reward_sq": sum(r * r for r in rewards), "rewarded": len(rewards)}
     kept, facts = step_completions(groups, "std", "keep")
-    assert facts == StepFacts(groups=5, flat=2, dropped=0)
+    assert facts == StepFacts(groups=5, flat=2, dropped=0, **every)
     assert len(kept.completions) == COMPLETIONS
     assert [a for a, g in zip(kept.advantage, kept.group, strict=True) if g in FLAT] == [0.0, 0.0, 0.0]
     assert kept.group_tokens[:4] == [14] * 4 and kept.group_tokens[4:7] == [10] * 3
     dropped, facts = step_completions(groups, "std", "drop")
-    assert facts == StepFacts(groups=5, flat=2, dropped=2)
+    assert facts == StepFacts(groups=5, flat=2, dropped=2, **every)  # the rewards of every sampled group
     assert sorted(set(dropped.group)) == [0, 1, 3]  # groups keep their number in the step
-    assert facts.as_dict() == {"groups/flat_share": 0.4, "groups/dropped": 2.0}
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum(r * r for r in rewards) / len(rewards) - mean * mean)
+    assert facts.as_dict() == pytest.approx(
+        {"groups/flat_share": 0.4, "groups/dropped": 2.0, "reward/mean": mean, "reward/std": std}
+    )
     assert StepFacts(5, 2, 0).as_dict() == {"groups/flat_share": 0.4}
     # given advantages: flat when all are 0, whatever the rewards (a file's advantage line has reward 0)
     given = [
@@ -795,7 +801,10 @@ def test_a_rollout_of_two_steps_is_scored_once_before_its_first_update() -> None
     model = copy.deepcopy(policy)
     straight = loader(FixedSampler(groups), model)
     first = read_step_of(straight)
-    assert straight.step_facts() == {"groups/flat_share": pytest.approx(1 / 3), "time/generation_s": 1.5}
+    facts = straight.step_facts()
+    assert facts["groups/flat_share"] == pytest.approx(1 / 3) and facts["time/generation_s"] == 1.5
+    first_rewards = [c.reward for g in groups[:3] for c in g.completions]  # the first step's 3 groups
+    assert facts["reward/mean"] == pytest.approx(sum(first_rewards) / len(first_rewards))
     state = json.loads(json.dumps(straight.state_dict()))
     for batch in first:  # scored by the model as it sampled: the training forward's own values, bitwise
         with torch.no_grad():
@@ -1087,7 +1096,13 @@ def test_resample_replaces_flat_groups_with_further_prompts_then_drops_what_stay
     loader.micro_batches_next_step()
     assert maker.calls == [3, 1, 1, 1]  # prompt 1 -> prompt 3 (flat) -> prompt 4 (flat) -> prompt 5 (varied)
     assert [g.key for g in loader.pending[0]] == ["p0", "p2", "p5"]
-    assert loader.step_facts() == {"groups/flat_share": 0.0, "groups/resampled": 3.0, "time/generation_s": 2.0}
+    assert loader.step_facts() == {
+        "groups/flat_share": 0.0,
+        "groups/resampled": 3.0,
+        "time/generation_s": 2.0,
+        "reward/mean": 0.5,
+        "reward/std": 0.5,
+    }
     always_flat = ScriptedMaker([varied, flat])
     loader = RolloutLoader(always_flat, 2, 4, 8, flat_groups="resample")
     loader.micro_batches_next_step()
@@ -1096,3 +1111,90 @@ def test_resample_replaces_flat_groups_with_further_prompts_then_drops_what_stay
     assert facts["groups/dropped"] == 1.0 and facts["groups/resampled"] == float(RESAMPLE_ROUNDS)
     with pytest.raises(ConfigError, match="--flat-groups"):
         step_completions(make_groups(SPEC[:1]), "std", "refill")
+
+
+def test_a_groups_unit_is_shared_by_its_completions_by_their_tokens() -> None:
+    """group-token-mean counts each completion's share of its group, |o_i| / T_g: a group cut across micro-batches
+    counts 1 in all, and a micro-batch left out (a bad step's) takes exactly its share out of the count."""
+    objective = RewardObjective(settings_for("group-token-mean", "ppo", kl=0.0, entropy=0.0))
+    groups = make_groups(SPEC[:2])
+    batches = step_batches(groups, 1, False)[0]  # one completion a micro-batch: every group cut
+    shares = [objective.units(b)["group"] for b in batches]
+    assert sum(shares) == pytest.approx(2.0, abs=1e-12)
+    first = groups[0].completions
+    total = sum(len(c.tokens) for c in first)
+    assert shares[: len(first)] == pytest.approx([len(c.tokens) / total for c in first])
+
+
+def test_a_rollout_whose_every_group_is_dropped_is_followed_by_the_next() -> None:
+    """--flat-groups drop: a sampled rollout with no group left to train is not a step; the next rollout is sampled
+    (a step of a file is the trainer's to skip), and a run of them stops in one line."""
+    varied, flat = [1.0, 0.0], [1.0, 1.0]
+    maker = ScriptedMaker([flat, flat, varied, varied])
+    loader = RolloutLoader(maker, 2, 4, 8, flat_groups="drop")
+    assert loader.micro_batches_next_step() == 1
+    assert maker.calls == [2, 2] and [g.key for g in loader.pending[0]] == ["p2", "p3"]
+    never = RolloutLoader(ScriptedMaker([flat]), 2, 4, 8, flat_groups="drop")
+    with pytest.raises(DataError, match=f"{MAX_EMPTY_ROLLOUTS} rollouts in a row held no group whose rewards differ"):
+        never.micro_batches_next_step()
+
+
+def test_a_reward_reads_the_completion_without_the_end_of_text_token() -> None:
+    """The end-of-text token is a marker, not text: the reward functions read the completion without it (a --stop
+    text such as a newline is the completion's own and stays)."""
+    from bigbatch.data.tokenizers import ByteTokenizer
+    from bigbatch.rewards.functions import RewardSet, RewardSpec
+    from bigbatch.rewards.rollout_maker import PromptRow, SampledRollouts, SamplerSettings
+
+    class EndOfText(ByteTokenizer):
+        eot_token = 0  # the byte 0 stands for an end-of-text token here
+
+        def decode(self, tokens: list[int]) -> str:
+            return "".join("<|end|>" if t == 0 else chr(t) for t in tokens)
+
+    prompt = PromptRow({"prompt": "1+1=", "answer": "2"}, list(b"1+1="), 1)
+    rollouts = SampledRollouts(
+        [prompt],
+        RewardSet([RewardSpec("exact-answer")]),
+        SamplerSettings(max_tokens=4),
+        EndOfText(),
+        16,
+        0,
+        DistContext(),
+        CPU,
+        "p.jsonl",
+    )
+    group = rollouts._scored(prompt, [[ord("2"), 0], [ord("2"), ord("\n")], [ord("3"), 0]])
+    assert [c["reward"] for c in group["completions"]] == [1.0, 1.0, 0.0]
+    assert group["completions"][0]["tokens"] == [ord("2"), 0]  # the token itself is trained
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+def test_completions_are_scored_at_the_sampling_temperature(temperature: float) -> None:
+    """Every log-probability and entropy is of the logits divided by the sampler's temperature (the distribution
+    the completions were drawn from): the chunked head's, and a plain model's from its logits."""
+    policy, _ = models(5)
+    batch = step_batches(make_groups(SPEC[:2], seed=5), 8, True)[0][0]
+    with torch.no_grad():
+        scores = token_scores(policy, batch, temperature)  # (B, T, 2)
+        logits = policy(batch.inputs, positions=batch.positions).double() / temperature  # (B, T, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    inside = batch.targets != IGNORE_INDEX
+    target_logp = logp.gather(-1, batch.targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(-scores[..., 0][inside].double(), target_logp[inside], atol=1e-5)
+    assert torch.allclose(scores[..., 1][inside].double(), entropy[inside], atol=1e-5)
+
+    class Plain(nn.Module):  # a model that returns logits (no chunked head)
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.inner(idx)
+
+    unpacked = step_batches(make_groups(SPEC[:2], seed=5), 8, False)[0][0]
+    with torch.no_grad():
+        plain = token_scores(Plain(policy), unpacked, temperature)
+        chunked = token_scores(policy, unpacked, temperature)
+    assert torch.allclose(plain, chunked, atol=1e-5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from bigbatch.data.rollouts import (
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 STATE_KIND = "rollouts"
 RESAMPLE_ROUNDS = 4
+MAX_EMPTY_ROLLOUTS = 8
+"""Sampled rollouts in a row whose every group is flat and left out, before the run stops with one line."""
 """``--flat-groups resample``: at most this many rounds of sampling replacements; groups still flat are dropped."""
 
 
@@ -101,11 +104,9 @@ class RolloutLoader:
         self.epoch = 0  # the file's epochs; the sampler's rollouts
         self.step_in_epoch = 0  # the file's next step
         self.pending: list[list[Group]] = []  # the sampled rollout's steps not yet trained
-        self.generation_s = 0.0
         self.resampled = 0  # flat groups the last rollout replaced
         self.facts = StepFacts(0, 0, 0)
         self._ready: list[MicroBatch] = []
-        self._step: StepCompletions | None = None
 
     # -- the step ------------------------------------------------------------------------------------------------
 
@@ -135,7 +136,6 @@ class RolloutLoader:
                 groups[u * self.prompts_per_step : (u + 1) * self.prompts_per_step]
                 for u in range(self.updates_per_rollout)
             ]
-            self.generation_s = seconds
             if self.updates_per_rollout > 1:
                 self._score_rollout()
             return self.pending[0], seconds
@@ -161,11 +161,23 @@ class RolloutLoader:
     def _prepare(self) -> None:
         if self._ready:
             return
-        groups, seconds = self._groups_of_next_step()
-        step, facts = step_completions(groups, self.advantage_scale, self.flat_groups)
-        resampled = self.resampled if seconds else 0  # the rollout's first step reports its sampling
-        self.facts = StepFacts(facts.groups, facts.flat, facts.dropped, seconds, resampled)
-        self._step = step
+        for _ in range(MAX_EMPTY_ROLLOUTS):
+            fresh = not self.pending  # a sampled rollout of its own (the file's steps are always read fresh)
+            groups, seconds = self._groups_of_next_step()
+            step, facts = step_completions(groups, self.advantage_scale, self.flat_groups)
+            resampled = self.resampled if fresh and not isinstance(self.source, FileRollouts) else 0
+            self.facts = replace(facts, generation_s=seconds, resampled=resampled)
+            if step.completions or isinstance(self.source, FileRollouts):
+                break
+            # every group flat and dropped: nothing to train, so the next rollout is sampled instead (a file's
+            # empty step is the trainer's to skip: its data will not change)
+            self._advance()
+        else:
+            raise DataError(
+                f"{MAX_EMPTY_ROLLOUTS} rollouts in a row held no group whose rewards differ (every group flat, and "
+                f"--flat-groups {self.flat_groups} leaves them out): check that the reward functions score "
+                "completions differently, raise --temperature or --group-size, or use --flat-groups keep"
+            )
         self._ready = self._micro_batches(step, self.epoch * 1_000_000 + self.step_in_epoch)
 
     def _micro_batches(self, step: StepCompletions, number: int) -> list[MicroBatch]:
@@ -215,7 +227,6 @@ class RolloutLoader:
 
     def _advance(self) -> None:
         """Past the step just read: the file's next step (a new epoch after its last), or the rollout's."""
-        self._step = None
         if isinstance(self.source, FileRollouts):
             self.step_in_epoch += 1
             if self.step_in_epoch >= self.steps_per_epoch:
@@ -288,7 +299,7 @@ class RolloutLoader:
                 f"--prompts-per-step {saved}"
             )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
-        self._ready, self._step = [], None
+        self._ready = []
         if isinstance(self.source, FileRollouts):
             if not 0 <= self.step_in_epoch < max(self.steps_per_epoch, 1):
                 raise DataError(

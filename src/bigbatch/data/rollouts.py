@@ -106,9 +106,18 @@ class StepFacts:
     dropped: int
     generation_s: float = 0.0
     resampled: int = 0  # flat groups replaced by groups of other prompts (--flat-groups resample)
+    # the rewards of every completion of the step's groups, those dropped as flat included (a reward curve of
+    # the trained completions alone would leave out every all-right and all-wrong group)
+    reward_sum: float = 0.0
+    reward_sq: float = 0.0
+    rewarded: int = 0  # completions with a reward (a rollouts file may give advantages instead)
 
     def as_dict(self) -> dict[str, float]:
         out = {"groups/flat_share": self.flat / self.groups if self.groups else 0.0}
+        if self.rewarded:
+            mean = self.reward_sum / self.rewarded
+            out["reward/mean"] = mean
+            out["reward/std"] = math.sqrt(max(self.reward_sq / self.rewarded - mean * mean, 0.0))
         if self.dropped:
             out["groups/dropped"] = float(self.dropped)
         if self.resampled:
@@ -137,9 +146,14 @@ def step_completions(groups: Sequence[Group], scale: str, flat_groups: str) -> t
     if flat_groups not in FLAT_GROUPS:
         raise ConfigError(f"--flat-groups must be one of {', '.join(FLAT_GROUPS)}; got {flat_groups!r}")
     out = StepCompletions()
-    flat = dropped = 0
+    flat = dropped = rewarded = 0
+    reward_sum = reward_sq = 0.0
     for g, group in enumerate(groups):
         given = [c.advantage for c in group.completions]
+        if any(a is None for a in given):  # rewards, not advantages: the step's reward statistics count them
+            rewarded += len(group.completions)
+            reward_sum += sum(c.reward for c in group.completions)
+            reward_sq += sum(c.reward * c.reward for c in group.completions)
         is_flat = group.flat if any(a is None for a in given) else all(a == 0 for a in given)
         flat += int(is_flat)
         if is_flat and flat_groups in ("drop", "resample"):
@@ -156,7 +170,7 @@ def step_completions(groups: Sequence[Group], scale: str, flat_groups: str) -> t
             out.member.append(m)
             out.advantage.append(advantage)
             out.group_tokens.append(tokens)
-    return out, StepFacts(len(groups), flat, dropped)
+    return out, StepFacts(len(groups), flat, dropped, 0.0, 0, reward_sum, reward_sq, rewarded)
 
 
 def deal(step: StepCompletions, micro_batch: int, seq_len: int, pack: bool) -> list[list[tuple[int, int, int]]]:

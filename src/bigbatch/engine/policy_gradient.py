@@ -80,7 +80,9 @@ STAT_NAMES = (
 class RewardLossSettings:
     """The loss of learning from rewards: ``aggregation`` one of :data:`LOSS_AGGREGATIONS`, ``policy_loss`` one
     of :data:`POLICY_LOSSES`, the clip bounds, the KL and entropy coefficients (0: the term is left out, its value
-    still reported where it can be), and ``norm_constant`` (``C`` of ``seq-mean-token-sum-norm``)."""
+    still reported where it can be), ``norm_constant`` (``C`` of ``seq-mean-token-sum-norm``) and the sampling
+    ``temperature`` (the ratio, KL and entropy are of the distribution the completions were drawn from, as TRL and
+    verl take them)."""
 
     aggregation: str = "token-mean"
     policy_loss: str = "ppo"
@@ -89,6 +91,7 @@ class RewardLossSettings:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     norm_constant: float = 1.0
+    temperature: float = 1.0  # the sampler's: every log-probability and entropy is of the logits divided by it
 
     def __post_init__(self) -> None:
         if self.aggregation not in LOSS_AGGREGATIONS:
@@ -101,6 +104,8 @@ class RewardLossSettings:
             raise ConfigError(
                 f"--clip-low must lie in [0, 1) and --clip-high be at least 0; got {self.clip_low}, {self.clip_high}"
             )
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature must be positive to score completions, got {self.temperature}")
         if not (self.norm_constant >= 0 and math.isfinite(self.norm_constant)):  # 0: set from the data before use
             raise ConfigError(f"the constant of seq-mean-token-sum-norm must be positive, got {self.norm_constant}")
 
@@ -113,19 +118,23 @@ TokenScorer = Callable[[nn.Module, MicroBatch], torch.Tensor]
 """``(model, batch) -> (B, T, 2)``: each target's ``-log p`` and the next-token entropy (0 where no target)."""
 
 
-def token_scores(model: nn.Module, batch: MicroBatch) -> torch.Tensor:
+def token_scores(model: nn.Module, batch: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
     """Each target's ``-log p(target)`` and the entropy of the next-token distribution, (B, T, 2) fp32, 0 where
-    the target is -100: bigbatch's families and ``hf:`` models through their chunked head (never the whole
-    logits), any other model from its logits."""
+    the target is -100, of the logits divided by ``temperature`` (the distribution the completions were sampled
+    from): bigbatch's families and ``hf:`` models through their chunked head (never the whole logits), any other
+    model from its logits."""
     if computes_loss(model):
-        scores: torch.Tensor = model(batch.inputs, targets=batch.targets, positions=batch.positions, per_token=True)
+        extra = {"temperature": temperature} if temperature != 1.0 else {}  # a model that predates it still works
+        scores: torch.Tensor = model(
+            batch.inputs, targets=batch.targets, positions=batch.positions, per_token=True, **extra
+        )
         return scores
     if batch.positions is not None:
         raise ValueError(f"{type(model).__name__} does not take packed rows (positions); use --pack off")
     output = model(batch.inputs)
     logits = getattr(output, "logits", output)
     logits = logits[0] if isinstance(logits, (tuple, list)) else logits  # (B, T, V)
-    return token_losses_from_logits(logits, batch.targets)
+    return token_losses_from_logits(logits / temperature, batch.targets)
 
 
 class ReferenceScorer:
@@ -142,16 +151,16 @@ class ReferenceScorer:
     def describe(self) -> str:
         return "a frozen reference model" if self.module is not None else "the base model, LoRA adapters off"
 
-    def losses(self, model: nn.Module, batch: MicroBatch) -> torch.Tensor:
-        """``-log ref`` of each target (B, T) fp32."""
+    def losses(self, model: nn.Module, batch: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        """``-log ref`` of each target (B, T) fp32, at ``temperature``."""
         if self.module is not None:
-            return token_scores(self.module, batch)[..., 0].float()
+            return token_scores(self.module, batch, temperature)[..., 0].float()
         with adapters_off(model) as off:
             if not off:
                 raise ConfigError(
                     "--kl-coef needs a reference: --lora-rank (the base model with adapters off) or --reference DIR"
                 )
-            return token_scores(model, batch)[..., 0].float()
+            return token_scores(model, batch, temperature)[..., 0].float()
 
 
 def score_rollout(
@@ -160,6 +169,7 @@ def score_rollout(
     device: torch.device,
     autocast: Callable[[], Any],
     reference: ReferenceScorer | None,
+    temperature: float = 1.0,
 ) -> None:
     """The old policy's (and the reference's) log-probability of every completion token of ``micro_batches``,
     put on each micro-batch's :class:`RolloutScores` (on the host) where it has none yet: a forward without
@@ -176,9 +186,9 @@ def score_rollout(
             batch = micro_batch.to(device, non_blocking=True)
             with autocast():
                 if scores.old_logp is None:
-                    scores.old_logp = (-token_scores(model, batch)[..., 0].float()).cpu()
+                    scores.old_logp = (-token_scores(model, batch, temperature)[..., 0].float()).cpu()
                 if reference is not None and scores.ref_logp is None:
-                    scores.ref_logp = (-reference.losses(model, batch)).cpu()
+                    scores.ref_logp = (-reference.losses(model, batch, temperature)).cpu()
 
 
 class RewardObjective(Objective):
@@ -211,14 +221,23 @@ class RewardObjective(Objective):
         if unit == "token":
             return {"token": float((segment >= 0).sum())}
         if unit == "group":
-            return {"group": float((scores.member == 0).sum())}
+            # each completion counts its share of its group, |o_i| / T_g (a group's shares sum to 1): a micro-batch
+            # left out by a bad step takes exactly its part of its groups out of the count, wherever the group's
+            # first completion lies
+            count = scores.advantage.numel()
+            if not count:
+                return {"group": 0.0}
+            lengths = torch.bincount(segment[segment >= 0], minlength=count)[:count].double()
+            return {"group": float((lengths / scores.group_tokens.double().clamp_min(1.0)).sum())}
         return {"sequence": float(scores.advantage.numel())}
 
     def begin_step(self, step: StepPass) -> None:
         """The old policy's log-probabilities of completions not scored at their rollout (a rollout of one
         optimizer step is scored here, just before it trains), and the reference's."""
         self._stats = torch.zeros(len(STAT_NAMES), dtype=torch.float64, device=step.device)
-        score_rollout(step.model, step.micro_batches, step.device, step.autocast, self.reference)
+        score_rollout(
+            step.model, step.micro_batches, step.device, step.autocast, self.reference, self.settings.temperature
+        )
 
     def kept(self) -> Any:
         return self._stats_kept()
@@ -252,7 +271,7 @@ class RewardObjective(Objective):
         scores = _scores(batch)
         if scores.old_logp is None:
             raise RuntimeError(f"micro-batch {index} has no old log-probabilities: its rollout was not scored")
-        out = token_scores(model, batch)  # (B, T, 2)
+        out = token_scores(model, batch, self.settings.temperature)  # (B, T, 2)
         logp, entropy = -out[..., 0].float(), out[..., 1].float()  # (B, T)
         segment = batch.answers.segment  # (B, T)
         inside = segment >= 0

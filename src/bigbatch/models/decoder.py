@@ -219,6 +219,7 @@ class StackedDecoderLM(DecoderLM):
         last_only: bool = False,
         segments: torch.Tensor | None = None,
         per_token: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence length {idx.size(1)} exceeds the model's block_size {self.config.block_size}")
@@ -239,6 +240,7 @@ class StackedDecoderLM(DecoderLM):
             last_only=last_only,
             segments=segments,
             per_token=per_token,
+            temperature=temperature,
         )
 
 

@@ -40,13 +40,15 @@ def logits_or_loss(
     last_only: bool = False,
     segments: torch.Tensor | None = None,
     per_token: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """From ``hidden`` (B, T, C) and the head ``weight`` (V, C): the logits (B, T, V) when ``targets`` is None
     (only the last position's, (B, 1, V), with ``last_only``), else the 0-d fp32 sum of cross-entropies over the
     targets (B, T) that are not -100, in chunks of rows (``chunked``) or from the whole logits. With ``segments``
     (B, T) int64 (each target's segment 0..S-1, -1 for none): the (S,) fp32 sums per segment instead. With
     ``per_token``: each target's cross-entropy and softmax entropy, (B, T, 2) fp32, 0 where the target is -100
-    (:func:`~bigbatch.models.head_loss.linear_cross_entropy_tokens`)."""
+    (:func:`~bigbatch.models.head_loss.linear_cross_entropy_tokens`), of the logits divided by ``temperature`` (the
+    distribution a sampler at that temperature draws from)."""
     if per_token and segments is not None:
         raise ValueError("per_token and segments exclude each other: per-token values need no segment sums")
     if targets is None:
@@ -58,6 +60,9 @@ def logits_or_loss(
     if segments is not None:
         return segment_losses(flat_hidden, weight, flat_targets, segments.reshape(-1), bias, chunked)
     if per_token:
+        if temperature != 1.0:  # logits / T = h (W / T)^T + b / T: the head scaled, its gradient through the division
+            weight = weight / temperature
+            bias = None if bias is None else bias / temperature
         if chunked:
             values = linear_cross_entropy_tokens(flat_hidden, weight, flat_targets, bias)  # (B*T, 2)
             return values.reshape(*targets.shape, 2)  # (B, T, 2)

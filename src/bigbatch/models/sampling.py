@@ -305,10 +305,10 @@ def sample_completions(
         raise ValueError("sample_completions needs a prompt of at least one token")
     if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"temperature and top_k must be >= 0 and 0 < top_p <= 1 (got {temperature}, {top_k}, {top_p})")
-    if len(prompt_ids) + max_new_tokens > block_size:
+    if len(prompt_ids) + max_new_tokens - 1 > block_size:  # the last token drawn is never fed to the model
         raise ValueError(
             f"a prompt of {len(prompt_ids)} tokens and {max_new_tokens} new ones exceed the model's block_size "
-            f"{block_size}; shorten the prompt or max_new_tokens"
+            f"{block_size} + 1; shorten the prompt or max_new_tokens"
         )
     device = next(model.parameters()).device
     stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=device)  # (S,)
@@ -319,7 +319,7 @@ def sample_completions(
     was_training = model.training
     model.eval()
     try:
-        stepper = _stepper(model, len(prompt_ids) + max_new_tokens, use_cache, hf_cache=True)
+        stepper = _stepper(model, len(prompt_ids) + max(max_new_tokens - 1, 0), use_cache, hf_cache=True)
         for step in range(max_new_tokens):
             logits = stepper.next_logits(new_tokens)  # (n, V)
             tokens = _draw(logits, temperature, top_k, top_p, generator)  # (n,)

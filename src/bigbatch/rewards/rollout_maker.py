@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.data.rollouts import Completion, Group, check_fits
+from bigbatch.data.tokenizers import continuation_decoder
 from bigbatch.errors import DataError
 from bigbatch.models.sampling import sample_completions
 from bigbatch.parallel.distributed import DistContext
@@ -61,10 +62,15 @@ class PromptRow:
 
 
 def read_prompts(
-    path: Path, encode: Callable[[str], list[int]], render: Callable[[list[Any], str], str] | None
+    path: Path,
+    encode: Callable[[str], list[int]],
+    render: Callable[[list[Any], str], str] | None,
+    encode_rendered: Callable[[str], list[int]] | None = None,
 ) -> list[PromptRow]:
     """The prompt rows of a JSONL file (see the module docstring); ``render(messages, where)`` renders a
-    conversation with the generation prompt (``None``: no chat template, and a ``messages`` row is refused)."""
+    conversation with the generation prompt (``None``: no chat template, and a ``messages`` row is refused), and
+    ``encode_rendered`` encodes what it renders: the template's control tokens (``<|im_start|>``) as the special
+    tokens they are, where ``encode`` keeps a prompt text's own as text."""
     if not path.is_file():
         raise DataError(f"--prompts {path}: no such file; give a JSONL file with a 'prompt' or 'messages' per line")
     rows: list[PromptRow] = []
@@ -80,17 +86,16 @@ def read_prompts(
             if not isinstance(row, dict):
                 raise DataError(f"{where} is not a JSON object with a 'prompt' or 'messages'")
             if isinstance(row.get("prompt"), str):
-                text = row["prompt"]
+                ids = encode(row["prompt"])
             elif isinstance(row.get("messages"), list):
                 if render is None:
                     raise DataError(
                         f"{where} is a conversation ('messages'), and this run's tokenizer has no chat template; "
                         "give a chat model's tokenizer (--tokenizer file:DIR) or a 'prompt' text"
                     )
-                text = render(row["messages"], where)
+                ids = (encode_rendered or encode)(render(row["messages"], where))
             else:
                 raise DataError(f"{where} has neither a 'prompt' text nor a 'messages' list")
-            ids = encode(text)
             if not ids:
                 raise DataError(f"{where} has an empty prompt")
             rows.append(PromptRow(row, ids, number))
@@ -108,7 +113,7 @@ class SampledRollouts:
         prompts: list[PromptRow],
         rewards: RewardSet,
         settings: SamplerSettings,
-        decode: Callable[[list[int]], str],
+        tokenizer: Any,
         seq_len: int,
         seed: int,
         dist: DistContext,
@@ -118,13 +123,15 @@ class SampledRollouts:
         self.prompts = prompts
         self.rewards = rewards
         self.settings = settings
-        self.decode = decode
+        self.tokenizer = tokenizer  # decodes a completion for the reward functions
+        self.end_token: int | None = getattr(tokenizer, "eot_token", None)
         self.seed = seed
         self.dist = dist
         self.device = device
         self.source = source  # the prompts file, for messages naming a row
         self.model: nn.Module | None = None
-        self.use_cache = True  # FSDP2: off (its hooks gather the shards around forward calls)
+        self.sharded = False  # FSDP2: every rank runs as many forwards (a finished rank keeps stepping)
+        self.use_cache = True  # the key-value cache (benchmarks/grpo_cost.py compares it with recomputing)
         self.drawn = 0  # prompts drawn so far (epoch after epoch of the file, each in its own order)
         self.generator = torch.Generator(device=device)
         longest = max(len(p.ids) for p in prompts)
@@ -176,7 +183,7 @@ class SampledRollouts:
                 stop_tokens=self.settings.stop_tokens,
                 generator=self.generator,
                 use_cache=self.use_cache,
-                keep_going=self._keep_going if self.dist.world_size > 1 else None,
+                keep_going=self._keep_going if self.sharded and self.dist.world_size > 1 else None,
             )
             if r >= len(mine):
                 continue
@@ -192,9 +199,13 @@ class SampledRollouts:
     def _scored(self, prompt: PromptRow, completions: list[list[int]]) -> dict[str, Any]:
         """One group as plain data (it crosses processes): each completion's tokens and reward."""
         out = []
+        decode = continuation_decoder(self.tokenizer, prompt.ids)  # keeps a leading space SentencePiece would drop
         for i, tokens in enumerate(completions):
             where = f"line {prompt.number} of {self.source}, completion {i + 1}"
-            reward, _ = self.rewards.score(prompt.row, self.decode(tokens), where)
+            # the end-of-text token is a marker, not text: a reward reads the completion without it (a --stop
+            # text, e.g. a newline, is the completion's own and stays)
+            text_tokens = tokens[:-1] if tokens and tokens[-1] == self.end_token else tokens
+            reward, _ = self.rewards.score(prompt.row, decode(text_tokens), where)
             completion = Completion(list(prompt.ids), list(tokens), float(reward))
             check_fits(completion, 10**9, where)
             out.append(completion.as_dict())

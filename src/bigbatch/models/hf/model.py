@@ -236,6 +236,7 @@ class HFCausalLM(DecoderLM):
         last_only: bool = False,
         segments: torch.Tensor | None = None,
         per_token: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         parts = self._trunk_and_head()
         if self.head_detachable and parts is not None and (targets is not None or last_only):
@@ -249,6 +250,7 @@ class HFCausalLM(DecoderLM):
                 last_only=last_only,
                 segments=segments,
                 per_token=per_token,
+                temperature=temperature,
             )
         logits = self._whole_logits(idx, positions)
         if targets is None:
@@ -256,7 +258,7 @@ class HFCausalLM(DecoderLM):
         if per_token:
             if segments is not None:  # as logits_or_loss refuses it on the detachable path
                 raise ValueError("per_token and segments exclude each other: per-token values need no segment sums")
-            return token_losses_from_logits(logits, targets)  # (B, T, 2)
+            return token_losses_from_logits(logits / temperature, targets)  # (B, T, 2)
         if segments is not None:
             return segment_logits_losses(logits, targets, segments)
         return logits_loss(logits, targets)

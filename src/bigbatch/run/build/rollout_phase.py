@@ -27,14 +27,13 @@ from bigbatch.models import LanguageModel
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, Say, unwrap
 from bigbatch.run.configuration.rewards_section import RewardsSection
-from bigbatch.run.configuration.train_config import TrainConfig, flag_of
+from bigbatch.run.configuration.train_config import TrainConfig, field_of, flag_of
 from bigbatch.sizing.plan import BatchPlan
 
 SAMPLER_FIELDS = (
     "reward",
     "group_size",
     "max_completion_tokens",
-    "temperature",
     "top_p",
     "top_k",
     "stop",
@@ -85,9 +84,26 @@ def check_rewards(config: TrainConfig) -> None:
             "--prompts needs --reward: the functions that score each completion (MODULE:FUNCTION or "
             "builtin:exact-answer, builtin:format)"
         )
+    if section.prompts and section.group_size == 1:
+        raise ConfigError(
+            "--group-size 1: a completion's advantage is its reward against its group's, so a group of one has none "
+            "to learn from; give --group-size 2 or more (8 is usual)"
+        )
+    if section.prompts and section.temperature == 0:
+        raise ConfigError(
+            "--temperature 0 samples greedily: every completion of a prompt would be the same, every group flat and "
+            "every advantage 0; give a temperature above 0 (1.0 is usual)"
+        )
+    if section.rollouts and section.temperature == 0:
+        raise ConfigError("--temperature 0: the completions' log-probabilities need a temperature above 0")
+    if config.model.dropout:
+        raise ConfigError(
+            "--dropout with --objective grpo: completions are sampled without dropout and scored with it, so the "
+            "ratio would measure dropout's noise, not the policy's change; set --dropout 0"
+        )
     if section.norm_constant and section.loss_aggregation != "seq-mean-token-sum-norm":
         raise ConfigError("--norm-constant is the constant of --loss-aggregation seq-mean-token-sum-norm; drop it")
-    if section.policy_loss == "cispo" and section.clip_low != 0.2:
+    if section.policy_loss == "cispo" and section.clip_low != field_of(RewardsSection, "clip_low").default:
         raise ConfigError("--clip-low: cispo clips its importance weight from above only (--clip-high); drop it")
 
 
@@ -103,6 +119,7 @@ def reward_loss_settings(config: TrainConfig) -> RewardLossSettings:
         kl_coef=section.kl_coef,
         entropy_coef=section.entropy_coef,
         norm_constant=constant,
+        temperature=section.temperature,
     )
 
 
@@ -173,7 +190,7 @@ def stop_tokens(config: TrainConfig, tokenizer: Any, encode: Any) -> tuple[int, 
     """The end-of-text token (when the tokenizer has one) and each ``--stop`` text's one token."""
     stops = [] if getattr(tokenizer, "eot_token", None) is None else [int(tokenizer.eot_token)]
     for text in [t for t in config.rewards.stop.split(",") if t]:
-        text = text.encode("utf-8").decode("unicode_escape")  # --stop '\n' is a newline
+        text = _unescaped(text)  # --stop '\n' is a newline
         ids = encode(text)
         if len(ids) != 1:
             raise ConfigError(f"--stop {text!r} is {len(ids)} tokens under this tokenizer; give texts of one token")
@@ -184,6 +201,23 @@ def stop_tokens(config: TrainConfig, tokenizer: Any, encode: Any) -> tuple[int, 
             "--max-completion-tokens; give --stop TEXT (e.g. --stop '\\n')"
         )
     return tuple(dict.fromkeys(stops))
+
+
+ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+"""What ``--stop`` reads as an escape (a shell passes backslash-n as two characters); anything else is itself."""
+
+
+def _unescaped(text: str) -> str:
+    out, i = [], 0
+    while i < len(text):
+        pair = text[i : i + 2]
+        if pair in ESCAPES:
+            out.append(ESCAPES[pair])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def sampled_rollouts(
@@ -202,7 +236,7 @@ def sampled_rollouts(
     section = config.rewards
     rewards = RewardSet.from_flags([v.strip() for v in section.reward.split(",") if v.strip()])
     render = _renderer(dataset)
-    prompts = read_prompts(Path(section.prompts), encode, render)
+    prompts = read_prompts(Path(section.prompts), encode, render, _template_encoder(tokenizer) if render else None)
     settings = SamplerSettings(
         group_size=section.group_size,
         max_tokens=section.max_completion_tokens,
@@ -224,8 +258,23 @@ def sampled_rollouts(
         rewards.describe(),
     )
     return SampledRollouts(
-        prompts, rewards, settings, tokenizer.decode, plan.seq_len, config.run.seed, dist, device, section.prompts
+        prompts, rewards, settings, tokenizer, plan.seq_len, config.run.seed, dist, device, section.prompts
     )
+
+
+def _template_encoder(tokenizer: Any) -> Any:
+    """An encoder of a chat template's rendering: the template's control tokens become the special tokens they are
+    (the run's own encoder keeps special-token text in a prompt as text), as chat data is prepared."""
+    to_str = getattr(tokenizer, "to_str", None)
+    if to_str is None:
+        return None
+    import tokenizers
+
+    rendered = tokenizers.Tokenizer.from_str(to_str())
+    rendered.encode_special_tokens = False
+    rendered.no_truncation()
+    rendered.no_padding()
+    return lambda text: list(rendered.encode(text, add_special_tokens=False).ids)
 
 
 def _renderer(dataset: Dataset) -> Any:
@@ -266,8 +315,9 @@ def connect_rollouts(
     say: Say,
 ) -> None:
     """Once the model is wrapped: the sampler samples from it (DDP's module itself; under FSDP2 the sharded model,
-    through its forward, without the key-value cache), a rollout of several steps is scored by it, and the
-    objective's records carry what the rollout knew of each step."""
+    its cached decoding registered as an FSDP forward, every rank stepping until every rank's completions stop), a
+    rollout of several steps is scored by it, and the objective's records carry what the rollout knew of each
+    step."""
     if not isinstance(loader, RolloutLoader):
         return
     from bigbatch.rewards.rollout_maker import SampledRollouts
@@ -275,12 +325,13 @@ def connect_rollouts(
     if isinstance(loader.source, SampledRollouts):
         sharded = parallel == "fsdp"
         loader.source.model = train_model if sharded else unwrap(train_model)
-        loader.source.use_cache = not sharded
-    reference = objective.reference if isinstance(objective, RewardObjective) else None
+        loader.source.sharded = sharded  # every rank must run as many forwards
     precision = resolve_precision(config.run.precision, device)
+    temperature = config.rewards.temperature
 
     def scorer(batches: Any) -> None:
-        score_rollout(train_model, batches, device, lambda: autocast_for(precision, device), reference)
+        # the old policy alone: the reference does not move, and each step's statistics pass scores it
+        score_rollout(train_model, batches, device, lambda: autocast_for(precision, device), None, temperature)
 
     loader.scorer = scorer
     loader.gather = dist.all_gather_object if dist.world_size > 1 else None

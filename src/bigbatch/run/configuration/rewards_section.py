@@ -43,7 +43,11 @@ class RewardsSection:
         64, "grpo: the most tokens a sampled completion has (its stop token included)", range=POSITIVE_INT
     )
     temperature: float = config_field(
-        1.0, "the sampling temperature, 0 samples greedily (grpo: its completions')", range=NON_NEGATIVE
+        1.0,
+        "the sampling temperature, 0 samples greedily (grpo: its completions', and the logits' divisor in every "
+        "log-probability, ratio, KL and entropy; with --rollouts, the temperature the file's completions were "
+        "sampled at)",
+        range=NON_NEGATIVE,
     )
     top_p: float = config_field(1.0, "grpo: nucleus sampling's probability mass (1: off)", range=TOP_P)
     top_k: int = config_field(
