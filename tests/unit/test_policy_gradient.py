@@ -42,7 +42,7 @@ from bigbatch.data.rollouts import (
 )
 from bigbatch.engine.accumulate import AccumulationEngine
 from bigbatch.engine.batch import IGNORE_INDEX, MicroBatch
-from bigbatch.engine.objective import StepTotals, count_units, summarize
+from bigbatch.engine.objective import UNITS, StepTotals, count_units, summarize
 from bigbatch.engine.optim import constant_schedule
 from bigbatch.engine.policy_gradient import (
     LOSS_AGGREGATIONS,
@@ -1198,3 +1198,9 @@ def test_completions_are_scored_at_the_sampling_temperature(temperature: float) 
         plain = token_scores(Plain(policy), unpacked, temperature)
         chunked = token_scores(policy, unpacked, temperature)
     assert torch.allclose(plain, chunked, atol=1e-5)
+
+
+def test_every_aggregation_offered_has_a_unit() -> None:
+    from bigbatch.engine.policy_gradient import AGGREGATION_UNIT
+
+    assert set(AGGREGATION_UNIT) == set(LOSS_AGGREGATIONS) and set(AGGREGATION_UNIT.values()) <= set(UNITS)

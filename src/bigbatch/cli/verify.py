@@ -30,8 +30,6 @@ from bigbatch.settings.ranges import (
     POSITIVE,
 )
 
-# verify --objective grpo checks every aggregation and policy loss unless one is named (declared beside its flags)
-
 HELP = "prove that the accumulated gradient equals the full-batch gradient"
 DESCRIPTION = (
     "Compare the full-batch gradient with the gradient accumulated over K micro-batches, show the "

@@ -35,9 +35,11 @@ from bigbatch.data.answer_groups import _place
 from bigbatch.engine.batch import IGNORE_INDEX, ROLE_COMPLETION, Answers, MicroBatch, RolloutScores
 from bigbatch.errors import ConfigError, DataError
 from bigbatch.progress import plural
+from bigbatch.settings.choices import ADVANTAGE_SCALE
+from bigbatch.settings.choices import FLAT_GROUPS as FLAT_GROUPS_CHOICE
 
-ADVANTAGE_SCALES = ("std", "none")
-FLAT_GROUPS = ("keep", "drop", "resample")
+ADVANTAGE_SCALES = ADVANTAGE_SCALE.values
+FLAT_GROUPS = FLAT_GROUPS_CHOICE.values
 ADVANTAGE_EPS = 1e-6
 """Added to a group's standard deviation before dividing (a group of nearly equal rewards stays finite)."""
 

@@ -45,14 +45,9 @@ from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import ConfigError
 from bigbatch.models.lm_output import computes_loss, token_losses_from_logits
 from bigbatch.models.lora import adapters_off
+from bigbatch.settings.choices import LOSS_AGGREGATION, POLICY_LOSS
 
-LOSS_AGGREGATIONS = (
-    "token-mean",
-    "group-token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGGREGATIONS = LOSS_AGGREGATION.values
 AGGREGATION_UNIT = {
     "token-mean": "token",
     "group-token-mean": "group",
@@ -60,7 +55,8 @@ AGGREGATION_UNIT = {
     "seq-mean-token-sum": "sequence",
     "seq-mean-token-sum-norm": "sequence",
 }
-POLICY_LOSSES = ("ppo", "cispo")
+"""Each aggregation's unit: what the engine counts over the step and divides its weighted token sums by."""
+POLICY_LOSSES = POLICY_LOSS.values
 
 # The step's statistics, summed on the device per micro-batch (no sync) and all-reduced with the terms' sums.
 STAT_NAMES = (

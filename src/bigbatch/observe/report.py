@@ -81,6 +81,7 @@ class RunSummary:
     noise_scale: str = ""  # the measured noise scale, or why there is none
     experts: str = ""  # a mixture of experts: its last step's router loss and expert load
     preference: str = ""  # a preference objective's rewards (its loss is the objective's, not per token)
+    rewards: str = ""  # learning from rewards: the reward's course
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -116,12 +117,9 @@ class RunSummary:
         if self.experts:
             lines.append(f"  experts            {self.experts}")
         if self.preference:
-            label = (
-                "rewards   "
-                if self.preference.startswith("reward ") and "accuracy" not in self.preference
-                else "preference"
-            )
-            lines.append(f"  {label}         {self.preference}")
+            lines.append(f"  preference         {self.preference}")
+        if self.rewards:
+            lines.append(f"  rewards            {self.rewards}")
         lines.append(f"  skipped steps      {self.skipped}")
         return "\n".join(lines)
 
@@ -221,21 +219,15 @@ def summarize(run: RunMetrics) -> RunSummary:
         noise_scale=describe_noise_scale(run),
         experts=describe_experts(trained),
         preference=describe_preference(trained, evals),
+        rewards=describe_rewards(trained),
     )
 
 
 def describe_preference(trained: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     """``reward accuracy 0.95, margin 0.48 (last step) | val reward accuracy 1.000`` for a preference run (KTO: its
     rewards and KL point); empty for a next-token run."""
-    rewarded = [r for r in trained if _finite(r.get("reward/mean"))]
-    if rewarded:  # learning from rewards: the reward's first and last steps, and what the last step clipped
-        first, last_step = rewarded[0], rewarded[-1]
-        text = (
-            f"reward {float(first['reward/mean']):.3f} (step {first['step']}) -> {float(last_step['reward/mean']):.3f} "
-            f"(step {last_step['step']}) | clipped {float(last_step.get('clipped', 0.0)):.1%}, completion "
-            f"{float(last_step.get('completion/tokens', 0.0)):.1f} tokens (last step)"
-        )
-        return text + (f", kl {float(last_step['kl']):.4f}" if _finite(last_step.get("kl")) else "")
+    if any(_finite(r.get("reward/mean")) for r in trained):
+        return ""  # learning from rewards: describe_rewards
     last = next((r for r in reversed(trained) if "rewards/accuracy" in r or "kl" in r), None)
     if last is None:
         return ""
@@ -252,6 +244,21 @@ def describe_preference(trained: list[dict[str, Any]], evals: list[dict[str, Any
         f"rewards desirable {float(last.get('rewards/desirable', math.nan)):.3f}, undesirable "
         f"{float(last.get('rewards/undesirable', math.nan)):.3f}, kl {float(last['kl']):.3f} (last step)"
     )
+
+
+def describe_rewards(trained: list[dict[str, Any]]) -> str:
+    """``reward 0.300 (step 1) -> 0.524 (step 200) | clipped 0.0%, completion 3.5 tokens (last step)`` for a run
+    that learns from rewards; empty for any other."""
+    rewarded = [r for r in trained if _finite(r.get("reward/mean"))]
+    if not rewarded:
+        return ""
+    first, last = rewarded[0], rewarded[-1]
+    text = (
+        f"reward {float(first['reward/mean']):.3f} (step {first['step']}) -> {float(last['reward/mean']):.3f} "
+        f"(step {last['step']}) | clipped {float(last.get('clipped', 0.0)):.1%}, completion "
+        f"{float(last.get('completion/tokens', 0.0)):.1f} tokens (last step)"
+    )
+    return text + (f", kl {float(last['kl']):.4f}" if _finite(last.get("kl")) else "")
 
 
 def describe_experts(trained: list[dict[str, Any]]) -> str:
