@@ -1,8 +1,8 @@
 """``--objective grpo`` across processes (gloo on CPU): on a rollouts file, 2 DDP and 2 FSDP2 processes give one
-process's parameters for every aggregation's normalisation (uneven completions per rank, groups split across
-ranks); a sampled run on 2 processes samples the same completions as on one (each prompt's generator is seeded by
-its draw, not its rank) and trains to the same parameters; and a 2-process FSDP2 sampled run (no key-value cache:
-the sharded forward) killed inside a step resumes bitwise.
+process's parameters (uneven completions per rank, groups split across ranks); a sampled run on 2 processes
+samples the same completions as on one (each prompt's generator is seeded by its draw, not its rank) and trains to
+the same parameters; and a 2-process FSDP2 sampled run (its cached decoding a forward of the sharded model) killed
+inside a step resumes bitwise.
 
 Every test here starts processes, so the whole file is marked slow: ``make test`` runs it, ``make test-fast`` does
 not."""
@@ -90,14 +90,11 @@ def records(run_dir: Path) -> list[dict[str, float]]:
     return [r for r in map(json.loads, lines) if r["kind"] == "step"]
 
 
-@pytest.mark.parametrize(
-    ("aggregation", "file"),
-    [("token-mean", "rollouts"), ("group-token-mean", "logps"), ("seq-mean-token-mean", "rollouts")],
-)
-def test_two_processes_train_a_rollouts_file_as_one_does(
-    data: dict[str, Path], tmp_path: Path, aggregation: str, file: str
-) -> None:
-    common = ["--rollouts", str(data[file]), "--loss-aggregation", aggregation, "--clip-high", "0.28"]
+def test_two_processes_train_a_rollouts_file_as_one_does(data: dict[str, Path], tmp_path: Path) -> None:
+    """group-token-mean (the mode whose unit spans micro-batches and ranks: a group's shares), with the file's
+    log-probabilities (no rank may run a scoring forward the others do not); the other modes across ranks are
+    verify's (tests/integration/test_verify_rewards.py) and benchmarks/grpo_exactness.py's."""
+    common = ["--rollouts", str(data["logps"]), "--loss-aggregation", "group-token-mean", "--clip-high", "0.28"]
     one = tmp_path / "one"
     done = run_cli(args(data, one, *common))
     assert done.returncode == 0, done.stderr[-2000:]
