@@ -47,6 +47,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "    return float(completion[:1] == row['answer'][:1])\n"
         "def broken(row, completion):\n"
         "    raise KeyError('score')\n"
+        "def exits(row, completion):\n"
+        "    raise SystemExit(0)\n"
+        "def mutates(row, completion):\n"
+        "    row['answer'] = 'changed'\n"
+        "    return 0.0\n"
     )
     return {"text": text, "rollouts": rollouts, "prompts": prompts, "module": module, "cache": root / "cache"}
 
@@ -163,6 +168,8 @@ def test_a_malformed_rollouts_file_is_refused_in_one_line(
         (["--rollouts", "r.jsonl", "--top-p", "0.5"], "--top-p shapes sampling"),
         (["--prompts", "p.jsonl", "--reward", "builtin:format", "--group-size", "1"], "--group-size 1"),
         (["--prompts", "p.jsonl", "--reward", "builtin:format", "--temperature", "0"], "--temperature 0 samples"),
+        (["--prompts", "p.jsonl", "--reward", "builtin:format", "--top-k", "1"], "--top-k 1 samples greedily"),
+        (["--rollouts", "r.jsonl", "--temperature", "1e-45"], "divides the logits past what float32 holds"),
         (["--rollouts", "r.jsonl", "--dropout", "0.1"], "--dropout with --objective grpo"),
         (["--rollouts", "r.jsonl", "--flat-groups", "resample"], "--flat-groups resample samples more prompts"),
         (["--rollouts", "r.jsonl", "--batch-ramp", "256:2048"], "does not take --batch-ramp"),
@@ -181,6 +188,8 @@ def test_a_malformed_rollouts_file_is_refused_in_one_line(
         "sampler-flag-offline",
         "group-of-one",
         "greedy",
+        "top-k-one",
+        "tiny-temperature",
         "dropout",
         "resample-offline",
         "ramp",
@@ -307,3 +316,77 @@ def test_a_bad_micro_batch_is_left_out_and_its_completions_leave_the_denominator
     # step 2 trained on 2 fewer completions (one micro-batch of 2 rows): fewer tokens than the golden run's step
     assert steps[1]["tokens"] < full[1]["tokens"] and steps[0]["tokens"] == full[0]["tokens"]
     assert steps[1]["completion/tokens"] > 0
+
+
+@pytest.mark.parametrize("function", ["exits", "mutates"])
+def test_a_reward_function_cannot_end_the_run_or_change_the_row_others_read(
+    data: dict[str, Path], tmp_path: Path, function: str
+) -> None:
+    """A reward that calls exit is a failing reward (one line, exit 2), not the run's end with exit 0; a reward
+    that changes its row changes its own copy: the next function, and the next completion, read the row as read."""
+    out = tmp_path / "run"
+    extra = [*sampled(data), "--max-steps", "1", "--eval-every", "0"]
+    extra[extra.index(f"{data['module']}:first_digit")] = f"{data['module']}:{function},{data['module']}:first_digit"
+    code, stdout, err = run_main(args(data, out, *extra))
+    if function == "exits":
+        line = assert_one_line_error(code, stdout, err)
+        assert "reward" in line and "exits" in line and "SystemExit" in line, line
+        return
+    assert code == 0, err
+    golden = tmp_path / "golden"
+    assert run_main(args(data, golden, *sampled(data), "--max-steps", "1", "--eval-every", "0"))[0] == 0
+    ours = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    theirs = json.loads((golden / "metrics.jsonl").read_text().splitlines()[-1])
+    assert ours["reward/mean"] == theirs["reward/mean"]  # first_digit read the true answers
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"prompt": "1+2=\xff", "answer": "3"}\n', "line 1 of"),
+        (b'{"prompt": "1+1=\\ud800", "answer": "2"}\n', "lone surrogate"),
+    ],
+    ids=["not-utf8", "surrogate"],
+)
+def test_a_prompts_file_of_broken_text_is_one_line(
+    data: dict[str, Path], tmp_path: Path, content: bytes, message: str
+) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_bytes(content)
+    extra = [*sampled(data)]
+    extra[extra.index(str(data["prompts"]))] = str(prompts)
+    out = tmp_path / "refused"
+    line = assert_one_line_error(*run_main(args(data, out, *extra)))
+    assert message in line, line
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_rollouts_file_of_flat_groups_with_drop_is_refused_before_training(
+    tmp_path: Path, data: dict[str, Path]
+) -> None:
+    path = write_rollouts(tmp_path / "flat.jsonl", [ROW, {**ROW, "completion": "3\n"}])  # one group, rewards equal
+    out = tmp_path / "refused"
+    line = assert_one_line_error(*run_main(args(data, out, "--rollouts", str(path), "--flat-groups", "drop")))
+    assert "every group is flat" in line, line
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_resuming_with_another_micro_batch_changes_no_learning_rate(data: dict[str, Path], tmp_path: Path) -> None:
+    """A grpo step is its prompts' completions whatever --micro-batch or the processes: a resume that changes them
+    is no batch change (no rescaled learning rate or beta2)."""
+    out = tmp_path / "run"
+    first = run_main(args(data, out, *offline(data), "--max-steps", "2", "--eval-every", "0"))
+    assert first[0] == 0, first[2]
+    code, stdout, err = run_main(
+        args(data, out, *offline(data), "--max-steps", "3", "--eval-every", "0", "--micro-batch", "2")
+    )
+    assert code == 0, err
+    assert "resumed from" in stdout and "batch change" not in stdout
+    lrs = [r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    golden = tmp_path / "golden"  # the same two sessions, the micro-batch unchanged
+    assert run_main(args(data, golden, *offline(data), "--max-steps", "2", "--eval-every", "0"))[0] == 0
+    assert run_main(args(data, golden, *offline(data), "--max-steps", "3", "--eval-every", "0"))[0] == 0
+    expected = [
+        r["lr"] for r in map(json.loads, (golden / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"
+    ]
+    assert lrs == expected

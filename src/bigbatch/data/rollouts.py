@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,15 @@ class Group:
         """Every reward equal: no completion is better than another (advantages all 0)."""
         rewards = [c.reward for c in self.completions]
         return len(set(rewards)) <= 1
+
+    @property
+    def flat_given(self) -> bool:
+        """Flat as :func:`step_completions` judges it: by the advantages when every completion gives one (all 0),
+        else by the rewards."""
+        given = [c.advantage for c in self.completions]
+        if all(a is not None for a in given):
+            return all(a == 0 for a in given)
+        return self.flat
 
 
 def group_advantages(rewards: Sequence[float], scale: str) -> list[float]:
@@ -156,7 +165,7 @@ def step_completions(groups: Sequence[Group], scale: str, flat_groups: str) -> t
             rewarded += len(group.completions)
             reward_sum += sum(c.reward for c in group.completions)
             reward_sq += sum(c.reward * c.reward for c in group.completions)
-        is_flat = group.flat if any(a is None for a in given) else all(a == 0 for a in given)
+        is_flat = group.flat_given
         flat += int(is_flat)
         if is_flat and flat_groups in ("drop", "resample"):
             dropped += 1
@@ -303,33 +312,25 @@ def read_rollout_file(path: Path, encode: Any, decode: Any, vocab_size: int, seq
     groups: dict[str, Group] = {}
     kinds: dict[str, str] = {}
     with_logps: bool | None = None
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"line {number} of {path}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where} is not JSON ({exc.msg}); each line is one completion") from exc
-            if not isinstance(row, dict):
-                raise DataError(f"{where} is not a JSON object; each line is one completion ({ROLLOUT_FIELDS})")
-            completion, kind = _completion_of(row, where, encode, decode, vocab_size)
-            check_fits(completion, seq_len, where)
-            if "group" not in row:
-                raise DataError(f"{where} has no 'group'; every completion names its prompt's group")
-            key = str(row["group"])
-            if kinds.setdefault(key, kind) != kind:
-                raise DataError(f"{where}: group {key} mixes rewards and advantages; give one kind for a group")
-            has = completion.old_logps is not None
-            if with_logps is None:
-                with_logps = has
-            elif with_logps != has:
-                raise DataError(f"{where}: 'logps' given on some lines only; give them on every line or none")
-            group = groups.setdefault(key, Group(key, []))
-            if group.completions and group.completions[0].prompt != completion.prompt:
-                raise DataError(f"{where}: group {key} has another prompt than its first line; one group, one prompt")
-            group.completions.append(completion)
+    for _, where, row in jsonl_rows(path, "completion"):
+        if not isinstance(row, dict):
+            raise DataError(f"{where} is not a JSON object; each line is one completion ({ROLLOUT_FIELDS})")
+        completion, kind = _completion_of(row, where, encode, decode, vocab_size)
+        check_fits(completion, seq_len, where)
+        if "group" not in row:
+            raise DataError(f"{where} has no 'group'; every completion names its prompt's group")
+        key = str(row["group"])
+        if kinds.setdefault(key, kind) != kind:
+            raise DataError(f"{where}: group {key} mixes rewards and advantages; give one kind for a group")
+        has = completion.old_logps is not None
+        if with_logps is None:
+            with_logps = has
+        elif with_logps != has:
+            raise DataError(f"{where}: 'logps' given on some lines only; give them on every line or none")
+        group = groups.setdefault(key, Group(key, []))
+        if group.completions and group.completions[0].prompt != completion.prompt:
+            raise DataError(f"{where}: group {key} has another prompt than its first line; one group, one prompt")
+        group.completions.append(completion)
     if not groups:
         raise DataError(f"--rollouts {path} holds no completion; give one JSON object per line ({ROLLOUT_FIELDS})")
     return list(groups.values())
@@ -363,6 +364,28 @@ def _completion_of(
     reward = float(value) if kind == "reward" else 0.0
     advantage = float(value) if kind == "advantage" else None
     return Completion(prompt, tokens, reward, advantage, logps), kind
+
+
+def jsonl_rows(path: Path, what: str) -> Iterator[tuple[int, str, Any]]:
+    """Each non-blank line of a JSONL file as ``(number, where, value)``, ``where`` naming its line; a line that is not
+    UTF-8 text (a byte order mark is allowed), not JSON, or holds a lone surrogate is one line naming it."""
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        where = f"line {number} of {path}"
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where} is not UTF-8 text (byte {exc.start + 1}); save the file as UTF-8") from exc
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where} is not JSON ({exc.msg}); each line is one {what}") from exc
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:  # a \ud800 escape: a half of a character, which no text holds
+            raise DataError(f"{where} holds a lone surrogate escape (a broken \\uXXXX); fix the text") from exc
+        yield number, where, value
 
 
 def _finite_number(value: Any) -> bool:

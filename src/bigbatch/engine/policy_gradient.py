@@ -57,6 +57,8 @@ AGGREGATION_UNIT = {
 }
 """Each aggregation's unit: what the engine counts over the step and divides its weighted token sums by."""
 POLICY_LOSSES = POLICY_LOSS.values
+LOG_RATIO_BOUND = 20.0
+"""The log-ratio's bound (as verl bounds it): exp(20) is far outside any clip, and finite in fp32."""
 
 # The step's statistics, summed on the device per micro-batch (no sync) and all-reduced with the terms' sums.
 STAT_NAMES = (
@@ -280,7 +282,9 @@ class RewardObjective(Objective):
             advantage = torch.zeros_like(logp)
             weight = torch.zeros_like(logp)
         old = scores.old_logp.float()
-        log_ratio = (logp - old) * mask  # 0 outside completions, so the ratio there is 1
+        # 0 outside completions (the ratio there is 1); bounded, as a ratio beyond e^20 is clipped or noise anyway,
+        # so that a stale old log-probability cannot overflow exp() into a non-finite gradient
+        log_ratio = ((logp - old) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         ratio = torch.exp(log_ratio)
         s = self.settings
         if s.policy_loss == "cispo":
@@ -348,9 +352,10 @@ class RewardObjective(Objective):
         n, tokens = v["completions"], v["tokens"]
         out: dict[str, float] = {}
         if n:
-            mean = v["reward"] / n
-            out["reward/mean"] = mean
-            out["reward/std"] = math.sqrt(max(v["reward_sq"] / n - mean * mean, 0.0))
+            if self.rollout_facts is None:  # else the rollout's: every sampled group's, and none for advantages given
+                mean = v["reward"] / n
+                out["reward/mean"] = mean
+                out["reward/std"] = math.sqrt(max(v["reward_sq"] / n - mean * mean, 0.0))
             out["advantage/std"] = math.sqrt(v["advantage_sq"] / n)
             out["completion/tokens"] = tokens / n
         if tokens:

@@ -16,6 +16,7 @@ would train the policy on the bug.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -222,8 +223,8 @@ class RewardSet:
 def _call(reward: _Reward, row: Mapping[str, Any], completion: str, where: str) -> float:
     name = reward.spec.name
     try:
-        result = reward.function(row, completion)
-    except Exception as exc:  # anything a user's function raises is its failure on this completion
+        result = reward.function(copy.deepcopy(dict(row)), completion)  # its own row: nothing leaks between calls
+    except (Exception, SystemExit) as exc:  # anything a user's function raises (exit too) is its failure here
         raise RewardError(
             f"reward {name} failed on {where}: {_exception_line(exc)}; fix the reward function, or the row if it "
             "lacks what the function reads"

@@ -17,7 +17,6 @@ of processes), and the loader's checkpoint needs only ``d`` to resume sampling b
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from bigbatch.data.rollouts import Completion, Group, check_fits
+from bigbatch.data.rollouts import Completion, Group, check_fits, jsonl_rows
 from bigbatch.data.tokenizers import continuation_decoder
 from bigbatch.errors import DataError
 from bigbatch.models.sampling import sample_completions
@@ -74,31 +73,23 @@ def read_prompts(
     if not path.is_file():
         raise DataError(f"--prompts {path}: no such file; give a JSONL file with a 'prompt' or 'messages' per line")
     rows: list[PromptRow] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"line {number} of {path}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where} is not JSON ({exc.msg}); each line is one prompt") from exc
-            if not isinstance(row, dict):
-                raise DataError(f"{where} is not a JSON object with a 'prompt' or 'messages'")
-            if isinstance(row.get("prompt"), str):
-                ids = encode(row["prompt"])
-            elif isinstance(row.get("messages"), list):
-                if render is None:
-                    raise DataError(
-                        f"{where} is a conversation ('messages'), and this run's tokenizer has no chat template; "
-                        "give a chat model's tokenizer (--tokenizer file:DIR) or a 'prompt' text"
-                    )
-                ids = (encode_rendered or encode)(render(row["messages"], where))
-            else:
-                raise DataError(f"{where} has neither a 'prompt' text nor a 'messages' list")
-            if not ids:
-                raise DataError(f"{where} has an empty prompt")
-            rows.append(PromptRow(row, ids, number))
+    for number, where, row in jsonl_rows(path, "prompt"):
+        if not isinstance(row, dict):
+            raise DataError(f"{where} is not a JSON object with a 'prompt' or 'messages'")
+        if isinstance(row.get("prompt"), str):
+            ids = encode(row["prompt"])
+        elif isinstance(row.get("messages"), list):
+            if render is None:
+                raise DataError(
+                    f"{where} is a conversation ('messages'), and this run's tokenizer has no chat template; "
+                    "give a chat model's tokenizer (--tokenizer file:DIR) or a 'prompt' text"
+                )
+            ids = (encode_rendered or encode)(render(row["messages"], where))
+        else:
+            raise DataError(f"{where} has neither a 'prompt' text nor a 'messages' list")
+        if not ids:
+            raise DataError(f"{where} has an empty prompt")
+        rows.append(PromptRow(row, ids, number))
     if not rows:
         raise DataError(f"--prompts {path} holds no prompt; give one JSON object per line")
     return rows

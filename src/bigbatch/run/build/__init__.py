@@ -212,7 +212,9 @@ def _build_parts(
     optimizer, cosine = build_optimizer(config, model, resume_from, dist, say)
     seesaw = build_seesaw(config, plan, cosine)
     schedule = seesaw or cosine
-    follower = build_follower(config, config.batch.token_budget or plan.tokens_per_step)
+    # a grpo step is its prompts' completions, whatever --micro-batch or the processes: its size never changes
+    grpo = config.objective.name == "grpo"
+    follower = None if grpo else build_follower(config, config.batch.token_budget or plan.tokens_per_step)
     observers = build_observers(config, plan, wrapped.wrapped, wrapped.parallel, dist, device, say)
     engine = AccumulationEngine(
         wrapped.train_model,

@@ -22,13 +22,16 @@ from bigbatch.data.rollouts import describe_groups, read_rollout_file
 from bigbatch.data.tokenizers import get_tokenizer
 from bigbatch.engine.accumulate import autocast_for, resolve_precision
 from bigbatch.engine.policy_gradient import ReferenceScorer, RewardLossSettings, RewardObjective, score_rollout
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, DataError
 from bigbatch.models import LanguageModel
 from bigbatch.models.routing import router_recorder
 from bigbatch.parallel.distributed import DistContext, Say, unwrap
 from bigbatch.run.configuration.rewards_section import RewardsSection
 from bigbatch.run.configuration.train_config import TrainConfig, field_of, flag_of
 from bigbatch.sizing.plan import BatchPlan
+
+MIN_TEMPERATURE = 0.01
+"""The lowest sampling temperature: logits divided by less overflow float32 (0 itself is greedy, refused)."""
 
 SAMPLER_FIELDS = (
     "reward",
@@ -88,6 +91,16 @@ def check_rewards(config: TrainConfig) -> None:
         raise ConfigError(
             "--group-size 1: a completion's advantage is its reward against its group's, so a group of one has none "
             "to learn from; give --group-size 2 or more (8 is usual)"
+        )
+    if section.prompts and section.top_k == 1:
+        raise ConfigError(
+            "--top-k 1 samples greedily: every completion of a prompt would be the same, every group flat; give "
+            "--top-k 0 (off) or more than 1"
+        )
+    if 0 < section.temperature < MIN_TEMPERATURE:
+        raise ConfigError(
+            f"--temperature {section.temperature:g} divides the logits past what float32 holds; give at least "
+            f"{MIN_TEMPERATURE:g}"
         )
     if section.prompts and section.temperature == 0:
         raise ConfigError(
@@ -167,6 +180,12 @@ def build_rollout_loader(
     vocab = dataset.vocab_size
     if section.rollouts:
         groups = read_rollout_file(Path(section.rollouts), encode, tokenizer.decode, vocab, plan.seq_len)
+        if section.flat_groups == "drop" and all(group.flat_given for group in groups):
+            raise DataError(
+                f"--rollouts {section.rollouts}: every group is flat (its completions' rewards, or advantages, all "
+                "equal), and --flat-groups drop leaves every one out; nothing would train: use --flat-groups keep or "
+                "give rewards that differ"
+            )
         say("rollouts | %s from %s, %d per step", describe_groups(groups), section.rollouts, section.prompts_per_step)
         source: Any = FileRollouts(groups)
     else:
