@@ -381,11 +381,24 @@ def jsonl_rows(path: Path, what: str) -> Iterator[tuple[int, str, Any]]:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where} is not JSON ({exc.msg}); each line is one {what}") from exc
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:  # a \ud800 escape: a half of a character, which no text holds
-            raise DataError(f"{where} holds a lone surrogate escape (a broken \\uXXXX); fix the text") from exc
+        if _holds_surrogate(value):  # a \ud800 escape: half of a character, which no text holds
+            raise DataError(f"{where} holds a lone surrogate escape (a broken \\uXXXX); fix the text")
         yield number, where, value
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds a string that is not encodable as UTF-8 (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_surrogate(v) for v in value)
+    return False
 
 
 def _finite_number(value: Any) -> bool:
