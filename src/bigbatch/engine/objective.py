@@ -23,8 +23,8 @@ has a unit holds nothing to train on.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,17 @@ class Objective(ABC):
     def local_statistics(self) -> list[float]:
         """This rank's sums of the step's statistics (reduced with the terms' sums in one all-reduce)."""
         return []
+
+
+@contextmanager
+def restored(owner: Any, name: str) -> Iterator[None]:
+    """Around a re-run of a micro-batch: ``owner``'s tensor ``name`` (an objective's sums of its statistics) as it
+    was before, whatever the re-run added (what :meth:`Objective.kept` returns for such an objective)."""
+    saved = getattr(owner, name).clone()
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def count_units(

@@ -31,8 +31,7 @@ weighted sums, the engine divides by the step's count of the unit, so no mode de
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from bigbatch.engine.batch import MicroBatch, RolloutScores
-from bigbatch.engine.objective import Objective, StepPass, Term
+from bigbatch.engine.objective import Objective, StepPass, Term, restored
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import ConfigError
 from bigbatch.models.lm_output import computes_loss, token_losses_from_logits
@@ -238,15 +237,7 @@ class RewardObjective(Objective):
         )
 
     def kept(self) -> Any:
-        return self._stats_kept()
-
-    @contextmanager
-    def _stats_kept(self) -> Iterator[None]:
-        kept = self._stats.clone()
-        try:
-            yield
-        finally:
-            self._stats = kept
+        return restored(self, "_stats")
 
     def token_weights(self, batch: MicroBatch) -> torch.Tensor:
         """Each completion's weight on each of its tokens in the aggregation (S,) fp32 (module docstring)."""

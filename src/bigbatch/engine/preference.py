@@ -26,8 +26,7 @@ model with its LoRA adapters switched off (no second copy in memory), or from a 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +42,7 @@ from bigbatch.engine.batch import (
     ROLE_UNDESIRABLE,
     MicroBatch,
 )
-from bigbatch.engine.objective import Objective, StepPass, Term
+from bigbatch.engine.objective import Objective, StepPass, Term, restored
 from bigbatch.engine.rng import preserved_rng
 from bigbatch.errors import ConfigError
 from bigbatch.models.lm_output import computes_loss, segment_logits_losses
@@ -321,15 +320,7 @@ class PreferenceObjective(Objective):
             return self.reference.losses(step.model, batch).float()
 
     def kept(self) -> Any:
-        return self._stats_kept()
-
-    @contextmanager
-    def _stats_kept(self) -> Iterator[None]:
-        kept = self._stats.clone()
-        try:
-            yield
-        finally:
-            self._stats = kept
+        return restored(self, "_stats")
 
     # ---- the terms ---------------------------------------------------------------------------------------------
 
